@@ -1,0 +1,141 @@
+"""The `fermoe` command. Each subcommand is a thin layer over a library function;
+errors we can name are printed as one line, never as a traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from shared.errors import FermoeError
+
+DEFAULT_MODEL = "tiny"
+
+
+def _add_model(p: argparse.ArgumentParser):
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="GGUF file, or the name of a built-in model (default: tiny, made on first use)")
+    p.add_argument("--engine", default="reference", help="compute engine (default: reference)")
+
+
+def _add_sampling(p: argparse.ArgumentParser):
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
+    p.add_argument("--min-p", type=float, default=0.05, help="default 0.05")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 = off (default)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fermoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="print a continuation of a prompt")
+    _add_model(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    _add_sampling(p)
+
+    p = sub.add_parser("logits", help="write the float32 [T, vocab] logits of every prompt position")
+    _add_model(p)
+    p.add_argument("--tokens", help="comma-separated token ids")
+    p.add_argument("--prompt", help="text to tokenize (instead of --tokens)")
+    p.add_argument("--out", required=True, help="output .npy file")
+
+    p = sub.add_parser("convert", help="Hugging Face checkpoint -> GGUF")
+    p.add_argument("hf_dir")
+    p.add_argument("out")
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"])
+
+    p = sub.add_parser("synth", help="write a seeded random model with the real structure")
+    p.add_argument("out")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-35b-a3b"])
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (REAP-style count)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"])
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _open(args):
+    from shared.builtin import resolve_model
+    from shared.engine import load_engine
+    from shared.model import Model
+
+    model = Model(resolve_model(args.model))
+    return model, load_engine(args.engine, model)
+
+
+def cmd_generate(args) -> None:
+    from shared.generate import generate
+    from shared.sampling import SamplingParams
+    from shared.tokenizer import StreamDecoder
+
+    if args.n_predict < 0:
+        raise FermoeError(f"-n {args.n_predict}: must be >= 0")
+    model, engine = _open(args)
+    tok = model.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    ids = tok.encode(text)
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, seed=args.seed)
+    stream = StreamDecoder(tok)
+    for token in generate(engine, ids, args.n_predict, params, stop_ids=tok.eos_ids):
+        if token in tok.eos_ids:
+            break
+        sys.stdout.write(stream.feed(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+
+
+def cmd_logits(args) -> None:
+    model, engine = _open(args)
+    if (args.tokens is None) == (args.prompt is None):
+        raise FermoeError("give exactly one of --tokens and --prompt")
+    if args.tokens is not None:
+        try:
+            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise FermoeError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
+    else:
+        ids = model.tokenizer.encode(args.prompt)
+    bad = [t for t in ids if not 0 <= t < model.config.n_vocab]
+    if not ids or bad:
+        raise FermoeError(f"token ids must be in [0, {model.config.n_vocab}); got {bad or 'none'}")
+    logits = engine.forward(ids, engine.new_state())
+    np.save(args.out, logits.astype(np.float32))
+    print(f"wrote {args.out}: {logits.shape[0]} positions x {logits.shape[1]} logits", file=sys.stderr)
+
+
+def cmd_convert(args) -> None:
+    from shared.convert import convert
+    cfg = convert(args.hf_dir, args.out, args.type)
+    print(f"wrote {args.out} ({cfg.arch}, {cfg.n_layer} layers, {args.type})", file=sys.stderr)
+
+
+def cmd_synth(args) -> None:
+    from shared.synth import synth
+    cfg = synth(args.out, args.preset, args.experts, args.layers, args.type, args.seed)
+    print(f"wrote {args.out} ({args.preset}, {cfg.n_expert} experts, {cfg.n_layer} layers, {args.type})",
+          file=sys.stderr)
+
+
+COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except FermoeError as e:
+        print(f"fermoe: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The numpy reference forward: the spec every kernel is tested against.
+
+Plain float32, one small function per op, the layer reading top to bottom as in
+Hugging Face's Qwen3_5MoeDecoderLayer: h += mixer(norm1(h)); h += moe(norm2(h)).
+`forward` takes any number of new tokens and carries the sequence state, so a
+whole prompt at once and token-by-token decoding run the same code.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .model import Layer, Model
+from .state import SequenceState
+
+F32 = np.float32
+
+
+# ---- elementwise ops -------------------------------------------------------
+def silu(x):
+    return x / (F32(1) + np.exp(-x))
+
+
+def sigmoid(x):
+    return F32(1) / (F32(1) + np.exp(-x))
+
+
+def softplus(x):
+    return np.logaddexp(F32(0), x).astype(F32)
+
+
+def softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rms_norm(x, weight, eps):
+    """GGUF norm weights are plain multipliers (llama.cpp stored HF's 1 + w)."""
+    inv = F32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps))
+    return x * inv * weight
+
+
+def l2_normalize(x, eps=1e-6):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + F32(eps))
+
+
+def linear(x, weight):
+    """x [..., in] times a [out, in] weight."""
+    return x @ weight.f32().T
+
+
+def rope(x, positions, rope_dim, theta):
+    """NeoX-style RoPE on the first rope_dim dims of each head: pairs (i, i + rope_dim/2).
+
+    Text positions make Qwen3.5's interleaved M-RoPE sections identical, so this is
+    plain 1-D RoPE. x: [T, heads, head_dim]."""
+    half = rope_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    angle = (np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]).astype(F32)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:rope_dim]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:rope_dim] = x2 * cos + x1 * sin
+    return out
+
+
+# ---- Gated DeltaNet --------------------------------------------------------
+def causal_conv(qkv, conv_state, weight):
+    """Depthwise causal conv over time with the carried history of kernel-1 inputs.
+
+    qkv [T, C]; conv_state [K-1, C] (oldest first, updated in place); weight [C, K]."""
+    k = weight.shape[1]
+    hist = np.concatenate([conv_state, qkv], axis=0)
+    out = np.zeros_like(qkv)
+    for j in range(k):
+        out += hist[j:j + len(qkv)] * weight[:, j]
+    conv_state[:] = hist[len(hist) - (k - 1):]
+    return out
+
+
+def delta_rule(q, k, v, g, beta, S):
+    """The gated delta rule, token by token, per value head (S [H, dk, dv] in place).
+
+    S = exp(g) S; d = beta (v - S^T k); S += k d^T; o = S^T q."""
+    out = np.empty_like(v)
+    for t in range(len(q)):
+        S *= np.exp(g[t])[:, None, None]
+        kv_mem = np.einsum("hkv,hk->hv", S, k[t])
+        delta = beta[t][:, None] * (v[t] - kv_mem)
+        S += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", S, q[t])
+    return out
+
+
+def gated_deltanet(layer: Layer, x, cfg: ModelConfig, state: SequenceState):
+    T = len(x)
+    slot = state.gdn_slot[layer.index]
+    hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+    qkv = linear(x, layer.attn_qkv)
+    z = linear(x, layer.attn_gate).reshape(T, hv, dv)
+    beta = sigmoid(linear(x, layer.ssm_beta))
+    g = layer.ssm_a.f32() * softplus(linear(x, layer.ssm_alpha) + layer.ssm_dt.f32())
+
+    qkv = silu(causal_conv(qkv, state.conv[slot], layer.ssm_conv1d.f32()))
+    key_dim = cfg.ssm_key_dim
+    q = l2_normalize(qkv[:, :key_dim].reshape(T, hk, dk)) * F32(dk ** -0.5)
+    k = l2_normalize(qkv[:, key_dim:2 * key_dim].reshape(T, hk, dk))
+    v = qkv[:, 2 * key_dim:].reshape(T, hv, dv)
+    key_head = [cfg.key_head_of(h) for h in range(hv)]
+    o = delta_rule(q[:, key_head], k[:, key_head], v, g, beta, state.ssm[slot])
+
+    o = rms_norm(o, layer.ssm_norm.f32(), cfg.rms_eps) * silu(z)
+    return linear(o.reshape(T, hv * dv), layer.ssm_out)
+
+
+# ---- gated attention -------------------------------------------------------
+def gated_attention(layer: Layer, x, cfg: ModelConfig, state: SequenceState):
+    T, nh, nkv, hd = len(x), cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    slot = state.attn_slot[layer.index]
+    start = state.position
+    positions = np.arange(start, start + T)
+    # W_q gives per head [query | gate], interleaved head by head.
+    qg = linear(x, layer.attn_q).reshape(T, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nh * hd)
+    k = linear(x, layer.attn_k).reshape(T, nkv, hd)
+    v = linear(x, layer.attn_v).reshape(T, nkv, hd)
+    q = rope(rms_norm(q, layer.attn_q_norm.f32(), cfg.rms_eps), positions, cfg.rope_dim, cfg.rope_theta)
+    k = rope(rms_norm(k, layer.attn_k_norm.f32(), cfg.rms_eps), positions, cfg.rope_dim, cfg.rope_theta)
+    state.kv.append(slot, k, v)
+    keys, values = state.kv.view(slot)                        # [P, nkv, hd]
+
+    group = nh // nkv
+    kh = np.repeat(keys, group, axis=1).transpose(1, 0, 2)    # [nh, P, hd]
+    vh = np.repeat(values, group, axis=1).transpose(1, 0, 2)
+    scores = np.einsum("thd,hpd->htp", q, kh) * F32(hd ** -0.5)
+    causal = np.arange(len(keys))[None, :] > positions[:, None]
+    scores = np.where(causal[None], F32(-np.inf), scores)
+    attn = np.einsum("htp,hpd->thd", softmax(scores), vh).reshape(T, nh * hd)
+    return linear(attn * sigmoid(gate), layer.attn_output)
+
+
+# ---- mixture of experts ----------------------------------------------------
+def route(layer: Layer, x, cfg: ModelConfig):
+    """Softmax over all experts, keep the top k, renormalise them to sum 1."""
+    probs = softmax(linear(x, layer.ffn_gate_inp))
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]
+    weights = np.take_along_axis(probs, top, axis=-1)
+    return top, weights / weights.sum(axis=-1, keepdims=True)
+
+
+def swiglu(x, gate_w, up_w, down_w):
+    return (silu(x @ gate_w.T) * (x @ up_w.T)) @ down_w.T
+
+
+def moe(layer: Layer, x, cfg: ModelConfig):
+    top, weights = route(layer, x, cfg)
+    y = np.zeros_like(x)
+    for e in np.unique(top):
+        tok, slot = np.nonzero(top == e)
+        out = swiglu(x[tok], layer.ffn_gate_exps.rows(e), layer.ffn_up_exps.rows(e), layer.ffn_down_exps.rows(e))
+        y[tok] += weights[tok, slot][:, None] * out
+    if cfg.n_ff_shexp:
+        shared = swiglu(x, layer.ffn_gate_shexp.f32(), layer.ffn_up_shexp.f32(), layer.ffn_down_shexp.f32())
+        y += sigmoid(x @ layer.ffn_gate_inp_shexp.f32())[:, None] * shared
+    return y
+
+
+# ---- the model -------------------------------------------------------------
+def forward(model: Model, tokens, state: SequenceState) -> np.ndarray:
+    """Advance `state` by `tokens`; return the logits of every new position [T, vocab]."""
+    cfg = model.config
+    tokens = np.asarray(tokens, dtype=np.int64)
+    h = model.token_embd.take(tokens)
+    for layer in model.layers:
+        x = rms_norm(h, layer.attn_norm.f32(), cfg.rms_eps)
+        if layer.kind == "attention":
+            h = h + gated_attention(layer, x, cfg, state)
+        else:
+            h = h + gated_deltanet(layer, x, cfg, state)
+        x = rms_norm(h, layer.post_attention_norm.f32(), cfg.rms_eps)
+        h = h + moe(layer, x, cfg)
+    h = rms_norm(h, model.output_norm.f32(), cfg.rms_eps)
+    logits = linear(h, model.output)
+    state.position += len(tokens)
+    state.set_logits(logits[-1])
+    return logits

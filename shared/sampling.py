@@ -1,0 +1,61 @@
+"""Token sampling as llama.cpp and vLLM users know it: temperature, top-k, top-p,
+min-p and a repeat penalty; temperature 0 is greedy. Seeded, so runs repeat."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import FermoeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
+            (self.repeat_penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}"),
+        ]
+        for ok, problem in checks:
+            if not ok:
+                raise FermoeError(problem)
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        params.validate()
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def sample(self, logits: np.ndarray, history=()) -> int:
+        p = self.params
+        logits = np.asarray(logits, dtype=np.float64).copy()
+        if p.repeat_penalty != 1.0 and len(history):
+            recent = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
+            vals = logits[recent]
+            logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        order = np.argsort(-logits, kind="stable")
+        if p.top_k:
+            order = order[:p.top_k]
+        probs = np.exp((logits[order] - logits[order[0]]) / p.temperature)
+        probs /= probs.sum()
+        keep = len(probs)
+        if p.top_p < 1:
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p) + 1))
+        if p.min_p > 0:
+            keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(keep, p=probs)])

@@ -1,0 +1,193 @@
+"""The state of one sequence: what prefill leaves behind and decode carries on.
+
+It is plain memory so it can live in shared memory and be handed between
+processes by name and offset. Two parts:
+
+Recurrent part, one contiguous buffer of fixed size per model (little-endian):
+
+    0   magic "FMSTATE1"            8 bytes
+    8   layout version              u32
+    12  flags (bit 0: logits valid) u32
+    16  model fingerprint           16 ASCII hex chars
+    32  position                    u64   tokens consumed so far
+    40  n_gdn_layers, n_vocab       u32, u32
+    48  reserved                    16 bytes
+    64  S      [n_gdn][v_heads, k_dim, v_dim]   fp32   (o = S^T q; HF's layout)
+    ..  conv   [n_gdn][kernel-1, conv_channels] fp32   (oldest input first)
+    ..  logits [n_vocab]                        fp32   (of the last position)
+
+Attention part, growing with the sequence: K and V of each attention layer in
+pages of `block` positions, [block, n_head_kv, head_dim] each, so sequences that
+share a prefix can share its pages read-only.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import FermoeError
+
+MAGIC = b"FMSTATE1"
+LAYOUT_VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sII16sQII")
+
+
+class StateError(FermoeError):
+    """A state buffer or file does not belong to this model or is damaged."""
+
+
+def recurrent_nbytes(cfg: ModelConfig) -> int:
+    """Bytes of the recurrent buffer of one sequence (header included)."""
+    return HEADER_BYTES + 4 * (len(cfg.gdn_layers) * cfg.recurrent_state_floats + cfg.n_vocab)
+
+
+class KVCache:
+    """Paged K/V of every attention layer; pages are [block, n_head_kv, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, block: int = 256, dtype=np.float32):
+        self.block = block
+        self.dtype = np.dtype(dtype)
+        self.page_shape = (block, cfg.n_head_kv, cfg.head_dim)
+        n = len(cfg.attention_layers)
+        self.k_pages: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.v_pages: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.length = [0] * n
+
+    def append(self, slot: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store K, V [T, n_head_kv, head_dim] of the next T positions of layer `slot`."""
+        for t in range(k.shape[0]):
+            pos = self.length[slot]
+            page, row = divmod(pos, self.block)
+            if page == len(self.k_pages[slot]):
+                self.k_pages[slot].append(np.zeros(self.page_shape, self.dtype))
+                self.v_pages[slot].append(np.zeros(self.page_shape, self.dtype))
+            self.k_pages[slot][page][row] = k[t]
+            self.v_pages[slot][page][row] = v[t]
+            self.length[slot] = pos + 1
+
+    def view(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """K, V of all stored positions of layer `slot`, [P, n_head_kv, head_dim] fp32."""
+        n = self.length[slot]
+        if n == 0:
+            empty = np.zeros((0,) + self.page_shape[1:], np.float32)
+            return empty, empty
+        k = np.concatenate(self.k_pages[slot])[:n].astype(np.float32, copy=False)
+        v = np.concatenate(self.v_pages[slot])[:n].astype(np.float32, copy=False)
+        return k, v
+
+    def copy(self) -> "KVCache":
+        other = KVCache.__new__(KVCache)
+        other.block, other.dtype, other.page_shape = self.block, self.dtype, self.page_shape
+        other.k_pages = [[p.copy() for p in pages] for pages in self.k_pages]
+        other.v_pages = [[p.copy() for p in pages] for pages in self.v_pages]
+        other.length = list(self.length)
+        return other
+
+
+class SequenceState:
+    """Recurrent buffer + paged KV of one sequence. `buffer` may be shared memory."""
+
+    def __init__(self, cfg: ModelConfig, fingerprint: str, buffer=None, kv_block: int = 256):
+        self.cfg = cfg
+        nbytes = recurrent_nbytes(cfg)
+        if buffer is None:
+            buffer = bytearray(nbytes)
+            _HEADER.pack_into(buffer, 0, MAGIC, LAYOUT_VERSION, 0, _fp_bytes(fingerprint), 0,
+                              len(cfg.gdn_layers), cfg.n_vocab)
+        elif len(memoryview(buffer).cast("B")) < nbytes:
+            raise StateError(f"state buffer holds {len(buffer)} bytes; this model needs {nbytes}")
+        self.buffer = buffer
+        self._check_header(fingerprint)
+        self._bind_views()
+        self.kv = KVCache(cfg, kv_block)
+
+    # ---- header fields ---------------------------------------------------
+    def _check_header(self, fingerprint: str) -> None:
+        magic, version, _, fp, _, n_gdn, n_vocab = _HEADER.unpack_from(self.buffer, 0)
+        if magic != MAGIC:
+            raise StateError("not a fermoe sequence state (bad magic)")
+        if version != LAYOUT_VERSION:
+            raise StateError(f"state layout version {version}, this build reads {LAYOUT_VERSION}")
+        if fp != _fp_bytes(fingerprint):
+            raise StateError(f"state belongs to model {fp.decode(errors='replace')}, not {fingerprint}")
+        if (n_gdn, n_vocab) != (len(self.cfg.gdn_layers), self.cfg.n_vocab):
+            raise StateError("state shape does not match the model config")
+
+    @property
+    def position(self) -> int:
+        return struct.unpack_from("<Q", self.buffer, 32)[0]
+
+    @position.setter
+    def position(self, value: int) -> None:
+        struct.pack_into("<Q", self.buffer, 32, value)
+
+    @property
+    def logits_valid(self) -> bool:
+        return bool(struct.unpack_from("<I", self.buffer, 12)[0] & 1)
+
+    def set_logits(self, logits: np.ndarray) -> None:
+        self.logits[:] = logits
+        struct.pack_into("<I", self.buffer, 12, 1)
+
+    # ---- array views -----------------------------------------------------
+    def _bind_views(self) -> None:
+        cfg = self.cfg
+        n_gdn = len(cfg.gdn_layers)
+        s_shape = (n_gdn, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim)
+        c_shape = (n_gdn, cfg.ssm_conv_kernel - 1, cfg.conv_channels)
+        offset = HEADER_BYTES
+        self.ssm = np.frombuffer(self.buffer, np.float32, int(np.prod(s_shape)), offset).reshape(s_shape)
+        offset += self.ssm.nbytes
+        self.conv = np.frombuffer(self.buffer, np.float32, int(np.prod(c_shape)), offset).reshape(c_shape)
+        offset += self.conv.nbytes
+        self.logits = np.frombuffer(self.buffer, np.float32, cfg.n_vocab, offset)
+        self.gdn_slot = {layer: g for g, layer in enumerate(cfg.gdn_layers)}
+        self.attn_slot = {layer: a for a, layer in enumerate(cfg.attention_layers)}
+
+    # ---- copies and files ------------------------------------------------
+    def fingerprint(self) -> str:
+        return _HEADER.unpack_from(self.buffer, 0)[3].rstrip(b"\0").decode()
+
+    def copy(self) -> "SequenceState":
+        other = SequenceState(self.cfg, self.fingerprint(), bytearray(self.buffer))
+        other.kv = self.kv.copy()
+        return other
+
+    def save(self, path) -> None:
+        """One file: the recurrent buffer, then K and V of every attention layer."""
+        with open(path, "wb") as f:
+            f.write(memoryview(self.buffer).cast("B")[:recurrent_nbytes(self.cfg)])
+            for slot in range(len(self.cfg.attention_layers)):
+                k, v = self.kv.view(slot)
+                f.write(np.ascontiguousarray(k, np.float32).tobytes())
+                f.write(np.ascontiguousarray(v, np.float32).tobytes())
+
+    @classmethod
+    def load(cls, path, cfg: ModelConfig, fingerprint: str) -> "SequenceState":
+        data = open(path, "rb").read()
+        n = recurrent_nbytes(cfg)
+        if len(data) < n:
+            raise StateError(f"{path}: truncated state file ({len(data)} bytes, need at least {n})")
+        state = cls(cfg, fingerprint, bytearray(data[:n]))
+        per_pos = cfg.n_head_kv * cfg.head_dim * 4
+        pos = state.position
+        expected = n + 2 * pos * per_pos * len(cfg.attention_layers)
+        if len(data) != expected:
+            raise StateError(f"{path}: state file has {len(data)} bytes, expected {expected} for position {pos}")
+        offset = n
+        shape = (pos, cfg.n_head_kv, cfg.head_dim)
+        for slot in range(len(cfg.attention_layers)):
+            k = np.frombuffer(data, np.float32, pos * cfg.n_head_kv * cfg.head_dim, offset).reshape(shape)
+            offset += k.nbytes
+            v = np.frombuffer(data, np.float32, k.size, offset).reshape(shape)
+            offset += v.nbytes
+            state.kv.append(slot, k, v)
+        return state
+
+
+def _fp_bytes(fingerprint: str) -> bytes:
+    raw = fingerprint.encode("ascii")[:16]
+    return raw.ljust(16, b"\0")

@@ -1,0 +1,87 @@
+"""The reference forward run two ways that must agree (whole prompt at once, and
+in pieces / token by token with carried state), and the sequence state saved,
+restored and copied without changing a result."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.engine import ReferenceEngine
+from shared.model import Model
+from shared.reference import route
+from shared.state import SequenceState, StateError
+
+# Pieces and whole differ only by float summation order.
+SPLIT_RTOL = 1e-5
+PROMPT = [3, 17, 250, 9, 77, 100, 4, 5, 300, 31, 42, 8, 16, 23, 99, 101, 102, 7, 0, 64]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    return ReferenceEngine(Model(tiny_path))
+
+
+def _close(a, b):
+    scale = np.abs(b).max()
+    assert np.abs(a - b).max() <= SPLIT_RTOL * scale
+
+
+def test_whole_prompt_equals_pieces_and_single_tokens(engine):
+    whole = engine.forward(PROMPT, engine.new_state())
+    state = engine.new_state()
+    parts = [engine.forward(PROMPT[:7], state), engine.forward(PROMPT[7:12], state)]
+    parts += [engine.forward([t], state) for t in PROMPT[12:]]
+    _close(np.concatenate(parts), whole)
+    assert state.position == len(PROMPT)
+    _close(state.logits, whole[-1])
+    assert state.logits_valid
+
+
+def test_state_save_restore_continues_identically(engine, tmp_path):
+    state = engine.new_state()
+    engine.forward(PROMPT[:12], state)
+    state.save(tmp_path / "seq.state")
+    straight = engine.forward(PROMPT[12:], state)
+
+    cfg, fp = engine.model.config, engine.model.fingerprint
+    restored = SequenceState.load(tmp_path / "seq.state", cfg, fp)
+    assert restored.position == 12
+    np.testing.assert_array_equal(engine.forward(PROMPT[12:], restored), straight)
+
+
+def test_copy_is_independent(engine):
+    state = engine.new_state()
+    engine.forward(PROMPT[:10], state)
+    fork = state.copy()
+    a = engine.forward([5, 6], state)
+    engine.forward([200, 201, 202], fork)          # the fork moves on; the original must not see it
+    state2 = engine.new_state()
+    engine.forward(PROMPT[:10], state2)
+    np.testing.assert_array_equal(engine.forward([5, 6], state2), a)
+
+
+def test_state_refuses_another_model(engine, tmp_path):
+    state = engine.new_state()
+    engine.forward(PROMPT[:3], state)
+    state.save(tmp_path / "seq.state")
+    with pytest.raises(StateError, match="belongs to model"):
+        SequenceState.load(tmp_path / "seq.state", engine.model.config, "0123456789abcdef")
+    data = (tmp_path / "seq.state").read_bytes()
+    (tmp_path / "cut.state").write_bytes(data[:-10])
+    with pytest.raises(StateError, match="expected"):
+        SequenceState.load(tmp_path / "cut.state", engine.model.config, engine.model.fingerprint)
+    (tmp_path / "junk.state").write_bytes(b"x" * len(data))
+    with pytest.raises(StateError, match="magic"):
+        SequenceState.load(tmp_path / "junk.state", engine.model.config, engine.model.fingerprint)
+
+
+def test_activations_and_routing_are_sane(tiny_q4_path):
+    """The synthetic model is a useful workload: O(1) logits, routers that spread."""
+    model = Model(tiny_q4_path)
+    engine = ReferenceEngine(model)
+    logits = engine.forward(list(range(40)), engine.new_state())
+    assert np.isfinite(logits).all() and 0.1 < logits.std() < 100
+    x = np.random.default_rng(0).standard_normal((64, model.config.n_embd)).astype(np.float32)
+    top, weights = route(model.layers[0], x, model.config)
+    assert len(np.unique(top)) == model.config.n_expert
+    np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-6)
