@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print JSON (see DESIGN.md section 7)."""

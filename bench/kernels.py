@@ -1,0 +1,189 @@
+"""Kernel benchmark: the CPU kernels' speed next to the memory read bandwidth, in one run.
+
+    python -m bench.kernels [--matrix-mb 288] [--read-mb 512] [--threads 2] [--reps 5]
+
+prints JSON. Measured in the same process, one after the other (these machines are
+noisy, so only ratios measured together mean much; each figure is the best of --reps):
+  - memory read bandwidth: a plain C read loop (native.read_sum) over a buffer far
+    larger than the caches, with 1 and with N threads (each summing its own slice);
+  - for each ISA the CPU runs: Q4_0 x Q8_0 matrix-vector GB/s (weight bytes / time)
+    over a matrix larger than the caches, 1 and N threads, and its fraction of the
+    read bandwidth with as many threads;
+  - for each ISA: the batched product (prefill) in tokens/s for B = 16 and 64, on a
+    cache-sized matrix where it is compute-bound, and its speed-up over B matvecs;
+  - ratios: SSSE3 (the paper's pmaddubsw kernel) over scalar C (the paper: 3x), and
+    each ISA over SSSE3.
+Threads are a Python pool splitting the rows; the cffi calls release the GIL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import native
+
+MB = 1 << 20
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def random_q4_0(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_0 bytes [rows, cols/32*18] with sane fp16 scales (no inf/NaN)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    W = rng.integers(0, 256, (rows, nb * 18), dtype=np.uint8)
+    d = rng.uniform(1e-3, 2e-2, (rows, nb)).astype(np.float16)
+    W.reshape(rows, nb, 18)[:, :, :2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return W
+
+
+def _best_time(fn, reps: int) -> float:
+    fn()  # warm-up: page faults, caches, thread start
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    return [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+
+
+def _parallel(pool: ThreadPoolExecutor, nthreads: int, n: int, task) -> None:
+    """task(begin, end) over nthreads slices of range(n); 1 thread runs inline."""
+    if nthreads == 1:
+        task(0, n)
+        return
+    for f in [pool.submit(task, b, e) for b, e in _split(n, nthreads)]:
+        f.result()
+
+
+def read_bandwidth(pool, buf: np.ndarray, nthreads: int, reps: int) -> float:
+    lines = buf.nbytes // 128  # split on whole 128-byte lines: the loop's stride
+
+    def task(b, e):
+        native.read_sum(buf[b * 128:e * 128])
+
+    return buf.nbytes / _best_time(lambda: _parallel(pool, nthreads, lines, task), reps) / 1e9
+
+
+def matvec_gbps(pool, W, xq, y, nthreads: int, reps: int) -> float:
+    task = lambda b, e: native.matvec(W, xq, "q4_0", b, e, out=y)  # noqa: E731
+    return W.nbytes / _best_time(lambda: _parallel(pool, nthreads, W.shape[0], task), reps) / 1e9
+
+
+def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
+    task = lambda b, e: native.matmul(W, X, "q4_0", b, e, out=Y)  # noqa: E731
+    return _best_time(lambda: _parallel(pool, nthreads, W.shape[0], task), reps)
+
+
+def _bench_isa(pool, isa, big, small, threads, batch_sizes, reps) -> dict:
+    W, xq, y = big
+    Ws, xqs, Xs = small
+    out = {"matvec_gbps": {}, "fraction_of_read_bw": {}, "matmul": {}}
+    with native.use_isa(isa):
+        for nt in threads:
+            out["matvec_gbps"][str(nt)] = round(matvec_gbps(pool, W, xq, y, nt, reps), 2)
+        t_vec = matmul_seconds(pool, Ws, xqs[None, :], np.empty((1, Ws.shape[0]), np.float32),
+                               threads[-1], reps)
+        for B in batch_sizes:
+            X = Xs[:B]
+            t = matmul_seconds(pool, Ws, X, np.empty((B, Ws.shape[0]), np.float32), threads[-1], reps)
+            out["matmul"][str(B)] = {"tokens_per_s": round(B / t, 1),
+                                     "speedup_vs_matvec": round(B * t_vec / t, 2)}
+    return out
+
+
+def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 5,
+        isas: list[str] | None = None, cols: int = 2048, batch_sizes=(16, 64),
+        small_rows: int = 4096) -> dict:
+    """Measure everything once; returns the JSON-ready dict (see the module docstring)."""
+    isas = isas or native.supported_isas()
+    thread_counts = sorted({1, threads})
+    nb_bytes = cols // 32 * 18
+    rows = max(64, matrix_mb * MB // nb_bytes // 64 * 64)
+    big_W = random_q4_0(rows, cols, seed=1)
+    rng = np.random.default_rng(2)
+    xq = native.quantize_row_q8_0(rng.standard_normal(cols).astype(np.float32))
+    y = np.empty(rows, np.float32)
+    small_W = random_q4_0(small_rows, cols, seed=3)  # 9 MB: the batched product is compute-bound
+    Xs = native.quantize_row_q8_0(rng.standard_normal((max(batch_sizes), cols)).astype(np.float32))
+    buf = np.ones(read_mb * MB, np.uint8)  # written once, so every page is really there
+
+    result = {
+        "machine": {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "isas": native.supported_isas(),
+                    "default_isa": native.get_isa()},
+        "setup": {"matvec_matrix": {"rows": rows, "cols": cols, "bytes": int(big_W.nbytes)},
+                  "matmul_matrix": {"rows": small_rows, "cols": cols, "bytes": int(small_W.nbytes)},
+                  "read_buffer_bytes": int(buf.nbytes), "threads": thread_counts, "reps": reps,
+                  "threading": "python pool splitting rows; cffi calls release the GIL"},
+    }
+    with ThreadPoolExecutor(max(thread_counts)) as pool:
+        read_bw = {str(nt): read_bandwidth(pool, buf, nt, reps) for nt in thread_counts}
+        by_isa = {isa: _bench_isa(pool, isa, (big_W, xq, y), (small_W, Xs[0], Xs), thread_counts,
+                                  batch_sizes, reps) for isa in isas}
+        # Again at the end: if the machine got busier meanwhile, the larger figure is the truth.
+        for nt in thread_counts:
+            read_bw[str(nt)] = max(read_bw[str(nt)], read_bandwidth(pool, buf, nt, reps))
+    for isa in by_isa:  # fractions against the best read figure, with as many threads
+        for nt in thread_counts:
+            by_isa[isa]["fraction_of_read_bw"][str(nt)] = round(
+                by_isa[isa]["matvec_gbps"][str(nt)] / read_bw[str(nt)], 3)
+    result["read_bandwidth_gbps"] = {k: round(v, 2) for k, v in read_bw.items()}
+    result["q4_0"] = by_isa
+    result["ratios"] = _ratios(by_isa, thread_counts)
+    return result
+
+
+def _ratios(by_isa: dict, thread_counts: list[int]) -> dict:
+    ratios = {}
+    one, many = "1", str(thread_counts[-1])
+    if "scalar" in by_isa and "ssse3" in by_isa:
+        ratios["ssse3_vs_scalar_matvec_1t"] = round(
+            by_isa["ssse3"]["matvec_gbps"][one] / by_isa["scalar"]["matvec_gbps"][one], 2)
+        ratios["paper_ssse3_vs_scalar"] = 3.0
+    if "ssse3" in by_isa:
+        for isa in by_isa:
+            if isa not in ("scalar", "ssse3"):
+                ratios[f"{isa}_vs_ssse3_matvec_1t"] = round(
+                    by_isa[isa]["matvec_gbps"][one] / by_isa["ssse3"]["matvec_gbps"][one], 2)
+    best = max(by_isa, key=lambda i: by_isa[i]["matvec_gbps"][many])
+    ratios["best_isa"] = best
+    ratios["best_fraction_of_read_bw"] = by_isa[best]["fraction_of_read_bw"]
+    return ratios
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--matrix-mb", type=int, default=288, help="Q4_0 matvec matrix size (MiB; > caches)")
+    ap.add_argument("--read-mb", type=int, default=512, help="read-bandwidth buffer (MiB)")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+                    help="measure with 1 and with this many threads")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions; the best one counts")
+    ap.add_argument("--cols", type=int, default=2048, help="matrix columns (multiple of 32; 2048 = the hidden size)")
+    ap.add_argument("--isa", action="append", choices=native.ISAS, help="only these ISAs (repeatable)")
+    args = ap.parse_args(argv)
+    res = run(matrix_mb=args.matrix_mb, read_mb=args.read_mb, threads=args.threads, reps=args.reps,
+              isas=args.isa, cols=args.cols)
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

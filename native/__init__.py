@@ -1,0 +1,193 @@
+"""The native CPU kernels: C built by cffi in API mode during `pip install -e .`.
+
+`lib` holds the C API of native/kernels.h and `ffi` its cffi handle; the functions
+below wrap them for numpy arrays: weights and activations as the uint8 block bytes
+that shared.quants produces (Q4_0: 18 B, Q8_0: 34 B per 32 elements), float32 or
+float16 otherwise. Calls release the GIL, so threads can split the rows of a matrix.
+
+ISA: the best one the CPU supports, unless FERMOE_ISA=scalar|ssse3|avx2|avx512vnni
+or set_isa()/use_isa() choose another.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import numpy as np
+
+from shared.errors import FermoeError
+
+try:
+    from native._fermoe_native import ffi, lib
+except ImportError as e:  # keep the one useful line on top of the chain
+    raise ImportError("the native extension is not built: run pip install -e . "
+                      "(needs a C compiler: gcc)") from e
+
+QK = 32
+Q4_0_BYTES = 18
+Q8_0_BYTES = 34
+ISAS = tuple(ffi.string(lib.fm_isa_name(i)).decode() for i in range(4))
+
+
+class ISAError(FermoeError):
+    """An ISA was asked for by name (FERMOE_ISA or set_isa) that is unknown or that this CPU lacks."""
+
+
+def supported_isas() -> list[str]:
+    return [n for i, n in enumerate(ISAS) if lib.fm_isa_supported(i)]
+
+
+def best_isa() -> str:
+    return ISAS[lib.fm_best_isa()]
+
+
+def get_isa() -> str:
+    return ISAS[lib.fm_get_isa()]
+
+
+def _isa_problem(name: str, source: str) -> str:
+    if name not in ISAS:
+        return f"{source}={name!r} is not one of {', '.join(ISAS)}"
+    return f"{source}={name}: this CPU lacks {name} (it supports {', '.join(supported_isas())})"
+
+
+def set_isa(name: str) -> None:
+    """Run every kernel with `name` from now on (process-wide)."""
+    idx = ISAS.index(name) if name in ISAS else -1
+    if idx < 0 or lib.fm_set_isa(idx) < 0:
+        raise ISAError(_isa_problem(name, "isa"))
+
+
+@contextmanager
+def use_isa(name: str):
+    """Temporarily select an ISA (tests, benchmarks); not for concurrent use."""
+    old = get_isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(old)
+
+
+def _init() -> None:
+    if lib.fm_init_dispatch() != 0:
+        raise ISAError(_isa_problem(os.environ.get("FERMOE_ISA", ""), "FERMOE_ISA"))
+
+
+_init()
+
+
+# ---------------------------------------------------------------- array plumbing
+
+def _ptr(arr: np.ndarray, ctype: str, dtype, what: str):
+    if arr.dtype != dtype:
+        raise TypeError(f"{what} must be {np.dtype(dtype).name}, got {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    return ffi.cast(ctype, ffi.from_buffer(arr))
+
+
+def _cols_of(nbytes_row: int, block_bytes: int, what: str) -> int:
+    if nbytes_row % block_bytes:
+        raise ValueError(f"{what}: a row of {nbytes_row} bytes is not whole {block_bytes}-byte blocks")
+    return nbytes_row // block_bytes * QK
+
+
+def _row_range(rows: int, row_begin: int, row_end: int | None) -> tuple[int, int]:
+    row_end = rows if row_end is None else row_end
+    if not 0 <= row_begin <= row_end <= rows:
+        raise ValueError(f"row range [{row_begin}, {row_end}) is outside [0, {rows})")
+    return row_begin, row_end
+
+
+# weight kind -> (numpy dtype of W, cffi type, block bytes or None for plain floats)
+_WEIGHTS = {
+    "q4_0": (np.uint8, "block_q4_0 *", Q4_0_BYTES),
+    "q8_0": (np.uint8, "block_q8_0 *", Q8_0_BYTES),
+    "f32": (np.float32, "float *", None),
+    "f16": (np.uint16, "uint16_t *", None),
+}
+
+
+def _weights(W: np.ndarray, kind: str):
+    """(pointer, rows, cols) of a 2-D weight matrix of `kind`."""
+    dtype, ctype, bb = _WEIGHTS[kind]
+    W = W.view(np.uint16) if kind == "f16" and W.dtype == np.float16 else W
+    if W.ndim != 2:
+        raise ValueError(f"{kind} weights must be 2-D [rows, row bytes or cols], got shape {W.shape}")
+    cols = _cols_of(W.shape[1], bb, f"{kind} weights") if bb else W.shape[1]
+    if cols % QK:
+        raise ValueError(f"{kind} weights: cols={cols} is not a multiple of {QK}")
+    return _ptr(W, ctype, dtype, f"{kind} weights"), W.shape[0], cols
+
+
+def _activations(X: np.ndarray, kind: str, cols: int, batched: bool):
+    """Pointer to Q8_0 bytes (integer weights) or float32 (float weights) matching cols."""
+    want = cols // QK * Q8_0_BYTES if kind in ("q4_0", "q8_0") else cols
+    if X.ndim != (2 if batched else 1) or X.shape[-1] != want:
+        raise ValueError(f"activations of shape {X.shape} do not match {cols} columns "
+                         f"(expected {'[B, ' if batched else '['}{want}])")
+    if kind in ("q4_0", "q8_0"):
+        return _ptr(X, "block_q8_0 *", np.uint8, "Q8_0 activations")
+    return _ptr(X, "float *", np.float32, "activations")
+
+
+# ---------------------------------------------------------------- kernels
+
+def quantize_row_q8_0(x: np.ndarray) -> np.ndarray:
+    """float32 [..., n], n % 32 == 0 -> uint8 [..., n/32*34] (bit-exact with shared.quants)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = x.shape[-1] if x.ndim else 0
+    if x.ndim == 0 or n % QK:
+        raise ValueError(f"Q8_0 rows need a multiple of {QK} elements, got {n}")
+    out = np.empty(x.shape[:-1] + (n // QK * Q8_0_BYTES,), np.uint8)
+    lib.fm_quantize_row_q8_0(_ptr(x, "float *", np.float32, "x"), _ptr(out, "block_q8_0 *", np.uint8, "out"), x.size)
+    return out
+
+
+def vec_dot(w: np.ndarray, x: np.ndarray, kind: str = "q4_0") -> float:
+    """One row of Q4_0 or Q8_0 bytes . one Q8_0 activation row."""
+    wp, _, cols = _weights(w.reshape(1, -1), kind)
+    xp = _activations(x, kind, cols, batched=False)
+    fn = lib.fm_vec_dot_q4_0_q8_0 if kind == "q4_0" else lib.fm_vec_dot_q8_0_q8_0
+    return float(fn(cols, wp, xp))
+
+
+def matvec(W: np.ndarray, x: np.ndarray, kind: str, row_begin: int = 0, row_end: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """y[r] = W[r] . x for r in [row_begin, row_end); y has all rows, others untouched.
+
+    kind: "q4_0"/"q8_0" (W block bytes, x Q8_0 bytes) or "f32"/"f16" (x float32)."""
+    wp, rows, cols = _weights(W, kind)
+    xp = _activations(x, kind, cols, batched=False)
+    r0, r1 = _row_range(rows, row_begin, row_end)
+    y = np.zeros(rows, np.float32) if out is None else out
+    if y.shape != (rows,):
+        raise ValueError(f"out must have shape ({rows},), got {y.shape}")
+    yp = _ptr(y, "float *", np.float32, "out")
+    getattr(lib, f"fm_matvec_{kind}")(wp, xp, yp, cols, r0, r1)
+    return y
+
+
+def matmul(W: np.ndarray, X: np.ndarray, kind: str, row_begin: int = 0, row_end: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Y[b, r] = W[r] . X[b]: each weight row read once for the whole batch.
+
+    kind: "q4_0"/"q8_0" (X: [B, Q8_0 bytes]) or "f32" (X: float32 [B, cols])."""
+    if kind == "f16":
+        raise ValueError("no batched F16 kernel: convert the weights to f32")
+    wp, rows, cols = _weights(W, kind)
+    xp = _activations(X, kind, cols, batched=True)
+    r0, r1 = _row_range(rows, row_begin, row_end)
+    B = X.shape[0]
+    Y = np.zeros((B, rows), np.float32) if out is None else out
+    if Y.ndim != 2 or Y.shape[0] != B or Y.shape[1] < r1 or not Y.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous [{B}, >= {r1}] float32 array, got {Y.shape}")
+    yp = _ptr(Y, "float *", np.float32, "out")
+    getattr(lib, f"fm_matmul_{kind}")(wp, xp, yp, cols, B, Y.shape[1], r0, r1)
+    return Y
+
+
+def read_sum(buf: np.ndarray) -> int:
+    """Sum of the 64-bit words of buf (whole 128-byte lines): a memory read probe."""
+    return int(lib.fm_read_sum(ffi.from_buffer(buf), buf.nbytes))

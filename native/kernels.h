@@ -1,0 +1,106 @@
+/* kernels.h: the public C API of the CPU kernels, and the per-ISA table behind it.
+ *
+ * Conventions for every kernel:
+ *   - `n` / `cols` count elements and are a multiple of 32 (whole blocks);
+ *   - a weight matrix W has rows of cols/32 blocks (or cols floats), row r
+ *     starting at W + r*(cols/32); only rows [row_begin, row_end) are touched,
+ *     so a thread pool can split one matrix between threads;
+ *   - Q8_0 activations come from fm_quantize_row_q8_0, so their ints lie in
+ *     [-127, 127] (the SIMD sign trick assumes -128 never occurs there);
+ *   - batched kernels: X holds B activation rows back to back (cols/32 blocks
+ *     or cols floats each), Y is row-major [B][ldy] with ldy >= row_end, and
+ *     Y[b*ldy + r] = W[r] . X[b]. Each weight row is read from memory once per
+ *     call whatever B is.
+ * Results of different ISAs differ only by float summation order.
+ */
+#ifndef FERMOE_KERNELS_H
+#define FERMOE_KERNELS_H
+
+#include <stddef.h>
+#include "fermoe_blocks.h"
+
+enum { FM_ISA_SCALAR = 0, FM_ISA_SSSE3 = 1, FM_ISA_AVX2 = 2, FM_ISA_AVX512VNNI = 3, FM_ISA_COUNT = 4 };
+
+/* ---- public API (dispatched to the selected ISA) ---- */
+void fm_quantize_row_q8_0(const float *x, block_q8_0 *y, int n);
+float fm_vec_dot_q4_0_q8_0(int n, const block_q4_0 *w, const block_q8_0 *x);
+float fm_vec_dot_q8_0_q8_0(int n, const block_q8_0 *w, const block_q8_0 *x);
+
+void fm_matvec_q4_0(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int row_begin, int row_end);
+void fm_matvec_q8_0(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int row_begin, int row_end);
+void fm_matvec_f32(const float *W, const float *x, float *y, int cols, int row_begin, int row_end);
+void fm_matvec_f16(const uint16_t *W, const float *x, float *y, int cols, int row_begin, int row_end);
+
+void fm_matmul_q4_0(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
+void fm_matmul_q8_0(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
+void fm_matmul_f32(const float *W, const float *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
+
+/* ---- ISA selection (dispatch.c) ---- */
+int fm_init_dispatch(void);        /* apply FERMOE_ISA; 0 ok, -1 unknown name, -2 CPU lacks it */
+int fm_best_isa(void);             /* the best ISA this CPU and OS support */
+int fm_isa_supported(int isa);     /* 1 if this CPU and OS can run it */
+int fm_set_isa(int isa);           /* returns isa, or -1 if unknown or unsupported (nothing changes) */
+int fm_get_isa(void);
+const char *fm_isa_name(int isa);  /* "scalar", "ssse3", "avx2", "avx512vnni"; NULL if out of range */
+int fm_isa_from_name(const char *name); /* -1 if unknown */
+
+/* ---- memory bandwidth probe (membench.c), for bench/kernels.py ---- */
+uint64_t fm_read_sum(const void *buf, size_t nbytes); /* sums the 64-bit words of the first nbytes & ~127 bytes */
+
+/* ---- the per-ISA implementations ---- */
+typedef struct {
+    void (*quantize_row_q8_0)(const float *, block_q8_0 *, int);
+    float (*dot_q4_0_q8_0)(int, const block_q4_0 *, const block_q8_0 *);
+    float (*dot_q8_0_q8_0)(int, const block_q8_0 *, const block_q8_0 *);
+    void (*matvec_q4_0)(const block_q4_0 *, const block_q8_0 *, float *, int, int, int);
+    void (*matvec_q8_0)(const block_q8_0 *, const block_q8_0 *, float *, int, int, int);
+    void (*matvec_f32)(const float *, const float *, float *, int, int, int);
+    void (*matvec_f16)(const uint16_t *, const float *, float *, int, int, int);
+    void (*matmul_q4_0)(const block_q4_0 *, const block_q8_0 *, float *, int, int, int, int, int);
+    void (*matmul_q8_0)(const block_q8_0 *, const block_q8_0 *, float *, int, int, int, int, int);
+    void (*matmul_f32)(const float *, const float *, float *, int, int, int, int, int);
+} fm_kernels;
+
+/* Software prefetch for the matrix-vector loops: the hardware prefetcher alone
+ * leaves a core's reads well below the machine's bandwidth once the loop also
+ * computes, so a row stream asks for the 3 lines FM_PF_DIST bytes ahead of where
+ * it reads (past the row's end that is the next rows: a matrix is contiguous).
+ * Prefetches never fault, not even past the end of the matrix. */
+#ifndef FM_PF_DIST
+#define FM_PF_DIST 8192
+#endif
+static inline __attribute__((always_inline)) void fm_prefetch(const void *p)
+{
+    const char *a = (const char *)p + FM_PF_DIST;
+    __builtin_prefetch(a, 0, 3);
+    __builtin_prefetch(a + 64, 0, 3);
+    __builtin_prefetch(a + 128, 0, 3);
+}
+
+/* Per-ISA implementations, named fm_<op>_<isa>; dispatch.c builds one table per ISA. */
+#define FM_DECLARE_INT_KERNELS(isa)                                                                         \
+    float fm_vec_dot_q4_0_q8_0_##isa(int n, const block_q4_0 *w, const block_q8_0 *x);                      \
+    float fm_vec_dot_q8_0_q8_0_##isa(int n, const block_q8_0 *w, const block_q8_0 *x);                      \
+    void fm_matvec_q4_0_##isa(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1); \
+    void fm_matvec_q8_0_##isa(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1); \
+    void fm_matmul_q4_0_##isa(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1); \
+    void fm_matmul_q8_0_##isa(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1);
+#define FM_DECLARE_F32_KERNELS(isa)                                                                         \
+    void fm_matvec_f32_##isa(const float *W, const float *x, float *y, int cols, int r0, int r1);            \
+    void fm_matmul_f32_##isa(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0, int r1);
+
+FM_DECLARE_INT_KERNELS(generic)     /* kernels_scalar.c */
+FM_DECLARE_F32_KERNELS(generic)
+FM_DECLARE_INT_KERNELS(ssse3)       /* kernels_x86.c */
+FM_DECLARE_INT_KERNELS(avx2)        /* kernels_x86.c */
+FM_DECLARE_INT_KERNELS(avx512vnni)  /* kernels_avx512.c */
+FM_DECLARE_F32_KERNELS(ssse3)       /* kernels_float_x86.c, as the next three */
+FM_DECLARE_F32_KERNELS(avx2)
+FM_DECLARE_F32_KERNELS(avx512vnni)
+void fm_quantize_row_q8_0_generic(const float *x, block_q8_0 *y, int n);
+void fm_quantize_row_q8_0_avx2(const float *x, block_q8_0 *y, int n);
+void fm_matvec_f16_generic(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1);
+void fm_matvec_f16_avx2(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1);
+void fm_matvec_f16_avx512vnni(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1);
+
+#endif /* FERMOE_KERNELS_H */

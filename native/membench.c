@@ -1,0 +1,44 @@
+/* membench.c: a plain read loop, the yardstick for the kernels' bandwidth.
+ * bench/kernels.py times it over a buffer far larger than the caches, with one
+ * thread and with several (each summing its own slice), in the same run as the
+ * matrix-vector products, and reports kernel GB/s as a fraction of it. */
+#include <immintrin.h>
+#include "kernels.h"
+
+/* Four independent 256-bit accumulators keep the adds off the critical path,
+ * so only memory limits the loop. */
+__attribute__((target("avx2"))) static uint64_t read_sum_avx2(const uint8_t *p, size_t n)
+{
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    for (size_t i = 0; i < n; i += 128) {
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i)));
+        b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        c = _mm256_add_epi64(c, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        d = _mm256_add_epi64(d, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    uint64_t o[4];
+    _mm256_storeu_si256((__m256i *)o, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
+    return o[0] + o[1] + o[2] + o[3];
+}
+
+/* SSE2 is part of x86-64 itself. */
+static uint64_t read_sum_sse2(const uint8_t *p, size_t n)
+{
+    __m128i a = _mm_setzero_si128(), b = a, c = a, d = a;
+    for (size_t i = 0; i < n; i += 64) {
+        a = _mm_add_epi64(a, _mm_loadu_si128((const __m128i *)(p + i)));
+        b = _mm_add_epi64(b, _mm_loadu_si128((const __m128i *)(p + i + 16)));
+        c = _mm_add_epi64(c, _mm_loadu_si128((const __m128i *)(p + i + 32)));
+        d = _mm_add_epi64(d, _mm_loadu_si128((const __m128i *)(p + i + 48)));
+    }
+    uint64_t o[2];
+    _mm_storeu_si128((__m128i *)o, _mm_add_epi64(_mm_add_epi64(a, b), _mm_add_epi64(c, d)));
+    return o[0] + o[1];
+}
+
+uint64_t fm_read_sum(const void *buf, size_t nbytes)
+{
+    const uint8_t *p = (const uint8_t *)buf;
+    nbytes &= ~(size_t)127;
+    return fm_best_isa() >= FM_ISA_AVX2 ? read_sum_avx2(p, nbytes) : read_sum_sse2(p, nbytes);
+}

@@ -1,0 +1,307 @@
+"""The native CPU kernels (native/*.c) against the numpy spec, on every ISA this CPU runs.
+
+Reference: dequantise with shared.quants (exact: d * q fits a float32) and multiply
+in float64. Each kernel's per-block integer dot is exact; only the float scaling
+and the order of the float sums differ, so results are compared with a tolerance
+relative to sum_i |w_i x_i| (the size of what is being summed), never to the
+result itself, which may cancel to ~0.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import native
+from shared import quants
+
+# |kernel - float64 reference| <= SUM_RTOL * sum_i |w_i x_i|: float32 rounding of each
+# scaled partial sum (2^-24) plus float32 summation of up to ~10^4 of them in any order.
+SUM_RTOL = 1e-5
+# Two ISAs each within SUM_RTOL of the truth are within 2 * SUM_RTOL of each other.
+ISA_RTOL = 2 * SUM_RTOL
+
+ISAS = native.supported_isas()
+RNG = np.random.default_rng(20260)
+QK = 32
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    with native.use_isa(request.param):
+        yield request.param
+
+
+# ---------------------------------------------------------------- helpers
+
+def rand_f32(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def q4(Wf):
+    return quants.quantize_q4_0(Wf)
+
+
+def q8(Wf):
+    return quants.quantize_q8_0(Wf)
+
+
+def deq(raw, kind):
+    return {"q4_0": quants.dequantize_q4_0, "q8_0": quants.dequantize_q8_0}[kind](raw)
+
+
+def reference(Wd: np.ndarray, Xd: np.ndarray):
+    """(float64 result, sum_i |w_i x_i|) for W [rows, n] and X [n] or [B, n].
+
+    The scale is taken over elements: SIMD kernels scale and sum partial sums of a
+    few elements, which can be larger than the block's total."""
+    Wd, Xd = Wd.astype(np.float64), Xd.astype(np.float64)
+    X2 = np.atleast_2d(Xd)
+    ref, scale = (Wd @ X2.T).T, np.abs(X2) @ np.abs(Wd).T  # [B, rows]
+    return (ref[0], scale[0]) if Xd.ndim == 1 else (ref, scale)
+
+
+def assert_close(got, ref, scale, rtol=SUM_RTOL, what=""):
+    err = np.abs(got.astype(np.float64) - ref)
+    bound = rtol * scale + 1e-30
+    bad = err > bound
+    if not bad.any():
+        return
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert not bad.any(), (f"{what}: {bad.sum()} of {err.size} values off; worst err {err[worst]:.3g} "
+                           f"vs bound {bound[worst]:.3g} at {worst}")
+
+
+def make_weights(kind, rows, cols):
+    Wf = rand_f32(rows, cols)
+    if kind == "q4_0":
+        return q4(Wf)
+    if kind == "q8_0":
+        return q8(Wf)
+    if kind == "f32":
+        return Wf
+    return Wf.astype(np.float16)
+
+
+def weights_as_float(W, kind):
+    return deq(W, kind) if kind in ("q4_0", "q8_0") else W.astype(np.float32)
+
+
+def make_acts(kind, cols, B=None):
+    Xf = rand_f32(cols) if B is None else rand_f32(B, cols)
+    if kind in ("q4_0", "q8_0"):
+        Xq = q8(Xf)
+        return Xq, quants.dequantize_q8_0(Xq)
+    return Xf, Xf
+
+
+# ---------------------------------------------------------------- ISA selection
+
+def test_isa_selection():
+    assert native.ISAS == ("scalar", "ssse3", "avx2", "avx512vnni")
+    assert "scalar" in ISAS and native.best_isa() == ISAS[-1]
+    assert native.get_isa() == (os.environ.get("FERMOE_ISA") or native.best_isa())
+    with pytest.raises(native.ISAError, match="not one of"):
+        native.set_isa("sse9")
+    for name in set(native.ISAS) - set(ISAS):
+        with pytest.raises(native.ISAError, match=f"lacks {name}"):
+            native.set_isa(name)
+        assert native.lib.fm_set_isa(native.ISAS.index(name)) == -1
+    with native.use_isa("scalar"):
+        assert native.get_isa() == "scalar"
+
+
+def run_python(code: str, isa_env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FERMOE_ISA=isa_env)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_fermoe_isa_env_override():
+    for name in ISAS:
+        r = run_python("import native; print(native.get_isa())", name)
+        assert r.returncode == 0 and r.stdout.strip() == name, r.stderr
+    r = run_python("import native", "sse9")
+    assert r.returncode != 0 and "FERMOE_ISA='sse9' is not one of" in r.stderr
+    for name in set(native.ISAS) - set(ISAS):  # an ISA this CPU lacks: refused by name
+        r = run_python("import native", name)
+        assert r.returncode != 0 and f"FERMOE_ISA={name}: this CPU lacks {name}" in r.stderr
+
+
+# ---------------------------------------------------------------- fp16 and quantisation
+
+def test_fp16_conversions_match_numpy():
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    ours = np.array([native.lib.fm_fp16_to_fp32(int(v)) for v in h[::7]], np.float32)
+    theirs = h[::7].view(np.float16).astype(np.float32)
+    nan = np.isnan(theirs)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours[~nan].view(np.uint32), theirs[~nan].view(np.uint32))
+    f = np.concatenate([rand_f32(3000, scale=s) for s in (1e-7, 1e-5, 1.0, 3e4)] + [np.array(
+        [0.0, -0.0, 65504, 65519.99, 65520, 1e9, -np.inf, np.inf, 2.0 ** -24, 2.0 ** -25,
+         2.0 ** -25 * 1.0000001, 2.0 ** -14, 6.1e-5, 5.96e-8, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11],
+        np.float32)])
+    ours = np.array([native.lib.fm_fp32_to_fp16(float(v)) for v in f], np.uint16)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(ours, f.astype(np.float16).view(np.uint16))
+
+
+def special_rows() -> np.ndarray:
+    """Blocks at the corners of Q8_0 quantisation (ties, extremes, non-finite, tiny)."""
+    base = rand_f32(32)
+    rows = [np.zeros(32, np.float32), base, -base, base * np.float32(1e-38), base * np.float32(3e37),
+            base * np.float32(1e6), np.full(32, -2.5, np.float32)]
+    rows.append(np.array([127, -127, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5] * 4, np.float32))
+    rows.append(np.array([np.nextafter(np.float32(0.5), np.float32(0))] * 31 + [127], np.float32))
+    for bad in (np.inf, -np.inf, np.nan):
+        b = base.copy()
+        b[5] = bad
+        rows.append(b)
+    for d in (1 + 2.0 ** -11, 2.0 ** -14, 2.0 ** -24, 2.0 ** -25):  # fp16 rounding edges of d
+        b = base / np.abs(base).max() * np.float32(127 * d)
+        rows.append(b.astype(np.float32))
+    return np.stack(rows)
+
+
+def test_quantize_row_q8_0_bit_exact(isa):
+    for x in (rand_f32(32), rand_f32(7 * 32), rand_f32(5, 33 * 32, scale=10.0), special_rows()):
+        with np.errstate(all="ignore"):
+            want = quants.quantize_q8_0(x)
+        got = native.quantize_row_q8_0(x)
+        assert got.shape == want.shape and np.array_equal(got, want), isa
+
+
+# ---------------------------------------------------------------- dot products
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("nblocks", [1, 2, 3, 7, 8, 9, 16, 17, 33, 300])
+def test_vec_dot(isa, kind, nblocks):
+    W = make_weights(kind, 1, nblocks * QK)
+    xq, xd = make_acts(kind, nblocks * QK)
+    ref, scale = reference(weights_as_float(W, kind), xd)
+    got = native.vec_dot(W[0], xq, kind)
+    assert_close(np.array([got]), ref, scale, what=f"{isa} {kind} dot, {nblocks} blocks")
+
+
+# ---------------------------------------------------------------- matrix-vector
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32", "f16"])
+@pytest.mark.parametrize("rows,nblocks", [(1, 1), (2, 2), (3, 3), (5, 7), (13, 9), (7, 17), (9, 48), (6, 300)])
+def test_matvec(isa, kind, rows, nblocks):
+    W = make_weights(kind, rows, nblocks * QK)
+    x, xd = make_acts(kind, nblocks * QK)
+    ref, scale = reference(weights_as_float(W, kind), xd)
+    assert_close(native.matvec(W, x, kind), ref, scale, what=f"{isa} {kind} matvec")
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32", "f16"])
+def test_matvec_row_ranges(isa, kind):
+    rows, cols = 11, 19 * QK
+    W = make_weights(kind, rows, cols)
+    x, xd = make_acts(kind, cols)
+    ref, scale = reference(weights_as_float(W, kind), xd)
+    for r0, r1 in [(0, 1), (3, 10), (4, 5), (10, 11), (6, 6), (0, 11)]:
+        out = np.full(rows, 12345.0, np.float32)
+        native.matvec(W, x, kind, r0, r1, out=out)
+        assert_close(out[r0:r1], ref[r0:r1], scale[r0:r1], what=f"{isa} {kind} rows [{r0},{r1})")
+        assert (np.delete(out, range(r0, r1)) == 12345.0).all(), "rows outside the range were written"
+
+
+def test_matvec_large(isa):
+    """A matrix larger than one activation chunk (256 blocks) and the caches' lines."""
+    rows, cols = 37, 16384 + 5 * QK
+    W = make_weights("q4_0", rows, cols)
+    x, xd = make_acts("q4_0", cols)
+    ref, scale = reference(weights_as_float(W, "q4_0"), xd)
+    assert_close(native.matvec(W, x, "q4_0"), ref, scale, what=f"{isa} large q4_0")
+
+
+# ---------------------------------------------------------------- batched
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32"])
+@pytest.mark.parametrize("B", range(1, 10))
+def test_matmul(isa, kind, B):
+    rows, nblocks = 7, [1, 17, 48][B % 3]
+    W = make_weights(kind, rows, nblocks * QK)
+    X, Xd = make_acts(kind, nblocks * QK, B)
+    ref, scale = reference(weights_as_float(W, kind), Xd)
+    out = np.full((B, rows + 3), 777.0, np.float32)  # ldy > rows
+    native.matmul(W, X, kind, 1, rows, out=out)
+    assert_close(out[:, 1:rows], ref[:, 1:], scale[:, 1:], what=f"{isa} {kind} matmul B={B}")
+    assert (out[:, 0] == 777.0).all() and (out[:, rows:] == 777.0).all()
+
+
+# ---------------------------------------------------------------- edge blocks
+
+def q4_block_bytes(d: float, nibbles: np.ndarray) -> np.ndarray:
+    """Raw Q4_0 blocks: fp16 d and 32 nibble values 0..15 (element j, j+16 share byte j)."""
+    nb = nibbles.shape[0]
+    out = np.empty((nb, 18), np.uint8)
+    out[:, :2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    out[:, 2:] = (nibbles[:, :16] | (nibbles[:, 16:] << 4)).astype(np.uint8)
+    return out.reshape(-1)
+
+
+def q8_block_bytes(d: float, ints: np.ndarray) -> np.ndarray:
+    nb = ints.shape[0]
+    out = np.empty((nb, 34), np.uint8)
+    out[:, :2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    out[:, 2:] = ints.astype(np.int8).view(np.uint8)
+    return out.reshape(-1)
+
+
+def test_all_zero_blocks(isa):
+    nb = 35
+    Wq4 = np.zeros((3, nb * 18), np.uint8)   # d = 0 and nibbles 0: every weight 0
+    Wq8 = np.zeros((3, nb * 34), np.uint8)
+    xq = q8(np.zeros(nb * QK, np.float32))
+    assert (native.matvec(Wq4, xq, "q4_0") == 0).all()
+    assert (native.matvec(Wq8, xq, "q8_0") == 0).all()
+    xq = q8(rand_f32(nb * QK))
+    assert (native.matvec(Wq4, xq, "q4_0") == 0).all()
+    assert (native.matmul(Wq8, np.stack([xq, xq]), "q8_0") == 0).all()
+
+
+@pytest.mark.parametrize("nb", [1, 9, 48])
+def test_extreme_values(isa, nb):
+    """Largest |w * x| everywhere: int16 stages must not saturate, int32 sums stay exact."""
+    sign = np.where(np.arange(nb * QK) % 3 == 0, -1, 1).reshape(nb, QK)
+    x_ints = np.full((nb, QK), 127) * sign
+    xq = q8_block_bytes(1.0, x_ints)
+    xd = quants.dequantize_q8_0(xq)
+    w4 = np.stack([q4_block_bytes(2.0, np.zeros((nb, QK), np.int64)),             # all -8
+                   q4_block_bytes(2.0, np.full((nb, QK), 15)),                   # all +7
+                   q4_block_bytes(65504.0, np.where(sign < 0, 0, 15))])          # fp16 max scale
+    w8 = np.stack([q8_block_bytes(1.0, np.full((nb, QK), -128)),                  # -128 (never made by
+                   q8_block_bytes(1.0, np.full((nb, QK), 127) * sign),           #  our quantiser, legal)
+                   q8_block_bytes(65504.0, -np.full((nb, QK), 127) * sign)])
+    for W, kind in ((w4, "q4_0"), (w8, "q8_0")):
+        ref, scale = reference(deq(W, kind), xd)
+        assert_close(native.matvec(W, xq, kind), ref, scale, what=f"{isa} extreme {kind}")
+        got = native.matmul(W, np.stack([xq] * 3), kind)
+        assert_close(got, np.stack([ref] * 3), np.stack([scale] * 3), what=f"{isa} extreme {kind} batched")
+
+
+# ---------------------------------------------------------------- ISAs against the scalar reference
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32", "f16"])
+def test_isas_agree_with_scalar(kind):
+    rows, cols, B = 29, 8192 + 9 * QK, 4
+    W = make_weights(kind, rows, cols)
+    x, xd = make_acts(kind, cols)
+    _, scale = reference(weights_as_float(W, kind), xd)
+    with native.use_isa("scalar"):
+        want = native.matvec(W, x, kind)
+        if kind != "f16":
+            X, Xd = make_acts(kind, cols, B)
+            want_b = native.matmul(W, X, kind)
+            _, scale_b = reference(weights_as_float(W, kind), Xd)
+    for name in ISAS[1:]:
+        with native.use_isa(name):
+            assert_close(native.matvec(W, x, kind), want, scale, ISA_RTOL, f"{name} vs scalar {kind}")
+            if kind != "f16":
+                assert_close(native.matmul(W, X, kind), want_b, scale_b, ISA_RTOL,
+                             f"{name} vs scalar {kind} batched")
