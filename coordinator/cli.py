@@ -15,7 +15,10 @@ DEFAULT_MODEL = "tiny"
 def _add_model(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="GGUF file, or the name of a built-in model (default: tiny, made on first use)")
-    p.add_argument("--engine", default="reference", help="compute engine (default: reference)")
+    p.add_argument("--engine", default="reference",
+                   help="reference (numpy spec) or cpu (native W4A8 kernels); default: reference")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="cpu engine threads (default: the physical cores of the first NUMA node)")
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -65,7 +68,7 @@ def _open(args):
     from shared.model import Model
 
     model = Model(resolve_model(args.model))
-    return model, load_engine(args.engine, model)
+    return model, load_engine(args.engine, model, threads=args.threads)
 
 
 def cmd_generate(args) -> None:

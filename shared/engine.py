@@ -1,6 +1,6 @@
 """Engines behind `--engine`: each advances a SequenceState by tokens and returns
-logits. The reference is the numpy spec; the native CPU and GPU engines plug in
-here under the same interface."""
+logits. `reference` is the numpy spec; `cpu` the native W4A8 engine; the GPU
+engine plugs in here under the same interface."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,25 +9,33 @@ from .errors import FermoeError
 from .model import Model
 from .state import SequenceState
 
-ENGINES = ("reference",)
+ENGINES = ("reference", "cpu")
 
 
 class ReferenceEngine:
     name = "reference"
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, activations_q8: bool = False):
         self.model = model
+        self.activations_q8 = activations_q8        # round activations like the W4A8 kernels
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.model.config, self.model.fingerprint)
 
     def forward(self, tokens, state: SequenceState) -> np.ndarray:
         """Logits [T, vocab] of every new position; the state moves on by len(tokens)."""
-        from .reference import forward
-        return forward(self.model, tokens, state)
+        from .reference import ACTIVATIONS_Q8, forward
+        token = ACTIVATIONS_Q8.set(self.activations_q8)
+        try:
+            return forward(self.model, tokens, state)
+        finally:
+            ACTIVATIONS_Q8.reset(token)
 
 
-def load_engine(name: str, model: Model):
+def load_engine(name: str, model: Model, threads: int | None = None):
     if name == "reference":
         return ReferenceEngine(model)
+    if name == "cpu":
+        from cpu_worker.native_engine import NativeEngine
+        return NativeEngine(model, threads=threads)
     raise FermoeError(f"--engine {name!r}: not available; choose one of {', '.join(ENGINES)}")

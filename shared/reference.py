@@ -7,9 +7,12 @@ whole prompt at once and token-by-token decoding run the same code.
 """
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 
 from .config import ModelConfig
+from .ggml_types import GGMLType
 from .model import Layer, Model
 from .state import SequenceState
 
@@ -44,8 +47,17 @@ def l2_normalize(x, eps=1e-6):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + F32(eps))
 
 
+# When set, activations are rounded through Q8_0 before every product with a
+# Q4_0/Q8_0 weight, as the native W4A8 kernels compute: the oracle for them.
+ACTIVATIONS_Q8 = contextvars.ContextVar("ACTIVATIONS_Q8", default=False)
+_INTEGER_WEIGHTS = (GGMLType.Q4_0, GGMLType.Q8_0)
+
+
 def linear(x, weight):
     """x [..., in] times a [out, in] weight."""
+    if ACTIVATIONS_Q8.get() and weight.qtype in _INTEGER_WEIGHTS:
+        from .quants import dequantize_q8_0, quantize_q8_0
+        x = dequantize_q8_0(quantize_q8_0(np.ascontiguousarray(x, dtype=F32)))
     return x @ weight.f32().T
 
 
@@ -149,8 +161,21 @@ def route(layer: Layer, x, cfg: ModelConfig):
     return top, weights / weights.sum(axis=-1, keepdims=True)
 
 
-def swiglu(x, gate_w, up_w, down_w):
-    return (silu(x @ gate_w.T) * (x @ up_w.T)) @ down_w.T
+def swiglu(x, gate, up, down, expert=None):
+    """down(silu(gate x) * up x) for a 2-D weight triple, or one expert of 3-D ones."""
+    if expert is not None:
+        gate, up, down = (_ExpertView(w, expert) for w in (gate, up, down))
+    return linear(silu(linear(x, gate)) * linear(x, up), down)
+
+
+class _ExpertView:
+    """One expert of a 3-D weight, with the interface `linear` reads."""
+
+    def __init__(self, weight, expert):
+        self.qtype, self._rows, self._e = weight.qtype, weight, expert
+
+    def f32(self):
+        return self._rows.rows(self._e)
 
 
 def moe(layer: Layer, x, cfg: ModelConfig):
@@ -158,10 +183,10 @@ def moe(layer: Layer, x, cfg: ModelConfig):
     y = np.zeros_like(x)
     for e in np.unique(top):
         tok, slot = np.nonzero(top == e)
-        out = swiglu(x[tok], layer.ffn_gate_exps.rows(e), layer.ffn_up_exps.rows(e), layer.ffn_down_exps.rows(e))
+        out = swiglu(x[tok], layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps, expert=e)
         y[tok] += weights[tok, slot][:, None] * out
     if cfg.n_ff_shexp:
-        shared = swiglu(x, layer.ffn_gate_shexp.f32(), layer.ffn_up_shexp.f32(), layer.ffn_down_shexp.f32())
+        shared = swiglu(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)
         y += sigmoid(x @ layer.ffn_gate_inp_shexp.f32())[:, None] * shared
     return y
 

@@ -55,6 +55,7 @@ class KVCache:
         self.k_pages: list[list[np.ndarray]] = [[] for _ in range(n)]
         self.v_pages: list[list[np.ndarray]] = [[] for _ in range(n)]
         self.length = [0] * n
+        self._tables = None
 
     def append(self, slot: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store K, V [T, n_head_kv, head_dim] of the next T positions of layer `slot`."""
@@ -64,9 +65,36 @@ class KVCache:
             if page == len(self.k_pages[slot]):
                 self.k_pages[slot].append(np.zeros(self.page_shape, self.dtype))
                 self.v_pages[slot].append(np.zeros(self.page_shape, self.dtype))
+                self._tables = None
             self.k_pages[slot][page][row] = k[t]
             self.v_pages[slot][page][row] = v[t]
             self.length[slot] = pos + 1
+
+    def reserve(self, n_positions: int) -> None:
+        """Pages for positions [0, n_positions) in every layer, for a native engine to fill."""
+        pages = -(-n_positions // self.block)
+        for slot in range(len(self.k_pages)):
+            while len(self.k_pages[slot]) < pages:
+                self.k_pages[slot].append(np.zeros(self.page_shape, self.dtype))
+                self.v_pages[slot].append(np.zeros(self.page_shape, self.dtype))
+                self._tables = None
+
+    def filled_to(self, n_positions: int) -> None:
+        """A native engine wrote K/V up to n_positions in every layer."""
+        self.length = [n_positions] * len(self.length)
+
+    def page_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses of the pages, [n_layers, max_pages] uint64 each (K, V), for C."""
+        if getattr(self, "_tables", None) is None:
+            width = max([len(p) for p in self.k_pages] + [1])
+            tables = []
+            for pages in (self.k_pages, self.v_pages):
+                table = np.zeros((len(pages), width), np.uint64)
+                for slot, layer_pages in enumerate(pages):
+                    table[slot, :len(layer_pages)] = [p.ctypes.data for p in layer_pages]
+                tables.append(table)
+            self._tables = tuple(tables)
+        return self._tables
 
     def view(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """K, V of all stored positions of layer `slot`, [P, n_head_kv, head_dim] fp32."""
@@ -84,6 +112,7 @@ class KVCache:
         other.k_pages = [[p.copy() for p in pages] for pages in self.k_pages]
         other.v_pages = [[p.copy() for p in pages] for pages in self.v_pages]
         other.length = list(self.length)
+        other._tables = None
         return other
 
 

@@ -1,0 +1,105 @@
+"""`fermoe bench decode MODEL.gguf`: prefill and decode speed of the native CPU
+engine, next to the memory read bandwidth measured in the same run, as JSON.
+
+The decode floor is bytes of weights read per token / read bandwidth: every
+token reads the non-expert matrices, the selected experts, the shared expert
+and the LM head once."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from shared.ggml_types import row_nbytes
+from shared.model import Model, Weight
+
+
+def _nbytes(w: Weight) -> int:
+    return len(w.raw)
+
+
+def bytes_per_token(model: Model) -> int:
+    """Weight bytes one decoded token reads (routers and vectors included)."""
+    cfg = model.config
+    total = _nbytes(model.output) + row_nbytes(model.token_embd.qtype, cfg.n_embd)
+    for layer in model.layers:
+        for name, w in vars(layer).items():
+            if not isinstance(w, Weight):
+                continue
+            if name.endswith("_exps"):
+                total += _nbytes(w) * cfg.n_expert_used // cfg.n_expert
+            else:
+                total += _nbytes(w)
+    return total
+
+
+def measure_read_bandwidth(threads: int, megabytes: int = 512) -> float:
+    """Bytes/s of a plain parallel read of a buffer far larger than the caches."""
+    from concurrent.futures import ThreadPoolExecutor
+    from bench.kernels import read_bandwidth
+    buf = np.ones(megabytes << 20, np.uint8)
+    with ThreadPoolExecutor(threads) as pool:
+        return read_bandwidth(pool, buf, threads, reps=5) * 1e9
+
+
+def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
+        seed: int = 0) -> dict:
+    from cpu_worker.native_engine import NativeEngine
+
+    model = Model(model_path)
+    engine = NativeEngine(model, threads=threads)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()
+
+    engine.forward(prompt[:4], engine.new_state(), all_logits=False)    # page in, warm up
+    state = engine.new_state()
+    t0 = time.perf_counter()
+    logits = engine.forward(prompt, state, all_logits=False)[-1]
+    prefill_s = time.perf_counter() - t0
+
+    step_s = []
+    for _ in range(decode_tokens):
+        token = int(np.argmax(logits))
+        t0 = time.perf_counter()
+        logits = engine.forward([token], state, all_logits=False)[-1]
+        step_s.append(time.perf_counter() - t0)
+
+    per_token = bytes_per_token(model)
+    bandwidth = measure_read_bandwidth(engine.threads)
+    ms = 1000 * float(np.median(step_s))
+    decode_tps = 1000 / ms
+    floor_tps = bandwidth / per_token
+    return {
+        "model": model_path,
+        "threads": engine.threads,
+        "isa": engine.isa,
+        "prompt_tokens": prompt_tokens,
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tok_s": round(prompt_tokens / prefill_s, 2),
+        "decode_tokens": decode_tokens,
+        "decode_ms_per_token_median": round(ms, 2),
+        "decode_ms_per_token_min": round(1000 * min(step_s), 2),
+        "decode_tok_s": round(decode_tps, 2),
+        "weight_bytes_per_token": per_token,
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "floor_tok_s": round(floor_tps, 2),
+        "fraction_of_floor": round(decode_tps / floor_tps, 3),
+    }
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="fermoe bench decode")
+    p.add_argument("model")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    p.add_argument("--tokens", type=int, default=32, help="decoded tokens (default 32)")
+    args = p.parse_args(argv)
+    print(json.dumps(run(args.model, args.threads, args.prompt, args.tokens), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The native CPU engine (`--engine cpu`): binds a loaded Model to the C forward.
+
+The C structs get pointers into the memory-mapped GGUF (no weight is copied,
+except small vectors and F16/BF16 matrices, which become F32) and into the
+SequenceState's own buffers, so a state moves between the reference and this
+engine, or between processes, as it is.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from shared.errors import FermoeError
+from shared.ggml_types import GGMLType, row_nbytes
+from shared.model import Model, Weight
+from shared.state import SequenceState
+
+from .topology import default_cpus
+
+COMPUTE_TYPES = {GGMLType.F32, GGMLType.Q4_0, GGMLType.Q8_0}
+MAX_BATCH = 64          # prompt tokens per native call: scratch grows with it
+
+
+def _native():
+    try:
+        from native import ffi, lib
+    except ImportError as e:
+        raise FermoeError(f"the native extension is not built ({e}); run: python3 -m pip install -e .") from None
+    return ffi, lib
+
+
+class NativeEngine:
+    name = "cpu"
+
+    def __init__(self, model: Model, threads: int | None = None, cpus: list[int] | None = None,
+                 max_batch: int = MAX_BATCH):
+        self.ffi, self.lib = _native()
+        self.model = model
+        self.max_batch = max_batch
+        cpus = list(cpus) if cpus is not None else default_cpus()
+        threads = threads or len(cpus)
+        if threads < 1:
+            raise FermoeError(f"--threads {threads}: must be at least 1")
+        cpus = (cpus * threads)[:threads]
+        self._keep = []                      # arrays the C structs point into
+        self._model = self._bind_model()
+        self._pool = self.lib.fm_pool_create(threads, self.ffi.new("int[]", cpus))
+        self._ctx = self.lib.fm_ctx_create(self._model, self._pool, max_batch)
+        if self._pool == self.ffi.NULL or self._ctx == self.ffi.NULL:
+            raise FermoeError("could not create the native thread pool or scratch memory")
+        self.threads = threads
+
+    @property
+    def isa(self) -> str:
+        """The kernel set in use (FERMOE_ISA or the best this CPU runs)."""
+        return self.ffi.string(self.lib.fm_isa_name(self.lib.fm_get_isa())).decode()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self.lib.fm_ctx_destroy(self._ctx)
+            self.lib.fm_pool_destroy(self._pool)
+            self._ctx = self._pool = None
+
+    __del__ = close
+
+    # ---- binding ---------------------------------------------------------
+    def _bind_model(self):
+        cfg, m = self.model.config, self.model
+        if cfg.ssm_conv_kernel > 16:
+            raise FermoeError(f"ssm.conv_kernel {cfg.ssm_conv_kernel}: the native engine supports up to 16")
+        fm = self.ffi.new("fm_model *")
+        for field in ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "rope_dim",
+                      "ssm_conv_kernel", "ssm_k_heads", "ssm_v_heads", "ssm_head_k_dim", "ssm_head_v_dim",
+                      "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp"):
+            setattr(fm, field, getattr(cfg, field))
+        fm.rms_eps, fm.rope_theta, fm.v_heads_tiled = cfg.rms_eps, cfg.rope_theta, cfg.v_heads_tiled
+        self._tensor(fm.token_embd, m.token_embd)
+        self._tensor(fm.output_norm, m.output_norm)
+        self._tensor(fm.output, m.output)
+        layers = self.ffi.new("fm_layer[]", cfg.n_layer)
+        self._keep.append(layers)
+        fm.layers = layers
+        gdn, attn = {l: i for i, l in enumerate(cfg.gdn_layers)}, {l: i for i, l in enumerate(cfg.attention_layers)}
+        for i, layer in enumerate(m.layers):
+            dst = layers[i]
+            dst.is_attention = layer.kind == "attention"
+            dst.gdn_slot, dst.attn_slot = gdn.get(i, -1), attn.get(i, -1)
+            for name, value in vars(layer).items():
+                if isinstance(value, Weight):
+                    self._tensor(getattr(dst, name), value)
+        self._keep.append(fm)
+        return fm
+
+    def _tensor(self, dst, w: Weight) -> None:
+        """Point an fm_tensor at a weight, in a type the kernels compute with."""
+        raw, qtype = w.raw, w.qtype
+        if len(w.shape) == 1 or qtype not in COMPUTE_TYPES:
+            raw, qtype = np.ascontiguousarray(w.f32()).view(np.uint8).reshape(-1), GGMLType.F32
+        self._keep.append(raw)
+        dst.data = self.ffi.cast("void *", self.ffi.from_buffer(raw))
+        dst.type = int(qtype)
+        shape = w.shape if len(w.shape) > 1 else (1, w.shape[0])
+        dst.rows, dst.cols = shape[-2], shape[-1]
+        dst.mat_stride = row_nbytes(qtype, shape[-1]) * shape[-2]
+
+    # ---- running ---------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return SequenceState(self.model.config, self.model.fingerprint)
+
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+        """Logits of every new position [T, vocab] (or of the last one, [1, vocab])."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        n_vocab = self.model.config.n_vocab
+        if len(tokens) == 0:
+            raise FermoeError("no tokens to run")
+        if tokens.min() < 0 or tokens.max() >= n_vocab:
+            raise FermoeError(f"token ids must be in [0, {n_vocab})")
+        out = []
+        for start in range(0, len(tokens), self.max_batch):
+            chunk = tokens[start:start + self.max_batch]
+            last = start + self.max_batch >= len(tokens)
+            out.append(self._run(chunk, state, all_logits, want=all_logits or last))
+        logits = np.concatenate([o for o in out if o is not None])
+        state.set_logits(logits[-1])
+        return logits
+
+    def _run(self, tokens: np.ndarray, state: SequenceState, all_logits: bool, want: bool):
+        """One native call; `want` False skips the LM head (a prompt chunk before the last)."""
+        ffi, T = self.ffi, len(tokens)
+        end = state.position + T
+        state.kv.reserve(end)
+        k_table, v_table = state.kv.page_tables()
+        seq = ffi.new("fm_seq *")
+        seq.ssm = ffi.cast("float *", ffi.from_buffer(state.ssm))
+        seq.conv = ffi.cast("float *", ffi.from_buffer(state.conv))
+        seq.k_pages = ffi.cast("float *const *", ffi.from_buffer(k_table))
+        seq.v_pages = ffi.cast("float *const *", ffi.from_buffer(v_table))
+        seq.max_pages, seq.block, seq.position = k_table.shape[1], state.kv.block, state.position
+        logits = np.empty((T if all_logits else 1, self.model.config.n_vocab), np.float32) if want else None
+        out = ffi.cast("float *", ffi.from_buffer(logits)) if want else ffi.NULL
+        rc = self.lib.fm_forward(self._ctx, seq, ffi.cast("int32_t *", ffi.from_buffer(tokens)), T, out,
+                                 int(all_logits))
+        if rc != 0:
+            raise FermoeError("native forward refused its input")
+        state.position = end
+        state.kv.filled_to(end)
+        return logits

@@ -1,0 +1,48 @@
+"""Which CPUs a decode worker should run on: the physical cores of a NUMA node,
+one hardware thread per core (the paper found hyper-thread siblings catastrophic)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYS = Path("/sys/devices/system")
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_nodes() -> dict[int, list[int]]:
+    """CPUs of each NUMA node; one node holding every allowed CPU where sysfs has none."""
+    allowed = sorted(os.sched_getaffinity(0))
+    nodes = {}
+    for d in sorted((SYS / "node").glob("node[0-9]*")):
+        cpus = [c for c in parse_cpulist((d / "cpulist").read_text()) if c in allowed]
+        if cpus:
+            nodes[int(d.name[4:])] = cpus
+    return nodes or {0: allowed}
+
+
+def physical_cores(cpus: list[int]) -> list[int]:
+    """The first hardware thread of every core among `cpus`."""
+    chosen, seen = [], set()
+    for cpu in sorted(cpus):
+        path = SYS / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list"
+        siblings = tuple(parse_cpulist(path.read_text())) if path.exists() else (cpu,)
+        if siblings not in seen:
+            seen.add(siblings)
+            chosen.append(cpu)
+    return chosen
+
+
+def default_cpus(node: int | None = None) -> list[int]:
+    """Physical cores of `node` (default: the first node)."""
+    nodes = numa_nodes()
+    return physical_cores(nodes[node if node is not None else min(nodes)])

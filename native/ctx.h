@@ -1,0 +1,27 @@
+/* Internal: the forward context and the per-block functions it calls. */
+#ifndef FM_CTX_H
+#define FM_CTX_H
+
+#include "fermoe_blocks.h"
+#include "forward.h"
+#include "linear.h"
+
+struct fm_ctx {
+    const fm_model *m;
+    fm_pool *pool;
+    int max_tokens;
+    float *x, *xn, *tmp;            /* [T][n_embd] residual, normed input, block output */
+    block_q8_0 *xq;                 /* [T][widest input / 32] quantised activations */
+    float *a, *b, *c, *d;           /* block-specific scratch (see each block) */
+    int32_t *ids;                   /* MoE routing: [T][k] experts */
+    float *weights;                 /* [T][k] routing weights */
+    int32_t *pair_token, *pair_slot;/* MoE: token and top-k slot of each (expert, token) pair */
+    block_q8_0 *xq2;                /* second quantised buffer (gathered expert inputs) */
+    float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
+};
+
+void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T);
+void fm_attention_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T);
+void fm_moe_block(fm_ctx *c, const fm_layer *l, int T);
+
+#endif

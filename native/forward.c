@@ -1,0 +1,88 @@
+/* The layer loop: h += mixer(norm1(h)); h += moe(norm2(h)); then the LM head. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ctx.h"
+#include "ops.h"
+
+static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
+    fm_ctx *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->m = m, c->pool = pool, c->max_tokens = max_tokens;
+    size_t T = max_tokens, D = m->n_embd, k = m->n_expert_used;
+    size_t d_inner = (size_t)m->ssm_v_heads * m->ssm_head_v_dim;
+    size_t conv = 2 * (size_t)m->ssm_k_heads * m->ssm_head_k_dim + d_inner;
+    size_t qg = 2 * (size_t)m->n_head * m->head_dim, kv = (size_t)m->n_head_kv * m->head_dim;
+    size_t ff = m->n_ff_exp, ffs = m->n_ff_shexp;
+    size_t widest = max3(max3(D, d_inner, (size_t)m->n_head * m->head_dim), ff, ffs);
+    c->x = malloc(T * D * sizeof(float));
+    c->xn = malloc(T * D * sizeof(float));
+    c->tmp = malloc(T * D * sizeof(float));
+    c->a = malloc(T * max3(conv, qg, k * ff + ffs) * sizeof(float));
+    c->b = malloc(T * max3(d_inner, 2 * kv, k * ff + ffs) * sizeof(float));
+    c->c = malloc(T * max3(d_inner, (size_t)m->n_head * m->head_dim, k * D) * sizeof(float));
+    c->d = malloc(T * (max3(2 * (size_t)m->ssm_v_heads, m->n_expert, 0) + 1) * sizeof(float));
+    c->xq = malloc(T * (widest / 32) * sizeof(block_q8_0));
+    c->xq2 = malloc(T * (k + 1) * (max3(D, ff, ffs) / 32) * sizeof(block_q8_0));
+    c->xg = malloc(T * k * max3(D, ff, 0) * sizeof(float));
+    c->ids = malloc(T * k * sizeof(int32_t));
+    c->weights = malloc(T * k * sizeof(float));
+    c->pair_token = malloc(T * k * sizeof(int32_t));
+    c->pair_slot = malloc(T * k * sizeof(int32_t));
+    if (!c->x || !c->xn || !c->tmp || !c->a || !c->b || !c->c || !c->d || !c->xq || !c->xq2 || !c->xg || !c->ids ||
+        !c->weights || !c->pair_token || !c->pair_slot) {
+        fm_ctx_destroy(c);
+        return NULL;
+    }
+    return c;
+}
+
+void fm_ctx_destroy(fm_ctx *c) {
+    if (!c) return;
+    void *bufs[] = {c->x, c->xn, c->tmp, c->a, c->b, c->c, c->d, c->xq, c->xq2, c->xg, c->ids, c->weights,
+                    c->pair_token, c->pair_slot};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    free(c);
+}
+
+static void norm_rows(const fm_ctx *c, float *y, const float *x, const fm_tensor *w, int T) {
+    int D = c->m->n_embd;
+    for (int t = 0; t < T; t++) fm_rmsnorm(y + (size_t)t * D, x + (size_t)t * D, w->data, D, c->m->rms_eps);
+}
+
+static void add_rows(float *x, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+static void lm_head(fm_ctx *c, int T, float *logits, int all_logits) {
+    const fm_model *m = c->m;
+    int D = m->n_embd, first = all_logits ? 0 : T - 1, rows = T - first;
+    norm_rows(c, c->xn, c->x + (size_t)first * D, &m->output_norm, rows);
+    if (m->output.type != FM_F32) fm_quantize_rows(c->pool, c->xn, c->xq, rows, D);
+    fm_job job = {&m->output, 0, c->xn, c->xq, rows, logits, m->n_vocab};
+    fm_run_jobs(c->pool, &job, 1);
+}
+
+int fm_forward(fm_ctx *c, fm_seq *s, const int32_t *tokens, int T, float *logits, int all_logits) {
+    const fm_model *m = c->m;
+    if (T < 1 || T > c->max_tokens) return -1;
+    for (int t = 0; t < T; t++)
+        if (tokens[t] < 0 || tokens[t] >= m->n_vocab) return -1;
+    int D = m->n_embd;
+    for (int t = 0; t < T; t++) fm_dequant_row(&m->token_embd, tokens[t], c->x + (size_t)t * D);
+    for (int i = 0; i < m->n_layer; i++) {
+        const fm_layer *l = &m->layers[i];
+        norm_rows(c, c->xn, c->x, &l->attn_norm, T);
+        if (l->is_attention) fm_attention_block(c, l, s, T);
+        else fm_gdn_block(c, l, s, T);
+        add_rows(c->x, c->tmp, (size_t)T * D);
+        norm_rows(c, c->xn, c->x, &l->post_attention_norm, T);
+        fm_moe_block(c, l, T);
+        add_rows(c->x, c->tmp, (size_t)T * D);
+    }
+    if (logits) lm_head(c, T, logits, all_logits);
+    s->position += T;
+    return 0;
+}

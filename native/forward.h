@@ -1,0 +1,23 @@
+/* The native forward pass: advances one sequence by T tokens (T = 1 for decode,
+ * a prompt chunk for CPU prefill) through the whole model, reading weights in
+ * place from the mapped GGUF. Python only loops over tokens and samples. */
+#ifndef FM_FORWARD_H
+#define FM_FORWARD_H
+
+#include "model.h"
+#include "threadpool.h"
+
+typedef struct fm_ctx fm_ctx;
+
+/* Scratch for batches of up to max_tokens; NULL on allocation failure. */
+fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens);
+void fm_ctx_destroy(fm_ctx *c);
+
+/* Runs tokens[0..T) at positions seq->position.. and advances seq->position.
+ * logits: [T][n_vocab] when all_logits, else [n_vocab] of the last token;
+ * NULL skips the LM head (a prompt chunk whose logits nobody reads).
+ * The caller must have allocated KV pages for every position written.
+ * Returns 0, or -1 if T exceeds max_tokens or a token id is out of range. */
+int fm_forward(fm_ctx *c, fm_seq *seq, const int32_t *tokens, int T, float *logits, int all_logits);
+
+#endif

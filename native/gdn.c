@@ -1,0 +1,113 @@
+/* Gated DeltaNet block for T tokens (see shared/reference.py: gated_deltanet).
+ * Scratch: a = qkv [T][conv_channels], b = z [T][d_inner],
+ *          d = beta [T][v_heads] then alpha [T][v_heads], c = o [T][d_inner]. */
+#include "ctx.h"
+#include "ops.h"
+
+#define CONV_CHANNELS_PER_TASK 256
+
+typedef struct {
+    const fm_model *m;
+    const fm_layer *l;
+    float *qkv, *z, *beta, *alpha, *o, *conv_state, *ssm;
+    int T, channels;
+} gdn_ctx;
+
+/* Causal depthwise conv over the carried history of kernel-1 raw inputs, then SiLU. */
+static void conv_task(void *p, int task, int worker) {
+    (void)worker;
+    gdn_ctx *g = p;
+    int K = g->m->ssm_conv_kernel, C = g->channels;
+    int c0 = task * CONV_CHANNELS_PER_TASK, c1 = c0 + CONV_CHANNELS_PER_TASK < C ? c0 + CONV_CHANNELS_PER_TASK : C;
+    const float *w = g->l->ssm_conv1d.data;
+    for (int ch = c0; ch < c1; ch++) {
+        float hist[16];
+        for (int j = 0; j < K - 1; j++) hist[j] = g->conv_state[(size_t)j * C + ch];
+        const float *wc = w + (size_t)ch * K;
+        for (int t = 0; t < g->T; t++) {
+            float x = g->qkv[(size_t)t * C + ch];
+            float acc = wc[K - 1] * x;
+            for (int j = 0; j < K - 1; j++) acc += wc[j] * hist[j];
+            for (int j = 0; j < K - 2; j++) hist[j] = hist[j + 1];
+            hist[K - 2] = x;
+            g->qkv[(size_t)t * C + ch] = fm_silu(acc);
+        }
+        for (int j = 0; j < K - 1; j++) g->conv_state[(size_t)j * C + ch] = hist[j];
+    }
+}
+
+static void l2_normalize(float *y, const float *x, int n, float scale) {
+    float inv = scale / sqrtf(fm_dot(x, x, n) + 1e-6f);
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv;
+}
+
+/* One step of the delta rule on S [dk][dv]: S = e^g S; d = beta (v - S^T k); S += k d^T; o = S^T q. */
+static void delta_step(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                       float *o, int dk, int dv) {
+    float kv_mem[dv], delta[dv];
+    for (int j = 0; j < dv; j++) kv_mem[j] = 0.0f, o[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) {
+            row[j] *= decay;
+            kv_mem[j] += row[j] * k[i];
+        }
+    }
+    for (int j = 0; j < dv; j++) delta[j] = beta * (v[j] - kv_mem[j]);
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) {
+            row[j] += k[i] * delta[j];
+            o[j] += row[j] * q[i];
+        }
+    }
+}
+
+static void head_task(void *p, int h, int worker) {
+    (void)worker;
+    gdn_ctx *g = p;
+    const fm_model *m = g->m;
+    int Hk = m->ssm_k_heads, Hv = m->ssm_v_heads, dk = m->ssm_head_k_dim, dv = m->ssm_head_v_dim;
+    int key_dim = Hk * dk, d_inner = Hv * dv, C = g->channels;
+    int kh = m->v_heads_tiled ? h % Hk : h / (Hv / Hk);
+    const float *a_log = g->l->ssm_a.data, *dt = g->l->ssm_dt.data, *norm_w = g->l->ssm_norm.data;
+    float *S = g->ssm + (size_t)h * dk * dv;
+    float qn[dk], kn[dk], out[dv];
+    for (int t = 0; t < g->T; t++) {
+        const float *row = g->qkv + (size_t)t * C;
+        l2_normalize(qn, row + kh * dk, dk, 1.0f / sqrtf((float)dk));
+        l2_normalize(kn, row + key_dim + kh * dk, dk, 1.0f);
+        float decay = expf(a_log[h] * fm_softplus(g->alpha[(size_t)t * Hv + h] + dt[h]));
+        float beta = fm_sigmoid(g->beta[(size_t)t * Hv + h]);
+        delta_step(S, qn, kn, row + 2 * key_dim + h * dv, decay, beta, out, dk, dv);
+        /* gated RMSNorm: rmsnorm(o) * w * silu(z) */
+        float *dst = g->o + (size_t)t * d_inner + h * dv;
+        const float *z = g->z + (size_t)t * d_inner + h * dv;
+        fm_rmsnorm(dst, out, norm_w, dv, m->rms_eps);
+        for (int j = 0; j < dv; j++) dst[j] *= fm_silu(z[j]);
+    }
+}
+
+void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T) {
+    const fm_model *m = c->m;
+    int D = m->n_embd, Hv = m->ssm_v_heads, d_inner = Hv * m->ssm_head_v_dim;
+    int channels = 2 * m->ssm_k_heads * m->ssm_head_k_dim + d_inner;
+    gdn_ctx g = {m, l, c->a, c->b, c->d, c->d + (size_t)T * Hv, c->c, NULL, NULL, T, channels};
+    g.conv_state = s->conv + (size_t)l->gdn_slot * (m->ssm_conv_kernel - 1) * channels;
+    g.ssm = s->ssm + (size_t)l->gdn_slot * Hv * m->ssm_head_k_dim * m->ssm_head_v_dim;
+
+    fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
+    fm_job in[4] = {
+        {&l->attn_qkv, 0, c->xn, c->xq, T, g.qkv, channels},
+        {&l->attn_gate, 0, c->xn, c->xq, T, g.z, d_inner},
+        {&l->ssm_beta, 0, c->xn, c->xq, T, g.beta, Hv},
+        {&l->ssm_alpha, 0, c->xn, c->xq, T, g.alpha, Hv},
+    };
+    fm_run_jobs(c->pool, in, 4);
+    fm_pool_run(c->pool, conv_task, &g, (channels + CONV_CHANNELS_PER_TASK - 1) / CONV_CHANNELS_PER_TASK);
+    fm_pool_run(c->pool, head_task, &g, Hv);
+
+    fm_quantize_rows(c->pool, g.o, c->xq, T, d_inner);
+    fm_job out = {&l->ssm_out, 0, g.o, c->xq, T, c->tmp, D};
+    fm_run_jobs(c->pool, &out, 1);
+}

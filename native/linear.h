@@ -1,0 +1,27 @@
+/* Matrix products of the forward pass, spread over the thread pool. A job is
+ * y[b][r] = W[r] . x[b] for every row r of one weight matrix and every one of B
+ * activation rows; several jobs run in one parallel region so small matrices
+ * (an expert's gate and up, the GDN's four projections) share the threads. */
+#ifndef FM_LINEAR_H
+#define FM_LINEAR_H
+
+#include "fermoe_blocks.h"
+#include "model.h"
+#include "threadpool.h"
+
+typedef struct {
+    const fm_tensor *w;
+    int mat;                    /* which expert of a 3-D tensor (0 for 2-D) */
+    const float *x;             /* [B][cols] fp32 activations (used by F32 weights) */
+    const block_q8_0 *xq;       /* [B][cols/32] the same, quantised (used by Q4_0/Q8_0 weights) */
+    int B;
+    float *y;                   /* y[b * ldy + r] */
+    int ldy;
+} fm_job;
+
+void fm_run_jobs(fm_pool *pool, const fm_job *jobs, int n_jobs);
+
+/* Quantise B rows of n floats (row stride n) to Q8_0, in parallel. */
+void fm_quantize_rows(fm_pool *pool, const float *x, block_q8_0 *y, int B, int n);
+
+#endif

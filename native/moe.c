@@ -1,0 +1,126 @@
+/* Mixture-of-experts block for T tokens (see shared/reference.py: moe).
+ * Tokens are grouped by expert, so each selected expert's weights are read once
+ * per batch. Scratch: d = router logits [T][E] then shared-gate logits [T];
+ * a = expert gate out [pairs][ff] then shared [T][ffs]; b = up, likewise;
+ * c = expert down out [pairs][D]; a "pair" is one (expert, token) choice. */
+#include <string.h>
+
+#include "ctx.h"
+#include "ops.h"
+
+/* Softmax over all experts, top k by probability, renormalised to sum 1. */
+static void route(const float *logits, int E, int k, int32_t *ids, float *weights) {
+    float max = logits[0], sum = 0.0f;
+    for (int e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
+    float p[E];
+    for (int e = 0; e < E; e++) sum += p[e] = expf(logits[e] - max);
+    float kept = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        ids[j] = best;
+        weights[j] = p[best] / sum;
+        kept += weights[j];
+        p[best] = -1.0f;                 /* taken */
+    }
+    for (int j = 0; j < k; j++) weights[j] /= kept;
+}
+
+/* Counting sort of the T*k choices by expert; returns the number of experts used. */
+static int group_by_expert(fm_ctx *c, int T, int E, int k, int *first, int *count, int *experts) {
+    memset(count, 0, E * sizeof *count);
+    for (int i = 0; i < T * k; i++) count[c->ids[i]]++;
+    int n_used = 0, off = 0;
+    for (int e = 0; e < E; e++) {
+        first[e] = off;
+        off += count[e];
+        if (count[e]) experts[n_used++] = e;
+    }
+    int fill[E];
+    memcpy(fill, first, E * sizeof *fill);
+    for (int i = 0; i < T * k; i++) {
+        int p = fill[c->ids[i]]++;
+        c->pair_token[p] = i / k;
+        c->pair_slot[p] = i;
+    }
+    return n_used;
+}
+
+static void gather_inputs(fm_ctx *c, int pairs, int D, int fp32) {
+    int nb = D / 32;
+    for (int p = 0; p < pairs; p++) {
+        int t = c->pair_token[p];
+        if (nb * 32 == D) memcpy(c->xq2 + (size_t)p * nb, c->xq + (size_t)t * nb, nb * sizeof(block_q8_0));
+        if (fp32) memcpy(c->xg + (size_t)p * D, c->xn + (size_t)t * D, D * sizeof(float));
+    }
+}
+
+static void swiglu_rows(float *g, const float *u, size_t n) {
+    for (size_t i = 0; i < n; i++) g[i] = fm_silu(g[i]) * u[i];
+}
+
+void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
+    const fm_model *m = c->m;
+    int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp;
+    int pairs = T * k;
+    float *router = c->d, *sh_gate = c->d + (size_t)T * E;
+    float *G = c->a, *U = c->b, *Dn = c->c, *Gs = c->a + (size_t)pairs * ff, *Us = c->b + (size_t)pairs * ff;
+
+    fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
+    fm_job first[3] = {
+        {&l->ffn_gate_inp, 0, c->xn, c->xq, T, router, E},
+        {&l->ffn_gate_shexp, 0, c->xn, c->xq, T, Gs, ffs},
+        {&l->ffn_up_shexp, 0, c->xn, c->xq, T, Us, ffs},
+    };
+    fm_run_jobs(c->pool, first, ffs ? 3 : 1);
+    for (int t = 0; t < T; t++) {
+        route(router + (size_t)t * E, E, k, c->ids + (size_t)t * k, c->weights + (size_t)t * k);
+        if (ffs) sh_gate[t] = fm_dot(l->ffn_gate_inp_shexp.data, c->xn + (size_t)t * D, D);
+    }
+
+    int firstp[E], count[E], experts[E];
+    int n_used = group_by_expert(c, T, E, k, firstp, count, experts);
+    int fp32 = l->ffn_gate_exps.type == FM_F32;
+    gather_inputs(c, pairs, D, fp32);
+    fm_job jobs[2 * E + 1];
+    for (int i = 0; i < n_used; i++) {
+        int e = experts[i], p = firstp[e];
+        jobs[2 * i] = (fm_job){&l->ffn_gate_exps, e, c->xg + (size_t)p * D, c->xq2 + (size_t)p * (D / 32),
+                               count[e], G + (size_t)p * ff, ff};
+        jobs[2 * i + 1] = jobs[2 * i];
+        jobs[2 * i + 1].w = &l->ffn_up_exps;
+        jobs[2 * i + 1].y = U + (size_t)p * ff;
+    }
+    fm_run_jobs(c->pool, jobs, 2 * n_used);
+
+    /* h = silu(gate) * up, then the down projections (and the shared expert's) */
+    swiglu_rows(G, U, (size_t)pairs * ff);
+    if (ffs) swiglu_rows(Gs, Us, (size_t)T * ffs);
+    block_q8_0 *hq = c->xq2, *hsq = c->xq2 + (size_t)pairs * (ff / 32);
+    fm_quantize_rows(c->pool, G, hq, pairs, ff);
+    if (ffs) fm_quantize_rows(c->pool, Gs, hsq, T, ffs);
+    for (int i = 0; i < n_used; i++) {
+        int e = experts[i], p = firstp[e];
+        jobs[i] = (fm_job){&l->ffn_down_exps, e, G + (size_t)p * ff, hq + (size_t)p * (ff / 32), count[e],
+                           Dn + (size_t)p * D, D};
+    }
+    int n_jobs = n_used;
+    if (ffs) jobs[n_jobs++] = (fm_job){&l->ffn_down_shexp, 0, Gs, hsq, T, c->tmp, D};
+    else memset(c->tmp, 0, (size_t)T * D * sizeof(float));
+    fm_run_jobs(c->pool, jobs, n_jobs);
+
+    /* y[t] = sigmoid(w_sh . x) * shared(x) + sum_k p_k * expert_k(x) */
+    if (ffs)
+        for (int t = 0; t < T; t++) {
+            float s = fm_sigmoid(sh_gate[t]);
+            for (int i = 0; i < D; i++) c->tmp[(size_t)t * D + i] *= s;
+        }
+    for (int p = 0; p < pairs; p++) {
+        int t = c->pair_token[p];
+        float w = c->weights[c->pair_slot[p]];
+        float *y = c->tmp + (size_t)t * D;
+        const float *src = Dn + (size_t)p * D;
+        for (int i = 0; i < D; i++) y[i] += w * src[i];
+    }
+}

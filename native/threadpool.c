@@ -1,0 +1,127 @@
+/* Work distribution: tasks are claimed from one atomic counter, so uneven tasks
+ * balance themselves. Workers spin briefly on a generation number before sleeping
+ * on a condition variable: a decode step runs hundreds of short regions per token,
+ * and a futex wake-up per region would cost more than the region. */
+#define _GNU_SOURCE
+#include "threadpool.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#define SPIN_ITERATIONS 200000
+
+struct fm_pool {
+    int n_threads;
+    pthread_t *threads;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_int generation;      /* bumped to start a region */
+    atomic_int next_task;
+    atomic_int pending;         /* workers still inside the current region */
+    int n_tasks;
+    fm_task_fn fn;
+    void *ctx;
+    int stop;
+    const int *cpus;
+};
+
+typedef struct { fm_pool *pool; int worker; } worker_arg;
+
+static void pin_to(int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+static void drain(fm_pool *p, int worker) {
+    for (int t; (t = atomic_fetch_add(&p->next_task, 1)) < p->n_tasks;)
+        p->fn(p->ctx, t, worker);
+}
+
+static void *worker_main(void *argp) {
+    worker_arg arg = *(worker_arg *)argp;
+    free(argp);
+    fm_pool *p = arg.pool;
+    if (p->cpus) pin_to(p->cpus[arg.worker]);
+    int seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&p->generation, memory_order_acquire) == seen && spins < SPIN_ITERATIONS)
+            spins++;
+        if (atomic_load(&p->generation) == seen) {
+            pthread_mutex_lock(&p->lock);
+            while (atomic_load(&p->generation) == seen && !p->stop) pthread_cond_wait(&p->wake, &p->lock);
+            pthread_mutex_unlock(&p->lock);
+        }
+        if (p->stop) return NULL;
+        seen = atomic_load(&p->generation);
+        drain(p, arg.worker);
+        atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
+    }
+}
+
+fm_pool *fm_pool_create(int n_threads, const int *cpus) {
+    if (n_threads < 1) { errno = EINVAL; return NULL; }
+    fm_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->n_threads = n_threads;
+    p->threads = calloc(n_threads, sizeof *p->threads);
+    if (cpus) {
+        int *copy = malloc(n_threads * sizeof *copy);
+        for (int i = 0; i < n_threads; i++) copy[i] = cpus[i];
+        p->cpus = copy;
+        pin_to(cpus[0]);
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    for (int i = 1; i < n_threads; i++) {
+        worker_arg *arg = malloc(sizeof *arg);
+        arg->pool = p;
+        arg->worker = i;
+        if (pthread_create(&p->threads[i], NULL, worker_main, arg) != 0) {
+            p->n_threads = i;
+            fm_pool_destroy(p);
+            return NULL;
+        }
+    }
+    return p;
+}
+
+void fm_pool_run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
+    if (p->n_threads == 1 || n_tasks <= 1) {
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    p->fn = fn;
+    p->ctx = ctx;
+    p->n_tasks = n_tasks;
+    atomic_store(&p->next_task, 0);
+    atomic_store(&p->pending, p->n_threads - 1);
+    pthread_mutex_lock(&p->lock);
+    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+    drain(p, 0);
+    while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {}
+}
+
+int fm_pool_size(const fm_pool *p) { return p->n_threads; }
+
+void fm_pool_destroy(fm_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->lock);
+    p->stop = 1;
+    atomic_fetch_add(&p->generation, 1);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+    for (int i = 1; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->wake);
+    free((void *)p->cpus);
+    free(p->threads);
+    free(p);
+}

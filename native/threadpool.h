@@ -1,0 +1,20 @@
+/* A small fixed thread pool for the decode step: threads created once, pinned to
+ * given CPUs, woken per parallel region. The calling thread takes part as worker 0,
+ * so a pool of N threads starts N-1 of its own. */
+#ifndef FM_THREADPOOL_H
+#define FM_THREADPOOL_H
+
+typedef struct fm_pool fm_pool;
+
+/* fn(ctx, task, worker) is called once for every task in [0, n_tasks). */
+typedef void (*fm_task_fn)(void *ctx, int task, int worker);
+
+/* cpus: n_threads CPU ids to pin to (cpus[0] for the caller), or NULL for no pinning.
+ * Returns NULL on failure (errno set). */
+fm_pool *fm_pool_create(int n_threads, const int *cpus);
+void fm_pool_destroy(fm_pool *pool);
+int fm_pool_size(const fm_pool *pool);
+/* Runs every task, blocking until all are done. Not reentrant. */
+void fm_pool_run(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
+
+#endif
