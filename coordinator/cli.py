@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"])
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL.gguf")
+    p.add_argument("what", choices=["kernels", "decode"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
 
@@ -125,7 +128,17 @@ def cmd_synth(args) -> None:
           file=sys.stderr)
 
 
-COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth}
+def cmd_bench(args) -> None:
+    if args.what == "kernels":
+        from bench.kernels import main as bench_main
+    else:
+        from bench.decode import main as bench_main
+    sys.argv[0] = f"fermoe bench {args.what}"
+    bench_main(args.rest)
+
+
+COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth,
+            "bench": cmd_bench}
 
 
 def main(argv=None) -> int:
