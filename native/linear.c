@@ -2,16 +2,25 @@
 
 #include "kernels.h"
 
-/* Rows per task: big enough to amortise the task claim, small enough that a
- * 512-row expert matrix still splits over the threads. */
-#define ROWS_PER_TASK 64
+/* Rows per task: at least MIN_ROWS so the claim and the kernel's prefetch
+ * warm-up are amortised, and about TASKS_PER_THREAD tasks a thread on big
+ * matrices so a long stream of rows is not cut into thousands of pieces. */
+#define MIN_ROWS 64
+#define TASKS_PER_THREAD 4
 #define MAX_JOBS 64
 
 typedef struct {
     const fm_job *jobs;
     int n_jobs;
+    int rows_per_task[MAX_JOBS];
     int first_task[MAX_JOBS + 1];
 } jobs_ctx;
+
+static int rows_per_task(int rows, int threads) {
+    int per = (rows + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);
+    per = (per + 15) & ~15;
+    return per < MIN_ROWS ? MIN_ROWS : per;
+}
 
 static const uint8_t *matrix(const fm_tensor *w, int mat) {
     return (const uint8_t *)w->data + (int64_t)mat * w->mat_stride;
@@ -41,8 +50,8 @@ static void job_task(void *ctxp, int task, int worker) {
     jobs_ctx *c = ctxp;
     int j = 0;
     while (task >= c->first_task[j + 1]) j++;
-    int rb = (task - c->first_task[j]) * ROWS_PER_TASK;
-    int re = rb + ROWS_PER_TASK;
+    int rb = (task - c->first_task[j]) * c->rows_per_task[j];
+    int re = rb + c->rows_per_task[j];
     if (re > c->jobs[j].w->rows) re = c->jobs[j].w->rows;
     run_rows(&c->jobs[j], rb, re);
 }
@@ -51,8 +60,11 @@ void fm_run_jobs(fm_pool *pool, const fm_job *jobs, int n_jobs) {
     for (int start = 0; start < n_jobs; start += MAX_JOBS) {
         jobs_ctx c = {.jobs = jobs + start, .n_jobs = n_jobs - start < MAX_JOBS ? n_jobs - start : MAX_JOBS};
         c.first_task[0] = 0;
-        for (int j = 0; j < c.n_jobs; j++)
-            c.first_task[j + 1] = c.first_task[j] + (c.jobs[j].w->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        for (int j = 0; j < c.n_jobs; j++) {
+            int rows = c.jobs[j].w->rows, per = rows_per_task(rows, fm_pool_size(pool));
+            c.rows_per_task[j] = per;
+            c.first_task[j + 1] = c.first_task[j] + (rows + per - 1) / per;
+        }
         fm_pool_run(pool, job_task, &c, c.first_task[c.n_jobs]);
     }
 }
