@@ -80,3 +80,14 @@ def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
     assert run.stderr.startswith("fermoe: error:") and message in run.stderr, run.stderr
+
+
+def test_cpu_engine_from_the_command_line(tiny_q4_path, tmp_path):
+    from cpu_worker.native_engine import NativeEngine
+    out = tmp_path / "cpu.npy"
+    fermoe("logits", tiny_q4_path, "--engine", "cpu", "--threads", 2, "--tokens", "5,6,7,8", "--out", out)
+    engine = NativeEngine(Model(tiny_q4_path), threads=2)
+    np.testing.assert_allclose(np.load(out), engine.forward([5, 6, 7, 8], engine.new_state()), rtol=0, atol=1e-5)
+    text = fermoe("generate", tiny_q4_path, "--engine", "cpu", "-p", "Hello", "-n", 8, "--temp", 0).stdout
+    assert text == fermoe("generate", tiny_q4_path, "--engine", "cpu", "-t", 1, "-p", "Hello", "-n", 8,
+                          "--temp", 0).stdout
