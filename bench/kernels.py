@@ -1,6 +1,7 @@
 """Kernel benchmark: the CPU kernels' speed next to the memory read bandwidth, in one run.
 
     python -m bench.kernels [--matrix-mb 288] [--read-mb 512] [--threads 2] [--reps 5]
+    python -m bench.kernels --matmul-sweep [--threads 2] [--reps 5] [--isa avx2]
 
 prints JSON. Measured in the same process, one after the other (these machines are
 noisy, so only ratios measured together mean much; each figure is the best of --reps):
@@ -14,6 +15,16 @@ noisy, so only ratios measured together mean much; each figure is the best of --
   - ratios: SSSE3 (the paper's pmaddubsw kernel) over scalar C (the paper: 3x), and
     each ISA over SSSE3.
 Threads are a Python pool splitting the rows; the cffi calls release the GIL.
+
+--matmul-sweep times only the batched Q4_0 product fm_matmul_q4_0 the way the
+native forward calls it, at B in {1, 2, 4, 8, 12, 64}, on a 4096x2048 matrix (the
+non-expert projections: B = the 64 tokens of a chunk) and a 512x2048 one (an
+expert's gate/up: B = the few tokens routed to it), and a 2048x512 one (an
+expert's down): GMAC/s and tokens/s per ISA, with 1 and N threads. Rows are cut
+into tasks as native/linear.c cuts them (>= 64 rows, ~4 tasks a thread), each
+task one kernel call; a thread loops over its tasks many times per timing, so
+the Python overhead is amortised. B = 1 also times fm_matvec_q4_0 (what the
+forward calls at B = 1) as "matvec".
 """
 from __future__ import annotations
 
@@ -170,6 +181,86 @@ def _ratios(by_isa: dict, thread_counts: list[int]) -> dict:
     return ratios
 
 
+# ---------------------------------------------------------------- matmul sweep
+
+SWEEP_SHAPES = ((4096, 2048), (512, 2048), (2048, 512))
+SWEEP_BATCHES = (1, 2, 4, 8, 12, 64)
+
+
+def _tasks_like_linear_c(rows: int, threads: int) -> list[tuple[int, int]]:
+    """The row ranges native/linear.c gives one call each (rows_per_task there)."""
+    per = -(-rows // (threads * 4))
+    per = max(64, (per + 15) & ~15)
+    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
+def _sweep_one(pool, W, X, B: int, nthreads: int, reps: int, kernel: str, min_s: float = 0.05) -> float:
+    """Seconds per full product (all rows, B tokens), best of reps."""
+    from native import ffi, lib
+    rows, cols = W.shape[0], W.shape[1] // 18 * 32
+    Y = np.zeros((B, rows), np.float32)
+    wp = ffi.cast("block_q4_0 *", ffi.from_buffer(W))
+    xp = ffi.cast("block_q8_0 *", ffi.from_buffer(X))
+    yp = ffi.cast("float *", ffi.from_buffer(Y))
+    tasks = _tasks_like_linear_c(rows, nthreads)
+    mine = [tasks[i::nthreads] for i in range(nthreads)]  # static split: no claiming overhead
+    if kernel == "matvec":
+        calls = [[(lib.fm_matvec_q4_0, (wp, xp, yp, cols, b, e)) for b, e in m] for m in mine]
+    else:
+        calls = [[(lib.fm_matmul_q4_0, (wp, xp, yp, cols, B, rows, b, e)) for b, e in m] for m in mine]
+
+    def work(i, n):
+        for _ in range(n):
+            for fn, args in calls[i]:
+                fn(*args)
+
+    def timed(n):
+        t0 = time.perf_counter()
+        if nthreads == 1:
+            work(0, n)
+        else:
+            for f in [pool.submit(work, i, n) for i in range(nthreads)]:
+                f.result()
+        return time.perf_counter() - t0
+
+    t1 = timed(1)
+    inner = max(1, int(min_s / max(t1, 1e-6)))
+    return min(timed(inner) / inner for _ in range(reps))
+
+
+def run_sweep(threads: int = 2, reps: int = 5, isas: list[str] | None = None,
+              shapes=SWEEP_SHAPES, batch_sizes=SWEEP_BATCHES) -> dict:
+    isas = isas or native.supported_isas()
+    thread_counts = sorted({1, threads})
+    rng = np.random.default_rng(5)
+    result = {"machine": {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "isas": native.supported_isas(),
+                          "default_isa": native.get_isa()},
+              "setup": {"shapes": [list(s) for s in shapes], "batches": list(batch_sizes),
+                        "threads": thread_counts, "reps": reps,
+                        "tasks": "rows cut as native/linear.c cuts them, one kernel call each"},
+              "matmul_q4_0": {}}
+    with ThreadPoolExecutor(max(thread_counts)) as pool:
+        for isa in isas:
+            res = result["matmul_q4_0"][isa] = {}
+            with native.use_isa(isa):
+                for rows, cols in shapes:
+                    W = random_q4_0(rows, cols, seed=rows + cols)
+                    Xall = native.quantize_row_q8_0(rng.standard_normal((max(batch_sizes), cols)).astype(np.float32))
+                    shape_res = res[f"{rows}x{cols}"] = {}
+                    for nt in thread_counts:
+                        by_b = shape_res[f"{nt}t"] = {}
+                        for B in batch_sizes:
+                            X = np.ascontiguousarray(Xall[:B])
+                            t = _sweep_one(pool, W, X, B, nt, reps, "matmul")
+                            by_b[str(B)] = {"gmac_s": round(rows * cols * B / t / 1e9, 2),
+                                            "tokens_s": round(B / t, 1), "us": round(t * 1e6, 1)}
+                            if B == 1:
+                                t = _sweep_one(pool, W, X, 1, nt, reps, "matvec")
+                                by_b["matvec"] = {"gmac_s": round(rows * cols / t / 1e9, 2),
+                                                  "tokens_s": round(1 / t, 1), "us": round(t * 1e6, 1)}
+    return result
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--matrix-mb", type=int, default=288, help="Q4_0 matvec matrix size (MiB; > caches)")
@@ -179,7 +270,12 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="repetitions; the best one counts")
     ap.add_argument("--cols", type=int, default=2048, help="matrix columns (multiple of 32; 2048 = the hidden size)")
     ap.add_argument("--isa", action="append", choices=native.ISAS, help="only these ISAs (repeatable)")
+    ap.add_argument("--matmul-sweep", action="store_true",
+                    help="only time fm_matmul_q4_0 at several batch sizes and shapes (GMAC/s, tokens/s)")
     args = ap.parse_args(argv)
+    if args.matmul_sweep:
+        print(json.dumps(run_sweep(threads=args.threads, reps=args.reps, isas=args.isa), indent=2))
+        return
     res = run(matrix_mb=args.matrix_mb, read_mb=args.read_mb, threads=args.threads, reps=args.reps,
               isas=args.isa, cols=args.cols)
     print(json.dumps(res, indent=2))

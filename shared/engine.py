@@ -22,12 +22,14 @@ class ReferenceEngine:
     def new_state(self) -> SequenceState:
         return SequenceState(self.model.config, self.model.fingerprint)
 
-    def forward(self, tokens, state: SequenceState) -> np.ndarray:
-        """Logits [T, vocab] of every new position; the state moves on by len(tokens)."""
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+        """Logits [T, vocab] of every new position (or [1, vocab] of the last one);
+        the state moves on by len(tokens)."""
         from .reference import ACTIVATIONS_Q8, forward
         token = ACTIVATIONS_Q8.set(self.activations_q8)
         try:
-            return forward(self.model, tokens, state)
+            logits = forward(self.model, tokens, state)
+            return logits if all_logits else logits[-1:]
         finally:
             ACTIVATIONS_Q8.reset(token)
 

@@ -1,9 +1,40 @@
-"""Prompt in, tokens out: the loop shared by `fermoe generate` and later the workers."""
+"""Prompt in, tokens out: one decoding loop shared by `fermoe generate` and the
+CPU workers, so a served request and a local run sample the very same tokens."""
 from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
+
 from .sampling import Sampler, SamplingParams
+
+
+class Decoder:
+    """Samples one token per `step()` from a state whose last logits are known.
+
+    history is the prompt (the repeat penalty looks back over it). Finished after
+    max_tokens tokens or a token in stop_ids (that token is still returned)."""
+
+    def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int,
+                 stop_ids=frozenset()):
+        self.engine, self.state, self.logits = engine, state, logits
+        self.history = list(history)
+        self.sampler = Sampler(params)
+        self.remaining = max_tokens
+        self.stop_ids = stop_ids
+        self.finish_reason: str | None = None if max_tokens > 0 else "length"
+
+    def step(self) -> int:
+        token = self.sampler.sample(self.logits, self.history)
+        self.history.append(token)
+        self.remaining -= 1
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.remaining <= 0:
+            self.finish_reason = "length"
+        else:
+            self.logits = self.engine.forward([token], self.state, all_logits=False)[-1]
+        return token
 
 
 def generate(engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
@@ -12,13 +43,7 @@ def generate(engine, prompt_ids: list[int], max_tokens: int, params: SamplingPar
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     state = state or engine.new_state()
-    sampler = Sampler(params)
-    history = list(prompt_ids)
-    logits = engine.forward(prompt_ids, state)[-1]
-    for i in range(max_tokens):
-        token = sampler.sample(logits, history)
-        yield token
-        if token in stop_ids or i == max_tokens - 1:
-            return
-        history.append(token)
-        logits = engine.forward([token], state)[-1]
+    logits = engine.forward(prompt_ids, state, all_logits=False)[-1]
+    decoder = Decoder(engine, state, logits, prompt_ids, params, max_tokens, stop_ids)
+    while decoder.finish_reason is None:
+        yield decoder.step()

@@ -220,3 +220,67 @@ class SequenceState:
 def _fp_bytes(fingerprint: str) -> bytes:
     raw = fingerprint.encode("ascii")[:16]
     return raw.ljust(16, b"\0")
+
+
+# ---- snapshots: a state at a position, in a slot of shared memory ------------------
+#
+#   0        recurrent buffer (header, S, conv, logits)      recurrent_nbytes(cfg)
+#   R        u64 block_start, u64 rows                        16 bytes, then padding to 64
+#   R + 64   K then V of each attention layer, [block][n_head_kv][head_dim] fp32,
+#            rows [block_start, block_start + rows) of the sequence
+#
+# A snapshot at position p keeps only the KV of its own block; resuming at p reads
+# the snapshots of every earlier block boundary for theirs.
+_SNAP = struct.Struct("<QQ")
+
+
+def snapshot_nbytes(cfg: ModelConfig, block: int) -> int:
+    kv = 2 * len(cfg.attention_layers) * block * cfg.n_head_kv * cfg.head_dim * 4
+    return recurrent_nbytes(cfg) + 64 + kv
+
+
+def write_snapshot(state: SequenceState, slot, block: int) -> None:
+    """Copy `state` (at any position) into a slot: recurrent part + KV of its last block."""
+    cfg = state.cfg
+    view = memoryview(slot).cast("B")
+    r = recurrent_nbytes(cfg)
+    view[:r] = memoryview(state.buffer).cast("B")[:r]
+    pos = state.position
+    start = (pos - 1) // block * block if pos else 0
+    _SNAP.pack_into(view, r, start, pos - start)
+    shape = (block, cfg.n_head_kv, cfg.head_dim)
+    offset = r + 64
+    page_bytes = int(np.prod(shape)) * 4
+    for layer in range(len(cfg.attention_layers)):
+        k, v = state.kv.view(layer)
+        for src in (k, v):
+            dst = np.frombuffer(view, np.float32, int(np.prod(shape)), offset).reshape(shape)
+            dst[:pos - start] = src[start:pos]
+            offset += page_bytes
+
+
+def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int) -> SequenceState:
+    """A fresh state from snapshots in block order; the last one gives the recurrent part."""
+    if not slots:
+        raise StateError("no snapshot to restore")
+    r = recurrent_nbytes(cfg)
+    last = memoryview(slots[-1]).cast("B")
+    state = SequenceState(cfg, fingerprint, bytearray(last[:r]), kv_block=block)
+    shape = (block, cfg.n_head_kv, cfg.head_dim)
+    page_bytes = int(np.prod(shape)) * 4
+    expected = 0
+    for slot in slots:
+        view = memoryview(slot).cast("B")
+        start, rows = _SNAP.unpack_from(view, r)
+        if start != expected:
+            raise StateError(f"snapshot chain broken: a page starts at {start}, expected {expected}")
+        offset = r + 64
+        for layer in range(len(cfg.attention_layers)):
+            k = np.frombuffer(view, np.float32, int(np.prod(shape)), offset).reshape(shape)[:rows]
+            v = np.frombuffer(view, np.float32, int(np.prod(shape)), offset + page_bytes).reshape(shape)[:rows]
+            state.kv.append(layer, k, v)
+            offset += 2 * page_bytes
+        expected = start + rows
+    if expected != state.position:
+        raise StateError(f"snapshots cover {expected} positions, the state is at {state.position}")
+    return state

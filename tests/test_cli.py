@@ -28,7 +28,8 @@ def test_logits_from_tokens_and_prompt(tiny_path, tmp_path):
     fermoe("logits", tiny_path, "--tokens", "1,2,3,400", "--out", out)
     logits = np.load(out)
     engine = ReferenceEngine(Model(tiny_path))
-    np.testing.assert_array_equal(logits, engine.forward([1, 2, 3, 400], engine.new_state()))
+    # same computation in another process: equal up to BLAS summation order
+    np.testing.assert_allclose(logits, engine.forward([1, 2, 3, 400], engine.new_state()), rtol=0, atol=1e-5)
     fermoe("logits", tiny_path, "--prompt", "Hello there", "--out", out)
     ids = Model(tiny_path).tokenizer.encode("Hello there")
     assert np.load(out).shape == (len(ids), 512)

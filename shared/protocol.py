@@ -1,0 +1,195 @@
+"""Every wire message of fermoe, declared once.
+
+MessagePack maps over ZeroMQ: each message is a map with a "type" field naming it
+(msgspec tagged union), so a client in any language with a plain msgpack library
+can speak the protocol (see the README's table). Decoding is strict: a wrong
+type, a missing field, an unknown message or an oversized frame is a
+ProtocolError, which the receiver answers with an Error message; nobody crashes.
+
+Large data (recurrent state, KV, logits) never rides in a message: it lives in
+shared memory and a message carries the slot number.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from .errors import ProtocolError
+
+MAX_MESSAGE_BYTES = 1 << 20        # a prompt of a few hundred thousand tokens fits
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=False):
+    pass
+
+
+# ---- client <-> coordinator ---------------------------------------------------
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Generate(_Msg, tag="generate"):
+    """client -> coordinator: start a request. Exactly one of prompt, tokens, messages.
+    Replies: a stream of Token, then one Done (or one Error if refused)."""
+    request_id: str
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+
+
+class Cancel(_Msg, tag="cancel"):
+    """client -> coordinator: stop a request of this client; it ends with Done(cancelled)."""
+    request_id: str
+
+
+class Status(_Msg, tag="status"):
+    """client -> coordinator: ask for a StatusReply."""
+
+
+class Token(_Msg, tag="token"):
+    """coordinator -> client: one generated token and the text it completes (may be "")."""
+    request_id: str
+    token: int
+    text: str
+
+
+class Done(_Msg, tag="done"):
+    """coordinator -> client: the request is over. Timings in milliseconds and tokens/s."""
+    request_id: str
+    finish_reason: FinishReason
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_tok_s: float = 0.0
+
+
+class Error(_Msg, tag="error"):
+    """coordinator -> client: a message was refused (malformed, unknown, duplicate id...)."""
+    message: str
+    request_id: str | None = None
+
+
+class WorkerInfo(msgspec.Struct):
+    worker_id: str
+    pid: int
+    threads: int
+    running: int
+    alive: bool
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    """coordinator -> client: the daemon's state."""
+    model: str
+    workers: list[WorkerInfo]
+    queued: int
+    running: int
+    snapshots: dict[str, int]
+
+
+# ---- coordinator <-> worker ---------------------------------------------------
+class Hello(_Msg, tag="hello"):
+    """worker -> coordinator, first message: who the worker is and which model it loaded."""
+    worker_id: str
+    pid: int
+    threads: int
+    fingerprint: str
+
+
+class SnapshotRef(msgspec.Struct, forbid_unknown_fields=True):
+    """A snapshot slot in the shared arena and the position its state is at."""
+    slot: int
+    position: int
+
+
+class Assign(_Msg, tag="assign"):
+    """coordinator -> worker: run a sequence. The worker restores `resume` (chain slots
+    in block order, the last one also holding the recurrent state), prefills the rest of
+    `tokens`, writes each of `snapshots` as it passes that position, then decodes."""
+    request_id: str
+    tokens: list[int]
+    resume: list[SnapshotRef]
+    snapshots: list[SnapshotRef]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    seed: int | None
+
+
+class Stop(_Msg, tag="stop"):
+    """coordinator -> worker: end a sequence now (cancelled, a stop string, client gone)."""
+    request_id: str
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """coordinator -> worker: finish nothing, exit."""
+
+
+class Sampled(_Msg, tag="sampled"):
+    """worker -> coordinator: the next token of a sequence."""
+    request_id: str
+    token: int
+
+
+class SnapshotWritten(_Msg, tag="snapshot_written"):
+    """worker -> coordinator: a planned snapshot slot now holds the state at its position."""
+    request_id: str
+    slot: int
+
+
+class Finished(_Msg, tag="finished"):
+    """worker -> coordinator: a sequence ended ("stop" = end-of-generation token)."""
+    request_id: str
+    finish_reason: FinishReason
+    prefill_ms: float
+    decode_ms: float
+    completion_tokens: int
+    error: str | None = None
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    """worker -> coordinator, every second: still alive, this many sequences."""
+    running: int
+
+
+CLIENT_MESSAGES = Union[Generate, Cancel, Status]
+CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
+TO_WORKER = Union[Assign, Stop, Shutdown]
+FROM_WORKER = Union[Hello, Sampled, SnapshotWritten, Finished, Heartbeat, Error]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind):
+    """Decode one message of the union `kind`; any defect is a ProtocolError naming it."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid message: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"not a MessagePack message: {e}") from None
