@@ -59,8 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"])
     p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL.gguf")
-    p.add_argument("what", choices=["kernels", "decode"])
+    p = sub.add_parser("submit", help="send a prompt to a running coordinator and stream the reply")
+    p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="coordinator address (default: loopback 5557)")
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", "--n-predict", type=int, default=32)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat message (model's template)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the coordinator")
+    _add_sampling(p)
+
+    p = sub.add_parser("demo", help="start a coordinator on a model, submit a prompt, stream it, stop")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("-p", "--prompt", default="The old GPU said")
+    p.add_argument("-n", "--n-predict", type=int, default=32)
+    p.add_argument("--addr", default="tcp://127.0.0.1:5557")
+
+    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL.gguf | serve MODEL.gguf")
+    p.add_argument("what", choices=["kernels", "decode", "serve"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -128,17 +143,65 @@ def cmd_synth(args) -> None:
           file=sys.stderr)
 
 
+def _stream(client, request_id) -> None:
+    done = None
+    for msg in client.stream(request_id):
+        if hasattr(msg, "text"):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+        else:
+            done = msg
+    sys.stdout.write("\n")
+    print(f"[{done.finish_reason}] prompt {done.prompt_tokens} tokens ({done.cached_prompt_tokens} cached), "
+          f"prefill {done.prefill_ms:.0f} ms, {done.completion_tokens} tokens at {done.decode_tok_s:.1f} tok/s"
+          + (f", error: {done.error}" if done.error else ""), file=sys.stderr)
+
+
+def cmd_submit(args) -> None:
+    from coordinator.client import Client
+
+    with Client(args.addr) as client:
+        if args.wait:
+            client.wait_ready(args.wait)
+        kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
+        rid = client.submit(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                            **kwargs)
+        _stream(client, rid)
+
+
+def cmd_demo(args) -> None:
+    """The daemon path end to end: coordinator up, one streamed request, clean stop."""
+    import signal
+    import subprocess
+
+    from coordinator.client import Client
+
+    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", args.model,
+                               "--bind", args.addr, "--snapshot-mem", "64MiB"])
+    try:
+        with Client(args.addr) as client:
+            client.wait_ready(300)
+            _stream(client, client.submit(args.prompt, max_tokens=args.n_predict, temperature=0.0))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        if daemon.wait(timeout=30) != 0:
+            raise FermoeError(f"the coordinator exited with status {daemon.returncode}")
+
+
 def cmd_bench(args) -> None:
     if args.what == "kernels":
         from bench.kernels import main as bench_main
-    else:
+    elif args.what == "decode":
         from bench.decode import main as bench_main
+    else:
+        from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"
     bench_main(args.rest)
 
 
 COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth,
-            "bench": cmd_bench}
+            "submit": cmd_submit, "demo": cmd_demo, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

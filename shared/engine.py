@@ -34,10 +34,10 @@ class ReferenceEngine:
             ACTIVATIONS_Q8.reset(token)
 
 
-def load_engine(name: str, model: Model, threads: int | None = None):
+def load_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None):
     if name == "reference":
         return ReferenceEngine(model)
     if name == "cpu":
         from cpu_worker.native_engine import NativeEngine
-        return NativeEngine(model, threads=threads)
+        return NativeEngine(model, threads=threads, cpus=cpus)
     raise FermoeError(f"--engine {name!r}: not available; choose one of {', '.join(ENGINES)}")

@@ -108,6 +108,14 @@ class Hello(_Msg, tag="hello"):
     fingerprint: str
 
 
+class Welcome(_Msg, tag="welcome"):
+    """coordinator -> worker, answer to Hello: the snapshot arena to attach (shared memory)."""
+    arena: str
+    slot_bytes: int
+    n_slots: int
+    block: int
+
+
 class SnapshotRef(msgspec.Struct, forbid_unknown_fields=True):
     """A snapshot slot in the shared arena and the position its state is at."""
     slot: int
@@ -169,7 +177,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
 CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
-TO_WORKER = Union[Assign, Stop, Shutdown]
+TO_WORKER = Union[Welcome, Assign, Stop, Shutdown]
 FROM_WORKER = Union[Hello, Sampled, SnapshotWritten, Finished, Heartbeat, Error]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,93 @@
+"""The Python client of the coordinator (ZeroMQ DEALER, MessagePack messages of
+shared/protocol.py). Any msgpack + ZeroMQ client in another language can do the
+same: send one map per message, read maps back."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict, deque
+from typing import Iterator
+
+import zmq
+
+from shared import protocol as P
+from shared.errors import FermoeError
+
+DEFAULT_ADDR = "tcp://127.0.0.1:5557"
+
+
+class Client:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 600.0):
+        self.addr, self.timeout_s = addr, timeout_s
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self._inbox: dict[str | None, deque] = defaultdict(deque)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def send(self, msg) -> None:
+        self.sock.send(P.encode(msg))
+
+    def _next(self, key: str | None, timeout_s: float):
+        """The next reply for request `key` (None: status replies and request-less errors)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._inbox[key]:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise FermoeError(f"no answer from the coordinator at {self.addr} within {timeout_s:.0f} s")
+            msg = P.decode(self.sock.recv(), P.CLIENT_REPLIES)
+            self._inbox[getattr(msg, "request_id", None)].append(msg)
+        return self._inbox[key].popleft()
+
+    def submit(self, prompt: str | None = None, tokens: list[int] | None = None, messages=None,
+               request_id: str | None = None, **params) -> str:
+        """Start a request; returns its id. Read its replies with `stream(id)`."""
+        rid = request_id or uuid.uuid4().hex
+        chat = [P.ChatMessage(role=m["role"], content=m["content"]) for m in messages] if messages else None
+        self.send(P.Generate(request_id=rid, prompt=prompt, tokens=tokens, messages=chat, **params))
+        return rid
+
+    def stream(self, request_id: str) -> Iterator[P.Token | P.Done]:
+        """Token messages as they come, then the Done (raises on an Error reply)."""
+        while True:
+            msg = self._next(request_id, self.timeout_s)
+            if isinstance(msg, P.Error):
+                raise FermoeError(f"request {request_id} refused: {msg.message}")
+            yield msg
+            if isinstance(msg, P.Done):
+                return
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Iterator[P.Token | P.Done]:
+        return self.stream(self.submit(prompt, **kwargs))
+
+    def cancel(self, request_id: str) -> None:
+        self.send(P.Cancel(request_id=request_id))
+
+    def status(self, timeout_s: float = 10.0) -> P.StatusReply:
+        self.send(P.Status())
+        msg = self._next(None, timeout_s)
+        if isinstance(msg, P.Error):
+            raise FermoeError(msg.message)
+        return msg
+
+    def wait_ready(self, timeout_s: float = 120.0) -> P.StatusReply:
+        """Block until the coordinator answers and at least one worker is ready."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                st = self.status(timeout_s=1.0)
+                if any(w.alive for w in st.workers):
+                    return st
+            except FermoeError:
+                pass
+            if time.monotonic() > deadline:
+                raise FermoeError(f"the coordinator at {self.addr} was not ready within {timeout_s:.0f} s")
+            time.sleep(0.2)

@@ -1,0 +1,363 @@
+"""The coordinator daemon: owns the prefix snapshot store, dispatches requests to
+workers, streams tokens back to clients.
+
+    client --DEALER--> [ROUTER clients]  coordinator  [ROUTER workers] <--DEALER-- cpu_worker x N
+                                             |
+                                 shared memory: snapshot arena (only we unlink it)
+
+A request: tokenise -> look up the longest cached prefix -> queue -> a worker
+restores it, prefills the rest writing the planned snapshots, decodes -> tokens
+are detokenised here (stop strings too) and streamed -> Done. Workers that die
+are restarted; their requests replay from the snapshots with the same seed and
+the tokens already sent are not sent again.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import sys
+import time
+
+import zmq
+
+from shared import protocol as P
+from shared.errors import FermoeError, ProtocolError
+from shared.model import Model
+from shared.sampling import SamplingParams
+from shared.state import snapshot_nbytes
+
+from .requests import Request, TextStream
+from .scheduler import WorkerView, pick_worker
+from .snapshots import SnapshotIndex
+from .supervisor import Supervisor
+
+log = logging.getLogger("fermoe.coordinator")
+WORKER_TIMEOUT_S = 10.0          # silence after which a worker counts as dead
+MAX_ATTEMPTS = 3
+
+
+class Coordinator:
+    def __init__(self, opts):
+        self.opts = opts
+        self.model = Model(opts.model_path)
+        self.tokenizer = self.model.tokenizer
+        self.ctx = zmq.Context.instance()
+        self.clients = self._socket(opts.bind, mandatory=True)
+        self.workers_sock = self._socket(opts.worker_bind)
+        self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._make_snapshot_store()
+        self.workers: dict[str, WorkerView] = {}
+        self.last_seen: dict[str, float] = {}
+        self.requests: dict[str, Request] = {}
+        self.queue: list[str] = []
+        self.supervisor = Supervisor(opts, self.worker_endpoint)
+        self.stopping = False
+
+    def _socket(self, endpoint: str, mandatory: bool = False):
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 16 * P.MAX_MESSAGE_BYTES)
+        if mandatory:           # sending to a vanished client raises, so its request is freed
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise FermoeError(f"cannot bind {endpoint}: {e}") from None
+        return sock
+
+    def _make_snapshot_store(self) -> None:
+        from shared.shm_arena import SnapshotArena
+        for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
+            log.warning("removed stale snapshot arena %s", name)
+        slot = snapshot_nbytes(self.model.config, self.opts.block)
+        n_slots = self.opts.snapshot_mem // slot
+        self.index = SnapshotIndex(n_slots, self.opts.block)
+        self.arena = SnapshotArena.create(slot, n_slots) if n_slots else None
+        log.info("snapshot store: %d slots of %.1f MiB (budget %.1f MiB, block %d)",
+                 n_slots, slot / 2**20, self.opts.snapshot_mem / 2**20, self.opts.block)
+
+    # ---- the loop -----------------------------------------------------------
+    def event_loop(self) -> None:
+        self.supervisor.start_all()
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.workers_sock, zmq.POLLIN)
+        ready_logged = False
+        while not self.stopping:
+            events = dict(poller.poll(200))
+            if self.workers_sock in events:
+                self._drain(self.workers_sock, self.handle_worker_frames)
+            if self.clients in events:
+                self._drain(self.clients, self.handle_client_frames)
+            self.supervise()
+            self.schedule()
+            if not ready_logged and self.workers and all(w.ready for w in self.workers.values()):
+                log.info("ready: %d worker(s), clients on %s", len(self.workers), self.opts.bind)
+                ready_logged = True
+
+    def _drain(self, sock, handler, limit: int = 256) -> None:
+        for _ in range(limit):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handler(frames)
+
+    # ---- clients --------------------------------------------------------------
+    def reply(self, client: bytes, msg) -> bool:
+        try:
+            self.clients.send_multipart([client, P.encode(msg)])
+            return True
+        except zmq.ZMQError:    # EHOSTUNREACH: the client is gone
+            self.client_gone(client)
+            return False
+
+    def handle_client_frames(self, frames: list[bytes]) -> None:
+        client, body = frames[0], frames[1:]
+        if len(body) != 1:
+            self.reply(client, P.Error(message=f"expected one message frame, got {len(body)}"))
+            return
+        try:
+            msg = P.decode(body[0], P.CLIENT_MESSAGES)
+        except ProtocolError as e:
+            self.reply(client, P.Error(message=str(e)))
+            return
+        getattr(self, f"handle_{type(msg).__name__.lower()}")(client, msg)
+
+    def handle_generate(self, client: bytes, msg: P.Generate) -> None:
+        try:
+            tokens = self._prompt_tokens(msg)
+            SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
+                           repeat_penalty=msg.repeat_penalty, seed=msg.seed).validate()
+            if msg.max_tokens < 0:
+                raise FermoeError(f"max_tokens must be >= 0, got {msg.max_tokens}")
+            if msg.request_id in self.requests:
+                raise FermoeError(f"request_id {msg.request_id!r} is already running")
+        except FermoeError as e:
+            self.reply(client, P.Error(message=str(e), request_id=msg.request_id))
+            return
+        seed = msg.seed if msg.seed is not None else random.getrandbits(63)
+        req = Request(client, msg, tokens, seed, TextStream(self.tokenizer, msg.stop))
+        self.requests[req.rid] = req
+        self.queue.append(req.rid)
+
+    def _prompt_tokens(self, msg: P.Generate) -> list[int]:
+        given = [x is not None for x in (msg.prompt, msg.tokens, msg.messages)]
+        if sum(given) != 1:
+            raise FermoeError("give exactly one of prompt, tokens, messages")
+        if msg.tokens is not None:
+            tokens = msg.tokens
+        elif msg.prompt is not None:
+            tokens = self.tokenizer.encode(msg.prompt)
+        else:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msg.messages])
+            tokens = self.tokenizer.encode(text)
+        n_vocab = self.model.config.n_vocab
+        if not tokens:
+            raise FermoeError("the prompt has no tokens")
+        if not all(0 <= t < n_vocab for t in tokens):
+            raise FermoeError(f"token ids must be in [0, {n_vocab})")
+        return tokens
+
+    def handle_cancel(self, client: bytes, msg: P.Cancel) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.client != client:
+            self.reply(client, P.Error(message=f"no running request {msg.request_id!r}", request_id=msg.request_id))
+            return
+        self.end(req, "cancelled")
+
+    def handle_status(self, client: bytes, msg: P.Status) -> None:
+        infos = [P.WorkerInfo(worker_id=w.worker_id, pid=w.pid, threads=w.threads, running=len(w.requests),
+                              alive=w.alive and w.ready) for w in self.workers.values()]
+        stats = {k: int(v) for k, v in self.index.stats().items()}
+        self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=len(self.queue),
+                                         running=len(self.requests) - len(self.queue), snapshots=stats))
+
+    def client_gone(self, client: bytes) -> None:
+        for req in [r for r in self.requests.values() if r.client == client]:
+            log.info("client of %s is gone: cancelling", req.rid)
+            self.end(req, "cancelled", notify=False)
+
+    # ---- workers --------------------------------------------------------------
+    def send_worker(self, worker_id: str, msg) -> None:
+        self.workers_sock.send_multipart([worker_id.encode(), P.encode(msg)])
+
+    def handle_worker_frames(self, frames: list[bytes]) -> None:
+        wid = frames[0].decode(errors="replace")
+        try:
+            msg = P.decode(frames[-1], P.FROM_WORKER)
+        except ProtocolError as e:
+            log.error("worker %s sent a bad message: %s", wid, e)
+            return
+        self.last_seen[wid] = time.monotonic()
+        if isinstance(msg, P.Hello):
+            self.handle_hello(wid, msg)
+        elif wid in self.workers:
+            getattr(self, f"handle_{type(msg).__name__.lower()}")(wid, msg)
+
+    def handle_hello(self, wid: str, msg: P.Hello) -> None:
+        if msg.fingerprint != self.model.fingerprint:
+            log.error("worker %s runs another model (%s); sending it away", wid, msg.fingerprint)
+            self.send_worker(wid, P.Shutdown())
+            return
+        self.workers[wid] = WorkerView(wid, alive=True, ready=True, threads=msg.threads, pid=msg.pid)
+        arena = self.arena
+        self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
+                                        n_slots=arena.n_slots if arena else 0, block=self.opts.block))
+        log.info("worker %s (pid %d, %d threads) joined", wid, msg.pid, msg.threads)
+
+    def handle_heartbeat(self, wid: str, msg: P.Heartbeat) -> None:
+        pass                                    # last_seen is updated for every message
+
+    def handle_error(self, wid: str, msg: P.Error) -> None:
+        log.error("worker %s: %s", wid, msg.message)
+
+    def handle_sampled(self, wid: str, msg: P.Sampled) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.worker != wid:
+            return                               # ended meanwhile (cancel raced the token)
+        if req.skip:
+            req.skip -= 1                        # a replay re-samples what was already sent
+            return
+        if msg.token in self.tokenizer.eos_ids:
+            return
+        text = req.stream.feed(msg.token)
+        req.sent += 1
+        if self.reply(req.client, P.Token(request_id=req.rid, token=msg.token, text=text)) and req.stream.stopped:
+            self.end(req, "stop")
+
+    def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return
+        for planned in list(req.planned):
+            if planned.slot == msg.slot:
+                self.index.commit(planned)
+                req.planned.remove(planned)
+
+    def handle_finished(self, wid: str, msg: P.Finished) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.worker != wid:
+            return
+        req.prefill_ms += msg.prefill_ms
+        tok_s = msg.completion_tokens / msg.decode_ms * 1000 if msg.decode_ms > 0 else 0.0
+        reason = "error" if msg.finish_reason == "error" else msg.finish_reason
+        self.end(req, reason, error=msg.error, decode_tok_s=tok_s)
+
+    # ---- lifecycle ------------------------------------------------------------
+    def schedule(self) -> None:
+        while self.queue:
+            wid = pick_worker(self.workers, self.opts.max_sequences)
+            if wid is None:
+                return
+            self.assign(self.requests[self.queue.pop(0)], wid)
+
+    def assign(self, req: Request, wid: str) -> None:
+        resume = self.index.lookup(req.tokens) if self.arena else None
+        req.resume, req.cached_tokens = resume, (resume.position if resume else 0)
+        start = req.cached_tokens
+        req.planned = self.index.plan(req.tokens, start) if self.arena else []
+        req.worker, req.attempts = wid, req.attempts + 1
+        self.workers[wid].requests.add(req.rid)
+        m = req.msg
+        refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
+        self.send_worker(wid, P.Assign(
+            request_id=req.rid, tokens=req.tokens, resume=refs,
+            snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
+            max_tokens=m.max_tokens, temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
+            repeat_penalty=m.repeat_penalty, seed=req.seed))
+
+    def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
+            notify: bool = True) -> None:
+        """Free everything the request holds and tell the client (unless it is gone)."""
+        self.requests.pop(req.rid, None)
+        if req.rid in self.queue:
+            self.queue.remove(req.rid)
+        if req.worker in self.workers:
+            self.workers[req.worker].requests.discard(req.rid)
+            if reason in ("cancelled", "stop") and self.workers[req.worker].alive:
+                self.send_worker(req.worker, P.Stop(request_id=req.rid))
+        self._release_snapshots(req)
+        if not notify:
+            return
+        tail = req.stream.flush()
+        if tail:
+            self.reply(req.client, P.Token(request_id=req.rid, token=-1, text=tail))
+        self.reply(req.client, P.Done(request_id=req.rid, finish_reason=reason, error=error,
+                                      prompt_tokens=len(req.tokens), cached_prompt_tokens=req.cached_tokens,
+                                      completion_tokens=req.sent, prefill_ms=round(req.prefill_ms, 3),
+                                      decode_tok_s=round(decode_tok_s, 3)))
+
+    def _release_snapshots(self, req: Request) -> None:
+        if req.resume is not None:
+            self.index.release(req.resume)
+            req.resume = None
+        for planned in req.planned:
+            self.index.abort(planned)
+        req.planned = []
+
+    # ---- faults -----------------------------------------------------------------
+    def supervise(self) -> None:
+        now = time.monotonic()
+        dead = set(self.supervisor.reap())
+        dead |= {w for w, seen in self.last_seen.items() if now - seen > WORKER_TIMEOUT_S and w in self.workers}
+        for wid in dead:
+            self.worker_died(wid)
+
+    def worker_died(self, wid: str) -> None:
+        view = self.workers.pop(wid, None)
+        self.last_seen.pop(wid, None)
+        log.error("worker %s died", wid)
+        for rid in list(view.requests if view else []):
+            req = self.requests[rid]
+            self._release_snapshots(req)
+            if req.attempts >= MAX_ATTEMPTS:
+                self.end(req, "error", error=f"worker {wid} died {req.attempts} times running this request")
+                continue
+            req.worker, req.skip = None, req.sent      # replay: same seed, same tokens, resent none
+            self.queue.insert(0, rid)
+        self.supervisor.restart(wid)
+
+    def shutdown(self) -> None:
+        for rid in list(self.requests):
+            self.end(self.requests[rid], "error", error="the coordinator is shutting down")
+        for wid in list(self.workers):
+            self.send_worker(wid, P.Shutdown())
+        self.supervisor.stop_all()
+        self.clients.close()
+        self.workers_sock.close()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena.unlink()
+
+
+def run_coordinator(opts) -> int:
+    coordinator = Coordinator(opts)
+
+    def stop(signum, frame):
+        coordinator.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        coordinator.event_loop()
+    finally:
+        coordinator.shutdown()
+        log.info("stopped")
+    return 0
+
+
+def main(argv=None) -> int:
+    from .options import parse_options
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        return run_coordinator(parse_options(argv))
+    except FermoeError as e:
+        print(f"coordinator: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

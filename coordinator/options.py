@@ -1,0 +1,55 @@
+"""The coordinator's command line, checked: every impossible option is refused by name."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from shared.errors import FermoeError
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512M', '1.5g', '0' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise FermoeError(f"size {text!r}: expected a number with an optional unit (e.g. 8GiB, 512M)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coordinator", description="fermoe coordinator daemon")
+    p.add_argument("--model", required=True, help="GGUF path or built-in model name (tiny)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: loopback)")
+    p.add_argument("--worker-bind", default="tcp://127.0.0.1:*",
+                   help="worker endpoint; loopback by default, a routable address lets other hosts' workers in")
+    p.add_argument("--cpu-workers-per-socket", type=int, default=1)
+    p.add_argument("--threads-per-worker", type=int, default=None,
+                   help="default: the node's physical cores divided among its workers")
+    p.add_argument("--snapshot-mem", default="8GiB", help="shared memory for prefix snapshots (0 = no cache)")
+    p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens")
+    p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves")
+    p.add_argument("--numa-interleave", action="store_true",
+                   help="interleave the weight pages over all NUMA nodes (the paper's setting)")
+    p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")
+    return p
+
+
+def parse_options(argv=None):
+    opts = build_parser().parse_args(argv)
+    from shared.builtin import resolve_model
+    checks = [
+        (opts.cpu_workers_per_socket >= 1, f"--cpu-workers-per-socket {opts.cpu_workers_per_socket}: must be >= 1"),
+        (opts.threads_per_worker is None or opts.threads_per_worker >= 1,
+         f"--threads-per-worker {opts.threads_per_worker}: must be >= 1"),
+        (opts.block >= 1, f"--block {opts.block}: must be >= 1"),
+        (opts.max_sequences >= 1, f"--max-sequences {opts.max_sequences}: must be >= 1"),
+        (opts.engine in ("cpu", "reference"), f"--engine {opts.engine!r}: expected cpu or reference"),
+    ]
+    for ok, problem in checks:
+        if not ok:
+            raise FermoeError(problem)
+    opts.snapshot_mem = parse_size(opts.snapshot_mem)
+    opts.model_path = resolve_model(opts.model)
+    return opts

@@ -1,0 +1,25 @@
+"""Scheduling policy, pure: which worker takes the next queued request.
+
+First come, first served; a request goes to the live, welcomed worker running
+the fewest sequences, while it has fewer than `max_sequences`. Workers interleave
+their sequences token by token, so a busy worker still serves every one."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    alive: bool = True
+    ready: bool = False
+    threads: int = 1
+    pid: int = 0
+    requests: set = field(default_factory=set)
+
+
+def pick_worker(workers: dict[str, WorkerView], max_sequences: int) -> str | None:
+    candidates = [w for w in workers.values() if w.alive and w.ready and len(w.requests) < max_sequences]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda w: (len(w.requests), w.worker_id)).worker_id

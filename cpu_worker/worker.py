@@ -1,0 +1,223 @@
+"""The CPU worker process: runs sequences the coordinator assigns to it.
+
+One DEALER socket to the coordinator's worker endpoint. Each sequence is restored
+from the snapshot slots named in its Assign (or started empty), prefilled up to
+each planned snapshot position in turn (writing the slot as it passes), then
+decoded one token at a time. Sequences are interleaved a chunk or a token each,
+so a long generation does not starve the others. Started by the coordinator, or
+by hand to add capacity: `cpu_worker --connect tcp://HOST:PORT`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from shared import protocol as P
+from shared.errors import FermoeError, ProtocolError
+from shared.generate import Decoder
+from shared.model import Model
+from shared.sampling import SamplingParams
+from shared.state import SequenceState, restore_snapshots, write_snapshot
+
+log = logging.getLogger("fermoe.cpu_worker")
+HEARTBEAT_S = 1.0
+PREFILL_CHUNK = 256         # prompt tokens one sequence gets before the others take a turn
+
+
+@dataclass
+class Sequence:
+    msg: P.Assign
+    state: SequenceState
+    pending: list = field(default_factory=list)    # SnapshotRefs still to write, in position order
+    decoder: Decoder | None = None
+    prefill_ms: float = 0.0
+    decode_s: float = 0.0
+
+
+class CPUWorker:
+    def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
+                 cpus: list[int] | None = None):
+        from shared.builtin import resolve_model
+        from shared.engine import load_engine
+        self.model = Model(resolve_model(model_path))
+        self.engine = load_engine(engine, self.model, threads=threads, cpus=cpus)
+        self.worker_id = worker_id
+        self.arena = self.block = None              # attached on Welcome
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(connect)
+        self.sequences: dict[str, Sequence] = {}
+        self.running = True
+
+    # ---- messages ---------------------------------------------------------
+    def send(self, msg) -> None:
+        self.sock.send(P.encode(msg))
+
+    def event_loop(self) -> None:
+        threads = getattr(self.engine, "threads", 1)
+        self.send(P.Hello(worker_id=self.worker_id, pid=os.getpid(), threads=threads,
+                          fingerprint=self.model.fingerprint))
+        last_beat = 0.0
+        while self.running:
+            busy = bool(self.sequences)
+            if self.sock.poll(0 if busy else int(HEARTBEAT_S * 1000)):
+                self.handle(self.sock.recv())
+                continue                                 # drain messages before working
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                self.send(P.Heartbeat(running=len(self.sequences)))
+                last_beat = time.monotonic()
+            if busy:
+                self.work_round()
+
+    def handle(self, data: bytes) -> None:
+        try:
+            msg = P.decode(data, P.TO_WORKER)
+        except ProtocolError as e:
+            self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
+            return
+        getattr(self, f"handle_{type(msg).__name__.lower()}")(msg)
+
+    def handle_welcome(self, msg: P.Welcome) -> None:
+        from shared.shm_arena import SnapshotArena
+        if self.arena is None and msg.n_slots:
+            self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
+            self.block = msg.block
+
+    def handle_assign(self, msg: P.Assign) -> None:
+        try:
+            self.sequences[msg.request_id] = self.start(msg)
+        except (FermoeError, ValueError) as e:
+            self.send(P.Finished(request_id=msg.request_id, finish_reason="error", prefill_ms=0.0,
+                                 decode_ms=0.0, completion_tokens=0, error=str(e)))
+
+    def handle_stop(self, msg: P.Stop) -> None:
+        seq = self.sequences.pop(msg.request_id, None)
+        if seq is not None:
+            self.finish(msg.request_id, seq, "cancelled")
+
+    def handle_shutdown(self, msg: P.Shutdown) -> None:
+        self.running = False
+
+    # ---- sequences --------------------------------------------------------
+    def start(self, msg: P.Assign) -> Sequence:
+        cfg = self.model.config
+        if msg.resume:
+            slots = [self.arena.slot(r.slot) for r in msg.resume]
+            state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block)
+        else:
+            state = self.engine.new_state()
+        if msg.snapshots and self.arena is None:
+            raise FermoeError("snapshots planned but this worker has no snapshot arena")
+        params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
+                                repeat_penalty=msg.repeat_penalty, seed=msg.seed)
+        params.validate()
+        return Sequence(msg, state, sorted(msg.snapshots, key=lambda s: s.position))
+
+    def work_round(self) -> None:
+        for rid in list(self.sequences):
+            seq = self.sequences.get(rid)
+            if seq is None:
+                continue
+            try:
+                self.advance(rid, seq)
+            except Exception as e:            # report, never die silently
+                log.exception("sequence %s failed", rid)
+                self.sequences.pop(rid, None)
+                self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
+            if self.sock.poll(0):
+                return                         # a Stop or a new Assign: handle it first
+
+    def advance(self, rid: str, seq: Sequence) -> None:
+        tokens, state = seq.msg.tokens, seq.state
+        if state.position < len(tokens):
+            self.prefill_chunk(rid, seq)
+            return
+        if seq.decoder is None:
+            params = SamplingParams(temperature=seq.msg.temperature, top_k=seq.msg.top_k, top_p=seq.msg.top_p,
+                                    min_p=seq.msg.min_p, repeat_penalty=seq.msg.repeat_penalty, seed=seq.msg.seed)
+            seq.decoder = Decoder(self.engine, state, state.logits.copy(), tokens, params, seq.msg.max_tokens,
+                                  self.model.tokenizer.eos_ids)
+        if seq.decoder.finish_reason is None:
+            t0 = time.perf_counter()
+            token = seq.decoder.step()
+            seq.decode_s += time.perf_counter() - t0
+            self.send(P.Sampled(request_id=rid, token=token))
+        if seq.decoder.finish_reason is not None:
+            self.sequences.pop(rid, None)
+            self.finish(rid, seq, seq.decoder.finish_reason)
+
+    def prefill_chunk(self, rid: str, seq: Sequence) -> None:
+        """Prefill up to the next snapshot position (or a chunk), writing the snapshot there."""
+        state, tokens = seq.state, seq.msg.tokens
+        end = min(len(tokens), state.position + PREFILL_CHUNK)
+        if seq.pending:
+            end = min(end, seq.pending[0].position)
+        t0 = time.perf_counter()
+        self.engine.forward(tokens[state.position:end], state, all_logits=False)
+        seq.prefill_ms += 1000 * (time.perf_counter() - t0)
+        while seq.pending and seq.pending[0].position == state.position:
+            ref = seq.pending.pop(0)
+            write_snapshot(state, self.arena.slot(ref.slot), self.block)
+            self.send(P.SnapshotWritten(request_id=rid, slot=ref.slot))
+
+    def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:
+        done = seq.decoder.history[len(seq.msg.tokens):] if seq.decoder else []
+        self.send(P.Finished(request_id=rid, finish_reason=reason, prefill_ms=seq.prefill_ms,
+                             decode_ms=1000 * seq.decode_s, completion_tokens=len(done), error=error))
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.arena is not None:
+            self.arena.close()
+        close = getattr(self.engine, "close", None)
+        if close:
+            close()
+
+
+def run_cpu_worker(args) -> int:
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    if cpus is not None or args.node is not None:
+        from .numa_placement import place
+        from .topology import default_cpus
+        log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
+    worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
+                       args.threads, args.engine, cpus)
+    try:
+        worker.event_loop()
+    finally:
+        worker.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="cpu_worker", description="fermoe CPU decode worker")
+    p.add_argument("--connect", required=True, help="the coordinator's worker endpoint, e.g. tcp://127.0.0.1:5558")
+    p.add_argument("--model", required=True, help="GGUF path or built-in model name (the coordinator's model)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--engine", default="cpu", help="cpu (default) or reference")
+    p.add_argument("--cpus", default=None, help="comma-separated CPUs to pin to (default: the node's physical cores)")
+    p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
+    p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_worker %(levelname)s %(message)s")
+    try:
+        return run_cpu_worker(args)
+    except FermoeError as e:
+        print(f"cpu_worker: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

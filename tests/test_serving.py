@@ -1,0 +1,224 @@
+"""The whole system with real processes on the tiny model: a coordinator daemon,
+its CPU worker, clients over ZeroMQ. Streamed output must equal
+`fermoe generate --engine cpu` (the native forward is bitwise independent of how
+a prompt is chunked, so snapshots and replays change nothing)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from coordinator.client import Client
+from shared import protocol as P
+
+BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("fermoe")}
+
+
+class Daemon:
+    def __init__(self, model, *extra):
+        self.addr = f"tcp://127.0.0.1:{_free_port()}"
+        self.shm_before = _shm_names()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
+             "--snapshot-mem", "32MiB", "--block", str(BLOCK), "--threads-per-worker", "1", *extra],
+            stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        with Client(self.addr) as c:
+            self.workers = c.wait_ready(120).workers
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_q4_path):
+    d = Daemon(tiny_q4_path)
+    yield d
+    if d.proc.poll() is None:
+        d.stop()
+
+
+def run(addr, prompt=None, **params):
+    with Client(addr, timeout_s=120) as c:
+        msgs = list(c.generate(prompt, **params))
+    return "".join(m.text for m in msgs[:-1]), msgs[-1]
+
+
+def local(model, prompt, n, seed, temp=0.8):
+    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
+                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp)],
+                         capture_output=True, text=True, check=True)
+    return out.stdout[:-1]            # generate ends with a newline
+
+
+def test_stream_equals_local_generate(daemon, tiny_q4_path):
+    text, done = run(daemon.addr, LONG_PROMPT, max_tokens=24, seed=11, temperature=0.8)
+    assert done.finish_reason in ("length", "stop") and done.completion_tokens > 0
+    assert text == local(tiny_q4_path, LONG_PROMPT, 24, seed=11)
+
+
+def test_repeated_and_extended_prompts_use_the_cache(daemon, tiny_q4_path):
+    prompt = "A cached prefix, long enough to span a few snapshot blocks of eight tokens each."
+    first_text, first = run(daemon.addr, prompt, max_tokens=12, seed=3)
+    again_text, again = run(daemon.addr, prompt, max_tokens=12, seed=3)
+    assert again.cached_prompt_tokens == again.prompt_tokens == first.prompt_tokens
+    assert again_text == first_text
+    longer = prompt + " And then some more words to extend it."
+    ext_text, ext = run(daemon.addr, longer, max_tokens=12, seed=3)
+    assert ext.cached_prompt_tokens >= first.prompt_tokens // BLOCK * BLOCK > 0
+    assert ext.cached_prompt_tokens < ext.prompt_tokens
+    assert ext_text == local(tiny_q4_path, longer, 12, seed=3)
+
+
+def test_concurrent_clients(daemon, tiny_q4_path):
+    prompts = [f"Client number {i} asks about snapshots" for i in range(4)]
+    results = {}
+
+    def client(i):
+        results[i] = run(daemon.addr, prompts[i], max_tokens=16, seed=i)[0]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, p in enumerate(prompts):
+        assert results[i] == local(tiny_q4_path, p, 16, seed=i)
+
+
+def test_cancel_and_stop_strings(daemon):
+    with Client(daemon.addr) as c:
+        rid = c.submit("Tell me everything", max_tokens=5000, temperature=0.8, seed=1)
+        stream = c.stream(rid)
+        next(stream)
+        c.cancel(rid)
+        done = [m for m in stream][-1]
+        assert done.finish_reason == "cancelled"
+    full, _ = run(daemon.addr, "Stop strings", max_tokens=40, seed=2)
+    stop = full[5:8]
+    cut, done = run(daemon.addr, "Stop strings", max_tokens=40, seed=2, stop=[stop])
+    assert done.finish_reason == "stop" and cut == full[:full.index(stop)]
+
+
+def test_bad_requests_get_errors_and_the_daemon_serves_on(daemon):
+    with Client(daemon.addr) as c:
+        for params, problem in [(dict(prompt="x", tokens=[1]), "exactly one"),
+                                (dict(tokens=[10**9]), "token ids"),
+                                (dict(prompt="x", top_p=2.0), "top_p"),
+                                (dict(tokens=[]), "no tokens")]:
+            with pytest.raises(Exception, match=problem):
+                list(c.generate(**params))
+    assert run(daemon.addr, "still alive?", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
+
+
+def test_fuzz_malformed_messages(daemon):
+    """A thousand and more broken messages, each answered with an Error; nobody dies."""
+    import random
+    rng = random.Random(0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.addr)
+    shapes = [
+        lambda: rng.randbytes(rng.randint(0, 64)),
+        lambda: msgpack.packb(rng.choice([1, "x", None, [1, 2], {"a": 1}, 3.5])),
+        lambda: msgpack.packb({"type": rng.choice(["generate", "bogus", 7, None])}),
+        lambda: msgpack.packb({"type": "generate", "request_id": rng.choice([1, None, [], "r"]),
+                               "max_tokens": rng.choice(["many", -1.5, None])}),
+        lambda: msgpack.packb({"type": "generate", "request_id": "r", "prompt": "x", "extra": 1}),
+        lambda: msgpack.packb({"type": "cancel"}),
+        lambda: b"\xc1" * rng.randint(1, 10),
+        lambda: msgpack.packb({"type": "generate", "request_id": "big", "prompt": "x" * (P.MAX_MESSAGE_BYTES + 1)}),
+    ]
+    n = 1200
+    for _ in range(n):
+        sock.send(rng.choice(shapes)())
+    sock.send_multipart([b"two", b"frames"])
+    errors = 0
+    deadline = time.monotonic() + 60
+    while errors < n + 1 and time.monotonic() < deadline:
+        if sock.poll(1000):
+            assert msgpack.unpackb(sock.recv())["type"] == "error"
+            errors += 1
+    sock.close()
+    assert errors == n + 1
+    assert daemon.proc.poll() is None
+    assert run(daemon.addr, "after the storm", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
+
+
+def test_plain_msgpack_client_speaks_the_protocol(daemon):
+    """No fermoe code on the client side: a map per message, maps back."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.addr)
+    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "max_tokens": 3,
+                             "seed": 1}))
+    replies = []
+    while not replies or replies[-1]["type"] != "done":
+        assert sock.poll(30000)
+        replies.append(msgpack.unpackb(sock.recv()))
+    sock.close()
+    assert {r["type"] for r in replies} <= {"token", "done"} and replies[-1]["request_id"] == "plain"
+
+
+def test_client_that_vanishes_does_not_leak(daemon):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.addr)
+    sock.send(P.encode(P.Generate(request_id="ghost", prompt="go on forever", max_tokens=100000, seed=1)))
+    assert sock.poll(30000)
+    sock.close()
+    with Client(daemon.addr) as c:
+        deadline = time.monotonic() + 30
+        while c.status().running and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.status().running == 0
+
+
+def test_worker_killed_mid_generation_is_replaced(tiny_q4_path):
+    d = Daemon(tiny_q4_path)
+    try:
+        expected = local(tiny_q4_path, LONG_PROMPT, 400, seed=5)
+        with Client(d.addr, timeout_s=120) as c:
+            rid = c.submit(LONG_PROMPT, max_tokens=400, seed=5, temperature=0.8)
+            stream = c.stream(rid)
+            text = next(stream).text
+            os.kill(c.status().workers[0].pid, signal.SIGKILL)
+            msgs = list(stream)
+            text += "".join(m.text for m in msgs[:-1])
+            assert msgs[-1].finish_reason in ("length", "stop")
+            assert text == expected
+            assert c.status().workers[0].pid != d.workers[0].pid
+    finally:
+        assert d.stop() == 0
+
+
+def test_shutdown_leaves_nothing_behind(tiny_q4_path):
+    d = Daemon(tiny_q4_path)
+    pids = [w.pid for w in d.workers]
+    assert _shm_names() - d.shm_before, "the snapshot arena should exist while running"
+    assert d.stop() == 0
+    assert _shm_names() == d.shm_before
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
