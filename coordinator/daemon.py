@@ -93,7 +93,8 @@ class Coordinator:
             self.supervise()
             self.schedule()
             if not ready_logged and self.workers and all(w.ready for w in self.workers.values()):
-                log.info("ready: %d worker(s), clients on %s", len(self.workers), self.opts.bind)
+                log.info("ready: %d worker(s), clients on %s, workers on %s", len(self.workers), self.opts.bind,
+                         self.worker_endpoint)
                 ready_logged = True
 
     def _drain(self, sock, handler, limit: int = 256) -> None:

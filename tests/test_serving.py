@@ -222,3 +222,38 @@ def test_shutdown_leaves_nothing_behind(tiny_q4_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
+    """cpu_worker --connect: the coordinator tells it where to connect in its log."""
+    with Client(daemon.addr) as c:
+        before = len(c.status().workers)
+    endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
+    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint,
+                              "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "by-hand"])
+    try:
+        with Client(daemon.addr) as c:
+            deadline = time.monotonic() + 60
+            while len(c.status().workers) == before and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert any(w.worker_id == "by-hand" for w in c.status().workers)
+        rids = []
+        with Client(daemon.addr) as c:
+            rids = [c.submit(f"load {i}", max_tokens=8, seed=i) for i in range(6)]
+            for rid in rids:
+                assert list(c.stream(rid))[-1].finish_reason in ("length", "stop")
+    finally:
+        extra.kill()
+        extra.wait()
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--model", "/nonexistent.gguf"], "cannot open"),
+    (["--model", "tiny", "--block", "0"], "--block 0"),
+    (["--model", "tiny", "--snapshot-mem", "lots"], "size 'lots'"),
+    (["--model", "tiny", "--bind", "tcp://256.1.1.1:1"], "cannot bind"),
+])
+def test_bad_options_are_refused(args, problem, tmp_path):
+    run_ = subprocess.run([sys.executable, "-m", "coordinator.daemon", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "FERMOE_CACHE": str(tmp_path)})
+    assert run_.returncode == 1 and problem in run_.stderr and "Traceback" not in run_.stderr
