@@ -181,7 +181,7 @@ def cmd_demo(args) -> None:
                                "--bind", args.addr, "--snapshot-mem", "64MiB"])
     try:
         with Client(args.addr) as client:
-            client.wait_ready(300)
+            client.wait_ready(300, alive=lambda: daemon.poll() is None)
             _stream(client, client.submit(args.prompt, max_tokens=args.n_predict, temperature=0.0))
     finally:
         daemon.send_signal(signal.SIGTERM)

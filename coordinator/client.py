@@ -78,10 +78,13 @@ class Client:
             raise FermoeError(msg.message)
         return msg
 
-    def wait_ready(self, timeout_s: float = 120.0) -> P.StatusReply:
-        """Block until the coordinator answers and at least one worker is ready."""
+    def wait_ready(self, timeout_s: float = 120.0, alive=lambda: True) -> P.StatusReply:
+        """Block until the coordinator answers and at least one worker is ready.
+        `alive()` False (say, the daemon process we started exited) stops the wait."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if not alive():
+                raise FermoeError(f"the coordinator for {self.addr} exited before it was ready")
             try:
                 st = self.status(timeout_s=1.0)
                 if any(w.alive for w in st.workers):

@@ -33,7 +33,9 @@ from .snapshots import SnapshotIndex
 from .supervisor import Supervisor
 
 log = logging.getLogger("fermoe.coordinator")
-WORKER_TIMEOUT_S = 10.0          # silence after which a worker counts as dead
+# Silence after which a worker counts as dead (hung, or a lost host). Workers beat
+# between prompt chunks, which take seconds on a big model on a small machine.
+WORKER_TIMEOUT_S = 60.0
 MAX_ATTEMPTS = 3
 
 
@@ -248,6 +250,10 @@ class Coordinator:
 
     # ---- lifecycle ------------------------------------------------------------
     def schedule(self) -> None:
+        if self.queue and not self.workers and self.supervisor.all_given_up:
+            for rid in list(self.queue):      # nobody will ever run them: fail, never hang
+                self.end(self.requests[rid], "error", error="no CPU worker could be started (see the coordinator log)")
+            return
         while self.queue:
             wid = pick_worker(self.workers, self.opts.max_sequences)
             if wid is None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 
 from cpu_worker.topology import numa_nodes, physical_cores
 
 log = logging.getLogger("fermoe.coordinator")
+# A worker that dies this often within the window is not restarted again:
+# it is failing to start (bad model, no memory), and restarting would spin.
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 
 
 class Supervisor:
@@ -16,6 +20,8 @@ class Supervisor:
         self.opts, self.endpoint = opts, endpoint
         self.procs: dict[str, subprocess.Popen] = {}
         self.plan = self._plan()
+        self.restarts: dict[str, list[float]] = {}
+        self.given_up: set[str] = set()
 
     def _plan(self) -> dict[str, tuple[int, list[int]]]:
         """worker id -> (node, CPUs): the node's physical cores split among its workers."""
@@ -37,7 +43,9 @@ class Supervisor:
                "--cpus", ",".join(map(str, cpus)), "--node", str(node), "--engine", self.opts.engine]
         if self.opts.numa_interleave:
             cmd.append("--numa-interleave")
-        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        # own session: a Ctrl-C meant for the coordinator must not kill the workers
+        # before it can stop them in order
+        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("started worker %s (pid %d) on node %d, CPUs %s", wid, self.procs[wid].pid, node, cpus)
 
     def start_all(self) -> None:
@@ -56,8 +64,20 @@ class Supervisor:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-        if wid in self.plan:
-            self.start(wid)
+        if wid not in self.plan or wid in self.given_up:
+            return
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(wid, []) if now - t < RESTART_WINDOW_S] + [now]
+        self.restarts[wid] = recent
+        if len(recent) > MAX_RESTARTS:
+            log.error("worker %s died %d times in %.0f s; not restarting it", wid, len(recent), RESTART_WINDOW_S)
+            self.given_up.add(wid)
+            return
+        self.start(wid)
+
+    @property
+    def all_given_up(self) -> bool:
+        return bool(self.plan) and self.given_up == set(self.plan)
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         for wid, proc in self.procs.items():

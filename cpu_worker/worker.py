@@ -28,7 +28,7 @@ from shared.state import SequenceState, restore_snapshots, write_snapshot
 
 log = logging.getLogger("fermoe.cpu_worker")
 HEARTBEAT_S = 1.0
-PREFILL_CHUNK = 256         # prompt tokens one sequence gets before the others take a turn
+PREFILL_CHUNK = 64          # prompt tokens one sequence gets before the others (and heartbeats) take a turn
 
 
 @dataclass

@@ -49,47 +49,17 @@ int fm_isa_from_name(const char *name);
 uint64_t fm_read_sum(const void *buf, size_t nbytes);
 float fm_fp16_to_fp32(uint16_t h);
 uint16_t fm_fp32_to_fp16(float f);
-""" + """
-/* threadpool.h */
-typedef struct fm_pool fm_pool;
-fm_pool *fm_pool_create(int n_threads, const int *cpus);
-void fm_pool_destroy(fm_pool *pool);
-int fm_pool_size(const fm_pool *pool);
-
-/* model.h: keep in step with the C header */
-typedef struct { const void *data; int32_t type; int32_t rows, cols; int64_t mat_stride; } fm_tensor;
-typedef struct {
-    int32_t is_attention;
-    fm_tensor attn_norm, post_attention_norm;
-    fm_tensor attn_qkv, attn_gate, ssm_beta, ssm_alpha, ssm_conv1d, ssm_dt, ssm_a, ssm_norm, ssm_out;
-    int32_t gdn_slot;
-    fm_tensor attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm;
-    int32_t attn_slot;
-    fm_tensor ffn_gate_inp, ffn_gate_exps, ffn_up_exps, ffn_down_exps;
-    fm_tensor ffn_gate_inp_shexp, ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp;
-} fm_layer;
-typedef struct {
-    int32_t n_layer, n_embd, n_vocab;
-    float rms_eps;
-    int32_t n_head, n_head_kv, head_dim, rope_dim;
-    float rope_theta;
-    int32_t ssm_conv_kernel, ssm_k_heads, ssm_v_heads, ssm_head_k_dim, ssm_head_v_dim;
-    int32_t v_heads_tiled;
-    int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
-    fm_tensor token_embd, output_norm, output;
-    fm_layer *layers;
-} fm_model;
-typedef struct {
-    float *ssm; float *conv; float *const *k_pages; float *const *v_pages;
-    int32_t max_pages, block; int64_t position;
-} fm_seq;
-
-/* forward.h */
-typedef struct fm_ctx fm_ctx;
-fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens);
-void fm_ctx_destroy(fm_ctx *c);
-int fm_forward(fm_ctx *c, fm_seq *seq, const int32_t *tokens, int T, float *logits, int all_logits);
 """
+
+# The forward's headers are plain declarations: cffi reads them as they are (less the
+# preprocessor lines), so the Python view of the structs can never drift from C.
+FORWARD_HEADERS = ["model.h", "threadpool.h", "forward.h"]
+
+
+def _header_cdef(name: str) -> str:
+    lines = (HERE / name).read_text().splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+
 
 NO_COMPILER = ("fermoe: no C compiler found (looked for {cc!r}); the native kernels need one: "
                "install gcc (e.g. apt-get install gcc) or set CC, then run pip install -e . again")
@@ -109,7 +79,7 @@ def make_builder(absolute: bool = False) -> FFI:
     root = HERE.parent
     sources = [str(HERE / s) if absolute else os.path.relpath(HERE / s, root) for s in SOURCES]
     builder = FFI()
-    builder.cdef(CDEF)
+    builder.cdef(CDEF + "".join(_header_cdef(h) for h in FORWARD_HEADERS))
     builder.set_source(
         "native._fermoe_native",
         '#include "kernels.h"\n#include "forward.h"',
