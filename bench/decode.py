@@ -20,19 +20,28 @@ def _nbytes(w: Weight) -> int:
     return len(w.raw)
 
 
-def bytes_per_token(model: Model) -> int:
-    """Weight bytes one decoded token reads (routers and vectors included)."""
+def bytes_by_phase(model: Model) -> dict[str, int]:
+    """Weight bytes one decoded token reads, by phase of the native forward."""
     cfg = model.config
-    total = _nbytes(model.output) + row_nbytes(model.token_embd.qtype, cfg.n_embd)
+    phases = {"gdn": 0, "attention": 0, "moe": 0, "lm_head": _nbytes(model.output),
+              "other": row_nbytes(model.token_embd.qtype, cfg.n_embd)}
     for layer in model.layers:
         for name, w in vars(layer).items():
             if not isinstance(w, Weight):
                 continue
-            if name.endswith("_exps"):
-                total += _nbytes(w) * cfg.n_expert_used // cfg.n_expert
+            if name.startswith("ffn_"):
+                share = cfg.n_expert_used / cfg.n_expert if name.endswith("_exps") else 1
+                phases["moe"] += int(_nbytes(w) * share)
+            elif name.endswith("_norm") and name in ("attn_norm", "post_attention_norm"):
+                phases["other"] += _nbytes(w)
             else:
-                total += _nbytes(w)
-    return total
+                phases["gdn" if layer.kind == "gdn" else "attention"] += _nbytes(w)
+    return phases
+
+
+def bytes_per_token(model: Model) -> int:
+    """Weight bytes one decoded token reads (routers and vectors included)."""
+    return sum(bytes_by_phase(model).values())
 
 
 def measure_read_bandwidth(threads: int, megabytes: int = 512) -> float:
@@ -59,6 +68,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     logits = engine.forward(prompt, state, all_logits=False)[-1]
     prefill_s = time.perf_counter() - t0
 
+    engine.phase_seconds(reset=True)
     step_s = []
     for _ in range(decode_tokens):
         token = int(np.argmax(logits))
@@ -67,6 +77,12 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         step_s.append(time.perf_counter() - t0)
 
     per_token = bytes_per_token(model)
+    phase_s = engine.phase_seconds()
+    phase_bytes = bytes_by_phase(model)
+    breakdown = {p: {"ms_per_token": round(1000 * phase_s[p] / decode_tokens, 2),
+                     "weight_mb_per_token": round(phase_bytes[p] / 1e6, 1),
+                     "gb_s": round(phase_bytes[p] * decode_tokens / phase_s[p] / 1e9, 2) if phase_s[p] else None}
+                 for p in phase_s}
     bandwidth = measure_read_bandwidth(engine.threads)
     ms = 1000 * float(np.median(step_s))
     decode_tps = 1000 / ms
@@ -86,6 +102,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "floor_tok_s": round(floor_tps, 2),
         "fraction_of_floor": round(decode_tps / floor_tps, 3),
+        "decode_breakdown": breakdown,
     }
 
 

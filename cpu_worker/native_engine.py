@@ -54,6 +54,14 @@ class NativeEngine:
         """The kernel set in use (FERMOE_ISA or the best this CPU runs)."""
         return self.ffi.string(self.lib.fm_isa_name(self.lib.fm_get_isa())).decode()
 
+    PHASES = ("gdn", "attention", "moe", "lm_head", "other")
+
+    def phase_seconds(self, reset: bool = False) -> dict[str, float]:
+        """Seconds the C forward spent per phase since creation or the last reset."""
+        out = self.ffi.new("double[]", len(self.PHASES))
+        self.lib.fm_ctx_times(self._ctx, out, int(reset))
+        return dict(zip(self.PHASES, out))
+
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             self.lib.fm_ctx_destroy(self._ctx)

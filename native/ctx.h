@@ -18,6 +18,7 @@ struct fm_ctx {
     int32_t *pair_token, *pair_slot;/* MoE: token and top-k slot of each (expert, token) pair */
     block_q8_0 *xq2;                /* second quantised buffer (gathered expert inputs) */
     float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
+    double seconds[FM_N_PHASES];    /* where the time went, by phase (fm_ctx_times) */
 };
 
 void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T);

@@ -20,4 +20,10 @@ void fm_ctx_destroy(fm_ctx *c);
  * Returns 0, or -1 if T exceeds max_tokens or a token id is out of range. */
 int fm_forward(fm_ctx *c, fm_seq *seq, const int32_t *tokens, int T, float *logits, int all_logits);
 
+/* Wall time spent in each phase since the context was created or last reset:
+ * Gated DeltaNet blocks, attention blocks, MoE blocks, LM head, the rest (norms,
+ * embedding). For `fermoe bench decode`'s breakdown. */
+enum { FM_PHASE_GDN, FM_PHASE_ATTENTION, FM_PHASE_MOE, FM_PHASE_LM_HEAD, FM_PHASE_OTHER, FM_N_PHASES };
+void fm_ctx_times(fm_ctx *c, double *seconds, int reset);
+
 #endif
