@@ -23,7 +23,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ModelError
 from .ggml_types import GGMLType, BLOCK_GEOMETRY
-from .gguf_file import GGUFWriter
+from .gguf_writer import GGUFWriter
 from .hf_tokenizer import hf_tokenizer_metadata
 from .quants import quantize
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.gguf_file import GGUFFile, GGUFWriter
+from shared.gguf_file import GGUFFile
+from shared.gguf_writer import GGUFWriter
 
 DROP = object()
 

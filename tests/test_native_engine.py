@@ -18,7 +18,7 @@ from shared.synth import synth
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
 try:
-    import native  # noqa: F401
+    import native  # noqa: F401  (skip the module when the extension is not built)
 except ImportError:
     pytest.skip("native extension not built", allow_module_level=True)
 
