@@ -41,25 +41,29 @@ static void l2_normalize(float *y, const float *x, int n, float scale) {
     for (int i = 0; i < n; i++) y[i] = x[i] * inv;
 }
 
-/* One step of the delta rule on S [dk][dv]: S = e^g S; d = beta (v - S^T k); S += k d^T; o = S^T q. */
+/* One step of the delta rule on S [dk][dv]:
+ *   S' = e^g S + k d^T  with  d = beta (v - e^g S^T k),   o = S'^T q.
+ * Since o = e^g S^T q + d (k.q), one read-only pass gives S^T k and S^T q and one
+ * read-write pass applies the update: S (64 KiB a head) is streamed twice, not four times. */
 static void delta_step(float *S, const float *q, const float *k, const float *v, float decay, float beta,
                        float *o, int dk, int dv) {
-    float kv_mem[dv], delta[dv];
-    for (int j = 0; j < dv; j++) kv_mem[j] = 0.0f, o[j] = 0.0f;
+    float kv[dv], sq[dv], delta[dv];
+    for (int j = 0; j < dv; j++) kv[j] = 0.0f, sq[j] = 0.0f;
     for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
+        const float *row = S + (size_t)i * dv;
         for (int j = 0; j < dv; j++) {
-            row[j] *= decay;
-            kv_mem[j] += row[j] * k[i];
+            kv[j] += row[j] * k[i];
+            sq[j] += row[j] * q[i];
         }
     }
-    for (int j = 0; j < dv; j++) delta[j] = beta * (v[j] - kv_mem[j]);
+    float kq = fm_dot(k, q, dk);
+    for (int j = 0; j < dv; j++) {
+        delta[j] = beta * (v[j] - decay * kv[j]);
+        o[j] = decay * sq[j] + delta[j] * kq;
+    }
     for (int i = 0; i < dk; i++) {
         float *row = S + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] += k[i] * delta[j];
-            o[j] += row[j] * q[i];
-        }
+        for (int j = 0; j < dv; j++) row[j] = decay * row[j] + k[i] * delta[j];
     }
 }
 
