@@ -77,6 +77,84 @@ static inline __attribute__((always_inline)) void fm_prefetch(const void *p)
     __builtin_prefetch(a + 128, 0, 3);
 }
 
+/* ---- internal to the kernel files: the batched (tiled) driver ----
+ * fm_matmul_* (SSSE3, AVX2, AVX-512 VNNI; Q4_0 and Q8_0 weights) is a small GEMM
+ * in a "transposed" block layout: a group of GB blocks (4 with 128-bit vectors, 8
+ * with 256-bit, 16 with 512-bit) becomes 8 vectors, vector m holding 4
+ * consecutive bytes of each of the GB blocks, one block per 32-bit lane.
+ * Weights and activations are laid out alike, so one vpmaddubsw/vpdpbusd
+ * multiplies 4 elements of every block at once and the products of all 8
+ * vectors land in the same lanes: they are summed there (int16 or int32) before
+ * one conversion and one scaling per group, instead of one reduction per block.
+ * The driver prepares the B activations once per call (PREP, into per-thread
+ * scratch), unpacks a tile of rows x up to KC groups of weights once (UNPACK, on
+ * the stack, FM_TILE_BYTES: it stays in L1 next to two tokens' activations) and
+ * runs KERNEL(w, wstride, x, xstride, nk, Y, ldy, accumulate, R, T) over it for
+ * every token, RB rows x 2 tokens at a time (then 2 and 1 row, 1 token), so each
+ * loaded vector feeds several products. Blocks past the last whole group go
+ * through the per-block DOT; B = 1 goes to MATVEC. */
+#define FM_TILE_BYTES 18432
+void *fm_kernel_scratch(size_t n);  /* kernels_x86.c: per-thread, grown on demand, NULL if out of memory */
+
+#define FM_TILE_ROWS(KERNEL, RB, T, nk0)                                                                    \
+    do {                                                                                                    \
+        for (; i + (RB) <= nr; i += (RB)) KERNEL(tile + i * nk0, nk0, xb, ng, nk0, yb + i, ldy, k0 > 0, (RB), T); \
+        if ((RB) > 2 && i + 2 <= nr) {                                                                      \
+            KERNEL(tile + i * nk0, nk0, xb, ng, nk0, yb + i, ldy, k0 > 0, 2, T);                            \
+            i += 2;                                                                                         \
+        }                                                                                                   \
+        if (i < nr) KERNEL(tile + i * nk0, nk0, xb, ng, nk0, yb + i, ldy, k0 > 0, 1, T);                    \
+    } while (0)
+
+#define FM_TILED_MATMUL(NAME, WTYPE, WT, XT, GB, KC, RB, PREP, UNPACK, KERNEL, DOT, MATVEC, ATTR)           \
+ATTR void NAME(const WTYPE *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1)     \
+{                                                                                                            \
+    _Static_assert((RB) * (KC) * sizeof(WT) <= FM_TILE_BYTES, "a tile must hold RB rows");                  \
+    const int nb = cols / FM_QK, ng = nb / (GB), nt = nb - (GB) * ng;                                        \
+    if (r0 >= r1 || B <= 0) return;                                                                          \
+    if (B == 1) {  /* one token: the matrix-vector product is faster (no unpacking) */                      \
+        MATVEC(W, X, Y, cols, r0, r1);                                                                       \
+        return;                                                                                              \
+    }                                                                                                        \
+    XT *g = ng ? (XT *)fm_kernel_scratch((size_t)B * ng * sizeof(XT)) : NULL;                                \
+    if (!g) {  /* under one group, or out of memory: the per-block path is still right */                   \
+        for (int r = r0; r < r1; r++)                                                                        \
+            for (int b = 0; b < B; b++)                                                                      \
+                Y[(size_t)b * ldy + r] = DOT(cols, W + (size_t)r * nb, X + (size_t)b * nb);                  \
+        return;                                                                                              \
+    }                                                                                                        \
+    for (int b = 0; b < B; b++) PREP(X + (size_t)b * nb, ng, g + (size_t)b * ng);                            \
+    const int kc = ng < (KC) ? ng : (KC);                                                                    \
+    int rt_rows = (int)(FM_TILE_BYTES / (kc * sizeof(WT))) / (RB) * (RB);                                    \
+    if (rt_rows > 64) rt_rows = 64;                                                                          \
+    _Alignas(64) WT tile[FM_TILE_BYTES / sizeof(WT)];                                                        \
+    for (int rt = r0; rt < r1; rt += rt_rows) {                                                              \
+        const int nr = r1 - rt < rt_rows ? r1 - rt : rt_rows;                                                \
+        for (int k0 = 0; k0 < ng; k0 += kc) {                                                                \
+            const int nk = ng - k0 < kc ? ng - k0 : kc;                                                      \
+            for (int i = 0; i < nr; i++) {                                                                   \
+                const WTYPE *w = W + (size_t)(rt + i) * nb + (GB) * k0;                                      \
+                for (int k = 0; k < nk; k++) {                                                               \
+                    for (size_t o = 0; o < (GB) * sizeof(WTYPE); o += 192)  /* 3 lines a call */            \
+                        fm_prefetch((const char *)(w + (GB) * k) + o);                                       \
+                    UNPACK(w + (GB) * k, &tile[i * nk + k]);                                                 \
+                }                                                                                            \
+            }                                                                                                \
+            for (int b = 0; b < B; b += 2) {                                                                 \
+                const XT *xb = g + (size_t)b * ng + k0;                                                      \
+                float *yb = Y + (size_t)b * ldy + rt;                                                        \
+                int i = 0;                                                                                   \
+                if (b + 1 < B) FM_TILE_ROWS(KERNEL, RB, 2, nk);                                              \
+                else FM_TILE_ROWS(KERNEL, RB, 1, nk);                                                        \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int i = 0; nt && i < nr; i++)                                                                   \
+            for (int b = 0; b < B; b++)                                                                      \
+                Y[(size_t)b * ldy + rt + i] += DOT(nt * FM_QK, W + (size_t)(rt + i) * nb + (GB) * ng,        \
+                                                   X + (size_t)b * nb + (GB) * ng);                          \
+    }                                                                                                        \
+}
+
 /* Per-ISA implementations, named fm_<op>_<isa>; dispatch.c builds one table per ISA. */
 #define FM_DECLARE_INT_KERNELS(isa)                                                                         \
     float fm_vec_dot_q4_0_q8_0_##isa(int n, const block_q4_0 *w, const block_q8_0 *x);                      \

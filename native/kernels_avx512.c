@@ -26,20 +26,23 @@ typedef struct {
     __m512 dx;
 } xgroup_vnni;
 
+/* 16 bytes at offset off of the 4 Q8_0 blocks x[0..3], one per 128-bit lane. */
+FM_INLINE FM_VNNI __m512i load_quad_q8(const block_q8_0 *x, int off)
+{
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x[0].qs + off)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x[1].qs + off)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x[2].qs + off)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x[3].qs + off)), 3);
+}
+
 FM_VNNI static void prepare_x_vnni(const block_q8_0 *x, int ngroups, xgroup_vnni *g)
 {
     for (int k = 0; k < ngroups; k++, x += 16) {
         int32_t corr[16];
         float dx[16];
         for (int q = 0; q < 4; q++) {
-            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-            for (int l = 0; l < 4; l++) {
-                const block_q8_0 *xb = x + 4 * q + l;
-                lo = _mm512_inserti32x4(lo, _mm_loadu_si128((const __m128i *)xb->qs), l);
-                hi = _mm512_inserti32x4(hi, _mm_loadu_si128((const __m128i *)(xb->qs + 16)), l);
-            }
-            g[k].xlo[q] = lo;
-            g[k].xhi[q] = hi;
+            g[k].xlo[q] = load_quad_q8(x + 4 * q, 0);
+            g[k].xhi[q] = load_quad_q8(x + 4 * q, 16);
         }
         for (int e = 0; e < 16; e++) {
             const block_q8_0 *xb = x + 4 * (e & 3) + (e >> 2);  /* element 4L+k <-> block 4k+L */
@@ -164,53 +167,144 @@ FM_VNNI void fm_matvec_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *x,
     }
 }
 
-/* Batched: as on AVX2, a tile of MM_ROWS rows x MM_GROUPS groups (9 KB) is unpacked
- * once and used against the whole batch, prepared once on the heap. */
-#define MM_ROWS 4
-#define MM_GROUPS 4
+/* ---------------------------------------------------------------- batched (VNNI)
+ * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 512-bit vectors: a group is
+ * 16 blocks; after the in-lane 4x4 transpose, block 4p+L sits in 32-bit element
+ * 4L+p (the fold16/dw16 order above). vpdpbusd sums the 4 products of a lane
+ * into int32 itself, so the 8 vectors of a group go into one accumulator that
+ * starts at the block's correction: no fold at all, then one convert, one mul,
+ * one FMA per 16 blocks of one row and one token. Weights are the unsigned
+ * operand: Q4_0 nibbles (correction -8*sum(x)), Q8_0 w + 128 (-128*sum(x)), so
+ * one kernel serves both. Register blocking: 4 rows x 2 tokens (8 accumulators,
+ * 8 sums, 6 operands: 22 of the 32 registers). */
+typedef struct {
+    __m512i v[8];  /* v[m]: x[4m..4m+3] of the 16 blocks; v[4+m]: x[16+4m..16+4m+3] */
+    __m512i corr;  /* -8 * sum(x_b) for Q4_0 weights, -128 * sum(x_b) for Q8_0 */
+    __m512 dx;
+} xt16_vnni;       /* 640 bytes: one token's group of 16 activation blocks */
 
-FM_VNNI static void tile_q4_0_vnni(const wgroup_vnni (*u)[MM_GROUPS], int nr, int nk, const xgroup_vnni *g,
-                                   int ng, int B, float *Y, int ldy, int accumulate)
+typedef struct {
+    __m512i v[8];  /* unsigned weights (nibbles, or w + 128), element order as xt16_vnni */
+    __m512 dw;
+} wt16_vnni;       /* 576 bytes: one row's group of 16 weight blocks */
+
+#define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* see FM_KEEP in kernels_x86.c */
+
+/* In-lane 4x4 transpose of 32-bit elements: a[m] element 4L+p <- a[p] element 4L+m. */
+FM_INLINE FM_VNNI void transpose4_epi32_vnni(__m512i a[4])
 {
-    for (int b = 0; b < B; b++) {
-        const xgroup_vnni *gb = g + (size_t)b * ng;
-        for (int i = 0; i < nr; i++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int k = 0; k < nk; k++) acc = group_dot_vnni(&u[i][k], gb + k, acc);
-            float *yp = Y + (size_t)b * ldy + i;
-            *yp = accumulate ? *yp + _mm512_reduce_add_ps(acc) : _mm512_reduce_add_ps(acc);
-        }
+    const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+    a[0] = _mm512_unpacklo_epi64(t0, t2);
+    a[1] = _mm512_unpackhi_epi64(t0, t2);
+    a[2] = _mm512_unpacklo_epi64(t1, t3);
+    a[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 Q8_0 blocks' ints in the group layout. */
+FM_INLINE FM_VNNI void load_q8_group16_vnni(const block_q8_0 *x, __m512i v[8])
+{
+    __m512i a[4], b[4];
+    for (int q = 0; q < 4; q++) {
+        a[q] = load_quad_q8(x + 4 * q, 0);
+        b[q] = load_quad_q8(x + 4 * q, 16);
+    }
+    transpose4_epi32_vnni(a);
+    transpose4_epi32_vnni(b);
+    for (int m = 0; m < 4; m++) {
+        v[m] = a[m];
+        v[4 + m] = b[m];
     }
 }
 
-FM_VNNI void fm_matmul_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B,
-                                       int ldy, int r0, int r1)
+/* 16 Q8_0 scales (34 bytes apart) in the group order, as dw16_vnni. */
+FM_INLINE FM_VNNI __m512 d16_q8_vnni(const block_q8_0 *x)
 {
-    const int nb = cols / FM_QK, ng = nb / 16, nt = nb - 16 * ng;
-    xgroup_vnni *g = ng ? aligned_alloc(64, (size_t)B * ng * sizeof(xgroup_vnni)) : NULL;
-    if (!g) {  /* under 16 blocks, or out of memory: the per-block path is still right */
-        for (int r = r0; r < r1; r++)
-            for (int b = 0; b < B; b++)
-                Y[(size_t)b * ldy + r] = fm_vec_dot_q4_0_q8_0_avx512vnni(cols, W + (size_t)r * nb, X + (size_t)b * nb);
-        return;
-    }
-    for (int b = 0; b < B; b++) prepare_x_vnni(X + (size_t)b * nb, ng, g + (size_t)b * ng);
-    wgroup_vnni u[MM_ROWS][MM_GROUPS];
-    for (int rt = r0; rt < r1; rt += MM_ROWS) {
-        const int nr = imin(MM_ROWS, r1 - rt);
-        for (int k0 = 0; k0 < ng; k0 += MM_GROUPS) {
-            const int nk = imin(MM_GROUPS, ng - k0);
-            for (int i = 0; i < nr; i++)
-                for (int k = 0; k < nk; k++) unpack_group_q4_vnni(W + (size_t)(rt + i) * nb + 16 * (k0 + k), &u[i][k]);
-            tile_q4_0_vnni(u, nr, nk, g + k0, ng, B, Y + rt, ldy, k0 > 0);
-        }
-        for (int i = 0; nt && i < nr; i++)
-            for (int b = 0; b < B; b++)
-                Y[(size_t)b * ldy + rt + i] += fm_vec_dot_q4_0_q8_0_avx512vnni(
-                    nt * FM_QK, W + (size_t)(rt + i) * nb + 16 * ng, X + (size_t)b * nb + 16 * ng);
-    }
-    free(g);
+    uint64_t u[4];
+    for (int l = 0; l < 4; l++)
+        u[l] = x[l].d | (uint64_t)x[4 + l].d << 16 | (uint64_t)x[8 + l].d << 32 | (uint64_t)x[12 + l].d << 48;
+    return _mm512_cvtph_ps(_mm256_set_epi64x((long long)u[3], (long long)u[2], (long long)u[1], (long long)u[0]));
 }
+
+/* One token's groups; corr = -(sum(x) << shift): shift 3 for Q4_0 weights, 7 for Q8_0. */
+FM_INLINE FM_VNNI void prepare_xt16_vnni(const block_q8_0 *x, int ng, xt16_vnni *g, int shift)
+{
+    const __m512i one8 = _mm512_set1_epi8(1);
+    for (int k = 0; k < ng; k++, x += 16) {
+        load_q8_group16_vnni(x, g[k].v);
+        __m512i s = _mm512_setzero_si512();
+        for (int m = 0; m < 8; m++) s = _mm512_dpbusd_epi32(s, one8, g[k].v[m]);
+        g[k].corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sll_epi32(s, _mm_cvtsi32_si128(shift)));
+        g[k].dx = d16_q8_vnni(x);
+    }
+}
+
+FM_VNNI static void prepare_xt16_q4_vnni(const block_q8_0 *x, int ng, xt16_vnni *g) { prepare_xt16_vnni(x, ng, g, 3); }
+FM_VNNI static void prepare_xt16_q8_vnni(const block_q8_0 *x, int ng, xt16_vnni *g) { prepare_xt16_vnni(x, ng, g, 7); }
+
+FM_INLINE FM_VNNI void unpack_wt16_q4_vnni(const block_q4_0 *w, wt16_vnni *u)
+{
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i q[4];
+    for (int k = 0; k < 4; k++) q[k] = load_quad_q4(w + 4 * k);
+    transpose4_epi32_vnni(q);
+    for (int m = 0; m < 4; m++) {
+        u->v[m] = _mm512_and_si512(q[m], m4);
+        u->v[4 + m] = _mm512_and_si512(_mm512_srli_epi16(q[m], 4), m4);
+    }
+    u->dw = dw16_vnni(w);
+}
+
+FM_INLINE FM_VNNI void unpack_wt16_q8_vnni(const block_q8_0 *w, wt16_vnni *u)
+{
+    load_q8_group16_vnni(w, u->v);
+    for (int m = 0; m < 8; m++) u->v[m] = _mm512_xor_si512(u->v[m], _mm512_set1_epi8((char)0x80));
+    u->dw = d16_q8_vnni(w);
+}
+
+/* R rows (wstride groups apart) x T tokens (xstride groups apart) over nk groups. */
+FM_INLINE FM_VNNI void kernel_vnni(const wt16_vnni *w, int wstride, const xt16_vnni *x, int xstride, int nk,
+                                   float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m512i s[4][2];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) s[r][t] = _mm512_load_si512(&x[(size_t)t * xstride + k].corr);
+        for (int m = 0; m < 8; m++) {
+            __m512i wv[4], xv[2];
+            for (int r = 0; r < R; r++) {
+                wv[r] = _mm512_load_si512(&w[(size_t)r * wstride + k].v[m]);
+                FM_KEEP_V(wv[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm512_load_si512(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP_V(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    s[r][t] = _mm512_dpbusd_epi32(s[r][t], wv[r], xv[t]);
+                    FM_KEEP_V(s[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++)
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][t]),
+                                            _mm512_mul_ps(w[(size_t)r * wstride + k].dw, x[(size_t)t * xstride + k].dx),
+                                            acc[r][t]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float *y = Y + (size_t)t * ldy + r;
+            const float v = _mm512_reduce_add_ps(acc[r][t]);
+            *y = acc_out ? *y + v : v;
+        }
+}
+
+FM_TILED_MATMUL(fm_matmul_q4_0_avx512vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, 8, 4, prepare_xt16_q4_vnni,
+                unpack_wt16_q4_vnni, kernel_vnni, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, FM_VNNI)
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0
  * 256-bit VNNI per block: 34-byte blocks leave enough time per byte. negc is
@@ -279,11 +373,5 @@ FM_VNNI void fm_matvec_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *x,
     }
 }
 
-FM_VNNI void fm_matmul_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B,
-                                       int ldy, int r0, int r1)
-{
-    const int nb = cols / FM_QK;
-    for (int r = r0; r < r1; r++)  /* row outer: each row is fetched once, then hit in L1 */
-        for (int b = 0; b < B; b++)
-            Y[(size_t)b * ldy + r] = fm_vec_dot_q8_0_q8_0_avx512vnni(cols, W + (size_t)r * nb, X + (size_t)b * nb);
-}
+FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, 4, 4, prepare_xt16_q8_vnni,
+                unpack_wt16_q8_vnni, kernel_vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, fm_matvec_q8_0_avx512vnni, FM_VNNI)

@@ -4,6 +4,7 @@
  * everywhere; dispatch.c only calls a version the CPU supports.
  */
 #include <immintrin.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include "kernels.h"
 
@@ -13,6 +14,32 @@
 #define CHUNK_BLOCKS 256  /* activation blocks prepared per pass: 8192 columns, ~10 KB of stack */
 
 static int imin(int a, int b) { return a < b ? a : b; }
+
+/* Per-thread scratch of the batched kernels (all ISAs): the prepared activations,
+ * grown on demand, freed when the thread exits. */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static __thread void *scratch_ptr;
+static __thread size_t scratch_size;
+
+static void scratch_key_init(void) { pthread_key_create(&scratch_key, free); }
+
+void *fm_kernel_scratch(size_t n)
+{
+    if (n <= scratch_size) return scratch_ptr;
+    pthread_once(&scratch_once, scratch_key_init);
+    free(scratch_ptr);
+    n = (n + 65535) & ~(size_t)65535;
+    scratch_ptr = aligned_alloc(64, n);
+    scratch_size = scratch_ptr ? n : 0;
+    pthread_setspecific(scratch_key, scratch_ptr);
+    return scratch_ptr;
+}
+
+/* An empty asm that pins a vector in a register at this point: without it GCC
+ * reassociates the sums of a group into a tree, hoists all the products and
+ * spills them (1.6x slower). */
+#define FM_KEEP(v) __asm__("" : "+x"(v))
 
 /* ================================================================ SSSE3
  * One Q4_0 x Q8_0 block as DESIGN.md describes it: unpack nibbles, subtract 8;
@@ -114,17 +141,190 @@ FM_SSSE3 void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int 
 SSSE3_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, q4_block_ssse3)
 SSSE3_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, q8_block_ssse3)
 
-/* Batched: row outer, batch inner, so each row is fetched from memory once. */
-#define ROWWISE_MATMUL(NAME, WTYPE, DOT, ATTR)                                                        \
-ATTR void NAME(const WTYPE *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1) \
-{                                                                                                      \
-    const int nb = cols / FM_QK;                                                                       \
-    for (int r = r0; r < r1; r++)                                                                      \
-        for (int b = 0; b < B; b++)                                                                    \
-            Y[(size_t)b * ldy + r] = DOT(cols, W + (size_t)r * nb, X + (size_t)b * nb);               \
+/* ---------------------------------------------------------------- batched (SSSE3)
+ * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 128-bit vectors: a group is 4
+ * blocks, lane p = block p. Q4_0: the nibbles (0..15) are pmaddubsw's unsigned
+ * operand, the -8 offset a per-block correction -8*sum(x) (int32), and the 8
+ * int16 products of a group are summed in int16: <= 8 * 2 * 15 * 127 = 30480,
+ * no saturation. Q8_0: the sign trick (|w|, x signed by w), each product widened
+ * to int32 at once (a pair sum can reach 32512). SSSE3 has no FMA: mul + add. */
+typedef struct {
+    __m128i v[8];  /* v[m]: x[4m..4m+3] of blocks 0..3; v[4+m]: x[16+4m..16+4m+3] */
+    __m128i corr;  /* -8 * sum(x_b) */
+    __m128 dx;
+} xt4_ssse3;
+
+typedef struct {
+    __m128i v[8];  /* nibbles 0..15, element order as xt4_ssse3 */
+    __m128 dw;
+} wt4_ssse3;
+
+typedef struct {
+    __m128i v[8], a[8];  /* w and |w|, element order as xt4_ssse3 */
+    __m128 dw;
+} wq8t4_ssse3;
+
+/* 4x4 transpose of 32-bit elements: a[m] element p <- a[p] element m. */
+FM_INLINE FM_SSSE3 void transpose4_epi32_sse(__m128i a[4])
+{
+    const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpackhi_epi32(a[0], a[1]);
+    const __m128i t2 = _mm_unpacklo_epi32(a[2], a[3]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
+    a[0] = _mm_unpacklo_epi64(t0, t2);
+    a[1] = _mm_unpackhi_epi64(t0, t2);
+    a[2] = _mm_unpacklo_epi64(t1, t3);
+    a[3] = _mm_unpackhi_epi64(t1, t3);
 }
-ROWWISE_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, fm_vec_dot_q4_0_q8_0_ssse3, FM_SSSE3)
-ROWWISE_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, fm_vec_dot_q8_0_q8_0_ssse3, FM_SSSE3)
+
+/* 4 Q8_0 blocks' 32 ints in the group layout: v[0..3] from bytes 0..15, v[4..7] from 16..31. */
+FM_INLINE FM_SSSE3 void load_q8_group4_ssse3(const block_q8_0 *x, __m128i v[8])
+{
+    __m128i a[4], b[4];
+    for (int j = 0; j < 4; j++) {
+        a[j] = _mm_loadu_si128((const __m128i *)x[j].qs);
+        b[j] = _mm_loadu_si128((const __m128i *)(x[j].qs + 16));
+    }
+    transpose4_epi32_sse(a);
+    transpose4_epi32_sse(b);
+    for (int m = 0; m < 4; m++) {
+        v[m] = a[m];
+        v[4 + m] = b[m];
+    }
+}
+
+FM_INLINE FM_SSSE3 __m128 d4_ssse3(uint16_t d0, uint16_t d1, uint16_t d2, uint16_t d3)
+{
+    return _mm_set_ps(fm_fp16_to_fp32(d3), fm_fp16_to_fp32(d2), fm_fp16_to_fp32(d1), fm_fp16_to_fp32(d0));
+}
+
+FM_SSSE3 static void prepare_xt4_ssse3(const block_q8_0 *x, int ng, xt4_ssse3 *g)
+{
+    const __m128i one8 = _mm_set1_epi8(1);
+    for (int k = 0; k < ng; k++, x += 4) {
+        load_q8_group4_ssse3(x, g[k].v);
+        __m128i s = _mm_setzero_si128();  /* int16 pair sums of x: <= 8 * 2 * 127 */
+        for (int m = 0; m < 8; m++) s = _mm_add_epi16(s, _mm_maddubs_epi16(one8, g[k].v[m]));
+        g[k].corr = _mm_madd_epi16(s, _mm_set1_epi16(-8));
+        g[k].dx = d4_ssse3(x[0].d, x[1].d, x[2].d, x[3].d);
+    }
+}
+
+FM_INLINE FM_SSSE3 void unpack_wt4_ssse3(const block_q4_0 *w, wt4_ssse3 *u)
+{
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm_loadu_si128((const __m128i *)w[j].qs);
+    transpose4_epi32_sse(q);
+    for (int m = 0; m < 4; m++) {
+        u->v[m] = _mm_and_si128(q[m], m4);
+        u->v[4 + m] = _mm_and_si128(_mm_srli_epi16(q[m], 4), m4);
+    }
+    u->dw = d4_ssse3(w[0].d, w[1].d, w[2].d, w[3].d);
+}
+
+FM_INLINE FM_SSSE3 void unpack_wq8t4_ssse3(const block_q8_0 *w, wq8t4_ssse3 *u)
+{
+    load_q8_group4_ssse3(w, u->v);
+    for (int m = 0; m < 8; m++) u->a[m] = _mm_sign_epi8(u->v[m], u->v[m]);
+    u->dw = d4_ssse3(w[0].d, w[1].d, w[2].d, w[3].d);
+}
+
+/* The R x T sums of a kernel into Y (added when acc_out); 2 x 2 in one go. */
+FM_INLINE FM_SSSE3 void store_sums_ssse3(__m128 acc[2][2], float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    if (R == 2 && T == 2) {  /* [r0t0, r1t0, r0t1, r1t1] */
+        __m128 s = _mm_hadd_ps(_mm_hadd_ps(acc[0][0], acc[1][0]), _mm_hadd_ps(acc[0][1], acc[1][1]));
+        __m64 *y0 = (__m64 *)Y, *y1 = (__m64 *)(Y + ldy);
+        if (acc_out) s = _mm_add_ps(s, _mm_loadh_pi(_mm_loadl_pi(_mm_setzero_ps(), y0), y1));
+        _mm_storel_pi(y0, s);
+        _mm_storeh_pi(y1, s);
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float *y = Y + (size_t)t * ldy + r;
+            const float v = hsum_ps_sse(acc[r][t]);
+            *y = acc_out ? *y + v : v;
+        }
+}
+
+/* R rows (wstride groups apart) x T tokens (xstride groups apart) over nk groups. */
+FM_INLINE FM_SSSE3 void kernel_q4_ssse3(const wt4_ssse3 *w, int wstride, const xt4_ssse3 *x, int xstride, int nk,
+                                        float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    const __m128i one16 = _mm_set1_epi16(1);
+    __m128 acc[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m128i p[2][2];
+        for (int m = 0; m < 8; m++) {
+            __m128i wv[2], xv[2];
+            for (int r = 0; r < R; r++) {
+                wv[r] = _mm_load_si128(&w[(size_t)r * wstride + k].v[m]);
+                FM_KEEP(wv[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm_load_si128(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    const __m128i q = _mm_maddubs_epi16(wv[r], xv[t]);
+                    p[r][t] = m ? _mm_add_epi16(p[r][t], q) : q;
+                    FM_KEEP(p[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                const xt4_ssse3 *xg = &x[(size_t)t * xstride + k];
+                const __m128i s = _mm_add_epi32(_mm_madd_epi16(p[r][t], one16), xg->corr);
+                const __m128 d = _mm_mul_ps(w[(size_t)r * wstride + k].dw, xg->dx);
+                acc[r][t] = _mm_add_ps(acc[r][t], _mm_mul_ps(_mm_cvtepi32_ps(s), d));
+            }
+    }
+    store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
+}
+
+FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const xt4_ssse3 *x, int xstride, int nk,
+                                        float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    const __m128i one16 = _mm_set1_epi16(1);
+    __m128 acc[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m128i s[2][2];
+        for (int m = 0; m < 8; m++) {
+            __m128i av[2], xv[2];
+            for (int r = 0; r < R; r++) {
+                av[r] = _mm_load_si128(&w[(size_t)r * wstride + k].a[m]);
+                FM_KEEP(av[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm_load_si128(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    const __m128i sx = _mm_sign_epi8(xv[t], w[(size_t)r * wstride + k].v[m]);
+                    const __m128i q = _mm_madd_epi16(_mm_maddubs_epi16(av[r], sx), one16);
+                    s[r][t] = m ? _mm_add_epi32(s[r][t], q) : q;
+                    FM_KEEP(s[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                const __m128 d = _mm_mul_ps(w[(size_t)r * wstride + k].dw, x[(size_t)t * xstride + k].dx);
+                acc[r][t] = _mm_add_ps(acc[r][t], _mm_mul_ps(_mm_cvtepi32_ps(s[r][t]), d));
+            }
+    }
+    store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
+}
+
+FM_TILED_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, 32, 2, prepare_xt4_ssse3, unpack_wt4_ssse3,
+             kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, FM_SSSE3)
+FM_TILED_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, 16, 2, prepare_xt4_ssse3, unpack_wq8t4_ssse3,
+             kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, fm_matvec_q8_0_ssse3, FM_SSSE3)
 
 /* ================================================================ AVX2
  * Q4_0 on AVX2 skips the sign trick: the nibbles (0..15) go into vpmaddubsw
@@ -285,55 +485,202 @@ FM_AVX2 void fm_matvec_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *x, float
     }
 }
 
-/* Batched Q4_0, a small GEMM: activations are prepared once for the whole batch
- * (heap); a tile of MM_ROWS rows x MM_GROUPS groups is unpacked once (9 KB, stays
- * in L1) and used against every activation, so the nibble unpacking and the scale
- * gathering are paid once per batch instead of once per token. */
-#define MM_ROWS 4
-#define MM_GROUPS 8
+/* ---------------------------------------------------------------- batched (AVX2)
+ * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 256-bit vectors: a group is 8
+ * blocks, one per 32-bit lane in the order 0,2,4,6,1,3,5,7 (the low 128 bits
+ * hold blocks 0,2,4,6, as dw8_avx2). Q4_0 as on SSSE3: nibbles unsigned, -8*sum(x)
+ * per block, the 8 products of a group summed in int16, then 9 multiplies per 8
+ * blocks where the per-pair fold of the matvec needs 15. Per 8 blocks of one row
+ * and one token: 8 vpmaddubsw, 7 vpaddw, 1 vpmaddwd, 1 vpaddd, 1 convert, 1 mul,
+ * 1 FMA. Q8_0: the sign trick, each product widened at once.
+ * Measured on the 2-core Zen 3 VM: ~95 GMAC/s a core at B = 64 (the old per-pair
+ * fold: ~55), bound by the number of vector ops (wider register blocks, 3x2 to
+ * 4x4, measured no faster); B = 4: ~62 (unpacking is ~1/3 of the time). */
+typedef struct {
+    __m256i v[8];  /* v[m]: x[4m..4m+3] of the 8 blocks; v[4+m]: x[16+4m..16+4m+3] */
+    __m256i corr;  /* -8 * sum(x_b), int32 per lane */
+    __m256 dx;
+} xt8_avx2;        /* 320 bytes: one token's group of 8 activation blocks */
 
-FM_AVX2 static void tile_q4_0_avx2(const wgroup_avx2 (*u)[MM_GROUPS], int nr, int nk, const xgroup_avx2 *g,
-                                   int ng, int B, float *Y, int ldy, int accumulate)
+typedef struct {
+    __m256i v[8];  /* nibbles 0..15, element order as xt8_avx2 */
+    __m256 dw;
+} wt8_avx2;        /* 288 bytes: one row's group of 8 weight blocks */
+
+typedef struct {
+    __m256i v[8], a[8];  /* w and |w|, element order as xt8_avx2 */
+    __m256 dw;
+} wq8t8_avx2;
+
+FM_INLINE FM_AVX2 __m256i load_2x128(const void *lo, const void *hi)
 {
-    for (int b = 0; b < B; b++) {
-        const xgroup_avx2 *gb = g + (size_t)b * ng;
-        for (int i = 0; i < nr; i++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int k = 0; k < nk; k++) acc = group_dot_avx2(&u[i][k], gb + k, acc);
-            float *yp = Y + (size_t)b * ldy + i;
-            *yp = accumulate ? *yp + hsum_ps_avx(acc) : hsum_ps_avx(acc);
-        }
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+                                   _mm_loadu_si128((const __m128i *)hi), 1);
+}
+
+/* In-lane 4x4 transpose of 32-bit elements: a[m] lane p <- a[p] lane m (both 128-bit halves). */
+FM_INLINE FM_AVX2 void transpose4_epi32_avx2(__m256i a[4])
+{
+    const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+    a[0] = _mm256_unpacklo_epi64(t0, t2);
+    a[1] = _mm256_unpackhi_epi64(t0, t2);
+    a[2] = _mm256_unpacklo_epi64(t1, t3);
+    a[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* 8 Q8_0 blocks' ints in the group layout: pair j = blocks 2j | 2j+1 in the two halves. */
+FM_INLINE FM_AVX2 void load_q8_group8_avx2(const block_q8_0 *x, __m256i v[8])
+{
+    __m256i a[4], b[4];
+    for (int j = 0; j < 4; j++) {
+        a[j] = load_2x128(x[2 * j].qs, x[2 * j + 1].qs);
+        b[j] = load_2x128(x[2 * j].qs + 16, x[2 * j + 1].qs + 16);
+    }
+    transpose4_epi32_avx2(a);
+    transpose4_epi32_avx2(b);
+    for (int m = 0; m < 4; m++) {
+        v[m] = a[m];
+        v[4 + m] = b[m];
     }
 }
 
-FM_AVX2 void fm_matmul_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B,
-                                 int ldy, int r0, int r1)
+/* 8 Q8_0 scales (34 bytes apart) in lane order 0,2,4,6,1,3,5,7. */
+FM_INLINE FM_AVX2 __m256 d8_q8_avx2(const block_q8_0 *x)
 {
-    const int nb = cols / FM_QK, ng = nb / 8, nt = nb - 8 * ng;
-    xgroup_avx2 *g = ng ? aligned_alloc(64, (size_t)B * ng * sizeof(xgroup_avx2)) : NULL;
-    if (!g) {  /* under 8 blocks, or out of memory: the per-block path is still right */
-        for (int r = r0; r < r1; r++)
-            for (int b = 0; b < B; b++)
-                Y[(size_t)b * ldy + r] = fm_vec_dot_q4_0_q8_0_avx2(cols, W + (size_t)r * nb, X + (size_t)b * nb);
+    const uint64_t lo = x[0].d | (uint64_t)x[2].d << 16 | (uint64_t)x[4].d << 32 | (uint64_t)x[6].d << 48;
+    const uint64_t hi = x[1].d | (uint64_t)x[3].d << 16 | (uint64_t)x[5].d << 32 | (uint64_t)x[7].d << 48;
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+}
+
+FM_AVX2 static void prepare_xt8_avx2(const block_q8_0 *x, int ng, xt8_avx2 *g)
+{
+    const __m256i one8 = _mm256_set1_epi8(1);
+    for (int k = 0; k < ng; k++, x += 8) {
+        load_q8_group8_avx2(x, g[k].v);
+        __m256i s = _mm256_setzero_si256();  /* int16 pair sums of x: <= 8 * 2 * 127 */
+        for (int m = 0; m < 8; m++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(one8, g[k].v[m]));
+        g[k].corr = _mm256_madd_epi16(s, _mm256_set1_epi16(-8));
+        g[k].dx = d8_q8_avx2(x);
+    }
+}
+
+FM_INLINE FM_AVX2 void unpack_wt8_avx2(const block_q4_0 *w, wt8_avx2 *u)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) q[j] = load_2x128(w[2 * j].qs, w[2 * j + 1].qs);
+    transpose4_epi32_avx2(q);
+    for (int m = 0; m < 4; m++) {
+        u->v[m] = _mm256_and_si256(q[m], m4);
+        u->v[4 + m] = _mm256_and_si256(_mm256_srli_epi16(q[m], 4), m4);
+    }
+    u->dw = dw8_avx2(w);
+}
+
+FM_INLINE FM_AVX2 void unpack_wq8t8_avx2(const block_q8_0 *w, wq8t8_avx2 *u)
+{
+    load_q8_group8_avx2(w, u->v);
+    for (int m = 0; m < 8; m++) u->a[m] = _mm256_sign_epi8(u->v[m], u->v[m]);
+    u->dw = d8_q8_avx2(w);
+}
+
+/* The R x T sums of a kernel into Y (added when acc_out); 2 x 2 in one go. */
+FM_INLINE FM_AVX2 void store_sums_avx2(__m256 acc[2][2], float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    if (R == 2 && T == 2) {  /* [r0t0, r1t0, r0t1, r1t1] */
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[0][1], acc[1][1]));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        __m64 *y0 = (__m64 *)Y, *y1 = (__m64 *)(Y + ldy);
+        if (acc_out) s = _mm_add_ps(s, _mm_loadh_pi(_mm_loadl_pi(_mm_setzero_ps(), y0), y1));
+        _mm_storel_pi(y0, s);
+        _mm_storeh_pi(y1, s);
         return;
     }
-    for (int b = 0; b < B; b++) prepare_x_avx2(X + (size_t)b * nb, ng, g + (size_t)b * ng);
-    wgroup_avx2 u[MM_ROWS][MM_GROUPS];
-    for (int rt = r0; rt < r1; rt += MM_ROWS) {
-        const int nr = imin(MM_ROWS, r1 - rt);
-        for (int k0 = 0; k0 < ng; k0 += MM_GROUPS) {
-            const int nk = imin(MM_GROUPS, ng - k0);
-            for (int i = 0; i < nr; i++)
-                for (int k = 0; k < nk; k++) unpack_group_q4_avx2(W + (size_t)(rt + i) * nb + 8 * (k0 + k), &u[i][k]);
-            tile_q4_0_avx2(u, nr, nk, g + k0, ng, B, Y + rt, ldy, k0 > 0);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float *y = Y + (size_t)t * ldy + r;
+            const float v = hsum_ps_avx(acc[r][t]);
+            *y = acc_out ? *y + v : v;
         }
-        for (int i = 0; nt && i < nr; i++)
-            for (int b = 0; b < B; b++)
-                Y[(size_t)b * ldy + rt + i] += fm_vec_dot_q4_0_q8_0_avx2(nt * FM_QK, W + (size_t)(rt + i) * nb + 8 * ng,
-                                                                         X + (size_t)b * nb + 8 * ng);
-    }
-    free(g);
 }
+
+/* R rows (wstride groups apart) x T tokens (xstride groups apart) over nk groups. */
+FM_INLINE FM_AVX2 void kernel_q4_avx2(const wt8_avx2 *w, int wstride, const xt8_avx2 *x, int xstride, int nk,
+                                      float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    const __m256i one16 = _mm256_set1_epi16(1);
+    __m256 acc[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m256i p[2][2];
+        for (int m = 0; m < 8; m++) {
+            __m256i wv[2], xv[2];
+            for (int r = 0; r < R; r++) {
+                wv[r] = _mm256_load_si256(&w[(size_t)r * wstride + k].v[m]);
+                FM_KEEP(wv[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm256_load_si256(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    const __m256i q = _mm256_maddubs_epi16(wv[r], xv[t]);
+                    p[r][t] = m ? _mm256_add_epi16(p[r][t], q) : q;
+                    FM_KEEP(p[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                const xt8_avx2 *xg = &x[(size_t)t * xstride + k];
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(p[r][t], one16), xg->corr);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w[(size_t)r * wstride + k].dw, xg->dx),
+                                            acc[r][t]);
+            }
+    }
+    store_sums_avx2(acc, Y, ldy, acc_out, R, T);
+}
+
+FM_INLINE FM_AVX2 void kernel_q8_avx2(const wq8t8_avx2 *w, int wstride, const xt8_avx2 *x, int xstride, int nk,
+                                      float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    const __m256i one16 = _mm256_set1_epi16(1);
+    __m256 acc[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m256i s[2][2];
+        for (int m = 0; m < 8; m++) {
+            __m256i av[2], xv[2];
+            for (int r = 0; r < R; r++) {
+                av[r] = _mm256_load_si256(&w[(size_t)r * wstride + k].a[m]);
+                FM_KEEP(av[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm256_load_si256(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    const __m256i sx = _mm256_sign_epi8(xv[t], w[(size_t)r * wstride + k].v[m]);
+                    const __m256i q = _mm256_madd_epi16(_mm256_maddubs_epi16(av[r], sx), one16);
+                    s[r][t] = m ? _mm256_add_epi32(s[r][t], q) : q;
+                    FM_KEEP(s[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++)
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][t]),
+                                            _mm256_mul_ps(w[(size_t)r * wstride + k].dw, x[(size_t)t * xstride + k].dx),
+                                            acc[r][t]);
+    }
+    store_sums_avx2(acc, Y, ldy, acc_out, R, T);
+}
+
+FM_TILED_MATMUL(fm_matmul_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, 16, 2, prepare_xt8_avx2, unpack_wt8_avx2,
+             kernel_q4_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_matvec_q4_0_avx2, FM_AVX2)
 
 /* Q8_0 x Q8_0: 34-byte blocks leave more time per byte; the sign trick per block is enough. */
 FM_INLINE FM_AVX2 __m256 q8_block_avx2(const block_q8_0 *w, __m256i xq, float s, __m256 acc)
@@ -381,4 +728,5 @@ FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float
         }
     }
 }
-ROWWISE_MATMUL(fm_matmul_q8_0_avx2, block_q8_0, fm_vec_dot_q8_0_q8_0_avx2, FM_AVX2)
+FM_TILED_MATMUL(fm_matmul_q8_0_avx2, block_q8_0, wq8t8_avx2, xt8_avx2, 8, 8, 2, prepare_xt8_avx2, unpack_wq8t8_avx2,
+             kernel_q8_avx2, fm_vec_dot_q8_0_q8_0_avx2, fm_matvec_q8_0_avx2, FM_AVX2)

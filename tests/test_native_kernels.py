@@ -234,6 +234,46 @@ def test_matmul(isa, kind, B):
     assert (out[:, 0] == 777.0).all() and (out[:, rows:] == 777.0).all()
 
 
+# Shapes of the tiled batched kernels (Q4_0/Q8_0: groups of 4 blocks on SSSE3, 8 on
+# AVX2, 16 on AVX-512, tiles of up to 64 rows and 128 blocks; F32: 2 rows x 4 tokens,
+# tiles of ~96 KB of rows): one group exactly, no whole group, a few groups with tail
+# blocks, several column chunks with tail blocks, rows over several tiles; odd row
+# ranges inside them.
+TILED_SHAPES = [  # (nblocks, rows, row_begin, row_end)
+    (8, 9, 0, 9),
+    (7, 5, 1, 4),
+    (16, 70, 5, 70),
+    (75, 37, 3, 36),
+    (16 * 9 + 3, 13, 2, 11),
+]
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32"])
+@pytest.mark.parametrize("B", list(range(1, 14)) + [64])
+def test_matmul_batches_and_tiles(isa, kind, B):
+    """Every batch size 1..13 and 64 (token pairs or quads plus the rest) on every tile shape."""
+    for nblocks, rows, r0, r1 in TILED_SHAPES:
+        W = make_weights(kind, rows, nblocks * QK)
+        X, Xd = make_acts(kind, nblocks * QK, B)
+        ref, scale = reference(weights_as_float(W, kind), Xd)
+        out = np.full((B, rows + 5), 777.0, np.float32)  # ldy > rows
+        native.matmul(W, X, kind, r0, r1, out=out)
+        what = f"{isa} {kind} matmul B={B} {nblocks} blocks rows [{r0},{r1}) of {rows}"
+        assert_close(out[:, r0:r1], ref[:, r0:r1], scale[:, r0:r1], what=what)
+        assert (out[:, :r0] == 777.0).all() and (out[:, r1:] == 777.0).all(), what + ": wrote outside"
+
+
+def test_matmul_equals_matvec_rows(isa):
+    """A batched product and B matrix-vector products agree (ISA tolerance)."""
+    rows, cols, B = 19, 2048 + 3 * QK, 11
+    W = make_weights("q4_0", rows, cols)
+    X, Xd = make_acts("q4_0", cols, B)
+    _, scale = reference(weights_as_float(W, "q4_0"), Xd)
+    got = native.matmul(W, X, "q4_0")
+    want = np.stack([native.matvec(W, X[b], "q4_0") for b in range(B)])
+    assert_close(got, want.astype(np.float64), scale, ISA_RTOL, f"{isa} matmul vs matvec")
+
+
 # ---------------------------------------------------------------- edge blocks
 
 def q4_block_bytes(d: float, nibbles: np.ndarray) -> np.ndarray:
