@@ -62,13 +62,20 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()
 
-    engine.forward(prompt[:4], engine.new_state(), all_logits=False)    # page in, warm up
+    # Warm up with another prompt of the same length: it maps the pages of (nearly)
+    # every expert, so the figures are the steady state of a serving worker, not
+    # first-touch page faults.
+    warm = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()
+    engine.forward(warm, engine.new_state(), all_logits=False)
     state = engine.new_state()
+    engine.experts_per_moe_block(reset=True)
+    engine.phase_seconds(reset=True)
     t0 = time.perf_counter()
     logits = engine.forward(prompt, state, all_logits=False)[-1]
     prefill_s = time.perf_counter() - t0
+    prefill_experts = engine.experts_per_moe_block(reset=True)
+    prefill_phases = {p: round(sec, 3) for p, sec in engine.phase_seconds(reset=True).items()}
 
-    engine.phase_seconds(reset=True)
     step_s = []
     for _ in range(decode_tokens):
         token = int(np.argmax(logits))
@@ -94,6 +101,8 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "prompt_tokens": prompt_tokens,
         "prefill_s": round(prefill_s, 3),
         "prefill_tok_s": round(prompt_tokens / prefill_s, 2),
+        "prefill_experts_per_layer": round(prefill_experts, 1),
+        "prefill_seconds_by_phase": prefill_phases,
         "decode_tokens": decode_tokens,
         "decode_ms_per_token_median": round(ms, 2),
         "decode_ms_per_token_min": round(1000 * min(step_s), 2),

@@ -62,6 +62,12 @@ class NativeEngine:
         self.lib.fm_ctx_times(self._ctx, out, int(reset))
         return dict(zip(self.PHASES, out))
 
+    def experts_per_moe_block(self, reset: bool = False) -> float:
+        """Mean distinct experts each MoE block ran since creation or the last reset."""
+        calls, experts = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")
+        self.lib.fm_ctx_moe_stats(self._ctx, calls, experts, int(reset))
+        return experts[0] / calls[0] if calls[0] else 0.0
+
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             self.lib.fm_ctx_destroy(self._ctx)

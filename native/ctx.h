@@ -19,6 +19,7 @@ struct fm_ctx {
     block_q8_0 *xq2;                /* second quantised buffer (gathered expert inputs) */
     float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
     double seconds[FM_N_PHASES];    /* where the time went, by phase (fm_ctx_times) */
+    int64_t moe_calls, experts_used; /* distinct experts a MoE block ran, summed (fm_ctx_moe_stats) */
 };
 
 void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T);

@@ -19,6 +19,11 @@ void fm_ctx_times(fm_ctx *c, double *seconds, int reset) {
     }
 }
 
+void fm_ctx_moe_stats(fm_ctx *c, int64_t *calls, int64_t *experts, int reset) {
+    *calls = c->moe_calls, *experts = c->experts_used;
+    if (reset) c->moe_calls = c->experts_used = 0;
+}
+
 static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {

@@ -25,5 +25,8 @@ int fm_forward(fm_ctx *c, fm_seq *seq, const int32_t *tokens, int T, float *logi
  * embedding). For `fermoe bench decode`'s breakdown. */
 enum { FM_PHASE_GDN, FM_PHASE_ATTENTION, FM_PHASE_MOE, FM_PHASE_LM_HEAD, FM_PHASE_OTHER, FM_N_PHASES };
 void fm_ctx_times(fm_ctx *c, double *seconds, int reset);
+/* MoE blocks run and distinct experts they ran, since creation or reset: shows
+ * whether a batch's tokens spread over the experts as real routing does. */
+void fm_ctx_moe_stats(fm_ctx *c, int64_t *calls, int64_t *experts, int reset);
 
 #endif

@@ -45,6 +45,8 @@ static void l2_normalize(float *y, const float *x, int n, float scale) {
  *   S' = e^g S + k d^T  with  d = beta (v - e^g S^T k),   o = S'^T q.
  * Since o = e^g S^T q + d (k.q), one read-only pass gives S^T k and S^T q and one
  * read-write pass applies the update: S (64 KiB a head) is streamed twice, not four times. */
+/* The hottest loop of prefill: compiled for AVX2+FMA too, picked at load time. */
+__attribute__((target_clones("avx2", "default")))
 static void delta_step(float *S, const float *q, const float *k, const float *v, float decay, float beta,
                        float *o, int dk, int dv) {
     float kv[dv], sq[dv], delta[dv];

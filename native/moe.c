@@ -81,6 +81,7 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
 
     int firstp[E], count[E], experts[E];
     int n_used = group_by_expert(c, T, E, k, firstp, count, experts);
+    c->moe_calls++, c->experts_used += n_used;
     int fp32 = l->ffn_gate_exps.type == FM_F32;
     gather_inputs(c, pairs, D, fp32);
     fm_job jobs[2 * E + 1];

@@ -81,12 +81,17 @@ def _init(name: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
 
 
 def _random_q4_0(shape: tuple, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_0 blocks: uniform nibbles, one fp16 scale giving about `std`."""
+    """Random Q4_0 blocks: uniform nibbles, an fp16 scale giving about `std`.
+
+    A uniform nibble q - 8 has mean -0.5 and standard deviation ~4.6. The mean
+    would add the same offset to every output, which over 40 layers drives all
+    tokens to one direction (and one set of experts); a random sign on each
+    block's scale cancels it."""
     n_blocks = int(np.prod(shape)) // 32
     blocks = np.empty((n_blocks, 18), np.uint8)
     blocks[:, 2:] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
-    # A uniform nibble q - 8 has standard deviation ~4.6.
-    blocks[:, :2] = np.frombuffer(np.float16(std / 4.6).tobytes(), np.uint8)
+    scales = np.array([std / 4.6, -std / 4.6], np.float16).view(np.uint16)
+    blocks[:, :2] = scales[rng.integers(0, 2, n_blocks)].view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(-1)
 
 
