@@ -44,15 +44,6 @@ def bytes_per_token(model: Model) -> int:
     return sum(bytes_by_phase(model).values())
 
 
-def measure_read_bandwidth(threads: int, megabytes: int = 512) -> float:
-    """Bytes/s of a plain parallel read of a buffer far larger than the caches."""
-    from concurrent.futures import ThreadPoolExecutor
-    from bench.kernels import read_bandwidth
-    buf = np.ones(megabytes << 20, np.uint8)
-    with ThreadPoolExecutor(threads) as pool:
-        return read_bandwidth(pool, buf, threads, reps=5) * 1e9
-
-
 def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
         seed: int = 0) -> dict:
     from cpu_worker.native_engine import NativeEngine
@@ -90,7 +81,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
                      "weight_mb_per_token": round(phase_bytes[p] / 1e6, 1),
                      "gb_s": round(phase_bytes[p] * decode_tokens / phase_s[p] / 1e9, 2) if phase_s[p] else None}
                  for p in phase_s}
-    bandwidth = measure_read_bandwidth(engine.threads)
+    bandwidth = engine.read_bandwidth()
     ms = 1000 * float(np.median(step_s))
     decode_tps = 1000 / ms
     floor_tps = bandwidth / per_token

@@ -62,6 +62,12 @@ class NativeEngine:
         self.lib.fm_ctx_times(self._ctx, out, int(reset))
         return dict(zip(self.PHASES, out))
 
+    def read_bandwidth(self, megabytes: int = 1024, reps: int = 5) -> float:
+        """Bytes/s this engine's pinned threads read from a buffer far larger than the caches."""
+        buf = np.ones(megabytes << 20, np.uint8)
+        gbps = self.lib.fm_pool_read_gbps(self._pool, self.ffi.from_buffer(buf), buf.nbytes, reps)
+        return gbps * 1e9
+
     def experts_per_moe_block(self, reset: bool = False) -> float:
         """Mean distinct experts each MoE block ran since creation or the last reset."""
         calls, experts = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")

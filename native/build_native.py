@@ -18,7 +18,7 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kernels_scalar.c", "kernels_x86.c", "kernels_avx512.c", "kernels_float_x86.c",
            "dispatch.c", "membench.c",
-           "threadpool.c", "linear.c", "forward.c", "gdn.c", "attention.c", "moe.c"]
+           "threadpool.c", "bandwidth.c", "linear.c", "forward.c", "gdn.c", "attention.c", "moe.c"]
 HEADERS = ["fermoe_blocks.h", "kernels.h", "threadpool.h", "model.h", "linear.h", "forward.h", "ctx.h", "ops.h"]
 # -ffp-contract=off: no silent a*b+c fusing, so the scalar reference rounds as written.
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-pthread", "-ffp-contract=off"]

@@ -4,6 +4,8 @@
 #ifndef FM_THREADPOOL_H
 #define FM_THREADPOOL_H
 
+#include <stddef.h>
+
 typedef struct fm_pool fm_pool;
 
 /* fn(ctx, task, worker) is called once for every task in [0, n_tasks). */
@@ -16,5 +18,7 @@ void fm_pool_destroy(fm_pool *pool);
 int fm_pool_size(const fm_pool *pool);
 /* Runs every task, blocking until all are done. Not reentrant. */
 void fm_pool_run(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
+/* Best read bandwidth (GB/s) of `reps` parallel passes over buf (bandwidth.c). */
+double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps);
 
 #endif
