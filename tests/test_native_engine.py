@@ -17,10 +17,7 @@ from shared.sampling import SamplingParams
 from shared.synth import synth
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
-try:
-    import native  # noqa: F401  (skip the module when the extension is not built)
-except ImportError:
-    pytest.skip("native extension not built", allow_module_level=True)
+pytest.importorskip("native", reason="native extension not built")
 
 # The oracle for Q4_0/Q8_0 files is the reference with activations rounded through
 # Q8_0 as the kernels do; what remains is summation order (and a Q8_0 rounding
@@ -111,3 +108,8 @@ def test_every_isa_gives_the_same_tokens(tiny_q4_path):
         outputs[isa] = run.stdout
     assert "scalar" in outputs and len(outputs) >= 2
     assert len(set(outputs.values())) == 1, outputs
+
+
+def test_read_bandwidth_probe(tiny_q4_path):
+    cpu = native_engine.NativeEngine(Model(tiny_q4_path), threads=2)
+    assert 1e8 < cpu.read_bandwidth(megabytes=64, reps=1) < 1e13
