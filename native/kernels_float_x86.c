@@ -84,71 +84,11 @@ FM_AVX2 static float dot_f32_avx2(int n, const float *w, const float *x) { DOT_B
 FM_AVX2 static float dot_f16_avx2(int n, const uint16_t *w, const float *x) { DOT_BODY_256(LOAD_F16_256, TAIL_F16) }
 ROWWISE_MATVEC(fm_matvec_f32_avx2, float, dot_f32_avx2, FM_AVX2)
 ROWWISE_MATVEC(fm_matvec_f16_avx2, uint16_t, dot_f16_avx2, FM_AVX2)
-/* Batched F32, register-blocked: 2 rows x 4 tokens of 8-lane accumulators, so a
- * step of 8 columns loads 6 vectors for 8 FMAs where a dot product loads 2 per FMA
- * (the loads bound it). Rows or tokens left over go through the same kernel with
- * R = 1 or T < 4; columns past the last multiple of 8 are added in scalar. Rows
- * are taken in tiles of ~96 KB, so each row still comes from memory once. */
-FM_INLINE FM_AVX2 void f32_block_avx2(const float *W, const float *X, float *Y, int cols, int ldy,
-                                      const int R, const int T)
-{
-    __m256 acc[2][4];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= cols; j += 8) {
-        __m256 w[2];
-        for (int r = 0; r < R; r++) {
-            if ((j & 31) == 0) fm_prefetch(W + (size_t)r * cols + j);
-            w[r] = _mm256_loadu_ps(W + (size_t)r * cols + j);
-        }
-        for (int t = 0; t < T; t++) {
-            const __m256 x = _mm256_loadu_ps(X + (size_t)t * cols + j);
-            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(w[r], x, acc[r][t]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) {
-            float s = hsum256(acc[r][t]);
-            for (int k = j; k < cols; k++) s += W[(size_t)r * cols + k] * X[(size_t)t * cols + k];
-            Y[(size_t)t * ldy + r] = s;
-        }
-}
-
-#define F32_TILE_BYTES (96 << 10)  /* rows of weights per tile: they stay in L2 while every token passes */
-
-FM_AVX2 void fm_matmul_f32_avx2(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0, int r1)
-{
-    int tile = (int)(F32_TILE_BYTES / ((size_t)cols * sizeof(float))) & ~1;
-    if (tile < 2) tile = 2;
-    for (int rt = r0; rt < r1; rt += tile) {
-        const int re = r1 - rt < tile ? r1 : rt + tile;
-        for (int b = 0; b < B; b += 4) {  /* 4 tokens stay in L1 across the tile's rows */
-            const float *xb = X + (size_t)b * cols;
-            float *yb = Y + (size_t)b * ldy;
-            const int T = B - b < 4 ? B - b : 4;
-            int r = rt;
-            for (; r + 1 < re; r += 2) {
-                const float *w = W + (size_t)r * cols;
-                switch (T) {
-                case 4: f32_block_avx2(w, xb, yb + r, cols, ldy, 2, 4); break;
-                case 3: f32_block_avx2(w, xb, yb + r, cols, ldy, 2, 3); break;
-                case 2: f32_block_avx2(w, xb, yb + r, cols, ldy, 2, 2); break;
-                default: f32_block_avx2(w, xb, yb + r, cols, ldy, 2, 1);
-                }
-            }
-            if (r < re) {
-                const float *w = W + (size_t)r * cols;
-                switch (T) {
-                case 4: f32_block_avx2(w, xb, yb + r, cols, ldy, 1, 4); break;
-                case 3: f32_block_avx2(w, xb, yb + r, cols, ldy, 1, 3); break;
-                case 2: f32_block_avx2(w, xb, yb + r, cols, ldy, 1, 2); break;
-                default: f32_block_avx2(w, xb, yb + r, cols, ldy, 1, 1);
-                }
-            }
-        }
-    }
-}
+/* Batched F32 is row by row with the same dot product as the matrix-vector one:
+ * each (row, token) then rounds identically whatever the batch, which keeps the
+ * forward bitwise independent of prompt chunking. F32 matrices are small here
+ * (routers), so the register-blocked version did not pay for that. */
+ROWWISE_MATMUL(fm_matmul_f32_avx2, dot_f32_avx2, FM_AVX2)
 
 /* ---------------------------------------------------------------- AVX-512F */
 

@@ -422,12 +422,15 @@ FM_INLINE FM_AVX2 __m256 group_dot_avx2(const wgroup_avx2 *u, const xgroup_avx2 
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(u->dw, g->dx), acc);
 }
 
+/* ((v0+v1)+(v2+v3)) + ((v4+v5)+(v6+v7)): the association store_sums_avx2's 2x2
+ * path uses too, so a row's dot product rounds the same in the matrix-vector
+ * product and in every tile of the batched one. The forward is then bitwise
+ * independent of how a prompt is chunked (served output = local output). */
 FM_INLINE FM_AVX2 float hsum_ps_avx(__m256 v)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    __m256 h = _mm256_hadd_ps(v, v);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
 /* One block, for tails and the single dot product: int32 sum (offset trick). */

@@ -54,6 +54,11 @@ def preset_config(preset: str, experts: int | None = None, layers: int | None = 
 _GAIN = {"ffn_gate_inp": 3.0, "ssm_out": 0.5, "attn_output": 0.5, "ffn_down_exps": 0.5, "ffn_down_shexp": 0.5}
 
 
+# Tensors this large are drawn as Q4_0 blocks directly (the full-size model would
+# take minutes through float32); smaller ones are drawn in float and quantised.
+_DIRECT_Q4_ELEMENTS = 1 << 22
+
+
 def _role(name: str) -> str:
     """GGUF attribute of a tensor name: blk.3.attn_q.weight -> attn_q."""
     parts = name.split(".")
@@ -118,7 +123,7 @@ def synth(out_path, preset: str = "tiny", experts=None, layers=None, out_type: s
         # One generator per tensor, so values do not depend on write order.
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         target = tensor_type(name, shape, qtype)
-        if target == GGMLType.Q4_0:
+        if target == GGMLType.Q4_0 and int(np.prod(shape)) >= _DIRECT_Q4_ELEMENTS:
             std = _matrix_std(_role(name), shape[-1])
             items.append(Item(name, shape, lambda s=shape, sd=std, r=rng: _random_q4_0(s, sd, r), raw=True))
         else:
