@@ -47,9 +47,12 @@ class Sampler:
             logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         if p.temperature == 0:
             return int(np.argmax(logits))
-        order = np.argsort(-logits, kind="stable")
-        if p.top_k:
-            order = order[:p.top_k]
+        if p.top_k and p.top_k < len(logits):
+            # a partial selection first: a full sort of a 248k vocabulary costs ~20 ms a token
+            top = np.argpartition(-logits, p.top_k - 1)[:p.top_k]
+            order = top[np.lexsort((top, -logits[top]))]
+        else:
+            order = np.argsort(-logits, kind="stable")
         probs = np.exp((logits[order] - logits[order[0]]) / p.temperature)
         probs /= probs.sum()
         keep = len(probs)
