@@ -89,8 +89,12 @@ class CPUWorker:
     def handle_welcome(self, msg: P.Welcome) -> None:
         from shared.shm_arena import SnapshotArena
         if self.arena is None and msg.n_slots:
-            self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
-            self.block = msg.block
+            try:
+                self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
+                self.block = msg.block
+            except FermoeError as e:        # another host: no shared memory with the coordinator
+                log.warning("running without the snapshot arena: %s", e)
+                self.send(P.Error(message=f"worker {self.worker_id} cannot attach the snapshot arena: {e}"))
 
     def handle_assign(self, msg: P.Assign) -> None:
         try:
@@ -110,13 +114,13 @@ class CPUWorker:
     # ---- sequences --------------------------------------------------------
     def start(self, msg: P.Assign) -> Sequence:
         cfg = self.model.config
+        if (msg.resume or msg.snapshots) and self.arena is None:
+            raise FermoeError("this worker has no snapshot arena (started on another host?)")
         if msg.resume:
             slots = [self.arena.slot(r.slot) for r in msg.resume]
             state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block)
         else:
             state = self.engine.new_state()
-        if msg.snapshots and self.arena is None:
-            raise FermoeError("snapshots planned but this worker has no snapshot arena")
         params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                                 repeat_penalty=msg.repeat_penalty, seed=msg.seed)
         params.validate()
