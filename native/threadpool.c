@@ -26,6 +26,8 @@ struct fm_pool {
     void *ctx;
     int stop;
     const int *cpus;
+    pthread_t caller;           /* pinned while the pool lives; its old affinity comes back on destroy */
+    cpu_set_t caller_affinity;
 };
 
 typedef struct { fm_pool *pool; int worker; } worker_arg;
@@ -74,6 +76,8 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
         int *copy = malloc(n_threads * sizeof *copy);
         for (int i = 0; i < n_threads; i++) copy[i] = cpus[i];
         p->cpus = copy;
+        p->caller = pthread_self();
+        pthread_getaffinity_np(p->caller, sizeof p->caller_affinity, &p->caller_affinity);
         pin_to(cpus[0]);
     }
     pthread_mutex_init(&p->lock, NULL);
@@ -121,6 +125,9 @@ void fm_pool_destroy(fm_pool *p) {
     for (int i = 1; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->wake);
+    /* A library user's thread (a test run, say) must not stay confined to one CPU:
+     * threads it starts later would inherit that. */
+    if (p->cpus) pthread_setaffinity_np(p->caller, sizeof p->caller_affinity, &p->caller_affinity);
     free((void *)p->cpus);
     free(p->threads);
     free(p);

@@ -11,8 +11,8 @@ typedef struct fm_pool fm_pool;
 /* fn(ctx, task, worker) is called once for every task in [0, n_tasks). */
 typedef void (*fm_task_fn)(void *ctx, int task, int worker);
 
-/* cpus: n_threads CPU ids to pin to (cpus[0] for the caller), or NULL for no pinning.
- * Returns NULL on failure (errno set). */
+/* cpus: n_threads CPU ids to pin to (cpus[0] for the caller, until the pool is
+ * destroyed), or NULL for no pinning. Returns NULL on failure (errno set). */
 fm_pool *fm_pool_create(int n_threads, const int *cpus);
 void fm_pool_destroy(fm_pool *pool);
 int fm_pool_size(const fm_pool *pool);
