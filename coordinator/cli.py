@@ -22,11 +22,12 @@ def _add_model(p: argparse.ArgumentParser):
 
 
 def _add_sampling(p: argparse.ArgumentParser):
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
-    p.add_argument("--min-p", type=float, default=0.05, help="default 0.05")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 = off (default)")
+    from shared.sampling import SamplingParams as d
+    p.add_argument("--temp", type=float, default=d.temperature, help=f"temperature; 0 = greedy (default {d.temperature})")
+    p.add_argument("--top-k", type=int, default=d.top_k, help=f"0 = off (default {d.top_k})")
+    p.add_argument("--top-p", type=float, default=d.top_p, help=f"default {d.top_p}")
+    p.add_argument("--min-p", type=float, default=d.min_p, help=f"default {d.min_p}")
+    p.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1.0 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
 

@@ -16,6 +16,7 @@ from typing import Literal, Union
 import msgspec
 
 from .errors import ProtocolError
+from .sampling import SamplingParams as _Defaults
 
 MAX_MESSAGE_BYTES = 1 << 20        # a prompt of a few hundred thousand tokens fits
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -39,11 +40,11 @@ class Generate(_Msg, tag="generate"):
     tokens: list[int] | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: int = 128
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    temperature: float = _Defaults.temperature
+    top_k: int = _Defaults.top_k
+    top_p: float = _Defaults.top_p
+    min_p: float = _Defaults.min_p
+    repeat_penalty: float = _Defaults.repeat_penalty
     seed: int | None = None
     stop: list[str] = []
 
