@@ -16,8 +16,9 @@ def resolve_model(name_or_path: str) -> str:
     """A GGUF path as given, or the cached file of a built-in model (made if missing)."""
     if name_or_path not in BUILTIN:
         return name_or_path
+    from .synth import SYNTH_VERSION
     spec = BUILTIN[name_or_path]
-    path = cache_dir() / f"{name_or_path}-{spec['out_type']}-seed{spec['seed']}.gguf"
+    path = cache_dir() / f"{name_or_path}-{spec['out_type']}-seed{spec['seed']}-v{SYNTH_VERSION}.gguf"
     if not path.exists():
         from .synth import synth
         path.parent.mkdir(parents=True, exist_ok=True)

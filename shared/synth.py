@@ -20,6 +20,10 @@ from .ggml_types import GGMLType
 from .model import _expected_shapes, _gguf_tensor_name
 from .synth_vocab import synth_tokenizer_metadata
 
+# Bumped whenever the same preset and seed would give different weights, so a cached
+# built-in model is regenerated rather than silently stale.
+SYNTH_VERSION = 2
+
 PRESETS = {
     "tiny": ModelConfig(
         arch="qwen35moe", n_layer=4, n_embd=256, n_vocab=512, rms_eps=1e-6,
