@@ -35,6 +35,7 @@ PREFILL_CHUNK = 64          # prompt tokens one sequence gets before the others 
 class Sequence:
     msg: P.Assign
     state: SequenceState
+    params: SamplingParams
     pending: list = field(default_factory=list)    # SnapshotRefs still to write, in position order
     decoder: Decoder | None = None
     prefill_ms: float = 0.0
@@ -124,7 +125,7 @@ class CPUWorker:
         params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                                 repeat_penalty=msg.repeat_penalty, seed=msg.seed)
         params.validate()
-        return Sequence(msg, state, sorted(msg.snapshots, key=lambda s: s.position))
+        return Sequence(msg, state, params, sorted(msg.snapshots, key=lambda s: s.position))
 
     def work_round(self) -> None:
         for rid in list(self.sequences):
@@ -146,9 +147,7 @@ class CPUWorker:
             self.prefill_chunk(rid, seq)
             return
         if seq.decoder is None:
-            params = SamplingParams(temperature=seq.msg.temperature, top_k=seq.msg.top_k, top_p=seq.msg.top_p,
-                                    min_p=seq.msg.min_p, repeat_penalty=seq.msg.repeat_penalty, seed=seq.msg.seed)
-            seq.decoder = Decoder(self.engine, state, state.logits.copy(), tokens, params, seq.msg.max_tokens,
+            seq.decoder = Decoder(self.engine, state, state.logits.copy(), tokens, seq.params, seq.msg.max_tokens,
                                   self.model.tokenizer.eos_ids)
         if seq.decoder.finish_reason is None:
             t0 = time.perf_counter()
