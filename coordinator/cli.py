@@ -29,6 +29,8 @@ def _add_sampling(p: argparse.ArgumentParser):
     p.add_argument("--min-p", type=float, default=d.min_p, help=f"default {d.min_p}")
     p.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1.0 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at end-of-generation tokens (as llama.cpp's --ignore-eos)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,8 +106,9 @@ def cmd_generate(args) -> None:
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, seed=args.seed)
     stream = StreamDecoder(tok)
-    for token in generate(engine, ids, args.n_predict, params, stop_ids=tok.eos_ids):
-        if token in tok.eos_ids:
+    stop_ids = () if args.ignore_eos else tok.eos_ids
+    for token in generate(engine, ids, args.n_predict, params, stop_ids=stop_ids):
+        if token in stop_ids:
             break
         sys.stdout.write(stream.feed(token))
         sys.stdout.flush()
@@ -167,7 +170,7 @@ def cmd_submit(args) -> None:
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
         rid = client.submit(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
-                            **kwargs)
+                            ignore_eos=args.ignore_eos, **kwargs)
         _stream(client, rid)
 
 

@@ -223,7 +223,7 @@ class Coordinator:
         if req.skip:
             req.skip -= 1                        # a replay re-samples what was already sent
             return
-        if msg.token in self.tokenizer.eos_ids:
+        if msg.token in self.tokenizer.eos_ids and not req.msg.ignore_eos:
             return
         text = req.stream.feed(msg.token)
         req.sent += 1
@@ -273,7 +273,7 @@ class Coordinator:
             request_id=req.rid, tokens=req.tokens, resume=refs,
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             max_tokens=m.max_tokens, temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
-            repeat_penalty=m.repeat_penalty, seed=req.seed))
+            repeat_penalty=m.repeat_penalty, seed=req.seed, ignore_eos=m.ignore_eos))
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
             notify: bool = True) -> None:

@@ -147,8 +147,9 @@ class CPUWorker:
             self.prefill_chunk(rid, seq)
             return
         if seq.decoder is None:
+            stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
             seq.decoder = Decoder(self.engine, state, state.logits.copy(), tokens, seq.params, seq.msg.max_tokens,
-                                  self.model.tokenizer.eos_ids)
+                                  stop_ids)
         if seq.decoder.finish_reason is None:
             t0 = time.perf_counter()
             token = seq.decoder.step()

@@ -47,6 +47,7 @@ class Generate(_Msg, tag="generate"):
     repeat_penalty: float = _Defaults.repeat_penalty
     seed: int | None = None
     stop: list[str] = []
+    ignore_eos: bool = False            # as vLLM's ignore_eos: end-of-generation tokens are streamed, not obeyed
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -138,6 +139,7 @@ class Assign(_Msg, tag="assign"):
     min_p: float
     repeat_penalty: float
     seed: int | None
+    ignore_eos: bool = False
 
 
 class Stop(_Msg, tag="stop"):

@@ -43,6 +43,13 @@ def test_generate_is_seeded_and_greedy_is_stable(tiny_path):
     assert g == fermoe("generate", tiny_path, "-p", "Once upon a time", "-n", 12, "--temp", 0, "--seed", 1).stdout
 
 
+def test_ignore_eos_keeps_generating(tiny_q4_path):
+    args = ("generate", tiny_q4_path, "--engine", "cpu", "-t", 1, "-p", "Tell me everything", "-n", 48,
+            "--seed", 3, "--temp", 0.8)
+    obeyed, ignored = fermoe(*args).stdout[:-1], fermoe(*args, "--ignore-eos").stdout[:-1]
+    assert len(obeyed) < len(ignored) and ignored.startswith(obeyed)
+
+
 def test_builtin_model_made_on_first_use(tmp_path):
     run = fermoe("generate", "-p", "hi", "-n", 3, "--chat", env={"FERMOE_CACHE": str(tmp_path)})
     assert list(tmp_path.glob("tiny-*.gguf")), run.stderr

@@ -109,7 +109,7 @@ def test_concurrent_clients(daemon, tiny_q4_path):
 
 def test_cancel_and_stop_strings(daemon):
     with Client(daemon.addr) as c:
-        rid = c.submit("Tell me everything", max_tokens=5000, temperature=0.8, seed=1)
+        rid = c.submit("Tell me everything", max_tokens=5000, temperature=0.8, seed=1, ignore_eos=True)
         stream = c.stream(rid)
         next(stream)
         c.cancel(rid)
@@ -119,6 +119,16 @@ def test_cancel_and_stop_strings(daemon):
     stop = full[5:8]
     cut, done = run(daemon.addr, "Stop strings", max_tokens=40, seed=2, stop=[stop])
     assert done.finish_reason == "stop" and cut == full[:full.index(stop)]
+
+
+def test_ignore_eos_streams_past_end_of_generation(daemon):
+    params = dict(max_tokens=48, temperature=0.8, seed=3)
+    with Client(daemon.addr, timeout_s=120) as c:
+        obeyed = list(c.generate("Tell me everything", **params))
+        ignored = list(c.generate("Tell me everything", ignore_eos=True, **params))
+    assert obeyed[-1].finish_reason == "stop" and len(obeyed) - 1 < 48   # this seed samples an EOS early
+    assert ignored[-1].finish_reason == "length" and len(ignored) - 1 == 48
+    assert [m.token for m in ignored[:len(obeyed) - 1]] == [m.token for m in obeyed[:-1]]
 
 
 def test_bad_requests_get_errors_and_the_daemon_serves_on(daemon):
