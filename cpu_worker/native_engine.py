@@ -42,6 +42,7 @@ class NativeEngine:
             raise FermoeError(f"--threads {threads}: must be at least 1")
         cpus = (cpus * threads)[:threads]
         self._keep = []                      # arrays the C structs point into
+        model.file.populate()                # no page faults in the first tokens' steps
         self._model = self._bind_model()
         self._pool = self.lib.fm_pool_create(threads, self.ffi.new("int[]", cpus))
         self._ctx = self.lib.fm_ctx_create(self._model, self._pool, max_batch)

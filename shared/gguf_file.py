@@ -37,6 +37,7 @@ DEFAULT_ALIGNMENT = 32
 ALIGNMENT_KEY = "general.alignment"
 MAX_DIMS = 4
 MAX_NAME_BYTES = 63  # ggml's GGML_MAX_NAME is 64 including the terminating NUL
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; Python 3.11 lacks the name
 
 
 class GGUFValueType(IntEnum):
@@ -345,6 +346,22 @@ class GGUFFile:
         if default is _REQUIRED:
             raise GGUFError(self.path, f"missing metadata key {key!r}")
         return default
+
+    def populate(self) -> bool:
+        """Map every page of the file now (reading it from disk if it is not cached),
+        as llama.cpp does when it maps a model: otherwise each 4 KB page costs a page
+        fault the first time a token touches it, and a decode step touches experts
+        for the first time for many tokens. False where the kernel cannot
+        (MADV_POPULATE_READ is Linux 5.14+): pages are then only read ahead."""
+        try:
+            self._mm.madvise(MADV_POPULATE_READ)
+            return True
+        except (OSError, ValueError):
+            try:
+                self._mm.madvise(mmap.MADV_WILLNEED)
+            except (OSError, ValueError, AttributeError):
+                pass
+            return False
 
     def close(self) -> None:
         mm, self._mm = getattr(self, "_mm", None), None

@@ -468,3 +468,14 @@ def test_metadata_only_file(tmp_path):
         w.add("k", "v")
     with GGUFFile(path) as f:
         assert f.metadata == {"k": "v"} and f.tensors == {}
+
+
+def test_populate_maps_the_whole_file(tmp_path):
+    import platform
+    path = tmp_path / "p.gguf"
+    data = _write(path)
+    release = tuple(int(p) for p in platform.release().split("-")[0].split(".")[:2])
+    with GGUFFile(path) as f:
+        assert f.populate() is (platform.system() == "Linux" and release >= (5, 14))
+        for name, raw in data.items():
+            assert np.array_equal(f.raw(name), np.frombuffer(bytes(raw), np.uint8))
