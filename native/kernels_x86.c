@@ -366,18 +366,26 @@ FM_AVX2 static void prepare_x_avx2(const block_q8_0 *x, int ngroups, xgroup_avx2
     }
 }
 
-/* 8 weight scales (18 bytes apart) in lane order 0,2,4,6,1,3,5,7. */
+/* Four fp16 scales packed in a 64-bit integer register. The empty asm keeps the
+ * value in a general register: without it gcc's SLP pass turns the loads and
+ * shifts back into vector shuffles, the very pipe this avoids. */
+FM_INLINE uint64_t d4_gpr(uint16_t a, uint16_t b, uint16_t c, uint16_t d)
+{
+    uint64_t v = (uint64_t)a | (uint64_t)b << 16;
+    __asm__("" : "+r"(v));
+    v |= (uint64_t)c << 32 | (uint64_t)d << 48;
+    __asm__("" : "+r"(v));
+    return v;
+}
+
+/* 8 weight scales (18 bytes apart) in lane order 0,2,4,6,1,3,5,7. Gathered with
+ * scalar loads and shifts on the integer pipes: eight vpinsrw would queue on the
+ * vector shuffle pipes that unpacking and folding need. */
 FM_INLINE FM_AVX2 __m256 dw8_avx2(const block_q4_0 *w)
 {
-    __m128i v = _mm_cvtsi32_si128(w[0].d);
-    v = _mm_insert_epi16(v, w[2].d, 1);
-    v = _mm_insert_epi16(v, w[4].d, 2);
-    v = _mm_insert_epi16(v, w[6].d, 3);
-    v = _mm_insert_epi16(v, w[1].d, 4);
-    v = _mm_insert_epi16(v, w[3].d, 5);
-    v = _mm_insert_epi16(v, w[5].d, 6);
-    v = _mm_insert_epi16(v, w[7].d, 7);
-    return _mm256_cvtph_ps(v);
+    const uint64_t even = d4_gpr(w[0].d, w[2].d, w[4].d, w[6].d);
+    const uint64_t odd = d4_gpr(w[1].d, w[3].d, w[5].d, w[7].d);
+    return _mm256_cvtph_ps(_mm_set_epi64x((int64_t)odd, (int64_t)even));
 }
 
 /* int16 pair sums of 4 pairs of blocks -> one int32 per block, lanes 0,2,4,6,1,3,5,7. */
@@ -389,10 +397,13 @@ FM_INLINE FM_AVX2 __m256i fold8_avx2(__m256i p0, __m256i p1, __m256i p2, __m256i
     return _mm256_madd_epi16(_mm256_packs_epi32(a, b), one);
 }
 
+/* Blocks w[0] and w[1]'s nibbles in the low and high 128-bit lanes: two
+ * broadcast loads and a blend, no lane insert (a shuffle-pipe op). */
 FM_INLINE FM_AVX2 __m256i load_pair_q4(const block_q4_0 *w)
 {
-    const __m128i a = _mm_loadu_si128((const __m128i *)w[0].qs);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(a), _mm_loadu_si128((const __m128i *)w[1].qs), 1);
+    const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w[0].qs));
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w[1].qs));
+    return _mm256_blend_epi32(a, b, 0xF0);
 }
 
 /* 8 weight blocks unpacked for vpmaddubsw: pair j's low and high nibbles, and the scales. */
@@ -551,9 +562,9 @@ FM_INLINE FM_AVX2 void load_q8_group8_avx2(const block_q8_0 *x, __m256i v[8])
 /* 8 Q8_0 scales (34 bytes apart) in lane order 0,2,4,6,1,3,5,7. */
 FM_INLINE FM_AVX2 __m256 d8_q8_avx2(const block_q8_0 *x)
 {
-    const uint64_t lo = x[0].d | (uint64_t)x[2].d << 16 | (uint64_t)x[4].d << 32 | (uint64_t)x[6].d << 48;
-    const uint64_t hi = x[1].d | (uint64_t)x[3].d << 16 | (uint64_t)x[5].d << 32 | (uint64_t)x[7].d << 48;
-    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+    const uint64_t even = d4_gpr(x[0].d, x[2].d, x[4].d, x[6].d);
+    const uint64_t odd = d4_gpr(x[1].d, x[3].d, x[5].d, x[7].d);
+    return _mm256_cvtph_ps(_mm_set_epi64x((int64_t)odd, (int64_t)even));
 }
 
 FM_AVX2 static void prepare_xt8_avx2(const block_q8_0 *x, int ng, xt8_avx2 *g)
