@@ -5,8 +5,8 @@
 
 prints JSON. Measured in the same process, one after the other (these machines are
 noisy, so only ratios measured together mean much; each figure is the best of --reps):
-  - memory read bandwidth: a plain C read loop (native.read_sum) over a buffer far
-    larger than the caches, with 1 and with N threads (each summing its own slice);
+  - memory read bandwidth: a plain C read loop (fm_read_sum) over a buffer far
+    larger than the caches, with 1 and with N threads;
   - for each ISA the CPU runs: Q4_0 x Q8_0 matrix-vector GB/s (weight bytes / time)
     over a matrix larger than the caches, 1 and N threads, and its fraction of the
     read bandwidth with as many threads;
@@ -14,7 +14,10 @@ noisy, so only ratios measured together mean much; each figure is the best of --
     cache-sized matrix where it is compute-bound, and its speed-up over B matvecs;
   - ratios: SSSE3 (the paper's pmaddubsw kernel) over scalar C (the paper: 3x), and
     each ISA over SSSE3.
-Threads are a Python pool splitting the rows; the cffi calls release the GIL.
+The read loop and the matrix-vector product both run on the engine's own thread
+pool (native.Pool: threads pinned to the node's physical cores, rows cut into
+~4 MB tasks), so the fraction compares like with like. The batched product runs
+on a Python pool splitting the rows (the cffi calls release the GIL).
 
 --matmul-sweep times only the batched Q4_0 product fm_matmul_q4_0 the way the
 native forward calls it, at B in {1, 2, 4, 8, 12, 64}, on a 4096x2048 matrix (the
@@ -86,18 +89,21 @@ def _parallel(pool: ThreadPoolExecutor, nthreads: int, n: int, task) -> None:
         f.result()
 
 
-def read_bandwidth(pool, buf: np.ndarray, nthreads: int, reps: int) -> float:
-    lines = buf.nbytes // 128  # split on whole 128-byte lines: the loop's stride
-
-    def task(b, e):
-        native.read_sum(buf[b * 128:e * 128])
-
-    return buf.nbytes / _best_time(lambda: _parallel(pool, nthreads, lines, task), reps) / 1e9
+def _bench_cpus(n: int) -> list[int]:
+    """n CPUs to pin to, the way the engine picks them (physical cores of the node)."""
+    from cpu_worker.topology import default_cpus
+    cpus = default_cpus()
+    return (cpus * n)[:n]
 
 
-def matvec_gbps(pool, W, xq, y, nthreads: int, reps: int) -> float:
-    task = lambda b, e: native.matvec(W, xq, "q4_0", b, e, out=y)  # noqa: E731
-    return W.nbytes / _best_time(lambda: _parallel(pool, nthreads, W.shape[0], task), reps) / 1e9
+def read_bandwidth(cpus: list[int], buf: np.ndarray, reps: int) -> float:
+    with native.Pool(cpus) as pool:
+        return pool.read_gbps(buf, reps)
+
+
+def matvec_gbps(cpus: list[int], W, xq, reps: int) -> float:
+    with native.Pool(cpus) as pool:
+        return pool.matvec_q4_0_gbps(W, xq, reps)
 
 
 def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
@@ -105,13 +111,13 @@ def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
     return _best_time(lambda: _parallel(pool, nthreads, W.shape[0], task), reps)
 
 
-def _bench_isa(pool, isa, big, small, threads, batch_sizes, reps) -> dict:
-    W, xq, y = big
+def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps) -> dict:
+    W, xq = big
     Ws, xqs, Xs = small
     out = {"matvec_gbps": {}, "fraction_of_read_bw": {}, "matmul": {}}
     with native.use_isa(isa):
         for nt in threads:
-            out["matvec_gbps"][str(nt)] = round(matvec_gbps(pool, W, xq, y, nt, reps), 2)
+            out["matvec_gbps"][str(nt)] = round(matvec_gbps(cpus[:nt], W, xq, reps), 2)
         t_vec = matmul_seconds(pool, Ws, xqs[None, :], np.empty((1, Ws.shape[0]), np.float32),
                                threads[-1], reps)
         for B in batch_sizes:
@@ -128,12 +134,12 @@ def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 
     """Measure everything once; returns the JSON-ready dict (see the module docstring)."""
     isas = isas or native.supported_isas()
     thread_counts = sorted({1, threads})
+    cpus = _bench_cpus(max(thread_counts))
     nb_bytes = cols // 32 * 18
     rows = max(64, matrix_mb * MB // nb_bytes // 64 * 64)
     big_W = random_q4_0(rows, cols, seed=1)
     rng = np.random.default_rng(2)
     xq = native.quantize_row_q8_0(rng.standard_normal(cols).astype(np.float32))
-    y = np.empty(rows, np.float32)
     small_W = random_q4_0(small_rows, cols, seed=3)  # 9 MB: the batched product is compute-bound
     Xs = native.quantize_row_q8_0(rng.standard_normal((max(batch_sizes), cols)).astype(np.float32))
     buf = np.ones(read_mb * MB, np.uint8)  # written once, so every page is really there
@@ -144,15 +150,17 @@ def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 
         "setup": {"matvec_matrix": {"rows": rows, "cols": cols, "bytes": int(big_W.nbytes)},
                   "matmul_matrix": {"rows": small_rows, "cols": cols, "bytes": int(small_W.nbytes)},
                   "read_buffer_bytes": int(buf.nbytes), "threads": thread_counts, "reps": reps,
-                  "threading": "python pool splitting rows; cffi calls release the GIL"},
+                  "cpus": cpus[:max(thread_counts)],
+                  "threading": "read and matvec: the engine's pinned native pool; matmul: a python pool "
+                               "splitting rows (cffi calls release the GIL)"},
     }
     with ThreadPoolExecutor(max(thread_counts)) as pool:
-        read_bw = {str(nt): read_bandwidth(pool, buf, nt, reps) for nt in thread_counts}
-        by_isa = {isa: _bench_isa(pool, isa, (big_W, xq, y), (small_W, Xs[0], Xs), thread_counts,
+        read_bw = {str(nt): read_bandwidth(cpus[:nt], buf, reps) for nt in thread_counts}
+        by_isa = {isa: _bench_isa(pool, cpus, isa, (big_W, xq), (small_W, Xs[0], Xs), thread_counts,
                                   batch_sizes, reps) for isa in isas}
         # Again at the end: if the machine got busier meanwhile, the larger figure is the truth.
         for nt in thread_counts:
-            read_bw[str(nt)] = max(read_bw[str(nt)], read_bandwidth(pool, buf, nt, reps))
+            read_bw[str(nt)] = max(read_bw[str(nt)], read_bandwidth(cpus[:nt], buf, reps))
     for isa in by_isa:  # fractions against the best read figure, with as many threads
         for nt in thread_counts:
             by_isa[isa]["fraction_of_read_bw"][str(nt)] = round(

@@ -191,3 +191,42 @@ def matmul(W: np.ndarray, X: np.ndarray, kind: str, row_begin: int = 0, row_end:
 def read_sum(buf: np.ndarray) -> int:
     """Sum of the 64-bit words of buf (whole 128-byte lines): a memory read probe."""
     return int(lib.fm_read_sum(ffi.from_buffer(buf), buf.nbytes))
+
+
+class Pool:
+    """The forward's pinned thread pool (native/threadpool.c), for benchmarks that
+    must run the way the engine does: threads created once, pinned to `cpus`."""
+
+    def __init__(self, cpus: list[int]):
+        if not cpus:
+            raise ValueError("a pool needs at least one CPU")
+        self.cpus = list(cpus)
+        self._pool = lib.fm_pool_create(len(self.cpus), ffi.new("int[]", self.cpus))
+        if self._pool == ffi.NULL:
+            raise OSError(f"could not create a thread pool pinned to CPUs {self.cpus}")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            lib.fm_pool_destroy(self._pool)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read_gbps(self, buf: np.ndarray, reps: int = 5) -> float:
+        """Best GB/s of reps parallel read passes over buf."""
+        return lib.fm_pool_read_gbps(self._pool, ffi.from_buffer(buf), buf.nbytes, reps)
+
+    def matvec_q4_0_gbps(self, W: np.ndarray, x: np.ndarray, reps: int = 5, out: np.ndarray | None = None) -> float:
+        """Best weight GB/s of reps Q4_0 x Q8_0 products W . x, rows split over the
+        pool; the product is left in `out` when given."""
+        wp, rows, cols = _weights(W, "q4_0")
+        xp = _activations(x, "q4_0", cols, batched=False)
+        y = np.empty(rows, np.float32) if out is None else out
+        if y.shape != (rows,) or y.dtype != np.float32 or not y.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous float32 array of shape ({rows},)")
+        return lib.fm_pool_matvec_q4_0_gbps(self._pool, wp, xp, ffi.cast("float *", ffi.from_buffer(y)),
+                                            rows, cols, reps)

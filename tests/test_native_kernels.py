@@ -219,6 +219,33 @@ def test_matvec_large(isa):
     assert_close(native.matvec(W, x, "q4_0"), ref, scale, what=f"{isa} large q4_0")
 
 
+def test_pool_matvec_covers_every_row_once(isa):
+    """The benchmark's pooled product (rows cut into ~4 MB tasks over pinned
+    threads) computes exactly what one call does, rows past a task edge included."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    rows, cols = 8192 + 37, 1024            # 4.7 MB: a 4 MB task and a ragged one
+    W = make_weights("q4_0", rows, cols)
+    x, _ = make_acts("q4_0", cols)
+    y = np.full(rows, np.nan, np.float32)
+    with native.Pool(cpus * 2) as pool:     # more threads than CPUs: still correct
+        assert pool.matvec_q4_0_gbps(W, x, reps=1, out=y) > 0
+        assert pool.read_gbps(np.ones(1 << 20, np.uint8), reps=1) > 0
+    np.testing.assert_array_equal(y, native.matvec(W, x, "q4_0"))
+
+
+def test_bench_kernels_reports_each_isa_against_bandwidth():
+    from bench.kernels import run
+    out = run(matrix_mb=2, read_mb=8, threads=2, reps=1, isas=["scalar", "ssse3"], batch_sizes=(4,),
+              small_rows=64)
+    assert out["setup"]["cpus"] and set(out["q4_0"]) == {"scalar", "ssse3"}
+    for isa in ("scalar", "ssse3"):
+        got = out["q4_0"][isa]
+        for nt in ("1", "2"):
+            fraction = got["matvec_gbps"][nt] / out["read_bandwidth_gbps"][nt]
+            assert abs(got["fraction_of_read_bw"][nt] - fraction) < 0.002
+    assert out["ratios"]["ssse3_vs_scalar_matvec_1t"] > 1
+
+
 # ---------------------------------------------------------------- batched
 
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32"])
