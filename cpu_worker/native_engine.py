@@ -86,8 +86,9 @@ class NativeEngine:
     # ---- binding ---------------------------------------------------------
     def _bind_model(self):
         cfg, m = self.model.config, self.model
-        if cfg.ssm_conv_kernel > 16:
-            raise FermoeError(f"ssm.conv_kernel {cfg.ssm_conv_kernel}: the native engine supports up to 16")
+        if cfg.ssm_conv_kernel > self.lib.FM_MAX_CONV_KERNEL:
+            raise FermoeError(f"ssm.conv_kernel {cfg.ssm_conv_kernel}: the native engine supports up to "
+                              f"{self.lib.FM_MAX_CONV_KERNEL}")
         fm = self.ffi.new("fm_model *")
         for field in ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "rope_dim",
                       "ssm_conv_kernel", "ssm_k_heads", "ssm_v_heads", "ssm_head_k_dim", "ssm_head_v_dim",

@@ -111,3 +111,7 @@ int fm_forward(fm_ctx *c, fm_seq *s, const int32_t *tokens, int T, float *logits
     s->position += T;
     return 0;
 }
+
+void fm_exp_rows(const float *x, float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = fm_expf(x[i]);
+}

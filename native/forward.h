@@ -29,4 +29,7 @@ void fm_ctx_times(fm_ctx *c, double *seconds, int reset);
  * whether a batch's tokens spread over the experts as real routing does. */
 void fm_ctx_moe_stats(fm_ctx *c, int64_t *calls, int64_t *experts, int reset);
 
+/* y[i] = e^x[i] as the forward computes it (ops.h: fm_expf), for its tests. */
+void fm_exp_rows(const float *x, float *y, size_t n);
+
 #endif

@@ -13,27 +13,37 @@ typedef struct {
     int T, channels;
 } gdn_ctx;
 
-/* Causal depthwise conv over the carried history of kernel-1 raw inputs, then SiLU. */
+/* Causal depthwise conv over the carried history of kernel-1 raw inputs, then SiLU.
+ * Token by token over a run of channels, so every step is a loop over channels
+ * that vectorises; each output sums w[K-1] x, then w[j] hist[j] for j = 0.. in
+ * order, whatever the chunking of the prompt. */
+__attribute__((target_clones("avx2", "default")))
 static void conv_task(void *p, int task, int worker) {
     (void)worker;
     gdn_ctx *g = p;
     int K = g->m->ssm_conv_kernel, C = g->channels;
-    int c0 = task * CONV_CHANNELS_PER_TASK, c1 = c0 + CONV_CHANNELS_PER_TASK < C ? c0 + CONV_CHANNELS_PER_TASK : C;
+    int c0 = task * CONV_CHANNELS_PER_TASK, n = C - c0 < CONV_CHANNELS_PER_TASK ? C - c0 : CONV_CHANNELS_PER_TASK;
     const float *w = g->l->ssm_conv1d.data;
-    for (int ch = c0; ch < c1; ch++) {
-        float hist[16];
-        for (int j = 0; j < K - 1; j++) hist[j] = g->conv_state[(size_t)j * C + ch];
-        const float *wc = w + (size_t)ch * K;
-        for (int t = 0; t < g->T; t++) {
-            float x = g->qkv[(size_t)t * C + ch];
-            float acc = wc[K - 1] * x;
-            for (int j = 0; j < K - 1; j++) acc += wc[j] * hist[j];
-            for (int j = 0; j < K - 2; j++) hist[j] = hist[j + 1];
-            hist[K - 2] = x;
-            g->qkv[(size_t)t * C + ch] = fm_silu(acc);
+    float wt[FM_MAX_CONV_KERNEL][CONV_CHANNELS_PER_TASK], hist[FM_MAX_CONV_KERNEL - 1][CONV_CHANNELS_PER_TASK];
+    float acc[CONV_CHANNELS_PER_TASK];
+    for (int j = 0; j < K; j++)
+        for (int i = 0; i < n; i++) wt[j][i] = w[(size_t)(c0 + i) * K + j];
+    for (int j = 0; j < K - 1; j++)
+        for (int i = 0; i < n; i++) hist[j][i] = g->conv_state[(size_t)j * C + c0 + i];
+    for (int t = 0; t < g->T; t++) {
+        float *x = g->qkv + (size_t)t * C + c0;
+        for (int i = 0; i < n; i++) acc[i] = wt[K - 1][i] * x[i];
+        for (int j = 0; j < K - 1; j++)
+            for (int i = 0; i < n; i++) acc[i] += wt[j][i] * hist[j][i];
+        for (int j = 0; j + 1 < K - 1; j++)
+            for (int i = 0; i < n; i++) hist[j][i] = hist[j + 1][i];
+        for (int i = 0; i < n; i++) {
+            hist[K - 2][i] = x[i];
+            x[i] = fm_silu(acc[i]);
         }
-        for (int j = 0; j < K - 1; j++) g->conv_state[(size_t)j * C + ch] = hist[j];
     }
+    for (int j = 0; j < K - 1; j++)
+        for (int i = 0; i < n; i++) g->conv_state[(size_t)j * C + c0 + i] = hist[j][i];
 }
 
 static void l2_normalize(float *y, const float *x, int n, float scale) {
@@ -69,6 +79,7 @@ static void delta_step(float *S, const float *q, const float *k, const float *v,
     }
 }
 
+__attribute__((target_clones("avx2", "default")))
 static void head_task(void *p, int h, int worker) {
     (void)worker;
     gdn_ctx *g = p;

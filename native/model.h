@@ -30,6 +30,8 @@ typedef struct {
     fm_tensor ffn_gate_inp_shexp, ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp;
 } fm_layer;
 
+enum { FM_MAX_CONV_KERNEL = 16 };          /* longest ssm.conv_kernel the engine takes */
+
 typedef struct {
     int32_t n_layer, n_embd, n_vocab;
     float rms_eps;

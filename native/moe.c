@@ -56,6 +56,7 @@ static void gather_inputs(fm_ctx *c, int pairs, int D, int fp32) {
     }
 }
 
+__attribute__((target_clones("avx2", "default")))
 static void swiglu_rows(float *g, const float *u, size_t n) {
     for (size_t i = 0; i < n; i++) g[i] = fm_silu(g[i]) * u[i];
 }

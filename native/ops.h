@@ -9,8 +9,31 @@
 #include "fermoe_blocks.h"
 #include "model.h"
 
-static inline float fm_silu(float x) { return x / (1.0f + expf(-x)); }
-static inline float fm_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* e^x for the elementwise ops, branch-free so loops over it vectorise (libm's
+ * expf is a call per element: it was 5% of a prefill). Cody-Waite reduction
+ * x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-7 polynomial for e^r and 2^n
+ * through the exponent bits: within 2 ulp of e^x. Inputs are clamped to
+ * [-87.3, 88], where 2^n stays a normal float; e^x underflows to ~1e-38 and
+ * overflows to ~1.7e38 instead of 0 and inf, which no caller can tell apart. */
+static inline float fm_expf(float x) {
+    x = x < 88.0f ? x : 88.0f;
+    x = x > -87.3f ? x : -87.3f;
+    const float shift = 12582912.0f;            /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + shift) - shift;
+    float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static inline float fm_silu(float x) { return x / (1.0f + fm_expf(-x)); }
+static inline float fm_sigmoid(float x) { return 1.0f / (1.0f + fm_expf(-x)); }
 static inline float fm_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* y = x / rms(x) * w (GGUF norm weights are plain multipliers). y may be x. */
