@@ -23,42 +23,29 @@ HEADERS = ["fermoe_blocks.h", "kernels.h", "threadpool.h", "model.h", "linear.h"
 # -ffp-contract=off: no silent a*b+c fusing, so the scalar reference rounds as written.
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-pthread", "-ffp-contract=off"]
 
+# Block structs and the fp16 helpers are spelled out (cffi's API mode checks the
+# struct layout against fermoe_blocks.h when it compiles); the kernel API is read
+# from kernels.h itself, between these two markers, so it cannot drift.
 CDEF = """
 typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;
 typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;
-
-void fm_quantize_row_q8_0(const float *x, block_q8_0 *y, int n);
-float fm_vec_dot_q4_0_q8_0(int n, const block_q4_0 *w, const block_q8_0 *x);
-float fm_vec_dot_q8_0_q8_0(int n, const block_q8_0 *w, const block_q8_0 *x);
-void fm_matvec_q4_0(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int row_begin, int row_end);
-void fm_matvec_q8_0(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int row_begin, int row_end);
-void fm_matvec_f32(const float *W, const float *x, float *y, int cols, int row_begin, int row_end);
-void fm_matvec_f16(const uint16_t *W, const float *x, float *y, int cols, int row_begin, int row_end);
-void fm_matmul_q4_0(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
-void fm_matmul_q8_0(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
-void fm_matmul_f32(const float *W, const float *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
-
-int fm_init_dispatch(void);
-int fm_best_isa(void);
-int fm_isa_supported(int isa);
-int fm_set_isa(int isa);
-int fm_get_isa(void);
-const char *fm_isa_name(int isa);
-int fm_isa_from_name(const char *name);
-
-uint64_t fm_read_sum(const void *buf, size_t nbytes);
 float fm_fp16_to_fp32(uint16_t h);
 uint16_t fm_fp32_to_fp16(float f);
 """
+KERNEL_API = ("enum { FM_ISA_SCALAR", "/* ---- the per-ISA implementations ---- */")
+
 
 # The forward's headers are plain declarations: cffi reads them as they are (less the
 # preprocessor lines), so the Python view of the structs can never drift from C.
 FORWARD_HEADERS = ["model.h", "threadpool.h", "forward.h"]
 
 
-def _header_cdef(name: str) -> str:
-    lines = (HERE / name).read_text().splitlines()
-    return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+def _header_cdef(name: str, section: tuple[str, str] | None = None) -> str:
+    text = (HERE / name).read_text()
+    if section:
+        start, end = text.index(section[0]), text.index(section[1])
+        text = text[start:end]
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
 NO_COMPILER = ("fermoe: no C compiler found (looked for {cc!r}); the native kernels need one: "
@@ -79,7 +66,7 @@ def make_builder(absolute: bool = False) -> FFI:
     root = HERE.parent
     sources = [str(HERE / s) if absolute else os.path.relpath(HERE / s, root) for s in SOURCES]
     builder = FFI()
-    builder.cdef(CDEF + "".join(_header_cdef(h) for h in FORWARD_HEADERS))
+    builder.cdef(CDEF + _header_cdef("kernels.h", KERNEL_API) + "".join(_header_cdef(h) for h in FORWARD_HEADERS))
     builder.set_source(
         "native._fermoe_native",
         '#include "kernels.h"\n#include "forward.h"',

@@ -31,14 +31,12 @@ static void route(const float *logits, int E, int k, int32_t *ids, float *weight
 static int group_by_expert(fm_ctx *c, int T, int E, int k, int *first, int *count, int *experts) {
     memset(count, 0, E * sizeof *count);
     for (int i = 0; i < T * k; i++) count[c->ids[i]]++;
-    int n_used = 0, off = 0;
+    int n_used = 0, off = 0, fill[E];
     for (int e = 0; e < E; e++) {
-        first[e] = off;
+        first[e] = fill[e] = off;
         off += count[e];
         if (count[e]) experts[n_used++] = e;
     }
-    int fill[E];
-    memcpy(fill, first, E * sizeof *fill);
     for (int i = 0; i < T * k; i++) {
         int p = fill[c->ids[i]]++;
         c->pair_token[p] = i / k;
