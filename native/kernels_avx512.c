@@ -149,7 +149,8 @@ FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g,
         unpack_group_q4_vnni(w + 16 * k, &u);
         acc = group_dot_vnni(&u, g + k, acc);
     }
-    return _mm512_reduce_add_ps(acc) + fm_vec_dot_q4_0_q8_0_avx512vnni(nt * FM_QK, w + 16 * ng, xt);
+    const float s = _mm512_reduce_add_ps(acc);  /* no call for an empty tail: it was most of a short row's cost on AVX2 */
+    return nt ? s + fm_vec_dot_q4_0_q8_0_avx512vnni(nt * FM_QK, w + 16 * ng, xt) : s;
 }
 
 /* One row at a time, as on AVX2 (see kernels_x86.c). */
