@@ -130,39 +130,70 @@ class NativeEngine:
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or of the last one, [1, vocab])."""
+        tokens = self._check_tokens(tokens)
+        out = []
+        for start in range(0, len(tokens), self.max_batch):
+            chunk = tokens[start:start + self.max_batch]
+            last = start + self.max_batch >= len(tokens)
+            out.append(self._run([(chunk, state)], all_logits, want=all_logits or last))
+        logits = np.concatenate([o for o in out if o is not None])
+        state.set_logits(logits[-1])
+        return logits
+
+    def decode_batch(self, tokens, states: list[SequenceState]) -> np.ndarray:
+        """One new token for each of several sequences, in one pass per max_batch of
+        them (each weight read once for all): their logits [n, vocab], bitwise what
+        forward([token], state, all_logits=False) gives each alone."""
+        tokens = self._check_tokens(tokens)
+        if len(tokens) != len(states) or len({id(s) for s in states}) != len(states):
+            raise FermoeError("decode_batch needs one token for each of distinct sequences")
+        out = []
+        for start in range(0, len(tokens), self.max_batch):
+            group = [(tokens[i:i + 1], states[i]) for i in range(start, min(start + self.max_batch, len(tokens)))]
+            out.append(self._run(group, all_logits=False, want=True))
+        logits = np.concatenate(out)
+        for state, row in zip(states, logits):
+            state.set_logits(row)
+        return logits
+
+    def _check_tokens(self, tokens) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         n_vocab = self.model.config.n_vocab
         if len(tokens) == 0:
             raise FermoeError("no tokens to run")
         if tokens.min() < 0 or tokens.max() >= n_vocab:
             raise FermoeError(f"token ids must be in [0, {n_vocab})")
-        out = []
-        for start in range(0, len(tokens), self.max_batch):
-            chunk = tokens[start:start + self.max_batch]
-            last = start + self.max_batch >= len(tokens)
-            out.append(self._run(chunk, state, all_logits, want=all_logits or last))
-        logits = np.concatenate([o for o in out if o is not None])
-        state.set_logits(logits[-1])
-        return logits
+        return tokens
 
-    def _run(self, tokens: np.ndarray, state: SequenceState, all_logits: bool, want: bool):
-        """One native call; `want` False skips the LM head (a prompt chunk before the last)."""
-        ffi, T = self.ffi, len(tokens)
-        end = state.position + T
-        state.kv.reserve(end)
-        k_table, v_table = state.kv.page_tables()
-        seq = ffi.new("fm_seq *")
-        seq.ssm = ffi.cast("float *", ffi.from_buffer(state.ssm))
-        seq.conv = ffi.cast("float *", ffi.from_buffer(state.conv))
-        seq.k_pages = ffi.cast("float *const *", ffi.from_buffer(k_table))
-        seq.v_pages = ffi.cast("float *const *", ffi.from_buffer(v_table))
-        seq.max_pages, seq.block, seq.position = k_table.shape[1], state.kv.block, state.position
-        logits = np.empty((T if all_logits else 1, self.model.config.n_vocab), np.float32) if want else None
+    def _run(self, segments: list[tuple[np.ndarray, SequenceState]], all_logits: bool, want: bool):
+        """One native pass over segments (tokens, state), at most max_batch tokens in all;
+        logits [T, vocab] (all_logits) or [segments, vocab]. `want` False skips the LM
+        head (a prompt chunk before the last)."""
+        ffi = self.ffi
+        seqs = ffi.new("fm_seq[]", len(segments))
+        keep = []
+        for seq, (tokens, state) in zip(seqs, segments):
+            end = state.position + len(tokens)
+            state.kv.reserve(end)
+            k_table, v_table = state.kv.page_tables()
+            keep += [k_table, v_table]
+            seq.ssm = ffi.cast("float *", ffi.from_buffer(state.ssm))
+            seq.conv = ffi.cast("float *", ffi.from_buffer(state.conv))
+            seq.k_pages = ffi.cast("float *const *", ffi.from_buffer(k_table))
+            seq.v_pages = ffi.cast("float *const *", ffi.from_buffer(v_table))
+            seq.max_pages, seq.block, seq.position = k_table.shape[1], state.kv.block, state.position
+        pointers = ffi.new("fm_seq *[]", [seqs + i for i in range(len(segments))])
+        counts = np.array([len(t) for t, _ in segments], np.int32)
+        tokens = np.ascontiguousarray(np.concatenate([t for t, _ in segments]), dtype=np.int32)
+        rows = len(tokens) if all_logits else len(segments)
+        logits = np.empty((rows, self.model.config.n_vocab), np.float32) if want else None
         out = ffi.cast("float *", ffi.from_buffer(logits)) if want else ffi.NULL
-        rc = self.lib.fm_forward(self._ctx, seq, ffi.cast("int32_t *", ffi.from_buffer(tokens)), T, out,
-                                 int(all_logits))
+        rc = self.lib.fm_forward(self._ctx, pointers, ffi.cast("int32_t *", ffi.from_buffer(counts)), len(segments),
+                                 ffi.cast("int32_t *", ffi.from_buffer(tokens)), out, int(all_logits))
         if rc != 0:
             raise FermoeError("native forward refused its input")
-        state.position = end
-        state.kv.filled_to(end)
+        for tokens_i, state in segments:
+            end = state.position + len(tokens_i)
+            state.position = end
+            state.kv.filled_to(end)
         return logits

@@ -3,9 +3,11 @@
 One DEALER socket to the coordinator's worker endpoint. Each sequence is restored
 from the snapshot slots named in its Assign (or started empty), prefilled up to
 each planned snapshot position in turn (writing the slot as it passes), then
-decoded one token at a time. Sequences are interleaved a chunk or a token each,
-so a long generation does not starve the others. Started by the coordinator, or
-by hand to add capacity: `cpu_worker --connect tcp://HOST:PORT`.
+decoded one token at a time. A round gives each sequence still prefilling one
+chunk, then advances every decoding sequence by one token in a single batched
+pass (each weight read once for all of them), so a long generation does not
+starve the others and N clients cost far less than N times one. Started by the
+coordinator, or by hand to add capacity: `cpu_worker --connect tcp://HOST:PORT`.
 """
 from __future__ import annotations
 
@@ -128,36 +130,61 @@ class CPUWorker:
         return Sequence(msg, state, params, sorted(msg.snapshots, key=lambda s: s.position))
 
     def work_round(self) -> None:
-        for rid in list(self.sequences):
+        for rid in [r for r, seq in self.sequences.items() if seq.state.position < len(seq.msg.tokens)]:
             seq = self.sequences.get(rid)
-            if seq is None:
-                continue
-            try:
-                self.advance(rid, seq)
-            except Exception as e:            # report, never die silently
-                log.exception("sequence %s failed", rid)
-                self.sequences.pop(rid, None)
-                self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
+            if seq is not None:
+                self.guarded(rid, seq, self.prefill_chunk)
             if self.sock.poll(0):
                 return                         # a Stop or a new Assign: handle it first
+        self.decode_round()
 
-    def advance(self, rid: str, seq: Sequence) -> None:
-        tokens, state = seq.msg.tokens, seq.state
-        if state.position < len(tokens):
-            self.prefill_chunk(rid, seq)
-            return
+    def guarded(self, rid: str, seq: Sequence, step) -> bool:
+        """step(rid, seq); a failure ends that sequence with an error, never the worker."""
+        try:
+            step(rid, seq)
+            return True
+        except Exception as e:                 # report, never die silently
+            log.exception("sequence %s failed", rid)
+            self.sequences.pop(rid, None)
+            self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
+            return False
+
+    def decode_round(self) -> None:
+        """One token for every sequence past its prompt, then one pass for all of them."""
+        ready = [(rid, seq) for rid, seq in self.sequences.items() if seq.state.position >= len(seq.msg.tokens)]
+        running = []
+        t0 = time.perf_counter()
+        for rid, seq in ready:
+            if not self.guarded(rid, seq, self.sample):
+                continue
+            if seq.decoder.finish_reason is None:
+                running.append((rid, seq))
+            else:
+                self.sequences.pop(rid, None)
+                self.finish(rid, seq, seq.decoder.finish_reason)
+        if running:
+            try:
+                logits = self.engine.decode_batch([seq.decoder.history[-1] for _, seq in running],
+                                                  [seq.state for _, seq in running])
+            except Exception as e:             # the pass failed: every sequence in it did
+                log.exception("decode pass failed")
+                for rid, seq in running:
+                    self.sequences.pop(rid, None)
+                    self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
+                return
+            for (_, seq), row in zip(running, logits):
+                seq.decoder.logits = row
+        elapsed = time.perf_counter() - t0
+        for _, seq in ready:
+            seq.decode_s += elapsed
+
+    def sample(self, rid: str, seq: Sequence) -> None:
         if seq.decoder is None:
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
-            seq.decoder = Decoder(self.engine, state, state.logits.copy(), tokens, seq.params, seq.msg.max_tokens,
-                                  stop_ids)
+            seq.decoder = Decoder(self.engine, seq.state, seq.state.logits.copy(), seq.msg.tokens, seq.params,
+                                  seq.msg.max_tokens, stop_ids)
         if seq.decoder.finish_reason is None:
-            t0 = time.perf_counter()
-            token = seq.decoder.step()
-            seq.decode_s += time.perf_counter() - t0
-            self.send(P.Sampled(request_id=rid, token=token))
-        if seq.decoder.finish_reason is not None:
-            self.sequences.pop(rid, None)
-            self.finish(rid, seq, seq.decoder.finish_reason)
+            self.send(P.Sampled(request_id=rid, token=seq.decoder.sample()))
 
     def prefill_chunk(self, rid: str, seq: Sequence) -> None:
         """Prefill up to the next snapshot position (or a chunk), writing the snapshot there."""

@@ -5,9 +5,9 @@
 #include "ops.h"
 
 typedef struct {
+    const fm_ctx *c;            /* the pass: each token's sequence and position */
     const fm_model *m;
     const fm_layer *l;
-    fm_seq *s;
     float *qg, *k, *v, *out;
     int T;
 } attn_ctx;
@@ -29,20 +29,21 @@ static float *page_row(float *const *pages, const fm_seq *s, int slot, int64_t p
     return pages[(size_t)slot * s->max_pages + pos / s->block] + (pos % s->block) * width;
 }
 
-/* Norms, RoPE, and K/V into the pages: one task per token. */
+/* Norms, RoPE, and K/V into its sequence's pages: one task per token. */
 static void prepare_task(void *p, int t, int worker) {
     (void)worker;
     attn_ctx *a = p;
     const fm_model *m = a->m;
     int hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd;
-    int64_t pos = a->s->position + t;
+    const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
+    int64_t pos = a->c->tok_pos[t];
     for (int h = 0; h < m->n_head; h++) {
         float *q = a->qg + ((size_t)t * m->n_head + h) * 2 * hd;
         fm_rmsnorm(q, q, a->l->attn_q_norm.data, hd, m->rms_eps);
         rope(q, pos, m->rope_dim, m->rope_theta);
     }
-    float *kdst = page_row(a->s->k_pages, a->s, a->l->attn_slot, pos, kvw);
-    float *vdst = page_row(a->s->v_pages, a->s, a->l->attn_slot, pos, kvw);
+    float *kdst = page_row(s->k_pages, s, a->l->attn_slot, pos, kvw);
+    float *vdst = page_row(s->v_pages, s, a->l->attn_slot, pos, kvw);
     for (int h = 0; h < nkv; h++) {
         float *k = a->k + (size_t)t * kvw + h * hd;
         fm_rmsnorm(kdst + h * hd, k, a->l->attn_k_norm.data, hd, m->rms_eps);
@@ -60,12 +61,13 @@ static void head_task(void *p, int task, int worker) {
     int nh = m->n_head, hd = m->head_dim, kvw = m->n_head_kv * hd;
     int t = task / nh, h = task % nh, kvh = h / (nh / m->n_head_kv);
     const float *q = a->qg + ((size_t)t * nh + h) * 2 * hd, *gate = q + hd;
-    int64_t last = a->s->position + t;
+    const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
+    int64_t last = a->c->tok_pos[t];
     float scale = 1.0f / sqrtf((float)hd), run_max = -INFINITY, sum = 0.0f, acc[hd];
     for (int i = 0; i < hd; i++) acc[i] = 0.0f;
     for (int64_t pos = 0; pos <= last; pos++) {
-        const float *k = page_row(a->s->k_pages, a->s, a->l->attn_slot, pos, kvw) + kvh * hd;
-        const float *v = page_row(a->s->v_pages, a->s, a->l->attn_slot, pos, kvw) + kvh * hd;
+        const float *k = page_row(s->k_pages, s, a->l->attn_slot, pos, kvw) + kvh * hd;
+        const float *v = page_row(s->v_pages, s, a->l->attn_slot, pos, kvw) + kvh * hd;
         float score = fm_dot(q, k, hd) * scale;
         if (score > run_max) {
             float shrink = expf(run_max - score);
@@ -81,10 +83,10 @@ static void head_task(void *p, int task, int worker) {
     for (int i = 0; i < hd; i++) out[i] = acc[i] / sum * fm_sigmoid(gate[i]);
 }
 
-void fm_attention_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T) {
+void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, kvw = m->n_head_kv * m->head_dim, width = m->n_head * m->head_dim;
-    attn_ctx a = {m, l, s, c->a, c->b, c->b + (size_t)T * kvw, c->c, T};
+    attn_ctx a = {c, m, l, c->a, c->b, c->b + (size_t)T * kvw, c->c, T};
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
     fm_job in[3] = {
         {&l->attn_q, 0, c->xn, c->xq, T, a.qg, 2 * width},

@@ -18,12 +18,18 @@ struct fm_ctx {
     int32_t *pair_token, *pair_slot;/* MoE: token and top-k slot of each (expert, token) pair */
     block_q8_0 *xq2;                /* second quantised buffer (gathered expert inputs) */
     float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
+    /* the pass in progress: sequence i holds tokens [seq_first[i], seq_first[i] + seq_count[i]) */
+    fm_seq *const *seqs;
+    int n_seqs;
+    int32_t *seq_first, *seq_count; /* [max_tokens] */
+    int32_t *tok_seq;               /* [max_tokens] the sequence of each token */
+    int64_t *tok_pos;               /* [max_tokens] the position of each token */
     double seconds[FM_N_PHASES];    /* where the time went, by phase (fm_ctx_times) */
     int64_t moe_calls, experts_used; /* distinct experts a MoE block ran, summed (fm_ctx_moe_stats) */
 };
 
-void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T);
-void fm_attention_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T);
+void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T);
+void fm_attention_block(fm_ctx *c, const fm_layer *l, int T);
 void fm_moe_block(fm_ctx *c, const fm_layer *l, int T);
 
 #endif

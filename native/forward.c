@@ -50,8 +50,13 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->weights = malloc(T * k * sizeof(float));
     c->pair_token = malloc(T * k * sizeof(int32_t));
     c->pair_slot = malloc(T * k * sizeof(int32_t));
+    c->seq_first = malloc(T * sizeof(int32_t));
+    c->seq_count = malloc(T * sizeof(int32_t));
+    c->tok_seq = malloc(T * sizeof(int32_t));
+    c->tok_pos = malloc(T * sizeof(int64_t));
     if (!c->x || !c->xn || !c->tmp || !c->a || !c->b || !c->c || !c->d || !c->xq || !c->xq2 || !c->xg || !c->ids ||
-        !c->weights || !c->pair_token || !c->pair_slot) {
+        !c->weights || !c->pair_token || !c->pair_slot || !c->seq_first || !c->seq_count || !c->tok_seq ||
+        !c->tok_pos) {
         fm_ctx_destroy(c);
         return NULL;
     }
@@ -61,7 +66,7 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
 void fm_ctx_destroy(fm_ctx *c) {
     if (!c) return;
     void *bufs[] = {c->x, c->xn, c->tmp, c->a, c->b, c->c, c->d, c->xq, c->xq2, c->xg, c->ids, c->weights,
-                    c->pair_token, c->pair_slot};
+                    c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(c);
 }
@@ -75,18 +80,37 @@ static void add_rows(float *x, const float *y, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+/* Logits of every token, or of the last token of each sequence. */
 static void lm_head(fm_ctx *c, int T, float *logits, int all_logits) {
     const fm_model *m = c->m;
-    int D = m->n_embd, first = all_logits ? 0 : T - 1, rows = T - first;
-    norm_rows(c, c->xn, c->x + (size_t)first * D, &m->output_norm, rows);
+    int D = m->n_embd, rows = all_logits ? T : c->n_seqs;
+    for (int r = 0; r < rows; r++) {
+        int t = all_logits ? r : c->seq_first[r] + c->seq_count[r] - 1;
+        fm_rmsnorm(c->xn + (size_t)r * D, c->x + (size_t)t * D, m->output_norm.data, D, m->rms_eps);
+    }
     if (m->output.type != FM_F32) fm_quantize_rows(c->pool, c->xn, c->xq, rows, D);
     fm_job job = {&m->output, 0, c->xn, c->xq, rows, logits, m->n_vocab};
     fm_run_jobs(c->pool, &job, 1);
 }
 
-int fm_forward(fm_ctx *c, fm_seq *s, const int32_t *tokens, int T, float *logits, int all_logits) {
+/* Lays out the pass: which sequence and position each token has. */
+static int plan(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs) {
+    if (n_seqs < 1 || n_seqs > c->max_tokens) return -1;
+    int T = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        if (counts[i] < 1 || counts[i] > c->max_tokens - T) return -1;
+        c->seq_first[i] = T, c->seq_count[i] = counts[i];
+        for (int j = 0; j < counts[i]; j++, T++) c->tok_seq[T] = i, c->tok_pos[T] = seqs[i]->position + j;
+    }
+    c->seqs = seqs, c->n_seqs = n_seqs;
+    return T;
+}
+
+int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
+               float *logits, int all_logits) {
     const fm_model *m = c->m;
-    if (T < 1 || T > c->max_tokens) return -1;
+    int T = plan(c, seqs, counts, n_seqs);
+    if (T < 1) return -1;
     for (int t = 0; t < T; t++)
         if (tokens[t] < 0 || tokens[t] >= m->n_vocab) return -1;
     int D = m->n_embd;
@@ -96,8 +120,8 @@ int fm_forward(fm_ctx *c, fm_seq *s, const int32_t *tokens, int T, float *logits
         const fm_layer *l = &m->layers[i];
         norm_rows(c, c->xn, c->x, &l->attn_norm, T);
         t1 = now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
-        if (l->is_attention) fm_attention_block(c, l, s, T);
-        else fm_gdn_block(c, l, s, T);
+        if (l->is_attention) fm_attention_block(c, l, T);
+        else fm_gdn_block(c, l, T);
         t1 = now(), c->seconds[l->is_attention ? FM_PHASE_ATTENTION : FM_PHASE_GDN] += t1 - t0, t0 = t1;
         add_rows(c->x, c->tmp, (size_t)T * D);
         norm_rows(c, c->xn, c->x, &l->post_attention_norm, T);
@@ -108,7 +132,7 @@ int fm_forward(fm_ctx *c, fm_seq *s, const int32_t *tokens, int T, float *logits
     }
     if (logits) lm_head(c, T, logits, all_logits);
     c->seconds[logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER] += now() - t0;
-    s->position += T;
+    for (int i = 0; i < n_seqs; i++) seqs[i]->position += counts[i];
     return 0;
 }
 

@@ -13,12 +13,18 @@ typedef struct fm_ctx fm_ctx;
 fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens);
 void fm_ctx_destroy(fm_ctx *c);
 
-/* Runs tokens[0..T) at positions seq->position.. and advances seq->position.
- * logits: [T][n_vocab] when all_logits, else [n_vocab] of the last token;
- * NULL skips the LM head (a prompt chunk whose logits nobody reads).
- * The caller must have allocated KV pages for every position written.
- * Returns 0, or -1 if T exceeds max_tokens or a token id is out of range. */
-int fm_forward(fm_ctx *c, fm_seq *seq, const int32_t *tokens, int T, float *logits, int all_logits);
+/* Runs n_seqs sequences in one pass: counts[i] tokens of seqs[i], at positions
+ * seqs[i]->position.., laid out one sequence after the other in tokens (T =
+ * sum of counts), and advances each position. One sequence with T tokens is a
+ * prompt chunk; n sequences of one token each is a batched decode step: every
+ * weight is read once for all of them. Each token's result is bitwise what it
+ * would be alone. logits: [T][n_vocab] when all_logits, else [n_seqs][n_vocab],
+ * the last token of each sequence; NULL skips the LM head (a prompt chunk whose
+ * logits nobody reads). The caller must have allocated KV pages for every
+ * position written, and no sequence may appear twice.
+ * Returns 0, or -1 if T exceeds max_tokens, a count is < 1 or a token id is out of range. */
+int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
+               float *logits, int all_logits);
 
 /* Wall time spent in each phase since the context was created or last reset:
  * Gated DeltaNet blocks, attention blocks, MoE blocks, LM head, the rest (norms,

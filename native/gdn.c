@@ -7,16 +7,28 @@
 #define CONV_CHANNELS_PER_TASK 256
 
 typedef struct {
+    const fm_ctx *c;            /* the pass: which tokens belong to which sequence */
     const fm_model *m;
     const fm_layer *l;
-    float *qkv, *z, *beta, *alpha, *o, *conv_state, *ssm;
+    float *qkv, *z, *beta, *alpha, *o;
     int T, channels;
 } gdn_ctx;
+
+/* This layer's conv history and recurrent state of the pass's sequence i. */
+static float *conv_state(const gdn_ctx *g, int i) {
+    return g->c->seqs[i]->conv + (size_t)g->l->gdn_slot * (g->m->ssm_conv_kernel - 1) * g->channels;
+}
+
+static float *ssm_state(const gdn_ctx *g, int i) {
+    const fm_model *m = g->m;
+    return g->c->seqs[i]->ssm + (size_t)g->l->gdn_slot * m->ssm_v_heads * m->ssm_head_k_dim * m->ssm_head_v_dim;
+}
 
 /* Causal depthwise conv over the carried history of kernel-1 raw inputs, then SiLU.
  * Token by token over a run of channels, so every step is a loop over channels
  * that vectorises; each output sums w[K-1] x, then w[j] hist[j] for j = 0.. in
- * order, whatever the chunking of the prompt. */
+ * order, whatever the chunking of the prompt. Each sequence of the pass carries
+ * its own history. */
 __attribute__((target_clones("avx2", "default")))
 static void conv_task(void *p, int task, int worker) {
     (void)worker;
@@ -28,22 +40,25 @@ static void conv_task(void *p, int task, int worker) {
     float acc[CONV_CHANNELS_PER_TASK];
     for (int j = 0; j < K; j++)
         for (int i = 0; i < n; i++) wt[j][i] = w[(size_t)(c0 + i) * K + j];
-    for (int j = 0; j < K - 1; j++)
-        for (int i = 0; i < n; i++) hist[j][i] = g->conv_state[(size_t)j * C + c0 + i];
-    for (int t = 0; t < g->T; t++) {
-        float *x = g->qkv + (size_t)t * C + c0;
-        for (int i = 0; i < n; i++) acc[i] = wt[K - 1][i] * x[i];
+    for (int s = 0; s < g->c->n_seqs; s++) {
+        float *state = conv_state(g, s);
         for (int j = 0; j < K - 1; j++)
-            for (int i = 0; i < n; i++) acc[i] += wt[j][i] * hist[j][i];
-        for (int j = 0; j + 1 < K - 1; j++)
-            for (int i = 0; i < n; i++) hist[j][i] = hist[j + 1][i];
-        for (int i = 0; i < n; i++) {
-            hist[K - 2][i] = x[i];
-            x[i] = fm_silu(acc[i]);
+            for (int i = 0; i < n; i++) hist[j][i] = state[(size_t)j * C + c0 + i];
+        for (int t = g->c->seq_first[s]; t < g->c->seq_first[s] + g->c->seq_count[s]; t++) {
+            float *x = g->qkv + (size_t)t * C + c0;
+            for (int i = 0; i < n; i++) acc[i] = wt[K - 1][i] * x[i];
+            for (int j = 0; j < K - 1; j++)
+                for (int i = 0; i < n; i++) acc[i] += wt[j][i] * hist[j][i];
+            for (int j = 0; j + 1 < K - 1; j++)
+                for (int i = 0; i < n; i++) hist[j][i] = hist[j + 1][i];
+            for (int i = 0; i < n; i++) {
+                hist[K - 2][i] = x[i];
+                x[i] = fm_silu(acc[i]);
+            }
         }
+        for (int j = 0; j < K - 1; j++)
+            for (int i = 0; i < n; i++) state[(size_t)j * C + c0 + i] = hist[j][i];
     }
-    for (int j = 0; j < K - 1; j++)
-        for (int i = 0; i < n; i++) g->conv_state[(size_t)j * C + c0 + i] = hist[j][i];
 }
 
 static void l2_normalize(float *y, const float *x, int n, float scale) {
@@ -80,17 +95,19 @@ static void delta_step(float *S, const float *q, const float *k, const float *v,
 }
 
 __attribute__((target_clones("avx2", "default")))
-static void head_task(void *p, int h, int worker) {
+/* One value head of one sequence, over that sequence's tokens in order. */
+static void head_task(void *p, int task, int worker) {
     (void)worker;
     gdn_ctx *g = p;
     const fm_model *m = g->m;
     int Hk = m->ssm_k_heads, Hv = m->ssm_v_heads, dk = m->ssm_head_k_dim, dv = m->ssm_head_v_dim;
     int key_dim = Hk * dk, d_inner = Hv * dv, C = g->channels;
+    int s = task / Hv, h = task % Hv;
     int kh = m->v_heads_tiled ? h % Hk : h / (Hv / Hk);
     const float *a_log = g->l->ssm_a.data, *dt = g->l->ssm_dt.data, *norm_w = g->l->ssm_norm.data;
-    float *S = g->ssm + (size_t)h * dk * dv;
+    float *S = ssm_state(g, s) + (size_t)h * dk * dv;
     float qn[dk], kn[dk], out[dv];
-    for (int t = 0; t < g->T; t++) {
+    for (int t = g->c->seq_first[s]; t < g->c->seq_first[s] + g->c->seq_count[s]; t++) {
         const float *row = g->qkv + (size_t)t * C;
         l2_normalize(qn, row + kh * dk, dk, 1.0f / sqrtf((float)dk));
         l2_normalize(kn, row + key_dim + kh * dk, dk, 1.0f);
@@ -105,13 +122,11 @@ static void head_task(void *p, int h, int worker) {
     }
 }
 
-void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T) {
+void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, Hv = m->ssm_v_heads, d_inner = Hv * m->ssm_head_v_dim;
     int channels = 2 * m->ssm_k_heads * m->ssm_head_k_dim + d_inner;
-    gdn_ctx g = {m, l, c->a, c->b, c->d, c->d + (size_t)T * Hv, c->c, NULL, NULL, T, channels};
-    g.conv_state = s->conv + (size_t)l->gdn_slot * (m->ssm_conv_kernel - 1) * channels;
-    g.ssm = s->ssm + (size_t)l->gdn_slot * Hv * m->ssm_head_k_dim * m->ssm_head_v_dim;
+    gdn_ctx g = {c, m, l, c->a, c->b, c->d, c->d + (size_t)T * Hv, c->c, T, channels};
 
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
     fm_job in[4] = {
@@ -122,7 +137,7 @@ void fm_gdn_block(fm_ctx *c, const fm_layer *l, fm_seq *s, int T) {
     };
     fm_run_jobs(c->pool, in, 4);
     fm_pool_run(c->pool, conv_task, &g, (channels + CONV_CHANNELS_PER_TASK - 1) / CONV_CHANNELS_PER_TASK);
-    fm_pool_run(c->pool, head_task, &g, Hv);
+    fm_pool_run(c->pool, head_task, &g, c->n_seqs * Hv);
 
     fm_quantize_rows(c->pool, g.o, c->xq, T, d_inner);
     fm_job out = {&l->ssm_out, 0, g.o, c->xq, T, c->tmp, D};

@@ -33,6 +33,10 @@ class ReferenceEngine:
         finally:
             ACTIVATIONS_Q8.reset(token)
 
+    def decode_batch(self, tokens, states) -> np.ndarray:
+        """One new token for each of several sequences: their logits [n, vocab]."""
+        return np.concatenate([self.forward([t], s, all_logits=False) for t, s in zip(tokens, states)])
+
 
 def load_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None):
     if name == "reference":

@@ -25,6 +25,14 @@ class Decoder:
         self.finish_reason: str | None = None if max_tokens > 0 else "length"
 
     def step(self) -> int:
+        token = self.sample()
+        if self.finish_reason is None:
+            self.logits = self.engine.forward([token], self.state, all_logits=False)[-1]
+        return token
+
+    def sample(self) -> int:
+        """The next token, without running it: unless that finished the sequence, its
+        logits must come next (step() runs it alone; a worker runs several in one pass)."""
         token = self.sampler.sample(self.logits, self.history)
         self.history.append(token)
         self.remaining -= 1
@@ -32,8 +40,6 @@ class Decoder:
             self.finish_reason = "stop"
         elif self.remaining <= 0:
             self.finish_reason = "length"
-        else:
-            self.logits = self.engine.forward([token], self.state, all_logits=False)[-1]
         return token
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from shared.engine import ReferenceEngine
+from shared.errors import FermoeError
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
@@ -64,6 +65,42 @@ def test_chunked_prompt_and_decode_equal_whole_prompt(tiny_q4_path):
     # death) samples exactly what `fermoe generate --engine cpu` samples.
     np.testing.assert_array_equal(np.concatenate(parts), whole)
     assert state.position == len(PROMPT)
+
+
+@pytest.mark.parametrize("max_batch", [64, 2])
+def test_batched_decode_equals_each_sequence_alone(tiny_q4_path, max_batch):
+    """Several sequences at different positions, one token each per pass: every
+    logit and every state is bitwise what decoding them one by one gives."""
+    model = Model(tiny_q4_path)
+    cpu = native_engine.NativeEngine(model, threads=2, max_batch=max_batch)
+    prompts = [PROMPT[:5], PROMPT[3:20], PROMPT[:40]]
+    alone, batched = [], []
+    for p in prompts:
+        s = cpu.new_state()
+        cpu.forward(p, s, all_logits=False)
+        alone.append(s)
+        batched.append(s.copy())
+    steps = [[7, 99, 3], [250, 1, 42], [5, 5, 5]]
+    for tokens in steps:
+        want = np.concatenate([cpu.forward([t], s, all_logits=False) for t, s in zip(tokens, alone)])
+        got = cpu.decode_batch(tokens, batched)
+        np.testing.assert_array_equal(got, want)
+    for a, b in zip(alone, batched):
+        assert a.position == b.position
+        np.testing.assert_array_equal(a.ssm, b.ssm)
+        np.testing.assert_array_equal(a.conv, b.conv)
+        for slot in range(len(model.config.attention_layers)):
+            for x, y in zip(a.kv.view(slot), b.kv.view(slot)):
+                np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_batched_decode_refuses_a_sequence_twice(tiny_q4_path):
+    cpu = native_engine.NativeEngine(Model(tiny_q4_path), threads=1)
+    s = cpu.new_state()
+    cpu.forward(PROMPT[:4], s)
+    with pytest.raises(FermoeError, match="distinct"):
+        cpu.decode_batch([1, 2], [s, s])
 
 
 def _state(model):

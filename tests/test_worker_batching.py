@@ -1,0 +1,87 @@
+"""A CPU worker advances all its decoding sequences in one batched pass per token,
+and each still samples exactly what a local run samples. The worker runs in this
+process; its messages to the coordinator are collected instead of sent."""
+from __future__ import annotations
+
+import pytest
+
+from cpu_worker.worker import CPUWorker
+from shared import protocol as P
+from shared.generate import generate
+from shared.model import Model
+from shared.sampling import SamplingParams
+
+REQUESTS = [("a", "The old GPU said", 12, 0.8, 1), ("b", "Snapshots of the recurrent state", 20, 0.0, None),
+            ("c", "Tell me everything", 16, 0.8, 7)]
+
+
+def _assign(model, rid, prompt, max_tokens, temperature, seed):
+    return P.Assign(request_id=rid, tokens=model.tokenizer.encode(prompt), resume=[], snapshots=[],
+                    max_tokens=max_tokens, temperature=temperature, top_k=40, top_p=0.95, min_p=0.05,
+                    repeat_penalty=1.0, seed=seed, ignore_eos=True)
+
+
+@pytest.fixture
+def worker(tiny_q4_path):
+    w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "test-worker", threads=2)  # never answered
+    w.sent = []
+    w.send = w.sent.append
+    batches = []
+    decode_batch = w.engine.decode_batch
+    w.engine.decode_batch = lambda tokens, states: batches.append(len(tokens)) or decode_batch(tokens, states)
+    w.batches = batches
+    yield w
+    w.close()
+
+
+def test_decoding_sequences_share_one_pass_and_sample_as_alone(worker, tiny_q4_path):
+    model = worker.model
+    for req in REQUESTS:
+        worker.handle_assign(_assign(model, *req))
+    while worker.sequences:
+        worker.work_round()
+    assert max(worker.batches) == len(REQUESTS)          # all three decoded together
+
+    finished = {m.request_id: m for m in worker.sent if isinstance(m, P.Finished)}
+    for rid, prompt, max_tokens, temperature, seed in REQUESTS:
+        sampled = [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == rid]
+        params = SamplingParams(temperature=temperature, seed=seed)
+        alone = list(generate(worker.engine, model.tokenizer.encode(prompt), max_tokens, params))
+        assert sampled == alone
+        assert finished[rid].finish_reason == "length" and finished[rid].completion_tokens == max_tokens
+
+
+def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
+    model = worker.model
+    for req in REQUESTS[:2]:
+        worker.handle_assign(_assign(model, *req))
+    worker.work_round()                                   # prefill, first tokens
+    real = worker.engine.decode_batch
+
+    def broken(tokens, states):
+        worker.engine.decode_batch = real
+        raise RuntimeError("simulated fault")
+    worker.engine.decode_batch = broken
+    worker.work_round()
+    errors = [m for m in worker.sent if isinstance(m, P.Finished)]
+    assert {m.request_id for m in errors} == {"a", "b"} and all("simulated fault" in m.error for m in errors)
+    assert not worker.sequences
+    worker.handle_assign(_assign(model, *REQUESTS[2]))
+    while worker.sequences:
+        worker.work_round()
+    assert [m for m in worker.sent if isinstance(m, P.Finished)][-1].finish_reason == "length"
+
+
+def test_a_model_without_batching_still_serves(tiny_q4_path):
+    """The reference engine has decode_batch too (a loop): the worker needs no special case."""
+    w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "ref-worker", threads=1, engine="reference")
+    try:
+        w.sent = []
+        w.send = w.sent.append
+        for req in REQUESTS[:2]:
+            w.handle_assign(_assign(Model(str(tiny_q4_path)), *req))
+        while w.sequences:
+            w.work_round()
+        assert sorted(m.request_id for m in w.sent if isinstance(m, P.Finished)) == ["a", "b"]
+    finally:
+        w.close()
