@@ -138,8 +138,13 @@ FM_VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const 
     return sum;
 }
 
-/* One row straight from memory: ng groups (288 B, 4.5 lines each), then nt tail blocks. */
-FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int ng, const block_q8_0 *xt, int nt)
+/* k-chunks (groups) of the batched products below: the matrix-vector products sum
+ * in the same pieces, so a row rounds alike in both (see kernels_x86.c). */
+#define VNNI_Q4_KC 8
+#define VNNI_Q8_KC 4
+
+/* One row straight from memory over ng groups (288 B, 4.5 lines each). */
+FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int ng)
 {
     __m512 acc = _mm512_setzero_ps();
     for (int k = 0; k < ng; k++) {
@@ -149,22 +154,32 @@ FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g,
         unpack_group_q4_vnni(w + 16 * k, &u);
         acc = group_dot_vnni(&u, g + k, acc);
     }
-    const float s = _mm512_reduce_add_ps(acc);  /* no call for an empty tail: it was most of a short row's cost on AVX2 */
-    return nt ? s + fm_vec_dot_q4_0_q8_0_avx512vnni(nt * FM_QK, w + 16 * ng, xt) : s;
+    return _mm512_reduce_add_ps(acc);
 }
 
-/* One row at a time, as on AVX2 (see kernels_x86.c). */
+/* One row at a time, as on AVX2: a horizontal sum per VNNI_Q4_KC groups, in order,
+ * then the tail blocks (no call for an empty tail). */
 FM_VNNI void fm_matvec_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
-    const int nb = cols / FM_QK;
+    const int nb = cols / FM_QK, ng = nb / 16, nt = nb - 16 * ng;
     xgroup_vnni g[CHUNK_BLOCKS / 16];
-    for (int c0 = 0; c0 < nb; c0 += CHUNK_BLOCKS) {
-        const int n = imin(CHUNK_BLOCKS, nb - c0), ng = n / 16;
-        prepare_x_vnni(x + c0, ng, g);
+    _Static_assert(CHUNK_BLOCKS / 16 % VNNI_Q4_KC == 0, "an activation chunk holds whole k-chunks");
+    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 16) {
+        const int nk = imin(CHUNK_BLOCKS / 16, ng - k0);
+        prepare_x_vnni(x + 16 * k0, nk, g);
         for (int r = r0; r < r1; r++) {
-            const float s = row_q4_0_vnni(W + (size_t)r * nb + c0, g, ng, x + c0 + 16 * ng, n - 16 * ng);
-            y[r] = c0 ? y[r] + s : s;
+            const block_q4_0 *w = W + (size_t)r * nb + 16 * k0;
+            float v = k0 ? y[r] : 0.0f;
+            for (int k = 0; k < nk; k += VNNI_Q4_KC) {
+                const float s = row_q4_0_vnni(w + 16 * k, g + k, imin(VNNI_Q4_KC, nk - k));
+                v = k0 + k ? v + s : s;
+            }
+            y[r] = v;
         }
+    }
+    for (int r = r0; r < r1; r++) {
+        if (!ng) y[r] = 0.0f;
+        if (nt) y[r] += fm_vec_dot_q4_0_q8_0_avx512vnni(nt * FM_QK, W + (size_t)r * nb + 16 * ng, x + 16 * ng);
     }
 }
 
@@ -304,7 +319,7 @@ FM_INLINE FM_VNNI void kernel_vnni(const wt16_vnni *w, int wstride, const xt16_v
         }
 }
 
-FM_TILED_MATMUL(fm_matmul_q4_0_avx512vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, 8, 4, prepare_xt16_q4_vnni,
+FM_TILED_MATMUL(fm_matmul_q4_0_avx512vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, VNNI_Q4_KC, 4, prepare_xt16_q4_vnni,
                 unpack_wt16_q4_vnni, kernel_vnni, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, FM_VNNI)
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0
@@ -340,39 +355,52 @@ FM_VNNI float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const 
     return hsum256_ps(acc);
 }
 
-/* One row, two accumulators, prefetching; negc is recomputed per row (cheap, in L1). */
-FM_INLINE FM_VNNI __m256 q8_step_vnni(const block_q8_0 *w, const block_q8_0 *x, float dx, __m256 acc)
+/* A block's exact int32 total: 256-bit VNNI on w + 128, minus 128 * sum(x). */
+FM_INLINE FM_VNNI int q8_block_total_vnni(const block_q8_0 *w, const block_q8_0 *x)
 {
     const __m256i xq = _mm256_loadu_si256((const __m256i *)x->qs);
-    return q8_block_vnni(w, xq, q8_negc_vnni(xq), _cvtsh_ss(w->d) * dx, acc);
+    const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w->qs), _mm256_set1_epi8((char)0x80));
+    const __m256i i = _mm256_dpbusd_epi32(q8_negc_vnni(xq), u, xq);
+    return hsum_epi32_128(_mm_add_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
 }
 
-FM_INLINE FM_VNNI float row_q8_0_vnni(const block_q8_0 *w, const block_q8_0 *x, const float *dx, int nb)
-{
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        if ((b & 3) == 0) fm_prefetch(w + b);
-        a0 = q8_step_vnni(w + b, x + b, dx[b], a0);
-        a1 = q8_step_vnni(w + b + 1, x + b + 1, dx[b + 1], a1);
-    }
-    if (b < nb) a0 = q8_step_vnni(w + b, x + b, dx[b], a0);
-    return hsum256_ps(_mm256_add_ps(a0, a1));
-}
-
+/* As the batched product computes a row for one token: per group of 16 blocks, the
+ * blocks' exact totals in its element order (block 4k+L in element 4L+k),
+ * acc += float(totals) * (d_w * d_x), one horizontal sum per VNNI_Q8_KC groups,
+ * the tail blocks last. */
 FM_VNNI void fm_matvec_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
-    const int nb = cols / FM_QK;
-    float dx[CHUNK_BLOCKS];
-    for (int c0 = 0; c0 < nb; c0 += CHUNK_BLOCKS) {
-        const int n = imin(CHUNK_BLOCKS, nb - c0);
-        for (int b = 0; b < n; b++) dx[b] = _cvtsh_ss(x[c0 + b].d);
+    const int nb = cols / FM_QK, ng = nb / 16, nt = nb - 16 * ng;
+    __m512 dx[CHUNK_BLOCKS / 16];
+    _Static_assert(CHUNK_BLOCKS / 16 % VNNI_Q8_KC == 0, "an activation chunk holds whole k-chunks");
+    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 16) {
+        const int nk = imin(CHUNK_BLOCKS / 16, ng - k0);
+        const block_q8_0 *xc = x + 16 * k0;
+        for (int k = 0; k < nk; k++) dx[k] = d16_q8_vnni(xc + 16 * k);
         for (int r = r0; r < r1; r++) {
-            const float s = row_q8_0_vnni(W + (size_t)r * nb + c0, x + c0, dx, n);
-            y[r] = c0 ? y[r] + s : s;
+            const block_q8_0 *w = W + (size_t)r * nb + 16 * k0;
+            float v = k0 ? y[r] : 0.0f;
+            for (int kc = 0; kc < nk; kc += VNNI_Q8_KC) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int k = kc; k < imin(kc + VNNI_Q8_KC, nk); k++) {
+                    const block_q8_0 *wg = w + 16 * k, *xg = xc + 16 * k;
+                    for (int o = 0; o < 16 * (int)sizeof(block_q8_0); o += 192) fm_prefetch((const char *)wg + o);
+                    int32_t t[16];
+                    for (int b = 0; b < 16; b++) t[4 * (b & 3) + (b >> 2)] = q8_block_total_vnni(wg + b, xg + b);
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(t)),
+                                          _mm512_mul_ps(d16_q8_vnni(wg), dx[k]), acc);
+                }
+                const float s = _mm512_reduce_add_ps(acc);
+                v = k0 + kc ? v + s : s;
+            }
+            y[r] = v;
         }
+    }
+    for (int r = r0; r < r1; r++) {
+        if (!ng) y[r] = 0.0f;
+        if (nt) y[r] += fm_vec_dot_q8_0_q8_0_avx512vnni(nt * FM_QK, W + (size_t)r * nb + 16 * ng, x + 16 * ng);
     }
 }
 
-FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, 4, 4, prepare_xt16_q8_vnni,
+FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, VNNI_Q8_KC, 4, prepare_xt16_q8_vnni,
                 unpack_wt16_q8_vnni, kernel_vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, fm_matvec_q8_0_avx512vnni, FM_VNNI)

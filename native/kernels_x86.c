@@ -67,11 +67,12 @@ FM_INLINE FM_SSSE3 __m128i q8_block_ssse3(const block_q8_0 *w, __m128i x0, __m12
     return _mm_add_epi32(_mm_madd_epi16(p0, _mm_set1_epi16(1)), _mm_madd_epi16(p1, _mm_set1_epi16(1)));
 }
 
+/* (v0+v1)+(v2+v3): the association of store_sums_ssse3's 2x2 path (two rounds of
+ * haddps), so a row rounds alike in the matrix-vector and the batched product. */
 FM_INLINE FM_SSSE3 float hsum_ps_sse(__m128 v)
 {
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-    return _mm_cvtss_f32(v);
+    v = _mm_hadd_ps(v, v);
+    return _mm_cvtss_f32(_mm_hadd_ps(v, v));
 }
 
 /* SSSE3 has no FMA: scale with mul + add. Scales go through the portable fp16 helper. */
@@ -99,47 +100,65 @@ FM_SSSE3 float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const bloc
     return hsum_ps_sse(acc);
 }
 
-/* Two rows per pass share the activation loads and its converted scales. */
-#define SSSE3_MATVEC(NAME, WTYPE, BLOCKFN)                                                       \
+/* The matrix-vector products compute exactly what the batched product (below)
+ * computes for one token, so a prompt gives the same bits whether it is run whole,
+ * in chunks or token by token: per group of 4 blocks, the exact int32 sum of each
+ * block in lane p = block p, acc += float(sum) * (d_w * d_x); one horizontal sum
+ * per KC groups (the batched product's k-chunk), added up in order; the blocks
+ * past the last whole group through the per-block dot product, last. Two rows
+ * per pass share the activation loads and its converted scales. */
+#define SSSE3_Q4_KC 32          /* groups per k-chunk of fm_matmul_q4_0_ssse3 */
+#define SSSE3_Q8_KC 16
+
+/* Four blocks' partial int32 sums (4 lanes each) -> lane p = block p's total. */
+FM_INLINE FM_SSSE3 __m128i block_totals4_ssse3(__m128i p0, __m128i p1, __m128i p2, __m128i p3)
+{
+    return _mm_hadd_epi32(_mm_hadd_epi32(p0, p1), _mm_hadd_epi32(p2, p3));
+}
+
+#define SSSE3_MATVEC(NAME, WTYPE, BLOCKFN, DOT, KC)                                               \
 FM_SSSE3 void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, int r1) \
 {                                                                                                  \
-    const int nb = cols / FM_QK;                                                                   \
-    float dx[CHUNK_BLOCKS];                                                                        \
-    for (int c0 = 0; c0 < nb; c0 += CHUNK_BLOCKS) {                                                \
-        const int n = imin(CHUNK_BLOCKS, nb - c0);                                                 \
-        const block_q8_0 *xc = x + c0;                                                             \
-        for (int b = 0; b < n; b++) dx[b] = fm_fp16_to_fp32(xc[b].d);                              \
+    const int nb = cols / FM_QK, ng = nb / 4, nt = nb - 4 * ng;                                    \
+    __m128 dx[CHUNK_BLOCKS / 4];                                                                   \
+    for (int r = r0; r < r1; r++) y[r] = 0.0f;                                                     \
+    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 4) {                                            \
+        const int nk = imin(CHUNK_BLOCKS / 4, ng - k0);                                            \
+        const block_q8_0 *xc = x + 4 * k0;                                                         \
+        for (int k = 0; k < nk; k++)                                                               \
+            dx[k] = d4_ssse3(xc[4 * k].d, xc[4 * k + 1].d, xc[4 * k + 2].d, xc[4 * k + 3].d);      \
         int r = r0;                                                                                \
-        for (; r + 1 < r1; r += 2) {                                                               \
-            const WTYPE *w0 = W + (size_t)r * nb + c0, *w1 = w0 + nb;                             \
+        for (; r < r1; r += 2) {                                                                   \
+            const int two = r + 1 < r1;                                                            \
+            const WTYPE *w0 = W + (size_t)r * nb + 4 * k0, *w1 = two ? w0 + nb : w0;              \
             __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();                                   \
-            for (int b = 0; b < n; b++) {                                                          \
-                if ((b & 7) == 0) {                                                                \
-                    fm_prefetch(w0 + b);                                                           \
-                    fm_prefetch(w1 + b);                                                           \
+            for (int k = 0; k < nk; k++) {                                                         \
+                fm_prefetch(w0 + 4 * k);                                                           \
+                if (two) fm_prefetch(w1 + 4 * k);                                                  \
+                __m128i p0[4], p1[4];                                                              \
+                for (int b = 0; b < 4; b++) {                                                      \
+                    const block_q8_0 *xb = xc + 4 * k + b;                                         \
+                    const __m128i x0 = _mm_loadu_si128((const __m128i *)xb->qs);                   \
+                    const __m128i x1 = _mm_loadu_si128((const __m128i *)(xb->qs + 16));            \
+                    p0[b] = BLOCKFN(w0 + 4 * k + b, x0, x1);                                       \
+                    p1[b] = BLOCKFN(w1 + 4 * k + b, x0, x1);                                       \
                 }                                                                                  \
-                const __m128i x0 = _mm_loadu_si128((const __m128i *)xc[b].qs);                     \
-                const __m128i x1 = _mm_loadu_si128((const __m128i *)(xc[b].qs + 16));              \
-                SSSE3_ACC(a0, BLOCKFN(w0 + b, x0, x1), fm_fp16_to_fp32(w0[b].d) * dx[b]);          \
-                SSSE3_ACC(a1, BLOCKFN(w1 + b, x0, x1), fm_fp16_to_fp32(w1[b].d) * dx[b]);          \
+                const WTYPE *g0 = w0 + 4 * k, *g1 = w1 + 4 * k;                                    \
+                const __m128 d0 = _mm_mul_ps(d4_ssse3(g0[0].d, g0[1].d, g0[2].d, g0[3].d), dx[k]);  \
+                const __m128 d1 = _mm_mul_ps(d4_ssse3(g1[0].d, g1[1].d, g1[2].d, g1[3].d), dx[k]);  \
+                a0 = _mm_add_ps(a0, _mm_mul_ps(_mm_cvtepi32_ps(block_totals4_ssse3(p0[0], p0[1], p0[2], p0[3])), d0)); \
+                a1 = _mm_add_ps(a1, _mm_mul_ps(_mm_cvtepi32_ps(block_totals4_ssse3(p1[0], p1[1], p1[2], p1[3])), d1)); \
+                if ((k0 + k + 1) % (KC) == 0 || k + 1 == nk) {  /* the end of a k-chunk */         \
+                    y[r] += hsum_ps_sse(a0), a0 = _mm_setzero_ps();                                \
+                    if (two) y[r + 1] += hsum_ps_sse(a1);                                          \
+                    a1 = _mm_setzero_ps();                                                         \
+                }                                                                                  \
             }                                                                                      \
-            y[r] = (c0 ? y[r] : 0.0f) + hsum_ps_sse(a0);                                           \
-            y[r + 1] = (c0 ? y[r + 1] : 0.0f) + hsum_ps_sse(a1);                                   \
-        }                                                                                          \
-        if (r < r1) {                                                                              \
-            const WTYPE *w0 = W + (size_t)r * nb + c0;                                             \
-            __m128 a0 = _mm_setzero_ps();                                                          \
-            for (int b = 0; b < n; b++) {                                                          \
-                const __m128i x0 = _mm_loadu_si128((const __m128i *)xc[b].qs);                     \
-                const __m128i x1 = _mm_loadu_si128((const __m128i *)(xc[b].qs + 16));              \
-                SSSE3_ACC(a0, BLOCKFN(w0 + b, x0, x1), fm_fp16_to_fp32(w0[b].d) * dx[b]);          \
-            }                                                                                      \
-            y[r] = (c0 ? y[r] : 0.0f) + hsum_ps_sse(a0);                                           \
         }                                                                                          \
     }                                                                                              \
+    for (int r = r0; nt && r < r1; r++) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + 4 * ng, x + 4 * ng); \
 }
-SSSE3_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, q4_block_ssse3)
-SSSE3_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, q8_block_ssse3)
+
 
 /* ---------------------------------------------------------------- batched (SSSE3)
  * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 128-bit vectors: a group is 4
@@ -321,10 +340,13 @@ FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const
     store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
 }
 
-FM_TILED_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, 32, 2, prepare_xt4_ssse3, unpack_wt4_ssse3,
-             kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, FM_SSSE3)
-FM_TILED_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, 16, 2, prepare_xt4_ssse3, unpack_wq8t4_ssse3,
-             kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, fm_matvec_q8_0_ssse3, FM_SSSE3)
+SSSE3_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, q4_block_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, SSSE3_Q4_KC)
+SSSE3_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, q8_block_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, SSSE3_Q8_KC)
+
+FM_TILED_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, 2, prepare_xt4_ssse3,
+             unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, FM_SSSE3)
+FM_TILED_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, 2, prepare_xt4_ssse3,
+             unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, fm_matvec_q8_0_ssse3, FM_SSSE3)
 
 /* ================================================================ AVX2
  * Q4_0 on AVX2 skips the sign trick: the nibbles (0..15) go into vpmaddubsw
@@ -484,23 +506,34 @@ FM_INLINE FM_AVX2 __m256 row_acc_q4_0_avx2(const block_q4_0 *w, const xgroup_avx
 
 /* One row at a time: two interleaved rows were slower here (short rows of 2048
  * columns: 11 vs 16 GB/s on one core), the memory streams matter more than ILP,
- * and a group already has 4 independent chains. Tail blocks (cols not a multiple
- * of 256) are added after; a row without any makes no call: on an expert's down
- * projection (2 groups a row) the empty call cost a fifth of the time. */
+ * and a group already has 4 independent chains. As the batched product sums: one
+ * horizontal sum per AVX2_Q4_KC groups, in order, then the tail blocks (cols not
+ * a multiple of 256) through the dot product; a row without a tail makes no call
+ * (on an expert's down projection, 2 groups a row, the empty call cost a fifth). */
+#define AVX2_Q4_KC 16           /* groups per k-chunk of fm_matmul_q4_0_avx2 */
+#define AVX2_Q8_KC 8
+
 FM_AVX2 void fm_matvec_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
-    const int nb = cols / FM_QK;
+    const int nb = cols / FM_QK, ng = nb / 8, nt = nb - 8 * ng;
     xgroup_avx2 g[CHUNK_BLOCKS / 8];
-    for (int c0 = 0; c0 < nb; c0 += CHUNK_BLOCKS) {
-        const int n = imin(CHUNK_BLOCKS, nb - c0), ng = n / 8, nt = n - 8 * ng;
-        const block_q8_0 *xt = x + c0 + 8 * ng;
-        prepare_x_avx2(x + c0, ng, g);
+    _Static_assert(CHUNK_BLOCKS / 8 % AVX2_Q4_KC == 0, "an activation chunk holds whole k-chunks");
+    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 8) {
+        const int nk = imin(CHUNK_BLOCKS / 8, ng - k0);
+        prepare_x_avx2(x + 8 * k0, nk, g);
         for (int r = r0; r < r1; r++) {
-            const block_q4_0 *w = W + (size_t)r * nb + c0;
-            float v = hsum_ps_avx(row_acc_q4_0_avx2(w, g, ng));
-            if (nt) v += fm_vec_dot_q4_0_q8_0_avx2(nt * FM_QK, w + 8 * ng, xt);
-            y[r] = c0 ? y[r] + v : v;
+            const block_q4_0 *w = W + (size_t)r * nb + 8 * k0;
+            float v = k0 ? y[r] : 0.0f;
+            for (int k = 0; k < nk; k += AVX2_Q4_KC) {
+                const float s = hsum_ps_avx(row_acc_q4_0_avx2(w + 8 * k, g + k, imin(AVX2_Q4_KC, nk - k)));
+                v = k0 + k ? v + s : s;
+            }
+            y[r] = v;
         }
+    }
+    for (int r = r0; r < r1; r++) {
+        if (!ng) y[r] = 0.0f;
+        if (nt) y[r] += fm_vec_dot_q4_0_q8_0_avx2(nt * FM_QK, W + (size_t)r * nb + 8 * ng, x + 8 * ng);
     }
 }
 
@@ -698,7 +731,7 @@ FM_INLINE FM_AVX2 void kernel_q8_avx2(const wq8t8_avx2 *w, int wstride, const xt
     store_sums_avx2(acc, Y, ldy, acc_out, R, T);
 }
 
-FM_TILED_MATMUL(fm_matmul_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, 16, 2, prepare_xt8_avx2, unpack_wt8_avx2,
+FM_TILED_MATMUL(fm_matmul_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, AVX2_Q4_KC, 2, prepare_xt8_avx2, unpack_wt8_avx2,
              kernel_q4_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_matvec_q4_0_avx2, FM_AVX2)
 
 /* Q8_0 x Q8_0: 34-byte blocks leave more time per byte; the sign trick per block is enough. */
@@ -719,33 +752,59 @@ FM_AVX2 float fm_vec_dot_q8_0_q8_0_avx2(int n, const block_q8_0 *w, const block_
     return hsum_ps_avx(acc);
 }
 
-/* One row, two accumulators (an FMA chain per block would bound the loop), prefetching. */
-FM_INLINE FM_AVX2 float row_q8_0_avx2(const block_q8_0 *w, const block_q8_0 *x, const float *dx, int nb)
+/* One block's 32 products as 8 int32 partial sums (the sign trick, as q8_block_avx2). */
+FM_INLINE FM_AVX2 __m256i q8_partials_avx2(const block_q8_0 *w, const block_q8_0 *x)
 {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        if ((b & 3) == 0) fm_prefetch(w + b);  /* 4 blocks = 136 B per 3 prefetched lines */
-        a0 = q8_block_avx2(w + b, _mm256_loadu_si256((const __m256i *)x[b].qs), _cvtsh_ss(w[b].d) * dx[b], a0);
-        a1 = q8_block_avx2(w + b + 1, _mm256_loadu_si256((const __m256i *)x[b + 1].qs),
-                           _cvtsh_ss(w[b + 1].d) * dx[b + 1], a1);
-    }
-    if (b < nb) a0 = q8_block_avx2(w + b, _mm256_loadu_si256((const __m256i *)x[b].qs), _cvtsh_ss(w[b].d) * dx[b], a0);
-    return hsum_ps_avx(_mm256_add_ps(a0, a1));
+    const __m256i wq = _mm256_loadu_si256((const __m256i *)w->qs), xq = _mm256_loadu_si256((const __m256i *)x->qs);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)),
+                             _mm256_set1_epi16(1));
 }
 
+/* The exact int32 totals of 8 blocks in the batched product's lane order
+ * 0,2,4,6,1,3,5,7: two rounds of vphaddd leave each block's low and high halves
+ * in the two 128-bit lanes, one add of the lanes swapped into place finishes. */
+FM_INLINE FM_AVX2 __m256i q8_group_totals_avx2(const block_q8_0 *w, const block_q8_0 *x)
+{
+    __m256i v[8];
+    for (int j = 0; j < 8; j++) v[j] = q8_partials_avx2(w + lane_block8[j], x + lane_block8[j]);
+    const __m256i even = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i odd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(even, odd, 0x20), _mm256_permute2x128_si256(even, odd, 0x31));
+}
+
+/* As the batched product computes a row for one token (see fm_matvec_q4_0_avx2):
+ * acc += float(block totals) * (d_w * d_x) per group of 8 blocks, one horizontal
+ * sum per AVX2_Q8_KC groups, the tail blocks last. */
 FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
-    const int nb = cols / FM_QK;
-    float dx[CHUNK_BLOCKS];
-    for (int c0 = 0; c0 < nb; c0 += CHUNK_BLOCKS) {
-        const int n = imin(CHUNK_BLOCKS, nb - c0);
-        for (int b = 0; b < n; b++) dx[b] = _cvtsh_ss(x[c0 + b].d);
+    const int nb = cols / FM_QK, ng = nb / 8, nt = nb - 8 * ng;
+    __m256 dx[CHUNK_BLOCKS / 8];
+    _Static_assert(CHUNK_BLOCKS / 8 % AVX2_Q8_KC == 0, "an activation chunk holds whole k-chunks");
+    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 8) {
+        const int nk = imin(CHUNK_BLOCKS / 8, ng - k0);
+        const block_q8_0 *xc = x + 8 * k0;
+        for (int k = 0; k < nk; k++) dx[k] = d8_q8_avx2(xc + 8 * k);
         for (int r = r0; r < r1; r++) {
-            const float s = row_q8_0_avx2(W + (size_t)r * nb + c0, x + c0, dx, n);
-            y[r] = c0 ? y[r] + s : s;
+            const block_q8_0 *w = W + (size_t)r * nb + 8 * k0;
+            float v = k0 ? y[r] : 0.0f;
+            for (int kc = 0; kc < nk; kc += AVX2_Q8_KC) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int k = kc; k < imin(kc + AVX2_Q8_KC, nk); k++) {
+                    fm_prefetch(w + 8 * k);
+                    fm_prefetch((const char *)(w + 8 * k) + 192);
+                    const __m256 d = _mm256_mul_ps(d8_q8_avx2(w + 8 * k), dx[k]);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_group_totals_avx2(w + 8 * k, xc + 8 * k)), d, acc);
+                }
+                const float s = hsum_ps_avx(acc);
+                v = k0 + kc ? v + s : s;
+            }
+            y[r] = v;
         }
     }
+    for (int r = r0; r < r1; r++) {
+        if (!ng) y[r] = 0.0f;
+        if (nt) y[r] += fm_vec_dot_q8_0_q8_0_avx2(nt * FM_QK, W + (size_t)r * nb + 8 * ng, x + 8 * ng);
+    }
 }
-FM_TILED_MATMUL(fm_matmul_q8_0_avx2, block_q8_0, wq8t8_avx2, xt8_avx2, 8, 8, 2, prepare_xt8_avx2, unpack_wq8t8_avx2,
+FM_TILED_MATMUL(fm_matmul_q8_0_avx2, block_q8_0, wq8t8_avx2, xt8_avx2, 8, AVX2_Q8_KC, 2, prepare_xt8_avx2, unpack_wq8t8_avx2,
              kernel_q8_avx2, fm_vec_dot_q8_0_q8_0_avx2, fm_matvec_q8_0_avx2, FM_AVX2)

@@ -18,7 +18,7 @@ from shared.sampling import SamplingParams
 from shared.synth import synth
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
-pytest.importorskip("native", reason="native extension not built")
+native = pytest.importorskip("native", reason="native extension not built")
 
 # The oracle for Q4_0/Q8_0 files is the reference with activations rounded through
 # Q8_0 as the kernels do; what remains is summation order (and a Q8_0 rounding
@@ -54,12 +54,15 @@ def test_native_matches_reference(request, fixture, rtol):
     assert list(generate(cpu, PROMPT, 16, GREEDY)) == list(generate(ref, PROMPT, 16, GREEDY))
 
 
-def test_chunked_prompt_and_decode_equal_whole_prompt(tiny_q4_path):
-    model = Model(tiny_q4_path)
-    whole = native_engine.NativeEngine(model, threads=2).forward(PROMPT, None or _state(model))
-    small = native_engine.NativeEngine(model, threads=1, max_batch=5)
-    state = _state(model)
-    parts = [small.forward(PROMPT[:11], state)] + [small.forward([t], state) for t in PROMPT[11:]]
+@pytest.mark.parametrize("isa", native.supported_isas())
+@pytest.mark.parametrize("fixture", ["tiny_q4_path", "tiny_path"])    # Q4_0 and Q8_0 weights
+def test_chunked_prompt_and_decode_equal_whole_prompt(request, fixture, isa):
+    model = Model(request.getfixturevalue(fixture))
+    with native.use_isa(isa):
+        whole = native_engine.NativeEngine(model, threads=2).forward(PROMPT, _state(model))
+        small = native_engine.NativeEngine(model, threads=1, max_batch=5)
+        state = _state(model)
+        parts = [small.forward(PROMPT[:11], state)] + [small.forward([t], state) for t in PROMPT[11:]]
     # Bitwise: every token's products are summed the same way whatever the batch, so
     # a served request (chunked at snapshot boundaries, replayed after a worker
     # death) samples exactly what `fermoe generate --engine cpu` samples.
