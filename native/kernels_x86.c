@@ -100,64 +100,8 @@ FM_SSSE3 float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const bloc
     return hsum_ps_sse(acc);
 }
 
-/* The matrix-vector products compute exactly what the batched product (below)
- * computes for one token, so a prompt gives the same bits whether it is run whole,
- * in chunks or token by token: per group of 4 blocks, the exact int32 sum of each
- * block in lane p = block p, acc += float(sum) * (d_w * d_x); one horizontal sum
- * per KC groups (the batched product's k-chunk), added up in order; the blocks
- * past the last whole group through the per-block dot product, last. Two rows
- * per pass share the activation loads and its converted scales. */
 #define SSSE3_Q4_KC 32          /* groups per k-chunk of fm_matmul_q4_0_ssse3 */
 #define SSSE3_Q8_KC 16
-
-/* Four blocks' partial int32 sums (4 lanes each) -> lane p = block p's total. */
-FM_INLINE FM_SSSE3 __m128i block_totals4_ssse3(__m128i p0, __m128i p1, __m128i p2, __m128i p3)
-{
-    return _mm_hadd_epi32(_mm_hadd_epi32(p0, p1), _mm_hadd_epi32(p2, p3));
-}
-
-#define SSSE3_MATVEC(NAME, WTYPE, BLOCKFN, DOT, KC)                                               \
-FM_SSSE3 void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, int r1) \
-{                                                                                                  \
-    const int nb = cols / FM_QK, ng = nb / 4, nt = nb - 4 * ng;                                    \
-    __m128 dx[CHUNK_BLOCKS / 4];                                                                   \
-    for (int r = r0; r < r1; r++) y[r] = 0.0f;                                                     \
-    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 4) {                                            \
-        const int nk = imin(CHUNK_BLOCKS / 4, ng - k0);                                            \
-        const block_q8_0 *xc = x + 4 * k0;                                                         \
-        for (int k = 0; k < nk; k++)                                                               \
-            dx[k] = d4_ssse3(xc[4 * k].d, xc[4 * k + 1].d, xc[4 * k + 2].d, xc[4 * k + 3].d);      \
-        int r = r0;                                                                                \
-        for (; r < r1; r += 2) {                                                                   \
-            const int two = r + 1 < r1;                                                            \
-            const WTYPE *w0 = W + (size_t)r * nb + 4 * k0, *w1 = two ? w0 + nb : w0;              \
-            __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();                                   \
-            for (int k = 0; k < nk; k++) {                                                         \
-                fm_prefetch(w0 + 4 * k);                                                           \
-                if (two) fm_prefetch(w1 + 4 * k);                                                  \
-                __m128i p0[4], p1[4];                                                              \
-                for (int b = 0; b < 4; b++) {                                                      \
-                    const block_q8_0 *xb = xc + 4 * k + b;                                         \
-                    const __m128i x0 = _mm_loadu_si128((const __m128i *)xb->qs);                   \
-                    const __m128i x1 = _mm_loadu_si128((const __m128i *)(xb->qs + 16));            \
-                    p0[b] = BLOCKFN(w0 + 4 * k + b, x0, x1);                                       \
-                    p1[b] = BLOCKFN(w1 + 4 * k + b, x0, x1);                                       \
-                }                                                                                  \
-                const WTYPE *g0 = w0 + 4 * k, *g1 = w1 + 4 * k;                                    \
-                const __m128 d0 = _mm_mul_ps(d4_ssse3(g0[0].d, g0[1].d, g0[2].d, g0[3].d), dx[k]);  \
-                const __m128 d1 = _mm_mul_ps(d4_ssse3(g1[0].d, g1[1].d, g1[2].d, g1[3].d), dx[k]);  \
-                a0 = _mm_add_ps(a0, _mm_mul_ps(_mm_cvtepi32_ps(block_totals4_ssse3(p0[0], p0[1], p0[2], p0[3])), d0)); \
-                a1 = _mm_add_ps(a1, _mm_mul_ps(_mm_cvtepi32_ps(block_totals4_ssse3(p1[0], p1[1], p1[2], p1[3])), d1)); \
-                if ((k0 + k + 1) % (KC) == 0 || k + 1 == nk) {  /* the end of a k-chunk */         \
-                    y[r] += hsum_ps_sse(a0), a0 = _mm_setzero_ps();                                \
-                    if (two) y[r + 1] += hsum_ps_sse(a1);                                          \
-                    a1 = _mm_setzero_ps();                                                         \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-    }                                                                                              \
-    for (int r = r0; nt && r < r1; r++) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + 4 * ng, x + 4 * ng); \
-}
 
 
 /* ---------------------------------------------------------------- batched (SSSE3)
@@ -210,9 +154,17 @@ FM_INLINE FM_SSSE3 void load_q8_group4_ssse3(const block_q8_0 *x, __m128i v[8])
     }
 }
 
+/* Four fp16 scales to fp32 at once, exactly as fm_fp16_to_fp32 (SSSE3 CPUs have no
+ * F16C): magnitude bits moved into place and scaled by 2^112 (exact for normals and
+ * subnormals alike), exponent forced to all ones for inf/NaN, sign put back. */
 FM_INLINE FM_SSSE3 __m128 d4_ssse3(uint16_t d0, uint16_t d1, uint16_t d2, uint16_t d3)
 {
-    return _mm_set_ps(fm_fp16_to_fp32(d3), fm_fp16_to_fp32(d2), fm_fp16_to_fp32(d1), fm_fp16_to_fp32(d0));
+    const __m128i h = _mm_set_epi32(d3, d2, d1, d0);
+    const __m128i em = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
+    const __m128 f = _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(em, 13)), _mm_castsi128_ps(_mm_set1_epi32(0x77800000)));
+    const __m128i infnan = _mm_and_si128(_mm_cmpgt_epi32(em, _mm_set1_epi32(0x7bff)), _mm_set1_epi32(0x7f800000));
+    const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
+    return _mm_castsi128_ps(_mm_or_si128(_mm_or_si128(_mm_castps_si128(f), infnan), sign));
 }
 
 FM_SSSE3 static void prepare_xt4_ssse3(const block_q8_0 *x, int ng, xt4_ssse3 *g)
@@ -340,8 +292,38 @@ FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const
     store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
 }
 
-SSSE3_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, q4_block_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, SSSE3_Q4_KC)
-SSSE3_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, q8_block_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, SSSE3_Q8_KC)
+/* The matrix-vector product is the batched kernel at one row and one token: each
+ * row's groups are unpacked as the batched product unpacks them and summed by the
+ * same kernel, k-chunk by k-chunk, then the tail blocks, so a prompt gives the
+ * same bits whole, chunked or token by token. (It also beats the per-block loop
+ * it replaced: the transposed layout sums a group in int16 before one convert.) */
+#define SSSE3_MATVEC(NAME, WTYPE, WT, XT, KC, PREP, UNPACK, KERNEL, DOT)                              \
+FM_SSSE3 void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)      \
+{                                                                                                   \
+    const int nb = cols / FM_QK, ng = nb / 4, nt = nb - 4 * ng;                                     \
+    _Alignas(16) XT g[KC];                                                                          \
+    _Alignas(16) WT tile[KC];                                                                       \
+    for (int k0 = 0; k0 < ng; k0 += (KC)) {                                                         \
+        const int nk = imin((KC), ng - k0);                                                         \
+        PREP(x + 4 * k0, nk, g);                                                                    \
+        for (int r = r0; r < r1; r++) {                                                             \
+            const WTYPE *w = W + (size_t)r * nb + 4 * k0;                                           \
+            for (int k = 0; k < nk; k++) {                                                          \
+                fm_prefetch(w + 4 * k);                                                             \
+                UNPACK(w + 4 * k, &tile[k]);                                                        \
+            }                                                                                       \
+            KERNEL(tile, nk, g, nk, nk, y + r, 1, k0 > 0, 1, 1);                                    \
+        }                                                                                           \
+    }                                                                                               \
+    for (int r = r0; r < r1; r++) {                                                                 \
+        if (!ng) y[r] = 0.0f;                                                                       \
+        if (nt) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + 4 * ng, x + 4 * ng);                  \
+    }                                                                                               \
+}
+SSSE3_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, SSSE3_Q4_KC, prepare_xt4_ssse3, unpack_wt4_ssse3,
+             kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3)
+SSSE3_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, SSSE3_Q8_KC, prepare_xt4_ssse3,
+             unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3)
 
 FM_TILED_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, 2, prepare_xt4_ssse3,
              unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, FM_SSSE3)
