@@ -155,6 +155,38 @@ ATTR void NAME(const WTYPE *W, const block_q8_0 *X, float *Y, int cols, int B, i
     }                                                                                                        \
 }
 
+/* A matrix-vector product that is the tiled GEMM above at one row and one token:
+ * each row's groups are unpacked as the GEMM unpacks them (KC at a time, its
+ * k-chunk) and summed by the same KERNEL, then the tail blocks by DOT, so every
+ * row rounds exactly as in the batched product and a prompt gives the same bits
+ * whole, chunked or token by token (serving relies on it). ISAs whose matvec is
+ * specialised for speed (AVX2 and AVX-512 Q4_0) keep that same summation order
+ * by hand, and the tests hold every ISA to it. */
+#define FM_KERNEL_MATVEC(NAME, WTYPE, WT, XT, GB, KC, PREP, UNPACK, KERNEL, DOT, ATTR)                    \
+ATTR void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)                 \
+{                                                                                                        \
+    const int nb = cols / FM_QK, ng = nb / (GB), nt = nb - (GB) * ng;                                    \
+    _Alignas(64) XT g[KC];                                                                               \
+    _Alignas(64) WT tile[KC];                                                                            \
+    for (int k0 = 0; k0 < ng; k0 += (KC)) {                                                              \
+        const int nk = ng - k0 < (KC) ? ng - k0 : (KC);                                                  \
+        PREP(x + (GB) * k0, nk, g);                                                                      \
+        for (int r = r0; r < r1; r++) {                                                                  \
+            const WTYPE *w = W + (size_t)r * nb + (GB) * k0;                                             \
+            for (int k = 0; k < nk; k++) {                                                               \
+                for (size_t o = 0; o < (GB) * sizeof(WTYPE); o += 192)                                   \
+                    fm_prefetch((const char *)(w + (GB) * k) + o);                                       \
+                UNPACK(w + (GB) * k, &tile[k]);                                                          \
+            }                                                                                            \
+            KERNEL(tile, nk, g, nk, nk, y + r, 1, k0 > 0, 1, 1);                                         \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int r = r0; r < r1; r++) {                                                                      \
+        if (!ng) y[r] = 0.0f;                                                                            \
+        if (nt) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + (GB) * ng, x + (GB) * ng);                  \
+    }                                                                                                    \
+}
+
 /* Per-ISA implementations, named fm_<op>_<isa>; dispatch.c builds one table per ISA. */
 #define FM_DECLARE_INT_KERNELS(isa)                                                                         \
     float fm_vec_dot_q4_0_q8_0_##isa(int n, const block_q4_0 *w, const block_q8_0 *x);                      \

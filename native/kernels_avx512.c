@@ -355,52 +355,8 @@ FM_VNNI float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const 
     return hsum256_ps(acc);
 }
 
-/* A block's exact int32 total: 256-bit VNNI on w + 128, minus 128 * sum(x). */
-FM_INLINE FM_VNNI int q8_block_total_vnni(const block_q8_0 *w, const block_q8_0 *x)
-{
-    const __m256i xq = _mm256_loadu_si256((const __m256i *)x->qs);
-    const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w->qs), _mm256_set1_epi8((char)0x80));
-    const __m256i i = _mm256_dpbusd_epi32(q8_negc_vnni(xq), u, xq);
-    return hsum_epi32_128(_mm_add_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
-}
-
-/* As the batched product computes a row for one token: per group of 16 blocks, the
- * blocks' exact totals in its element order (block 4k+L in element 4L+k),
- * acc += float(totals) * (d_w * d_x), one horizontal sum per VNNI_Q8_KC groups,
- * the tail blocks last. */
-FM_VNNI void fm_matvec_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
-{
-    const int nb = cols / FM_QK, ng = nb / 16, nt = nb - 16 * ng;
-    __m512 dx[CHUNK_BLOCKS / 16];
-    _Static_assert(CHUNK_BLOCKS / 16 % VNNI_Q8_KC == 0, "an activation chunk holds whole k-chunks");
-    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 16) {
-        const int nk = imin(CHUNK_BLOCKS / 16, ng - k0);
-        const block_q8_0 *xc = x + 16 * k0;
-        for (int k = 0; k < nk; k++) dx[k] = d16_q8_vnni(xc + 16 * k);
-        for (int r = r0; r < r1; r++) {
-            const block_q8_0 *w = W + (size_t)r * nb + 16 * k0;
-            float v = k0 ? y[r] : 0.0f;
-            for (int kc = 0; kc < nk; kc += VNNI_Q8_KC) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int k = kc; k < imin(kc + VNNI_Q8_KC, nk); k++) {
-                    const block_q8_0 *wg = w + 16 * k, *xg = xc + 16 * k;
-                    for (int o = 0; o < 16 * (int)sizeof(block_q8_0); o += 192) fm_prefetch((const char *)wg + o);
-                    int32_t t[16];
-                    for (int b = 0; b < 16; b++) t[4 * (b & 3) + (b >> 2)] = q8_block_total_vnni(wg + b, xg + b);
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(t)),
-                                          _mm512_mul_ps(d16_q8_vnni(wg), dx[k]), acc);
-                }
-                const float s = _mm512_reduce_add_ps(acc);
-                v = k0 + kc ? v + s : s;
-            }
-            y[r] = v;
-        }
-    }
-    for (int r = r0; r < r1; r++) {
-        if (!ng) y[r] = 0.0f;
-        if (nt) y[r] += fm_vec_dot_q8_0_q8_0_avx512vnni(nt * FM_QK, W + (size_t)r * nb + 16 * ng, x + 16 * ng);
-    }
-}
+FM_KERNEL_MATVEC(fm_matvec_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, VNNI_Q8_KC, prepare_xt16_q8_vnni,
+                 unpack_wt16_q8_vnni, kernel_vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, FM_VNNI)
 
 FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, VNNI_Q8_KC, 4, prepare_xt16_q8_vnni,
                 unpack_wt16_q8_vnni, kernel_vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, fm_matvec_q8_0_avx512vnni, FM_VNNI)

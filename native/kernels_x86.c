@@ -292,38 +292,13 @@ FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const
     store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
 }
 
-/* The matrix-vector product is the batched kernel at one row and one token: each
- * row's groups are unpacked as the batched product unpacks them and summed by the
- * same kernel, k-chunk by k-chunk, then the tail blocks, so a prompt gives the
- * same bits whole, chunked or token by token. (It also beats the per-block loop
- * it replaced: the transposed layout sums a group in int16 before one convert.) */
-#define SSSE3_MATVEC(NAME, WTYPE, WT, XT, KC, PREP, UNPACK, KERNEL, DOT)                              \
-FM_SSSE3 void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)      \
-{                                                                                                   \
-    const int nb = cols / FM_QK, ng = nb / 4, nt = nb - 4 * ng;                                     \
-    _Alignas(16) XT g[KC];                                                                          \
-    _Alignas(16) WT tile[KC];                                                                       \
-    for (int k0 = 0; k0 < ng; k0 += (KC)) {                                                         \
-        const int nk = imin((KC), ng - k0);                                                         \
-        PREP(x + 4 * k0, nk, g);                                                                    \
-        for (int r = r0; r < r1; r++) {                                                             \
-            const WTYPE *w = W + (size_t)r * nb + 4 * k0;                                           \
-            for (int k = 0; k < nk; k++) {                                                          \
-                fm_prefetch(w + 4 * k);                                                             \
-                UNPACK(w + 4 * k, &tile[k]);                                                        \
-            }                                                                                       \
-            KERNEL(tile, nk, g, nk, nk, y + r, 1, k0 > 0, 1, 1);                                    \
-        }                                                                                           \
-    }                                                                                               \
-    for (int r = r0; r < r1; r++) {                                                                 \
-        if (!ng) y[r] = 0.0f;                                                                       \
-        if (nt) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + 4 * ng, x + 4 * ng);                  \
-    }                                                                                               \
-}
-SSSE3_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, SSSE3_Q4_KC, prepare_xt4_ssse3, unpack_wt4_ssse3,
-             kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3)
-SSSE3_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, SSSE3_Q8_KC, prepare_xt4_ssse3,
-             unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3)
+/* The matrix-vector products are the batched kernels at one row and one token
+ * (FM_KERNEL_MATVEC): exact by construction, and faster than the per-block loop
+ * they replaced, since the transposed layout sums a group in int16 first. */
+FM_KERNEL_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, prepare_xt4_ssse3,
+                 unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, FM_SSSE3)
+FM_KERNEL_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, prepare_xt4_ssse3,
+                 unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, FM_SSSE3)
 
 FM_TILED_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, 2, prepare_xt4_ssse3,
              unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, FM_SSSE3)
@@ -754,7 +729,8 @@ FM_INLINE FM_AVX2 __m256i q8_group_totals_avx2(const block_q8_0 *w, const block_
     return _mm256_add_epi32(_mm256_permute2x128_si256(even, odd, 0x20), _mm256_permute2x128_si256(even, odd, 0x31));
 }
 
-/* As the batched product computes a row for one token (see fm_matvec_q4_0_avx2):
+/* As the batched product computes a row for one token (see fm_matvec_q4_0_avx2), by
+ * hand: FM_KERNEL_MATVEC's unpacking per row was 25% slower here.
  * acc += float(block totals) * (d_w * d_x) per group of 8 blocks, one horizontal
  * sum per AVX2_Q8_KC groups, the tail blocks last. */
 FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
