@@ -15,6 +15,7 @@ from shared.errors import FermoeError
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
+from shared.state import SequenceState
 from shared.synth import synth
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
@@ -76,10 +77,10 @@ def test_batched_decode_equals_each_sequence_alone(tiny_q4_path, max_batch):
     logit and every state is bitwise what decoding them one by one gives."""
     model = Model(tiny_q4_path)
     cpu = native_engine.NativeEngine(model, threads=2, max_batch=max_batch)
-    prompts = [PROMPT[:5], PROMPT[3:20], PROMPT[:40]]
+    prompts = [PROMPT[:6], PROMPT[2:17], PROMPT[:39]]    # each crosses a KV page while decoding
     alone, batched = [], []
     for p in prompts:
-        s = cpu.new_state()
+        s = SequenceState(model.config, model.fingerprint, kv_block=8)   # decoding crosses KV pages
         cpu.forward(p, s, all_logits=False)
         alone.append(s)
         batched.append(s.copy())
