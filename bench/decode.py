@@ -3,7 +3,13 @@ engine, next to the memory read bandwidth measured in the same run, as JSON.
 
 The decode floor is bytes of weights read per token / read bandwidth: every
 token reads the non-expert matrices, the selected experts, the shared expert
-and the LM head once."""
+and the LM head once.
+
+--batch B decodes B copies of the sequence in one pass per step (what a worker
+does with B clients; B = 1 is the matrix-vector path) and reports the aggregate
+tok/s too. --context N decodes at position N: the attention layers' KV cache is
+extended to N positions of zeros (what they hold does not change the time), to
+show what a long context costs on top of the weights."""
 from __future__ import annotations
 
 import json
@@ -44,8 +50,23 @@ def bytes_per_token(model: Model) -> int:
     return sum(bytes_by_phase(model).values())
 
 
+def kv_bytes_per_token(model: Model, context: int) -> int:
+    """Bytes of KV cache one decoded token reads at position `context` (fp32 K and V)."""
+    cfg = model.config
+    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * 4 * context
+
+
+def _extend_context(state, context: int) -> None:
+    """Move a state to position `context`, its KV cache filled with zeros up to there."""
+    if context < state.position:
+        raise ValueError(f"--context {context} is shorter than the prompt ({state.position} tokens)")
+    state.kv.reserve(context)
+    state.kv.filled_to(context)
+    state.position = context
+
+
 def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
-        seed: int = 0) -> dict:
+        seed: int = 0, batch: int = 1, context: int | None = None) -> dict:
     from cpu_worker.native_engine import NativeEngine
 
     model = Model(model_path)
@@ -67,11 +88,19 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     prefill_experts = engine.experts_per_moe_block(reset=True)
     prefill_phases = {p: round(sec, 3) for p, sec in engine.phase_seconds(reset=True).items()}
 
+    states = [state] + [state.copy() for _ in range(batch - 1)]
+    for s in states:
+        if context is not None:
+            _extend_context(s, context)
+    rows = np.repeat(logits[None], batch, axis=0)
     step_s = []
     for _ in range(decode_tokens):
-        token = int(np.argmax(logits))
+        tokens = [int(np.argmax(r)) for r in rows]
         t0 = time.perf_counter()
-        logits = engine.forward([token], state, all_logits=False)[-1]
+        if batch == 1:
+            rows = engine.forward(tokens, state, all_logits=False)
+        else:
+            rows = engine.decode_batch(tokens, states)
         step_s.append(time.perf_counter() - t0)
 
     per_token = bytes_per_token(model)
@@ -95,9 +124,13 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "prefill_experts_per_layer": round(prefill_experts, 1),
         "prefill_seconds_by_phase": prefill_phases,
         "decode_tokens": decode_tokens,
+        "batch": batch,
+        "context": states[0].position - decode_tokens,
+        "kv_mb_per_token": round(kv_bytes_per_token(model, states[0].position - decode_tokens) / 1e6, 1),
         "decode_ms_per_token_median": round(ms, 2),
         "decode_ms_per_token_min": round(1000 * min(step_s), 2),
         "decode_tok_s": round(decode_tps, 2),
+        "decode_tok_s_aggregate": round(batch * decode_tps, 2),
         "weight_bytes_per_token": per_token,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "floor_tok_s": round(floor_tps, 2),
@@ -113,8 +146,17 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens (default 32)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together in one pass (default 1)")
+    p.add_argument("--context", type=int, default=None,
+                   help="decode at this position, the KV cache extended with zeros (default: right after the prompt)")
     args = p.parse_args(argv)
-    print(json.dumps(run(args.model, args.threads, args.prompt, args.tokens), indent=2))
+    if args.batch < 1 or args.tokens < 1 or args.prompt < 1:
+        p.error("--batch, --tokens and --prompt must be at least 1")
+    try:
+        out = run(args.model, args.threads, args.prompt, args.tokens, batch=args.batch, context=args.context)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps(out, indent=2))
     return 0
 
 

@@ -171,3 +171,16 @@ def test_forward_exp_is_accurate_and_never_inf():
     assert rel.max() < 2.5e-7                       # ~2 ulp
     tail = y[-6:]
     assert np.isfinite(tail).all() and (tail[:3] < 1e-37).all() and (tail[3:] > 1e38).all()
+
+
+def test_bench_decode_batch_and_context(tiny_q4_path):
+    from bench.decode import bytes_per_token, kv_bytes_per_token, run
+    model = Model(tiny_q4_path)
+    out = run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=3, batch=3, context=40)
+    assert out["batch"] == 3 and out["context"] == 40
+    assert out["decode_tok_s_aggregate"] == pytest.approx(3 * out["decode_tok_s"], rel=0.01)
+    assert out["kv_mb_per_token"] == round(kv_bytes_per_token(model, 40) / 1e6, 1)
+    assert out["weight_bytes_per_token"] == bytes_per_token(model) > 0
+    assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=1, context=4)
