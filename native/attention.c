@@ -1,6 +1,8 @@
 /* Gated attention block for T tokens (see shared/reference.py: gated_attention).
  * Scratch: a = query|gate per head [T][n_head][2][head_dim], b = k [T][kv] then v [T][kv],
  *          c = attention output [T][n_head * head_dim]. K/V go to the sequence's pages. */
+#include <string.h>
+
 #include "ctx.h"
 #include "ops.h"
 
@@ -52,35 +54,75 @@ static void prepare_task(void *p, int t, int worker) {
     for (int i = 0; i < kvw; i++) vdst[i] = a->v[(size_t)t * kvw + i];
 }
 
-/* Causal softmax attention of one (token, head), with an online softmax so no
- * score buffer is needed however long the sequence; then the sigmoid gate. */
-static void head_task(void *p, int task, int worker) {
+#define KV_CHUNK 64             /* positions scored at once; chunks start at position 0 */
+
+/* q . k over n floats with 8 running sums in a fixed order (a generic vector: one
+ * AVX2 register in that clone, two SSE ones in the other, the same roundings in
+ * both and for every chunking of a prompt). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline float dot8(const float *q, const float *k, int n) {
+    v8f s = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f a, b;
+        memcpy(&a, q + i, sizeof a);
+        memcpy(&b, k + i, sizeof b);
+        s += a * b;
+    }
+    for (; i < n; i++) s[0] += q[i] * k[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* Causal softmax attention of one token for the query heads that share one KV
+ * head (grouped-query attention): each K and V row is read once for all of them.
+ * Positions go by in chunks of KV_CHUNK from 0 with an online softmax between
+ * chunks, so no score buffer grows with the context and every result depends on
+ * the token's position only (bitwise the same whole, chunked or decoded). */
+__attribute__((target_clones("avx2", "default")))
+static void attn_head_task(void *p, int task, int worker) {
     (void)worker;
     attn_ctx *a = p;
     const fm_model *m = a->m;
-    int nh = m->n_head, hd = m->head_dim, kvw = m->n_head_kv * hd;
-    int t = task / nh, h = task % nh, kvh = h / (nh / m->n_head_kv);
-    const float *q = a->qg + ((size_t)t * nh + h) * 2 * hd, *gate = q + hd;
+    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd, G = nh / nkv;
+    int t = task / nkv, g = task % nkv;
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t last = a->c->tok_pos[t];
-    float scale = 1.0f / sqrtf((float)hd), run_max = -INFINITY, sum = 0.0f, acc[hd];
-    for (int i = 0; i < hd; i++) acc[i] = 0.0f;
-    for (int64_t pos = 0; pos <= last; pos++) {
-        const float *k = page_row(s->k_pages, s, a->l->attn_slot, pos, kvw) + kvh * hd;
-        const float *v = page_row(s->v_pages, s, a->l->attn_slot, pos, kvw) + kvh * hd;
-        float score = fm_dot(q, k, hd) * scale;
-        if (score > run_max) {
-            float shrink = expf(run_max - score);
-            for (int i = 0; i < hd; i++) acc[i] *= shrink;
-            sum *= shrink;
-            run_max = score;
-        }
-        float w = expf(score - run_max);
-        sum += w;
-        for (int i = 0; i < hd; i++) acc[i] += w * v[i];
+    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;   /* head h of the group: q0 + h*2*hd */
+    float scale = 1.0f / sqrtf((float)hd), mx[G], sum[G], acc[G][hd], sc[G][KV_CHUNK];
+    for (int h = 0; h < G; h++) {
+        mx[h] = -INFINITY, sum[h] = 0.0f;
+        for (int i = 0; i < hd; i++) acc[h][i] = 0.0f;
     }
-    float *out = a->out + (size_t)t * nh * hd + h * hd;
-    for (int i = 0; i < hd; i++) out[i] = acc[i] / sum * fm_sigmoid(gate[i]);
+    for (int64_t p0 = 0; p0 <= last; p0 += KV_CHUNK) {
+        int n = last + 1 - p0 < KV_CHUNK ? (int)(last + 1 - p0) : KV_CHUNK;
+        for (int j = 0; j < n; j++) {
+            const float *k = page_row(s->k_pages, s, a->l->attn_slot, p0 + j, kvw) + g * hd;
+            for (int h = 0; h < G; h++) sc[h][j] = dot8(q0 + (size_t)h * 2 * hd, k, hd) * scale;
+        }
+        for (int h = 0; h < G; h++) {
+            float cm = mx[h];
+            for (int j = 0; j < n; j++) cm = sc[h][j] > cm ? sc[h][j] : cm;
+            float shrink = fm_expf(mx[h] - cm);      /* ~0 on the first chunk: nothing to shrink */
+            sum[h] *= shrink;
+            for (int i = 0; i < hd; i++) acc[h][i] *= shrink;
+            for (int j = 0; j < n; j++) sc[h][j] = fm_expf(sc[h][j] - cm);   /* vectorises */
+            for (int j = 0; j < n; j++) sum[h] += sc[h][j];
+            mx[h] = cm;
+        }
+        for (int j = 0; j < n; j++) {
+            const float *v = page_row(s->v_pages, s, a->l->attn_slot, p0 + j, kvw) + g * hd;
+            for (int h = 0; h < G; h++) {
+                float w = sc[h][j];
+                for (int i = 0; i < hd; i++) acc[h][i] += w * v[i];
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        const float *gate = q0 + (size_t)h * 2 * hd + hd;
+        float *out = a->out + (size_t)t * nh * hd + (size_t)(g * G + h) * hd;
+        for (int i = 0; i < hd; i++) out[i] = acc[h][i] / sum[h] * fm_sigmoid(gate[i]);
+    }
 }
 
 void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
@@ -95,7 +137,7 @@ void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
     };
     fm_run_jobs(c->pool, in, 3);
     fm_pool_run(c->pool, prepare_task, &a, T);
-    fm_pool_run(c->pool, head_task, &a, T * m->n_head);
+    fm_pool_run(c->pool, attn_head_task, &a, T * m->n_head_kv);
     fm_quantize_rows(c->pool, a.out, c->xq, T, width);
     fm_job out = {&l->attn_output, 0, a.out, c->xq, T, c->tmp, D};
     fm_run_jobs(c->pool, &out, 1);

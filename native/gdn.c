@@ -96,7 +96,7 @@ static void delta_step(float *S, const float *q, const float *k, const float *v,
 
 __attribute__((target_clones("avx2", "default")))
 /* One value head of one sequence, over that sequence's tokens in order. */
-static void head_task(void *p, int task, int worker) {
+static void gdn_head_task(void *p, int task, int worker) {
     (void)worker;
     gdn_ctx *g = p;
     const fm_model *m = g->m;
@@ -137,7 +137,7 @@ void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T) {
     };
     fm_run_jobs(c->pool, in, 4);
     fm_pool_run(c->pool, conv_task, &g, (channels + CONV_CHANNELS_PER_TASK - 1) / CONV_CHANNELS_PER_TASK);
-    fm_pool_run(c->pool, head_task, &g, c->n_seqs * Hv);
+    fm_pool_run(c->pool, gdn_head_task, &g, c->n_seqs * Hv);
 
     fm_quantize_rows(c->pool, g.o, c->xq, T, d_inner);
     fm_job out = {&l->ssm_out, 0, g.o, c->xq, T, c->tmp, D};
