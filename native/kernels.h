@@ -155,6 +155,14 @@ ATTR void NAME(const WTYPE *W, const block_q8_0 *X, float *Y, int cols, int B, i
     }                                                                                                        \
 }
 
+/* The last step of both matvec macros below: rows with no whole group are the tail
+ * alone; the tail blocks are added last, as the batched product adds them. */
+#define FM_MATVEC_TAIL(GB, DOT)                                                                          \
+    for (int r = r0; r < r1; r++) {                                                                      \
+        if (!ng) y[r] = 0.0f;                                                                            \
+        if (nt) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + (GB) * ng, x + (GB) * ng);                  \
+    }
+
 /* A matrix-vector product that is the tiled GEMM above at one row and one token:
  * each row's groups are unpacked as the GEMM unpacks them (KC at a time, its
  * k-chunk) and summed by the same KERNEL, then the tail blocks by DOT, so every
@@ -181,10 +189,34 @@ ATTR void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, 
             KERNEL(tile, nk, g, nk, nk, y + r, 1, k0 > 0, 1, 1);                                         \
         }                                                                                                \
     }                                                                                                    \
-    for (int r = r0; r < r1; r++) {                                                                      \
-        if (!ng) y[r] = 0.0f;                                                                            \
-        if (nt) y[r] += DOT(nt * FM_QK, W + (size_t)r * nb + (GB) * ng, x + (GB) * ng);                  \
+    FM_MATVEC_TAIL(GB, DOT);                                                                             \
+}
+
+/* The specialised Q4_0 matrix-vector products (AVX2, AVX-512): activations
+ * prepared CHUNK groups at a time into XG groups by PREP; each row summed by
+ * ROW(w, g, n) -> float over at most KC groups at a time (the batched product's
+ * k-chunk), those sums added in order, then the tail blocks by DOT; rows without
+ * a tail make no call. */
+#define FM_GROUP_MATVEC(NAME, XG, GB, KC, CHUNK, PREP, ROW, DOT, ATTR)                                    \
+ATTR void NAME(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)           \
+{                                                                                                        \
+    const int nb = cols / FM_QK, ng = nb / (GB), nt = nb - (GB) * ng;                                    \
+    XG g[CHUNK];                                                                                         \
+    _Static_assert((CHUNK) % (KC) == 0, "an activation chunk holds whole k-chunks");                    \
+    for (int k0 = 0; k0 < ng; k0 += (CHUNK)) {                                                           \
+        const int nk = ng - k0 < (CHUNK) ? ng - k0 : (CHUNK);                                            \
+        PREP(x + (GB) * k0, nk, g);                                                                      \
+        for (int r = r0; r < r1; r++) {                                                                  \
+            const block_q4_0 *w = W + (size_t)r * nb + (GB) * k0;                                        \
+            float v = k0 ? y[r] : 0.0f;                                                                  \
+            for (int k = 0; k < nk; k += (KC)) {                                                         \
+                const float s = ROW(w + (GB) * k, g + k, nk - k < (KC) ? nk - k : (KC));                 \
+                v = k0 + k ? v + s : s;                                                                  \
+            }                                                                                            \
+            y[r] = v;                                                                                    \
+        }                                                                                                \
     }                                                                                                    \
+    FM_MATVEC_TAIL(GB, DOT);                                                                             \
 }
 
 /* Per-ISA implementations, named fm_<op>_<isa>; dispatch.c builds one table per ISA. */

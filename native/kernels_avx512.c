@@ -14,7 +14,6 @@
 #define FM_INLINE static inline __attribute__((always_inline))
 #define CHUNK_BLOCKS 256  /* activation blocks prepared per pass: 16 groups, 10 KB of stack */
 
-static int imin(int a, int b) { return a < b ? a : b; }
 
 /* A group of 16 activation blocks, laid out for 512-bit weight loads: zmm k holds
  * the nibbles of weight blocks 4k..4k+3, one per 128-bit lane, and xlo[k]/xhi[k]
@@ -157,31 +156,9 @@ FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g,
     return _mm512_reduce_add_ps(acc);
 }
 
-/* One row at a time, as on AVX2: a horizontal sum per VNNI_Q4_KC groups, in order,
- * then the tail blocks (no call for an empty tail). */
-FM_VNNI void fm_matvec_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
-{
-    const int nb = cols / FM_QK, ng = nb / 16, nt = nb - 16 * ng;
-    xgroup_vnni g[CHUNK_BLOCKS / 16];
-    _Static_assert(CHUNK_BLOCKS / 16 % VNNI_Q4_KC == 0, "an activation chunk holds whole k-chunks");
-    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 16) {
-        const int nk = imin(CHUNK_BLOCKS / 16, ng - k0);
-        prepare_x_vnni(x + 16 * k0, nk, g);
-        for (int r = r0; r < r1; r++) {
-            const block_q4_0 *w = W + (size_t)r * nb + 16 * k0;
-            float v = k0 ? y[r] : 0.0f;
-            for (int k = 0; k < nk; k += VNNI_Q4_KC) {
-                const float s = row_q4_0_vnni(w + 16 * k, g + k, imin(VNNI_Q4_KC, nk - k));
-                v = k0 + k ? v + s : s;
-            }
-            y[r] = v;
-        }
-    }
-    for (int r = r0; r < r1; r++) {
-        if (!ng) y[r] = 0.0f;
-        if (nt) y[r] += fm_vec_dot_q4_0_q8_0_avx512vnni(nt * FM_QK, W + (size_t)r * nb + 16 * ng, x + 16 * ng);
-    }
-}
+/* One row at a time, as on AVX2 (see kernels_x86.c). */
+FM_GROUP_MATVEC(fm_matvec_q4_0_avx512vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_q4_0_vnni,
+                fm_vec_dot_q4_0_q8_0_avx512vnni, FM_VNNI)
 
 /* ---------------------------------------------------------------- batched (VNNI)
  * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 512-bit vectors: a group is

@@ -448,8 +448,8 @@ FM_AVX2 float fm_vec_dot_q4_0_q8_0_avx2(int n, const block_q4_0 *w, const block_
     return sum;
 }
 
-/* One row straight from memory, ng groups, into an accumulator of 8 lanes. */
-FM_INLINE FM_AVX2 __m256 row_acc_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int ng)
+/* One row straight from memory over ng groups. */
+FM_INLINE FM_AVX2 float row_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int ng)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int k = 0; k < ng; k++) {
@@ -458,41 +458,17 @@ FM_INLINE FM_AVX2 __m256 row_acc_q4_0_avx2(const block_q4_0 *w, const xgroup_avx
         unpack_group_q4_avx2(w + 8 * k, &u);
         acc = group_dot_avx2(&u, g + k, acc);
     }
-    return acc;
+    return hsum_ps_avx(acc);
 }
 
 /* One row at a time: two interleaved rows were slower here (short rows of 2048
  * columns: 11 vs 16 GB/s on one core), the memory streams matter more than ILP,
- * and a group already has 4 independent chains. As the batched product sums: one
- * horizontal sum per AVX2_Q4_KC groups, in order, then the tail blocks (cols not
- * a multiple of 256) through the dot product; a row without a tail makes no call
- * (on an expert's down projection, 2 groups a row, the empty call cost a fifth). */
+ * and a group already has 4 independent chains. On an expert's down projection
+ * (2 groups a row) the old empty tail call cost a fifth of the time. */
 #define AVX2_Q4_KC 16           /* groups per k-chunk of fm_matmul_q4_0_avx2 */
 #define AVX2_Q8_KC 8
-
-FM_AVX2 void fm_matvec_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
-{
-    const int nb = cols / FM_QK, ng = nb / 8, nt = nb - 8 * ng;
-    xgroup_avx2 g[CHUNK_BLOCKS / 8];
-    _Static_assert(CHUNK_BLOCKS / 8 % AVX2_Q4_KC == 0, "an activation chunk holds whole k-chunks");
-    for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 8) {
-        const int nk = imin(CHUNK_BLOCKS / 8, ng - k0);
-        prepare_x_avx2(x + 8 * k0, nk, g);
-        for (int r = r0; r < r1; r++) {
-            const block_q4_0 *w = W + (size_t)r * nb + 8 * k0;
-            float v = k0 ? y[r] : 0.0f;
-            for (int k = 0; k < nk; k += AVX2_Q4_KC) {
-                const float s = hsum_ps_avx(row_acc_q4_0_avx2(w + 8 * k, g + k, imin(AVX2_Q4_KC, nk - k)));
-                v = k0 + k ? v + s : s;
-            }
-            y[r] = v;
-        }
-    }
-    for (int r = r0; r < r1; r++) {
-        if (!ng) y[r] = 0.0f;
-        if (nt) y[r] += fm_vec_dot_q4_0_q8_0_avx2(nt * FM_QK, W + (size_t)r * nb + 8 * ng, x + 8 * ng);
-    }
-}
+FM_GROUP_MATVEC(fm_matvec_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 8, prepare_x_avx2, row_q4_0_avx2,
+                fm_vec_dot_q4_0_q8_0_avx2, FM_AVX2)
 
 /* ---------------------------------------------------------------- batched (AVX2)
  * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 256-bit vectors: a group is 8
@@ -759,10 +735,7 @@ FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float
             y[r] = v;
         }
     }
-    for (int r = r0; r < r1; r++) {
-        if (!ng) y[r] = 0.0f;
-        if (nt) y[r] += fm_vec_dot_q8_0_q8_0_avx2(nt * FM_QK, W + (size_t)r * nb + 8 * ng, x + 8 * ng);
-    }
+    FM_MATVEC_TAIL(8, fm_vec_dot_q8_0_q8_0_avx2);
 }
 FM_TILED_MATMUL(fm_matmul_q8_0_avx2, block_q8_0, wq8t8_avx2, xt8_avx2, 8, AVX2_Q8_KC, 2, prepare_xt8_avx2, unpack_wq8t8_avx2,
              kernel_q8_avx2, fm_vec_dot_q8_0_q8_0_avx2, fm_matvec_q8_0_avx2, FM_AVX2)
