@@ -106,7 +106,7 @@ static void gdn_head_task(void *p, int task, int worker) {
     int kh = m->v_heads_tiled ? h % Hk : h / (Hv / Hk);
     const float *a_log = g->l->ssm_a.data, *dt = g->l->ssm_dt.data, *norm_w = g->l->ssm_norm.data;
     float *S = ssm_state(g, s) + (size_t)h * dk * dv;
-    float qn[dk], kn[dk], out[dv];
+    float qn[dk], kn[dk], out[dv], gate[dv];
     for (int t = g->c->seq_first[s]; t < g->c->seq_first[s] + g->c->seq_count[s]; t++) {
         const float *row = g->qkv + (size_t)t * C;
         l2_normalize(qn, row + kh * dk, dk, 1.0f / sqrtf((float)dk));
@@ -118,7 +118,8 @@ static void gdn_head_task(void *p, int task, int worker) {
         float *dst = g->o + (size_t)t * d_inner + h * dv;
         const float *z = g->z + (size_t)t * d_inner + h * dv;
         fm_rmsnorm(dst, out, norm_w, dv, m->rms_eps);
-        for (int j = 0; j < dv; j++) dst[j] *= fm_silu(z[j]);
+        for (int j = 0; j < dv; j++) gate[j] = fm_silu(z[j]);   /* apart from dst, so it vectorises */
+        for (int j = 0; j < dv; j++) dst[j] *= gate[j];
     }
 }
 
