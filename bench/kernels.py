@@ -1,17 +1,21 @@
 """Kernel benchmark: the CPU kernels' speed next to the memory read bandwidth, in one run.
 
-    python -m bench.kernels [--matrix-mb 288] [--read-mb 512] [--threads 2] [--reps 5]
+    python -m bench.kernels [--matrix-mb 288] [--read-mb 512] [--threads 2] [--pairs 15] [--reps 5]
     python -m bench.kernels --matmul-sweep [--threads 2] [--reps 5] [--isa avx2]
 
-prints JSON. Measured in the same process, one after the other (these machines are
-noisy, so only ratios measured together mean much; each figure is the best of --reps):
-  - memory read bandwidth: a plain C read loop (fm_read_sum) over a buffer far
-    larger than the caches, with 1 and with N threads;
-  - for each ISA the CPU runs: Q4_0 x Q8_0 matrix-vector GB/s (weight bytes / time)
-    over a matrix larger than the caches, 1 and N threads, and its fraction of the
-    read bandwidth with as many threads;
+prints JSON. Measured in the same process (these machines are noisy: their clock and
+memory bandwidth drift by 20-30% within minutes, so only ratios measured together
+mean much):
+  - for each ISA the CPU runs, with 1 and with N threads: --pairs passes of a plain C
+    read loop (fm_read_sum) over a buffer far larger than the caches, alternated with
+    as many Q4_0 x Q8_0 matrix-vector products over a matrix larger than the caches
+    (read first in even pairs, the product first in odd ones). Reported: the median
+    read GB/s, the median product GB/s (weight bytes / time) and the fraction of the
+    read bandwidth, the median of the pairs' ratios with their range. A pair shares
+    the machine's state of the moment; the best of each side, taken apart, would not;
   - for each ISA: the batched product (prefill) in tokens/s for B = 16 and 64, on a
-    cache-sized matrix where it is compute-bound, and its speed-up over B matvecs;
+    cache-sized matrix where it is compute-bound, and its speed-up over B matvecs
+    (best of --reps);
   - ratios: SSSE3 (the paper's pmaddubsw kernel) over scalar C (the paper: 3x), and
     each ISA over SSSE3.
 The read loop and the matrix-vector product both run on the engine's own thread
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,14 +101,20 @@ def _bench_cpus(n: int) -> list[int]:
     return (cpus * n)[:n]
 
 
-def read_bandwidth(cpus: list[int], buf: np.ndarray, reps: int) -> float:
+def paired_passes(cpus: list[int], W: np.ndarray, xq: np.ndarray, buf: np.ndarray,
+                  pairs: int) -> tuple[list[float], list[float]]:
+    """GB/s of `pairs` read passes over buf and of as many products W . xq, alternated
+    on one pinned pool, after one untimed pass of each: (reads, products)."""
+    reads, products = [], []
     with native.Pool(cpus) as pool:
-        return pool.read_gbps(buf, reps)
-
-
-def matvec_gbps(cpus: list[int], W, xq, reps: int) -> float:
-    with native.Pool(cpus) as pool:
-        return pool.matvec_q4_0_gbps(W, xq, reps)
+        read = lambda: reads.append(buf.nbytes / pool.read_seconds(buf) / 1e9)  # noqa: E731
+        product = lambda: products.append(W.nbytes / pool.matvec_q4_0_seconds(W, xq) / 1e9)  # noqa: E731
+        pool.read_seconds(buf)
+        pool.matvec_q4_0_seconds(W, xq)
+        for i in range(pairs):
+            for step in ((read, product) if i % 2 == 0 else (product, read)):
+                step()
+    return reads, products
 
 
 def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
@@ -111,13 +122,23 @@ def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
     return _best_time(lambda: _parallel(pool, nthreads, W.shape[0], task), reps)
 
 
-def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps) -> dict:
-    W, xq = big
+def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -> tuple[dict, dict]:
+    """(the ISA's figures, its read passes by thread count)."""
+    W, xq, buf = big
     Ws, xqs, Xs = small
-    out = {"matvec_gbps": {}, "fraction_of_read_bw": {}, "matmul": {}}
+    out = {"matvec_gbps": {}, "read_gbps": {}, "fraction_of_read_bw": {}, "fraction_of_read_bw_range": {},
+           "matmul": {}}
+    reads_by_nt = {}
     with native.use_isa(isa):
         for nt in threads:
-            out["matvec_gbps"][str(nt)] = round(matvec_gbps(cpus[:nt], W, xq, reps), 2)
+            reads, products = paired_passes(cpus[:nt], W, xq, buf, pairs)
+            ratios = [p / r for p, r in zip(products, reads)]
+            key = str(nt)
+            reads_by_nt[key] = reads
+            out["matvec_gbps"][key] = round(statistics.median(products), 2)
+            out["read_gbps"][key] = round(statistics.median(reads), 2)
+            out["fraction_of_read_bw"][key] = round(statistics.median(ratios), 3)
+            out["fraction_of_read_bw_range"][key] = [round(min(ratios), 3), round(max(ratios), 3)]
         t_vec = matmul_seconds(pool, Ws, xqs[None, :], np.empty((1, Ws.shape[0]), np.float32),
                                threads[-1], reps)
         for B in batch_sizes:
@@ -125,12 +146,12 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps) -> dict:
             t = matmul_seconds(pool, Ws, X, np.empty((B, Ws.shape[0]), np.float32), threads[-1], reps)
             out["matmul"][str(B)] = {"tokens_per_s": round(B / t, 1),
                                      "speedup_vs_matvec": round(B * t_vec / t, 2)}
-    return out
+    return out, reads_by_nt
 
 
 def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 5,
         isas: list[str] | None = None, cols: int = 2048, batch_sizes=(16, 64),
-        small_rows: int = 4096) -> dict:
+        small_rows: int = 4096, pairs: int = 15) -> dict:
     """Measure everything once; returns the JSON-ready dict (see the module docstring)."""
     isas = isas or native.supported_isas()
     thread_counts = sorted({1, threads})
@@ -150,22 +171,18 @@ def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 
         "setup": {"matvec_matrix": {"rows": rows, "cols": cols, "bytes": int(big_W.nbytes)},
                   "matmul_matrix": {"rows": small_rows, "cols": cols, "bytes": int(small_W.nbytes)},
                   "read_buffer_bytes": int(buf.nbytes), "threads": thread_counts, "reps": reps,
-                  "cpus": cpus[:max(thread_counts)],
-                  "threading": "read and matvec: the engine's pinned native pool; matmul: a python pool "
-                               "splitting rows (cffi calls release the GIL)"},
+                  "pairs": pairs, "cpus": cpus[:max(thread_counts)],
+                  "threading": "read and matvec: the engine's pinned native pool, alternated pass by pass; "
+                               "matmul: a python pool splitting rows (cffi calls release the GIL)"},
     }
+    by_isa, all_reads = {}, {str(nt): [] for nt in thread_counts}
     with ThreadPoolExecutor(max(thread_counts)) as pool:
-        read_bw = {str(nt): read_bandwidth(cpus[:nt], buf, reps) for nt in thread_counts}
-        by_isa = {isa: _bench_isa(pool, cpus, isa, (big_W, xq), (small_W, Xs[0], Xs), thread_counts,
-                                  batch_sizes, reps) for isa in isas}
-        # Again at the end: if the machine got busier meanwhile, the larger figure is the truth.
-        for nt in thread_counts:
-            read_bw[str(nt)] = max(read_bw[str(nt)], read_bandwidth(cpus[:nt], buf, reps))
-    for isa in by_isa:  # fractions against the best read figure, with as many threads
-        for nt in thread_counts:
-            by_isa[isa]["fraction_of_read_bw"][str(nt)] = round(
-                by_isa[isa]["matvec_gbps"][str(nt)] / read_bw[str(nt)], 3)
-    result["read_bandwidth_gbps"] = {k: round(v, 2) for k, v in read_bw.items()}
+        for isa in isas:
+            by_isa[isa], reads = _bench_isa(pool, cpus, isa, (big_W, xq, buf), (small_W, Xs[0], Xs),
+                                            thread_counts, batch_sizes, reps, pairs)
+            for nt, r in reads.items():
+                all_reads[nt] += r
+    result["read_bandwidth_gbps"] = {nt: round(statistics.median(r), 2) for nt, r in all_reads.items()}
     result["q4_0"] = by_isa
     result["ratios"] = _ratios(by_isa, thread_counts)
     return result
@@ -275,7 +292,8 @@ def main(argv=None) -> None:
     ap.add_argument("--read-mb", type=int, default=512, help="read-bandwidth buffer (MiB)")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="measure with 1 and with this many threads")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions; the best one counts")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of the batched products; the best one counts")
+    ap.add_argument("--pairs", type=int, default=15, help="alternated read / matrix-vector passes (medians count)")
     ap.add_argument("--cols", type=int, default=2048, help="matrix columns (multiple of 32; 2048 = the hidden size)")
     ap.add_argument("--isa", action="append", choices=native.ISAS, help="only these ISAs (repeatable)")
     ap.add_argument("--matmul-sweep", action="store_true",
@@ -284,8 +302,10 @@ def main(argv=None) -> None:
     if args.matmul_sweep:
         print(json.dumps(run_sweep(threads=args.threads, reps=args.reps, isas=args.isa), indent=2))
         return
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
     res = run(matrix_mb=args.matrix_mb, read_mb=args.read_mb, threads=args.threads, reps=args.reps,
-              isas=args.isa, cols=args.cols)
+              isas=args.isa, cols=args.cols, pairs=args.pairs)
     print(json.dumps(res, indent=2))
 
 

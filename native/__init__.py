@@ -220,13 +220,16 @@ class Pool:
         """Best GB/s of reps parallel read passes over buf."""
         return lib.fm_pool_read_gbps(self._pool, ffi.from_buffer(buf), buf.nbytes, reps)
 
-    def matvec_q4_0_gbps(self, W: np.ndarray, x: np.ndarray, reps: int = 5, out: np.ndarray | None = None) -> float:
-        """Best weight GB/s of reps Q4_0 x Q8_0 products W . x, rows split over the
-        pool; the product is left in `out` when given."""
+    def read_seconds(self, buf: np.ndarray) -> float:
+        """Seconds of one parallel read pass over buf."""
+        return lib.fm_pool_read_seconds(self._pool, ffi.from_buffer(buf), buf.nbytes)
+
+    def matvec_q4_0_seconds(self, W: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> float:
+        """Seconds of one Q4_0 x Q8_0 product W . x, rows split over the pool in
+        ~4 MB tasks; the product is left in `out` when given."""
         wp, rows, cols = _weights(W, "q4_0")
         xp = _activations(x, "q4_0", cols, batched=False)
         y = np.empty(rows, np.float32) if out is None else out
         if y.shape != (rows,) or y.dtype != np.float32 or not y.flags.c_contiguous:
             raise ValueError(f"out must be a contiguous float32 array of shape ({rows},)")
-        return lib.fm_pool_matvec_q4_0_gbps(self._pool, wp, xp, ffi.cast("float *", ffi.from_buffer(y)),
-                                            rows, cols, reps)
+        return lib.fm_pool_matvec_q4_0_seconds(self._pool, wp, xp, ffi.cast("float *", ffi.from_buffer(y)), rows, cols)

@@ -1,7 +1,9 @@
 /* Memory read bandwidth through the engine's own pinned thread pool: the ceiling
  * the decode step is held against (bench decode's floor); and the Q4_0
- * matrix-vector product's weight bandwidth through the same pool, so that the two
- * are measured the way the forward runs (bench kernels). */
+ * matrix-vector product through the same pool, so that the two are measured the
+ * way the forward runs. bench kernels times single passes of each, alternated, and
+ * compares them pair by pair: on a noisy machine only neighbouring passes share
+ * the conditions a ratio needs. */
 #include <stdint.h>
 #include <time.h>
 
@@ -19,23 +21,26 @@ static void read_task(void *p, int task, int worker) {
     c->sink += fm_read_sum(c->buf + off, n & ~(size_t)127);
 }
 
-/* Best GB/s of reps timed passes of fn over n_tasks, after one untimed warm-up. */
-static double best_gbps(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks, size_t nbytes, int reps) {
-    double best = 0.0;
-    for (int r = 0; r <= reps; r++) {
-        struct timespec a, b;
-        clock_gettime(CLOCK_MONOTONIC, &a);
-        fm_pool_run(pool, fn, ctx, n_tasks);
-        clock_gettime(CLOCK_MONOTONIC, &b);
-        double gbps = nbytes / ((b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec)) / 1e9;
-        if (r > 0 && gbps > best) best = gbps;
-    }
-    return best;
+static double pass_seconds(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    fm_pool_run(pool, fn, ctx, n_tasks);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    return (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
+}
+
+double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes) {
+    read_ctx c = {buf, nbytes, 0};
+    return pass_seconds(pool, read_task, &c, (int)((nbytes + CHUNK - 1) / CHUNK));
 }
 
 double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps) {
-    read_ctx c = {buf, nbytes, 0};
-    return best_gbps(pool, read_task, &c, (int)((nbytes + CHUNK - 1) / CHUNK), nbytes, reps);
+    double best = 0.0;
+    for (int r = 0; r <= reps; r++) {  /* pass 0 is the warm-up */
+        double gbps = nbytes / fm_pool_read_seconds(pool, buf, nbytes) / 1e9;
+        if (r > 0 && gbps > best) best = gbps;
+    }
+    return best;
 }
 
 typedef struct { const void *W, *x; float *y; int rows, cols, rows_per_task; } matvec_ctx;
@@ -47,11 +52,10 @@ static void matvec_task(void *p, int task, int worker) {
     fm_matvec_q4_0(c->W, c->x, c->y, c->cols, r0, r1);
 }
 
-double fm_pool_matvec_q4_0_gbps(fm_pool *pool, const void *W, const void *x, float *y,
-                                int rows, int cols, int reps) {
+double fm_pool_matvec_q4_0_seconds(fm_pool *pool, const void *W, const void *x, float *y, int rows, int cols) {
     const size_t row_bytes = (size_t)cols / FM_QK * sizeof(block_q4_0);
     int per = (int)(CHUNK / row_bytes);
     per = per < 16 ? 16 : per;
     matvec_ctx c = {W, x, y, rows, cols, per};
-    return best_gbps(pool, matvec_task, &c, (rows + per - 1) / per, row_bytes * rows, reps);
+    return pass_seconds(pool, matvec_task, &c, (rows + per - 1) / per);
 }

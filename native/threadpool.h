@@ -18,11 +18,12 @@ void fm_pool_destroy(fm_pool *pool);
 int fm_pool_size(const fm_pool *pool);
 /* Runs every task, blocking until all are done. Not reentrant. */
 void fm_pool_run(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
-/* Best read bandwidth (GB/s) of `reps` parallel passes over buf (bandwidth.c). */
+/* Probes of bandwidth.c. Seconds of one parallel read pass over buf, in ~4 MB tasks: */
+double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
+/* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */
 double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps);
-/* Best weight bandwidth (GB/s) of `reps` Q4_0 x Q8_0 matrix-vector products
- * W[rows, cols] . x -> y[rows], rows split into ~4 MB tasks (bandwidth.c). */
-double fm_pool_matvec_q4_0_gbps(fm_pool *pool, const void *W, const void *x, float *y,
-                                int rows, int cols, int reps);
+/* seconds of one Q4_0 x Q8_0 matrix-vector product W[rows, cols] . x -> y[rows],
+ * rows split into ~4 MB tasks. */
+double fm_pool_matvec_q4_0_seconds(fm_pool *pool, const void *W, const void *x, float *y, int rows, int cols);
 
 #endif
