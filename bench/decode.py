@@ -20,6 +20,7 @@ import numpy as np
 
 from shared.ggml_types import row_nbytes
 from shared.model import Model, Weight
+from shared.state import DEFAULT_KV_DTYPE, kv_dtype
 
 
 def _nbytes(w: Weight) -> int:
@@ -50,10 +51,10 @@ def bytes_per_token(model: Model) -> int:
     return sum(bytes_by_phase(model).values())
 
 
-def kv_bytes_per_token(model: Model, context: int) -> int:
-    """Bytes of KV cache one decoded token reads at position `context` (fp32 K and V)."""
+def kv_bytes_per_token(model: Model, context: int, kv_cache_dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """Bytes of KV cache one decoded token reads at position `context`."""
     cfg = model.config
-    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * 4 * context
+    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * kv_dtype(kv_cache_dtype).itemsize * context
 
 
 def _extend_context(state, context: int) -> None:
@@ -66,11 +67,11 @@ def _extend_context(state, context: int) -> None:
 
 
 def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
-        seed: int = 0, batch: int = 1, context: int | None = None) -> dict:
+        seed: int = 0, batch: int = 1, context: int | None = None, kv_cache_dtype: str = DEFAULT_KV_DTYPE) -> dict:
     from cpu_worker.native_engine import NativeEngine
 
     model = Model(model_path)
-    engine = NativeEngine(model, threads=threads)
+    engine = NativeEngine(model, threads=threads, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()
 
@@ -126,7 +127,8 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "decode_tokens": decode_tokens,
         "batch": batch,
         "context": states[0].position - decode_tokens,
-        "kv_mb_per_token": round(kv_bytes_per_token(model, states[0].position - decode_tokens) / 1e6, 1),
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_mb_per_token": round(kv_bytes_per_token(model, states[0].position - decode_tokens, kv_cache_dtype) / 1e6, 1),
         "decode_ms_per_token_median": round(ms, 2),
         "decode_ms_per_token_min": round(1000 * min(step_s), 2),
         "decode_tok_s": round(decode_tps, 2),
@@ -149,11 +151,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together in one pass (default 1)")
     p.add_argument("--context", type=int, default=None,
                    help="decode at this position, the KV cache extended with zeros (default: right after the prompt)")
+    from coordinator.cli import add_kv_cache_dtype
+    add_kv_cache_dtype(p)
     args = p.parse_args(argv)
     if args.batch < 1 or args.tokens < 1 or args.prompt < 1:
         p.error("--batch, --tokens and --prompt must be at least 1")
     try:
-        out = run(args.model, args.threads, args.prompt, args.tokens, batch=args.batch, context=args.context)
+        out = run(args.model, args.threads, args.prompt, args.tokens, batch=args.batch, context=args.context,
+                  kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(out, indent=2))

@@ -19,6 +19,14 @@ def _add_model(p: argparse.ArgumentParser):
                    help="reference (numpy spec) or cpu (native W4A8 kernels); default: reference")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="cpu engine threads (default: the physical cores of the first NUMA node)")
+    add_kv_cache_dtype(p)
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser):
+    from shared.state import DEFAULT_KV_DTYPE, KV_DTYPES
+    p.add_argument("--kv-cache-dtype", default=DEFAULT_KV_DTYPE,
+                   help=f"element type of the attention KV cache: {' or '.join(KV_DTYPES)} "
+                        f"(default {DEFAULT_KV_DTYPE}, as llama.cpp's)")
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -89,7 +97,7 @@ def _open(args):
     from shared.model import Model
 
     model = Model(resolve_model(args.model))
-    return model, load_engine(args.engine, model, threads=args.threads)
+    return model, load_engine(args.engine, model, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args) -> None:

@@ -72,7 +72,7 @@ class Coordinator:
         from shared.shm_arena import SnapshotArena
         for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
             log.warning("removed stale snapshot arena %s", name)
-        slot = snapshot_nbytes(self.model.config, self.opts.block)
+        slot = snapshot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
         n_slots = self.opts.snapshot_mem // slot
         self.index = SnapshotIndex(n_slots, self.opts.block)
         self.arena = SnapshotArena.create(slot, n_slots) if n_slots else None
@@ -207,7 +207,8 @@ class Coordinator:
         self.workers[wid] = WorkerView(wid, alive=True, ready=True, threads=msg.threads, pid=msg.pid)
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
-                                        n_slots=arena.n_slots if arena else 0, block=self.opts.block))
+                                        n_slots=arena.n_slots if arena else 0, block=self.opts.block,
+                                        kv_cache_dtype=self.opts.kv_cache_dtype))
         log.info("worker %s (pid %d, %d threads) joined", wid, msg.pid, msg.threads)
 
     def handle_heartbeat(self, wid: str, msg: P.Heartbeat) -> None:

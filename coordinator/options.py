@@ -5,6 +5,7 @@ import argparse
 import re
 
 from shared.errors import FermoeError
+from shared.state import KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numa-interleave", action="store_true",
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")
+    from coordinator.cli import add_kv_cache_dtype
+    add_kv_cache_dtype(p)
     return p
 
 
@@ -46,6 +49,8 @@ def parse_options(argv=None):
         (opts.block >= 1, f"--block {opts.block}: must be >= 1"),
         (opts.max_sequences >= 1, f"--max-sequences {opts.max_sequences}: must be >= 1"),
         (opts.engine in ("cpu", "reference"), f"--engine {opts.engine!r}: expected cpu or reference"),
+        (opts.kv_cache_dtype in KV_DTYPES,
+         f"--kv-cache-dtype {opts.kv_cache_dtype!r}: expected {' or '.join(KV_DTYPES)}"),
     ]
     for ok, problem in checks:
         if not ok:

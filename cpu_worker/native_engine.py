@@ -12,12 +12,13 @@ import numpy as np
 from shared.errors import FermoeError
 from shared.ggml_types import GGMLType, row_nbytes
 from shared.model import Model, Weight
-from shared.state import SequenceState
+from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
 from .topology import default_cpus
 
 COMPUTE_TYPES = {GGMLType.F32, GGMLType.Q4_0, GGMLType.Q8_0}
 MAX_BATCH = 64          # prompt tokens per native call: scratch grows with it
+_KV_TYPES = {"f16": GGMLType.F16, "f32": GGMLType.F32}   # fm_seq.kv_type
 
 
 def _native():
@@ -32,10 +33,12 @@ class NativeEngine:
     name = "cpu"
 
     def __init__(self, model: Model, threads: int | None = None, cpus: list[int] | None = None,
-                 max_batch: int = MAX_BATCH):
+                 max_batch: int = MAX_BATCH, kv_cache_dtype: str = DEFAULT_KV_DTYPE):
         self.ffi, self.lib = _native()
         self.model = model
         self.max_batch = max_batch
+        kv_dtype(kv_cache_dtype)                # refuse an unknown name now
+        self.kv_cache_dtype = kv_cache_dtype    # of new states; any state's own is honoured
         cpus = list(cpus) if cpus is not None else default_cpus()
         threads = threads or len(cpus)
         if threads < 1:
@@ -126,7 +129,7 @@ class NativeEngine:
 
     # ---- running ---------------------------------------------------------
     def new_state(self) -> SequenceState:
-        return SequenceState(self.model.config, self.model.fingerprint)
+        return SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.kv_cache_dtype)
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or of the last one, [1, vocab])."""
@@ -179,9 +182,10 @@ class NativeEngine:
             keep += [k_table, v_table]
             seq.ssm = ffi.cast("float *", ffi.from_buffer(state.ssm))
             seq.conv = ffi.cast("float *", ffi.from_buffer(state.conv))
-            seq.k_pages = ffi.cast("float *const *", ffi.from_buffer(k_table))
-            seq.v_pages = ffi.cast("float *const *", ffi.from_buffer(v_table))
+            seq.k_pages = ffi.cast("void *const *", ffi.from_buffer(k_table))
+            seq.v_pages = ffi.cast("void *const *", ffi.from_buffer(v_table))
             seq.max_pages, seq.block, seq.position = k_table.shape[1], state.kv.block, state.position
+            seq.kv_type = _KV_TYPES[state.kv.dtype_name]
         pointers = ffi.new("fm_seq *[]", [seqs + i for i in range(len(segments))])
         counts = np.array([len(t) for t, _ in segments], np.int32)
         tokens = np.ascontiguousarray(np.concatenate([t for t, _ in segments]), dtype=np.int32)

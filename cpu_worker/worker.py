@@ -26,7 +26,7 @@ from shared.errors import FermoeError, ProtocolError
 from shared.generate import Decoder
 from shared.model import Model
 from shared.sampling import SamplingParams
-from shared.state import SequenceState, restore_snapshots, write_snapshot
+from shared.state import SequenceState, kv_dtype, restore_snapshots, write_snapshot
 
 log = logging.getLogger("fermoe.cpu_worker")
 HEARTBEAT_S = 1.0
@@ -91,6 +91,12 @@ class CPUWorker:
 
     def handle_welcome(self, msg: P.Welcome) -> None:
         from shared.shm_arena import SnapshotArena
+        try:
+            kv_dtype(msg.kv_cache_dtype)
+        except FermoeError as e:
+            self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
+            return
+        self.engine.kv_cache_dtype = msg.kv_cache_dtype     # the snapshot slots hold this KV
         if self.arena is None and msg.n_slots:
             try:
                 self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
@@ -121,7 +127,7 @@ class CPUWorker:
             raise FermoeError("this worker has no snapshot arena (started on another host?)")
         if msg.resume:
             slots = [self.arena.slot(r.slot) for r in msg.resume]
-            state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block)
+            state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block, self.engine.kv_cache_dtype)
         else:
             state = self.engine.new_state()
         params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,

@@ -1,9 +1,11 @@
 /* Gated attention block for T tokens (see shared/reference.py: gated_attention).
  * Scratch: a = query|gate per head [T][n_head][2][head_dim], b = k [T][kv] then v [T][kv],
- *          c = attention output [T][n_head * head_dim]. K/V go to the sequence's pages. */
+ *          c = attention output [T][n_head * head_dim]. K/V go to the sequence's pages,
+ * fp16 (rounded to nearest even, as the reference's numpy pages round) or fp32. */
 #include <string.h>
 
 #include "ctx.h"
+#include "kernels.h"
 #include "ops.h"
 
 typedef struct {
@@ -27,8 +29,16 @@ static void rope(float *x, int64_t pos, int rope_dim, float theta) {
     }
 }
 
-static float *page_row(float *const *pages, const fm_seq *s, int slot, int64_t pos, int width) {
-    return pages[(size_t)slot * s->max_pages + pos / s->block] + (pos % s->block) * width;
+/* KV head h of position pos in a page table; rows are n_head_kv * hd elements wide. */
+static void *kv_at(const fm_seq *s, void *const *pages, int slot, int64_t pos, int h, int n_head_kv, int hd) {
+    size_t esize = s->kv_type == FM_F16 ? 2 : 4;
+    size_t elem = (size_t)(pos % s->block) * n_head_kv * hd + (size_t)h * hd;
+    return (char *)pages[(size_t)slot * s->max_pages + pos / s->block] + elem * esize;
+}
+
+static void store_kv(const fm_seq *s, void *dst, const float *x, int n) {
+    if (s->kv_type == FM_F16) fm_fp32_to_fp16_row(x, dst, n);
+    else memcpy(dst, x, (size_t)n * sizeof(float));
 }
 
 /* Norms, RoPE, and K/V into its sequence's pages: one task per token. */
@@ -36,7 +46,7 @@ static void prepare_task(void *p, int t, int worker) {
     (void)worker;
     attn_ctx *a = p;
     const fm_model *m = a->m;
-    int hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd;
+    int hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd, slot = a->l->attn_slot;
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t pos = a->c->tok_pos[t];
     for (int h = 0; h < m->n_head; h++) {
@@ -44,52 +54,35 @@ static void prepare_task(void *p, int t, int worker) {
         fm_rmsnorm(q, q, a->l->attn_q_norm.data, hd, m->rms_eps);
         rope(q, pos, m->rope_dim, m->rope_theta);
     }
-    float *kdst = page_row(s->k_pages, s, a->l->attn_slot, pos, kvw);
-    float *vdst = page_row(s->v_pages, s, a->l->attn_slot, pos, kvw);
+    float k[hd];
     for (int h = 0; h < nkv; h++) {
-        float *k = a->k + (size_t)t * kvw + h * hd;
-        fm_rmsnorm(kdst + h * hd, k, a->l->attn_k_norm.data, hd, m->rms_eps);
-        rope(kdst + h * hd, pos, m->rope_dim, m->rope_theta);
+        fm_rmsnorm(k, a->k + (size_t)t * kvw + h * hd, a->l->attn_k_norm.data, hd, m->rms_eps);
+        rope(k, pos, m->rope_dim, m->rope_theta);
+        store_kv(s, kv_at(s, s->k_pages, slot, pos, h, nkv, hd), k, hd);
+        store_kv(s, kv_at(s, s->v_pages, slot, pos, h, nkv, hd), a->v + (size_t)t * kvw + h * hd, hd);
     }
-    for (int i = 0; i < kvw; i++) vdst[i] = a->v[(size_t)t * kvw + i];
 }
 
 #define KV_CHUNK 64             /* positions scored at once; chunks start at position 0 */
 
-/* q . k over n floats with 8 running sums in a fixed order (a generic vector: one
- * AVX2 register in that clone, two SSE ones in the other, the same roundings in
- * both and for every chunking of a prompt). */
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline float dot8(const float *q, const float *k, int n) {
-    v8f s = {0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f a, b;
-        memcpy(&a, q + i, sizeof a);
-        memcpy(&b, k + i, sizeof b);
-        s += a * b;
-    }
-    for (; i < n; i++) s[0] += q[i] * k[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-
-/* Causal softmax attention of one token for the query heads that share one KV
- * head (grouped-query attention): each K and V row is read once for all of them.
- * Positions go by in chunks of KV_CHUNK from 0 with an online softmax between
- * chunks, so no score buffer grows with the context and every result depends on
- * the token's position only (bitwise the same whole, chunked or decoded). */
+/* Causal softmax attention of one token for the query heads that share one KV head
+ * (grouped-query attention): each K and V row is read once for all of them, by the
+ * fm_attn_* kernels. Positions go by in chunks of KV_CHUNK from 0 with an online
+ * softmax between chunks, so no score buffer grows with the context and every result
+ * depends on the token's position only (bitwise the same whole, chunked or decoded). */
 __attribute__((target_clones("avx2", "default")))
 static void attn_head_task(void *p, int task, int worker) {
     (void)worker;
     attn_ctx *a = p;
     const fm_model *m = a->m;
-    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd, G = nh / nkv;
+    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot;
     int t = task / nkv, g = task % nkv;
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t last = a->c->tok_pos[t];
+    int f16 = s->kv_type == FM_F16;
     const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;   /* head h of the group: q0 + h*2*hd */
     float scale = 1.0f / sqrtf((float)hd), mx[G], sum[G], acc[G][hd], sc[G][KV_CHUNK];
+    const void *krow[KV_CHUNK], *vrow[KV_CHUNK];
     for (int h = 0; h < G; h++) {
         mx[h] = -INFINITY, sum[h] = 0.0f;
         for (int i = 0; i < hd; i++) acc[h][i] = 0.0f;
@@ -97,11 +90,13 @@ static void attn_head_task(void *p, int task, int worker) {
     for (int64_t p0 = 0; p0 <= last; p0 += KV_CHUNK) {
         int n = last + 1 - p0 < KV_CHUNK ? (int)(last + 1 - p0) : KV_CHUNK;
         for (int j = 0; j < n; j++) {
-            const float *k = page_row(s->k_pages, s, a->l->attn_slot, p0 + j, kvw) + g * hd;
-            for (int h = 0; h < G; h++) sc[h][j] = dot8(q0 + (size_t)h * 2 * hd, k, hd) * scale;
+            krow[j] = kv_at(s, s->k_pages, slot, p0 + j, g, nkv, hd);
+            vrow[j] = kv_at(s, s->v_pages, slot, p0 + j, g, nkv, hd);
         }
+        fm_attn_scores(q0, 2 * hd, G, krow, f16, n, hd, &sc[0][0], KV_CHUNK);
         for (int h = 0; h < G; h++) {
             float cm = mx[h];
+            for (int j = 0; j < n; j++) sc[h][j] *= scale;
             for (int j = 0; j < n; j++) cm = sc[h][j] > cm ? sc[h][j] : cm;
             float shrink = fm_expf(mx[h] - cm);      /* ~0 on the first chunk: nothing to shrink */
             sum[h] *= shrink;
@@ -110,13 +105,7 @@ static void attn_head_task(void *p, int task, int worker) {
             for (int j = 0; j < n; j++) sum[h] += sc[h][j];
             mx[h] = cm;
         }
-        for (int j = 0; j < n; j++) {
-            const float *v = page_row(s->v_pages, s, a->l->attn_slot, p0 + j, kvw) + g * hd;
-            for (int h = 0; h < G; h++) {
-                float w = sc[h][j];
-                for (int i = 0; i < hd; i++) acc[h][i] += w * v[i];
-            }
-        }
+        fm_attn_accumulate(&sc[0][0], KV_CHUNK, G, vrow, f16, n, hd, &acc[0][0]);
     }
     for (int h = 0; h < G; h++) {
         const float *gate = q0 + (size_t)h * 2 * hd + hd;

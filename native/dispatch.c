@@ -19,6 +19,8 @@ static const fm_kernels kernels_generic = {
     fm_quantize_row_q8_0_generic, fm_vec_dot_q4_0_q8_0_generic, fm_vec_dot_q8_0_q8_0_generic,
     fm_matvec_q4_0_generic, fm_matvec_q8_0_generic, fm_matvec_f32_generic, fm_matvec_f16_generic,
     fm_matmul_q4_0_generic, fm_matmul_q8_0_generic, fm_matmul_f32_generic,
+    fm_fp16_to_fp32_row_generic, fm_fp32_to_fp16_row_generic,
+    fm_attn_scores_generic, fm_attn_accumulate_generic,
 };
 
 #ifdef FM_X86
@@ -28,16 +30,22 @@ static const fm_kernels kernels_ssse3 = {
     fm_matvec_q4_0_ssse3, fm_matvec_q8_0_ssse3, fm_matvec_f32_ssse3,
     fm_matvec_f16_generic,         /* fp16 loads need F16C */
     fm_matmul_q4_0_ssse3, fm_matmul_q8_0_ssse3, fm_matmul_f32_ssse3,
+    fm_fp16_to_fp32_row_generic, fm_fp32_to_fp16_row_generic,
+    fm_attn_scores_generic, fm_attn_accumulate_generic,
 };
 static const fm_kernels kernels_avx2 = {
     fm_quantize_row_q8_0_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_vec_dot_q8_0_q8_0_avx2,
     fm_matvec_q4_0_avx2, fm_matvec_q8_0_avx2, fm_matvec_f32_avx2, fm_matvec_f16_avx2,
     fm_matmul_q4_0_avx2, fm_matmul_q8_0_avx2, fm_matmul_f32_avx2,
+    fm_fp16_to_fp32_row_avx2, fm_fp32_to_fp16_row_avx2,
+    fm_attn_scores_avx2, fm_attn_accumulate_avx2,
 };
 static const fm_kernels kernels_avx512vnni = {
     fm_quantize_row_q8_0_avx2, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_vec_dot_q8_0_q8_0_avx512vnni,
     fm_matvec_q4_0_avx512vnni, fm_matvec_q8_0_avx512vnni, fm_matvec_f32_avx512vnni, fm_matvec_f16_avx512vnni,
     fm_matmul_q4_0_avx512vnni, fm_matmul_q8_0_avx512vnni, fm_matmul_f32_avx512vnni,
+    fm_fp16_to_fp32_row_avx2, fm_fp32_to_fp16_row_avx2,
+    fm_attn_scores_avx2, fm_attn_accumulate_avx2,
 };
 #endif
 
@@ -181,4 +189,22 @@ void fm_matmul_q8_0(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols
 void fm_matmul_f32(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0, int r1)
 {
     K()->matmul_f32(W, X, Y, cols, B, ldy, r0, r1);
+}
+void fm_fp16_to_fp32_row(const uint16_t *x, float *y, int n)
+{
+    K()->fp16_to_fp32_row(x, y, n);
+}
+void fm_fp32_to_fp16_row(const float *x, uint16_t *y, int n)
+{
+    K()->fp32_to_fp16_row(x, y, n);
+}
+void fm_attn_scores(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
+                    float *s, int lds)
+{
+    K()->attn_scores(q, qstride, G, rows, f16, n, hd, s, lds);
+}
+void fm_attn_accumulate(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
+                        float *acc)
+{
+    K()->attn_accumulate(p, ldp, G, rows, f16, n, hd, acc);
 }

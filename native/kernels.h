@@ -31,6 +31,21 @@ void fm_matvec_q8_0(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols
 void fm_matvec_f32(const float *W, const float *x, float *y, int cols, int row_begin, int row_end);
 void fm_matvec_f16(const uint16_t *W, const float *x, float *y, int cols, int row_begin, int row_end);
 
+/* fp16 rows (the KV cache): exact to fp32; from fp32 rounded to nearest even, as numpy rounds */
+void fm_fp16_to_fp32_row(const uint16_t *x, float *y, int n);
+void fm_fp32_to_fp16_row(const float *x, uint16_t *y, int n);
+
+/* Attention over a run of n positions (attention.c), for the G query heads that share
+ * one KV head: rows[j] points at position j's hd K (or V) elements, fp16 when f16 is
+ * set, else fp32. Each result depends on its own inputs only, in a fixed order, so a
+ * position scores alike in every run of positions it falls in.
+ *   scores:     s[h * lds + j] = q_h . k_j with q_h = q + h * qstride, h < G, j < n
+ *   accumulate: acc[h * hd + i] += p[h * ldp + j] * v_j[i], over j = 0 .. n-1 in order */
+void fm_attn_scores(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
+                    float *s, int lds);
+void fm_attn_accumulate(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
+                        float *acc);
+
 void fm_matmul_q4_0(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
 void fm_matmul_q8_0(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
 void fm_matmul_f32(const float *W, const float *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
@@ -59,6 +74,10 @@ typedef struct {
     void (*matmul_q4_0)(const block_q4_0 *, const block_q8_0 *, float *, int, int, int, int, int);
     void (*matmul_q8_0)(const block_q8_0 *, const block_q8_0 *, float *, int, int, int, int, int);
     void (*matmul_f32)(const float *, const float *, float *, int, int, int, int, int);
+    void (*fp16_to_fp32_row)(const uint16_t *, float *, int);
+    void (*fp32_to_fp16_row)(const float *, uint16_t *, int);
+    void (*attn_scores)(const float *, int, int, const void *const *, int, int, int, float *, int);
+    void (*attn_accumulate)(const float *, int, int, const void *const *, int, int, int, float *);
 } fm_kernels;
 
 /* Software prefetch for the matrix-vector loops: the hardware prefetcher alone
@@ -244,5 +263,16 @@ void fm_quantize_row_q8_0_avx2(const float *x, block_q8_0 *y, int n);
 void fm_matvec_f16_generic(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1);
 void fm_matvec_f16_avx2(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1);
 void fm_matvec_f16_avx512vnni(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1);
+void fm_fp16_to_fp32_row_generic(const uint16_t *x, float *y, int n);
+void fm_fp32_to_fp16_row_generic(const float *x, uint16_t *y, int n);
+void fm_fp16_to_fp32_row_avx2(const uint16_t *x, float *y, int n);
+void fm_fp32_to_fp16_row_avx2(const float *x, uint16_t *y, int n);
+#define FM_DECLARE_ATTN_KERNELS(isa)                                                                        \
+    void fm_attn_scores_##isa(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd, \
+                              float *s, int lds);                                                           \
+    void fm_attn_accumulate_##isa(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd, \
+                                  float *acc);
+FM_DECLARE_ATTN_KERNELS(generic)    /* kernels_scalar.c */
+FM_DECLARE_ATTN_KERNELS(avx2)       /* kernels_float_x86.c */
 
 #endif /* FERMOE_KERNELS_H */

@@ -3,6 +3,7 @@
  * Portable C only: no intrinsics, no F16C (fp16 goes through fermoe_blocks.h).
  */
 #include <math.h>
+#include <string.h>
 #include "kernels.h"
 
 /* ---------------------------------------------------------------- quantise */
@@ -95,6 +96,68 @@ void fm_matvec_f32_generic(const float *W, const float *x, float *y, int cols, i
 void fm_matvec_f16_generic(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1)
 {
     for (int r = r0; r < r1; r++) y[r] = dot_f16(cols, W + (size_t)r * cols, x);
+}
+
+/* ---------------------------------------------------------------- fp16 rows (the KV cache) */
+
+void fm_fp16_to_fp32_row_generic(const uint16_t *x, float *y, int n)
+{
+    for (int i = 0; i < n; i++) y[i] = fm_fp16_to_fp32(x[i]);
+}
+
+void fm_fp32_to_fp16_row_generic(const float *x, uint16_t *y, int n)
+{
+    for (int i = 0; i < n; i++) y[i] = fm_fp32_to_fp16(x[i]);
+}
+
+/* ---------------------------------------------------------------- attention (fm_attn_*)
+ * q . k with 8 running sums in a fixed order: a generic vector, two SSE registers on
+ * any x86-64, and still fast enough for the CPUs without AVX2. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static float dot8(const float *q, const float *k, int n)
+{
+    v8f s = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f a, b;
+        memcpy(&a, q + i, sizeof a);
+        memcpy(&b, k + i, sizeof b);
+        s += a * b;
+    }
+    for (; i < n; i++) s[0] += q[i] * k[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+static const float *attn_row(const void *row, int f16, float *buf, int hd)
+{
+    if (!f16) return row;
+    fm_fp16_to_fp32_row_generic(row, buf, hd);
+    return buf;
+}
+
+void fm_attn_scores_generic(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
+                            float *s, int lds)
+{
+    float buf[hd];
+    for (int j = 0; j < n; j++) {
+        const float *k = attn_row(rows[j], f16, buf, hd);
+        for (int h = 0; h < G; h++) s[(size_t)h * lds + j] = dot8(q + (size_t)h * qstride, k, hd);
+    }
+}
+
+void fm_attn_accumulate_generic(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
+                                float *acc)
+{
+    float buf[hd];
+    for (int j = 0; j < n; j++) {
+        const float *v = attn_row(rows[j], f16, buf, hd);
+        for (int h = 0; h < G; h++) {
+            const float w = p[(size_t)h * ldp + j];
+            float *a = acc + (size_t)h * hd;
+            for (int i = 0; i < hd; i++) a[i] += w * v[i];
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- batched

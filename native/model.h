@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 /* ggml type ids of the tensors the native engine computes with */
-enum { FM_F32 = 0, FM_Q4_0 = 2, FM_Q8_0 = 8 };
+enum { FM_F32 = 0, FM_F16 = 1, FM_Q4_0 = 2, FM_Q8_0 = 8 };
 
 typedef struct {
     const void *data;       /* raw bytes; NULL when absent */
@@ -48,9 +48,10 @@ typedef struct {
 typedef struct {
     float *ssm;                 /* [n_gdn][v_heads][k_dim][v_dim] */
     float *conv;                /* [n_gdn][kernel-1][conv_channels], oldest first */
-    float *const *k_pages;      /* [n_attn][max_pages] -> page [block][n_head_kv][head_dim] fp32 */
-    float *const *v_pages;
+    void *const *k_pages;       /* [n_attn][max_pages] -> page [block][n_head_kv][head_dim] of kv_type */
+    void *const *v_pages;
     int32_t max_pages, block;
+    int32_t kv_type;            /* FM_F16 or FM_F32: the elements of the KV pages */
     int64_t position;           /* tokens already in the state */
 } fm_seq;
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from .errors import FermoeError
 from .model import Model
-from .state import SequenceState
+from .state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
 ENGINES = ("reference", "cpu")
 
@@ -15,12 +15,14 @@ ENGINES = ("reference", "cpu")
 class ReferenceEngine:
     name = "reference"
 
-    def __init__(self, model: Model, activations_q8: bool = False):
+    def __init__(self, model: Model, activations_q8: bool = False, kv_cache_dtype: str = DEFAULT_KV_DTYPE):
         self.model = model
         self.activations_q8 = activations_q8        # round activations like the W4A8 kernels
+        kv_dtype(kv_cache_dtype)                    # refuse an unknown name now
+        self.kv_cache_dtype = kv_cache_dtype
 
     def new_state(self) -> SequenceState:
-        return SequenceState(self.model.config, self.model.fingerprint)
+        return SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.kv_cache_dtype)
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits [T, vocab] of every new position (or [1, vocab] of the last one);
@@ -38,10 +40,12 @@ class ReferenceEngine:
         return np.concatenate([self.forward([t], s, all_logits=False) for t, s in zip(tokens, states)])
 
 
-def load_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None):
+def load_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None,
+                kv_cache_dtype: str = DEFAULT_KV_DTYPE):
+    """An engine whose new states keep their KV cache in `kv_cache_dtype` (f16, f32)."""
     if name == "reference":
-        return ReferenceEngine(model)
+        return ReferenceEngine(model, kv_cache_dtype=kv_cache_dtype)
     if name == "cpu":
         from cpu_worker.native_engine import NativeEngine
-        return NativeEngine(model, threads=threads, cpus=cpus)
+        return NativeEngine(model, threads=threads, cpus=cpus, kv_cache_dtype=kv_cache_dtype)
     raise FermoeError(f"--engine {name!r}: not available; choose one of {', '.join(ENGINES)}")

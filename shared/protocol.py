@@ -111,11 +111,13 @@ class Hello(_Msg, tag="hello"):
 
 
 class Welcome(_Msg, tag="welcome"):
-    """coordinator -> worker, answer to Hello: the snapshot arena to attach (shared memory)."""
+    """coordinator -> worker, answer to Hello: the snapshot arena to attach (shared memory)
+    and the element type of every sequence's KV cache (f16, f32), which its slots hold."""
     arena: str
     slot_bytes: int
     n_slots: int
     block: int
+    kv_cache_dtype: str
 
 
 class SnapshotRef(msgspec.Struct, forbid_unknown_fields=True):

@@ -18,7 +18,9 @@ Recurrent part, one contiguous buffer of fixed size per model (little-endian):
 
 Attention part, growing with the sequence: K and V of each attention layer in
 pages of `block` positions, [block, n_head_kv, head_dim] each, so sequences that
-share a prefix can share its pages read-only.
+share a prefix can share its pages read-only. Their elements are the state's KV
+dtype: f16 (the default, as llama.cpp's cache; values rounded to nearest even on the
+way in) or f32. Every engine reads and writes both.
 """
 from __future__ import annotations
 
@@ -34,6 +36,16 @@ LAYOUT_VERSION = 1
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sII16sQII")
 
+KV_DTYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+DEFAULT_KV_DTYPE = "f16"
+
+
+def kv_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a KV cache dtype name (f16, f32)."""
+    if name not in KV_DTYPES:
+        raise FermoeError(f"KV cache dtype {name!r}: expected one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
 
 class StateError(FermoeError):
     """A state buffer or file does not belong to this model or is damaged."""
@@ -45,11 +57,13 @@ def recurrent_nbytes(cfg: ModelConfig) -> int:
 
 
 class KVCache:
-    """Paged K/V of every attention layer; pages are [block, n_head_kv, head_dim]."""
+    """Paged K/V of every attention layer; pages are [block, n_head_kv, head_dim] of
+    `dtype` (a KV_DTYPES name)."""
 
-    def __init__(self, cfg: ModelConfig, block: int = 256, dtype=np.float32):
+    def __init__(self, cfg: ModelConfig, block: int = 256, dtype: str = DEFAULT_KV_DTYPE):
         self.block = block
-        self.dtype = np.dtype(dtype)
+        self.dtype_name = dtype
+        self.dtype = kv_dtype(dtype)
         self.page_shape = (block, cfg.n_head_kv, cfg.head_dim)
         n = len(cfg.attention_layers)
         self.k_pages: list[list[np.ndarray]] = [[] for _ in range(n)]
@@ -108,7 +122,7 @@ class KVCache:
 
     def copy(self) -> "KVCache":
         other = KVCache.__new__(KVCache)
-        other.block, other.dtype, other.page_shape = self.block, self.dtype, self.page_shape
+        other.block, other.dtype, other.dtype_name, other.page_shape = self.block, self.dtype, self.dtype_name, self.page_shape
         other.k_pages = [[p.copy() for p in pages] for pages in self.k_pages]
         other.v_pages = [[p.copy() for p in pages] for pages in self.v_pages]
         other.length = list(self.length)
@@ -119,7 +133,8 @@ class KVCache:
 class SequenceState:
     """Recurrent buffer + paged KV of one sequence. `buffer` may be shared memory."""
 
-    def __init__(self, cfg: ModelConfig, fingerprint: str, buffer=None, kv_block: int = 256):
+    def __init__(self, cfg: ModelConfig, fingerprint: str, buffer=None, kv_block: int = 256,
+                 kv_dtype: str = DEFAULT_KV_DTYPE):
         self.cfg = cfg
         nbytes = recurrent_nbytes(cfg)
         if buffer is None:
@@ -131,7 +146,7 @@ class SequenceState:
         self.buffer = buffer
         self._check_header(fingerprint)
         self._bind_views()
-        self.kv = KVCache(cfg, kv_block)
+        self.kv = KVCache(cfg, kv_block, kv_dtype)
 
     # ---- header fields ---------------------------------------------------
     def _check_header(self, fingerprint: str) -> None:
@@ -186,7 +201,8 @@ class SequenceState:
         return other
 
     def save(self, path) -> None:
-        """One file: the recurrent buffer, then K and V of every attention layer."""
+        """One file: the recurrent buffer, then K and V of every attention layer (fp32,
+        whatever the state's KV dtype: an f16 cache widens exactly)."""
         with open(path, "wb") as f:
             f.write(memoryview(self.buffer).cast("B")[:recurrent_nbytes(self.cfg)])
             for slot in range(len(self.cfg.attention_layers)):
@@ -195,12 +211,12 @@ class SequenceState:
                 f.write(np.ascontiguousarray(v, np.float32).tobytes())
 
     @classmethod
-    def load(cls, path, cfg: ModelConfig, fingerprint: str) -> "SequenceState":
+    def load(cls, path, cfg: ModelConfig, fingerprint: str, kv_dtype: str = DEFAULT_KV_DTYPE) -> "SequenceState":
         data = open(path, "rb").read()
         n = recurrent_nbytes(cfg)
         if len(data) < n:
             raise StateError(f"{path}: truncated state file ({len(data)} bytes, need at least {n})")
-        state = cls(cfg, fingerprint, bytearray(data[:n]))
+        state = cls(cfg, fingerprint, bytearray(data[:n]), kv_dtype=kv_dtype)
         per_pos = cfg.n_head_kv * cfg.head_dim * 4
         pos = state.position
         expected = n + 2 * pos * per_pos * len(cfg.attention_layers)
@@ -225,59 +241,63 @@ def _fp_bytes(fingerprint: str) -> bytes:
 # ---- snapshots: a state at a position, in a slot of shared memory ------------------
 #
 #   0        recurrent buffer (header, S, conv, logits)      recurrent_nbytes(cfg)
-#   R        u64 block_start, u64 rows                        16 bytes, then padding to 64
-#   R + 64   K then V of each attention layer, [block][n_head_kv][head_dim] fp32,
-#            rows [block_start, block_start + rows) of the sequence
+#   R        u64 block_start, u64 rows, u32 KV element bytes  20 bytes, then padding to 64
+#   R + 64   K then V of each attention layer, [block][n_head_kv][head_dim] of the KV
+#            dtype, rows [block_start, block_start + rows) of the sequence
 #
 # A snapshot at position p keeps only the KV of its own block; resuming at p reads
 # the snapshots of every earlier block boundary for theirs.
-_SNAP = struct.Struct("<QQ")
+_SNAP = struct.Struct("<QQI")
 
 
-def snapshot_nbytes(cfg: ModelConfig, block: int) -> int:
-    kv = 2 * len(cfg.attention_layers) * block * cfg.n_head_kv * cfg.head_dim * 4
+def snapshot_nbytes(cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_KV_DTYPE) -> int:
+    kv = 2 * len(cfg.attention_layers) * block * cfg.n_head_kv * cfg.head_dim * kv_dtype(kv_dtype_name).itemsize
     return recurrent_nbytes(cfg) + 64 + kv
 
 
 def write_snapshot(state: SequenceState, slot, block: int) -> None:
     """Copy `state` (at any position) into a slot: recurrent part + KV of its last block."""
-    cfg = state.cfg
+    cfg, dtype = state.cfg, state.kv.dtype
     view = memoryview(slot).cast("B")
     r = recurrent_nbytes(cfg)
     view[:r] = memoryview(state.buffer).cast("B")[:r]
     pos = state.position
     start = (pos - 1) // block * block if pos else 0
-    _SNAP.pack_into(view, r, start, pos - start)
+    _SNAP.pack_into(view, r, start, pos - start, dtype.itemsize)
     shape = (block, cfg.n_head_kv, cfg.head_dim)
     offset = r + 64
-    page_bytes = int(np.prod(shape)) * 4
+    page_bytes = int(np.prod(shape)) * dtype.itemsize
     for layer in range(len(cfg.attention_layers)):
         k, v = state.kv.view(layer)
         for src in (k, v):
-            dst = np.frombuffer(view, np.float32, int(np.prod(shape)), offset).reshape(shape)
-            dst[:pos - start] = src[start:pos]
+            dst = np.frombuffer(view, dtype, int(np.prod(shape)), offset).reshape(shape)
+            dst[:pos - start] = src[start:pos]      # exact: the values came from pages of this dtype
             offset += page_bytes
 
 
-def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int) -> SequenceState:
+def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int,
+                      kv_dtype_name: str = DEFAULT_KV_DTYPE) -> SequenceState:
     """A fresh state from snapshots in block order; the last one gives the recurrent part."""
     if not slots:
         raise StateError("no snapshot to restore")
     r = recurrent_nbytes(cfg)
+    dtype = kv_dtype(kv_dtype_name)
     last = memoryview(slots[-1]).cast("B")
-    state = SequenceState(cfg, fingerprint, bytearray(last[:r]), kv_block=block)
+    state = SequenceState(cfg, fingerprint, bytearray(last[:r]), kv_block=block, kv_dtype=kv_dtype_name)
     shape = (block, cfg.n_head_kv, cfg.head_dim)
-    page_bytes = int(np.prod(shape)) * 4
+    page_bytes = int(np.prod(shape)) * dtype.itemsize
     expected = 0
     for slot in slots:
         view = memoryview(slot).cast("B")
-        start, rows = _SNAP.unpack_from(view, r)
+        start, rows, itemsize = _SNAP.unpack_from(view, r)
+        if itemsize != dtype.itemsize:
+            raise StateError(f"a snapshot holds {8 * itemsize}-bit KV, expected {kv_dtype_name}")
         if start != expected:
             raise StateError(f"snapshot chain broken: a page starts at {start}, expected {expected}")
         offset = r + 64
         for layer in range(len(cfg.attention_layers)):
-            k = np.frombuffer(view, np.float32, int(np.prod(shape)), offset).reshape(shape)[:rows]
-            v = np.frombuffer(view, np.float32, int(np.prod(shape)), offset + page_bytes).reshape(shape)[:rows]
+            k = np.frombuffer(view, dtype, int(np.prod(shape)), offset).reshape(shape)[:rows]
+            v = np.frombuffer(view, dtype, int(np.prod(shape)), offset + page_bytes).reshape(shape)[:rows]
             state.kv.append(layer, k, v)
             offset += 2 * page_bytes
         expected = start + rows

@@ -12,6 +12,7 @@ from shared.engine import ReferenceEngine
 from shared.model import Model
 from shared.synth import _tensor_list, preset_config
 from shared.convert import tensor_type, OUT_TYPES
+from tests.eos_seed import seed_with_early_eos
 from shared.ggml_types import tensor_nbytes
 
 
@@ -44,8 +45,9 @@ def test_generate_is_seeded_and_greedy_is_stable(tiny_path):
 
 
 def test_ignore_eos_keeps_generating(tiny_q4_path):
+    seed = seed_with_early_eos(tiny_q4_path, "Tell me everything", 48, 0.8)
     args = ("generate", tiny_q4_path, "--engine", "cpu", "-t", 1, "-p", "Tell me everything", "-n", 48,
-            "--seed", 3, "--temp", 0.8)
+            "--seed", seed, "--temp", 0.8)
     obeyed, ignored = fermoe(*args).stdout[:-1], fermoe(*args, "--ignore-eos").stdout[:-1]
     assert len(obeyed) < len(ignored) and ignored.startswith(obeyed)
 
@@ -78,6 +80,7 @@ def test_full_size_preset_has_the_papers_size(experts, paper_gb):
     (["logits", "{tiny}", "--tokens", "99999", "--out", "x.npy"], "token ids must be in"),
     (["generate", "{tiny}", "-p", "hi", "--top-p", "0"], "top_p must be in"),
     (["generate", "{tiny}", "-p", "hi", "--engine", "warp"], "--engine 'warp'"),
+    (["generate", "{tiny}", "-p", "hi", "--kv-cache-dtype", "f8"], "KV cache dtype 'f8'"),
     (["synth", "{out}", "--experts", "1"], "--experts 1"),
 ])
 def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):

@@ -42,12 +42,13 @@ def tiny_f32_path(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("kv", ["f16", "f32"])
 @pytest.mark.parametrize("fixture, rtol", [("tiny_q4_path", W4A8_RTOL), ("tiny_path", W4A8_RTOL),
                                            ("tiny_f32_path", F32_RTOL)])
-def test_native_matches_reference(request, fixture, rtol):
+def test_native_matches_reference(request, fixture, rtol, kv):
     model = Model(request.getfixturevalue(fixture))
-    ref = ReferenceEngine(model, activations_q8=True)
-    cpu = native_engine.NativeEngine(model, threads=2)
+    ref = ReferenceEngine(model, activations_q8=True, kv_cache_dtype=kv)
+    cpu = native_engine.NativeEngine(model, threads=2, kv_cache_dtype=kv)
     want = ref.forward(PROMPT, ref.new_state())
     got = cpu.forward(PROMPT, cpu.new_state())
     assert got.shape == want.shape
@@ -56,13 +57,14 @@ def test_native_matches_reference(request, fixture, rtol):
 
 
 @pytest.mark.parametrize("isa", native.supported_isas())
-@pytest.mark.parametrize("fixture", ["tiny_q4_path", "tiny_path"])    # Q4_0 and Q8_0 weights
-def test_chunked_prompt_and_decode_equal_whole_prompt(request, fixture, isa):
+@pytest.mark.parametrize("fixture, kv", [("tiny_q4_path", "f16"), ("tiny_path", "f16"),   # Q4_0 and Q8_0 weights
+                                         ("tiny_q4_path", "f32")])
+def test_chunked_prompt_and_decode_equal_whole_prompt(request, fixture, kv, isa):
     model = Model(request.getfixturevalue(fixture))
     with native.use_isa(isa):
-        whole = native_engine.NativeEngine(model, threads=2).forward(PROMPT, _state(model))
+        whole = native_engine.NativeEngine(model, threads=2).forward(PROMPT, _state(model, kv))
         small = native_engine.NativeEngine(model, threads=1, max_batch=5)
-        state = _state(model)
+        state = _state(model, kv)
         parts = [small.forward(PROMPT[:11], state)] + [small.forward([t], state) for t in PROMPT[11:]]
     # Bitwise: every token's products are summed the same way whatever the batch, so
     # a served request (chunked at snapshot boundaries, replayed after a worker
@@ -107,14 +109,16 @@ def test_batched_decode_refuses_a_sequence_twice(tiny_q4_path):
         cpu.decode_batch([1, 2], [s, s])
 
 
-def _state(model):
-    return ReferenceEngine(model).new_state()
+def _state(model, kv="f16"):
+    return ReferenceEngine(model, kv_cache_dtype=kv).new_state()
 
 
-def test_state_moves_between_engines(tiny_f32_path):
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+def test_state_moves_between_engines(tiny_f32_path, kv):
     """Prefill in one engine, decode in the other: the same SequenceState."""
     model = Model(tiny_f32_path)
-    ref, cpu = ReferenceEngine(model), native_engine.NativeEngine(model, threads=2)
+    ref = ReferenceEngine(model, kv_cache_dtype=kv)
+    cpu = native_engine.NativeEngine(model, threads=2, kv_cache_dtype=kv)
     a = ref.new_state()
     ref.forward(PROMPT[:15], a)
     b = a.copy()
@@ -124,6 +128,24 @@ def test_state_moves_between_engines(tiny_f32_path):
     c = cpu.new_state()
     cpu.forward(PROMPT[:15], c)
     assert _rel(ref.forward(PROMPT[15:], c), ref_next) <= F32_RTOL
+
+
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+def test_native_kv_pages_hold_what_the_reference_writes(tiny_f32_path, kv):
+    """K and V as stored, in the state's dtype: the native engine rounds to fp16 as
+    numpy does, so both engines' pages agree up to the float noise before rounding."""
+    model = Model(tiny_f32_path)
+    ref = ReferenceEngine(model, kv_cache_dtype=kv)
+    cpu = native_engine.NativeEngine(model, threads=2, kv_cache_dtype=kv)
+    a, b = ref.new_state(), cpu.new_state()
+    ref.forward(PROMPT, a)
+    cpu.forward(PROMPT, b)
+    tol = 2e-3 if kv == "f16" else F32_RTOL
+    for slot in range(len(model.config.attention_layers)):
+        assert b.kv.k_pages[slot][0].dtype == np.dtype(kv.replace("f", "float"))
+        for got, want in zip(b.kv.view(slot), a.kv.view(slot)):
+            assert got.shape == want.shape and np.abs(want).max() > 0
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_last_logits_only(tiny_q4_path):

@@ -219,6 +219,57 @@ def test_matvec_large(isa):
     assert_close(native.matvec(W, x, "q4_0"), ref, scale, what=f"{isa} large q4_0")
 
 
+def test_fp16_rows_convert_as_numpy(isa):
+    """The KV cache's conversions, bit for bit: every half to float, and floats of
+    every magnitude (subnormal halves, ties, overflow to inf, inf, NaN) to half.
+    Signalling NaNs are left out: F16C quiets them, and no K or V is one."""
+    from native import ffi, lib
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    halves = halves[((halves & 0x7c00) != 0x7c00) | ((halves & 0x03ff) == 0) | ((halves & 0x0200) != 0)]
+    out = np.empty(halves.size, np.float32)
+    lib.fm_fp16_to_fp32_row(ffi.cast("uint16_t *", ffi.from_buffer(halves)), ffi.cast("float *", ffi.from_buffer(out)),
+                            halves.size)
+    np.testing.assert_array_equal(out.view(np.uint32), halves.view(np.float16).astype(np.float32).view(np.uint32))
+    finite = np.arange(0x7c00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ties = (finite[:-1] + finite[1:]) / 2                                   # exact in float32
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(50_000) * np.exp2(rng.integers(-30, 20, 50_000)), ties, -ties,
+                        [0.0, -0.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, np.inf, -np.inf, np.nan]]).astype(np.float32)
+    got = np.empty(x.size, np.uint16)
+    lib.fm_fp32_to_fp16_row(ffi.cast("float *", ffi.from_buffer(x)), ffi.cast("uint16_t *", ffi.from_buffer(got)),
+                            x.size)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(got, x.astype(np.float16).view(np.uint16))
+
+
+ATTN_RTOL = 1e-5             # float sums in another order than numpy's
+
+
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+@pytest.mark.parametrize("G, hd, n", [(8, 256, 64), (8, 256, 5), (2, 32, 17), (9, 64, 3), (3, 36, 7), (1, 8, 1)])
+def test_attention_kernels(isa, kv, G, hd, n):
+    """fm_attn_scores / fm_attn_accumulate against numpy, rows scattered as KV pages are."""
+    from native import ffi, lib
+    rng = np.random.default_rng(G * 1000 + hd + n)
+    dtype = np.float16 if kv == "f16" else np.float32
+    pages = [rng.standard_normal((2, hd)).astype(dtype) for _ in range(n)]   # row 1 of each: another head
+    rows = ffi.new("void *[]", [ffi.cast("void *", ffi.from_buffer(pg[1:])) for pg in pages])
+    K = np.stack([pg[1] for pg in pages]).astype(np.float32)
+    q = rng.standard_normal((G, 2 * hd)).astype(np.float32)                 # [query | gate], as attention.c
+    s = np.full((G, 70), np.nan, np.float32)
+    lib.fm_attn_scores(ffi.cast("float *", ffi.from_buffer(q)), 2 * hd, G, rows, int(kv == "f16"), n, hd,
+                       ffi.cast("float *", ffi.from_buffer(s)), 70)
+    want = q[:, :hd].astype(np.float64) @ K.T.astype(np.float64)
+    np.testing.assert_allclose(s[:, :n], want, rtol=0, atol=ATTN_RTOL * np.abs(want).max())
+    assert np.isnan(s[:, n:]).all()
+    p = rng.random((G, 70)).astype(np.float32)
+    acc = rng.standard_normal((G, hd)).astype(np.float32)
+    want = acc.astype(np.float64) + p[:, :n].astype(np.float64) @ K.astype(np.float64)
+    lib.fm_attn_accumulate(ffi.cast("float *", ffi.from_buffer(p)), 70, G, rows, int(kv == "f16"), n, hd,
+                           ffi.cast("float *", ffi.from_buffer(acc)))
+    np.testing.assert_allclose(acc, want, rtol=0, atol=ATTN_RTOL * np.abs(want).max())
+
+
 def test_pool_matvec_covers_every_row_once(isa):
     """The benchmark's pooled product (rows cut into ~4 MB tasks over pinned
     threads) computes exactly what one call does, rows past a task edge included."""

@@ -9,7 +9,7 @@ import pytest
 from shared.engine import ReferenceEngine
 from shared.model import Model
 from shared.reference import route
-from shared.state import SequenceState, StateError
+from shared.state import SequenceState, StateError, restore_snapshots, snapshot_nbytes, write_snapshot
 
 # Pieces and whole differ only by float summation order.
 SPLIT_RTOL = 1e-5
@@ -85,3 +85,40 @@ def test_activations_and_routing_are_sane(tiny_q4_path):
     top, weights = route(model.layers[0], x, model.config)
     assert len(np.unique(top)) == model.config.n_expert
     np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+def test_snapshots_restore_a_state_that_continues_identically(tiny_path, kv):
+    """A chain of snapshot slots (each block's KV, the last one's recurrent part)
+    restores to a state whose continuation is bitwise the original's."""
+    engine = ReferenceEngine(Model(tiny_path), kv_cache_dtype=kv)
+    cfg, fp, block = engine.model.config, engine.model.fingerprint, 8
+    state = engine.new_state()
+    slots = []
+    for end in (8, 16, 19):                          # two full blocks and a partial one
+        engine.forward(PROMPT[state.position:end], state)
+        slots.append(bytearray(snapshot_nbytes(cfg, block, kv)))
+        write_snapshot(state, slots[-1], block)
+    restored = restore_snapshots(cfg, fp, slots, block, kv)
+    assert restored.position == 19 and restored.kv.dtype == state.kv.dtype
+    np.testing.assert_array_equal(engine.forward(PROMPT[19:], restored), engine.forward(PROMPT[19:], state))
+    other = "f32" if kv == "f16" else "f16"
+    with pytest.raises(StateError, match=f"expected {other}"):
+        restore_snapshots(cfg, fp, slots, block, other)
+
+
+def test_f16_kv_cache_holds_rounded_values_and_halves_the_snapshot(tiny_path):
+    model = Model(tiny_path)
+    f16, f32 = (ReferenceEngine(model, kv_cache_dtype=kv) for kv in ("f16", "f32"))
+    a, b = f16.new_state(), f32.new_state()
+    f16.forward(PROMPT, a)
+    f32.forward(PROMPT, b)
+    assert a.kv.k_pages[0][0].dtype == np.float16 and b.kv.k_pages[0][0].dtype == np.float32
+    k16, k32 = a.kv.view(0)[0], b.kv.view(0)[0]
+    np.testing.assert_array_equal(k16, k16.astype(np.float16).astype(np.float32))
+    np.testing.assert_allclose(k16, k32, rtol=2e-3, atol=1e-3 * np.abs(k32).max())
+    cfg = model.config
+    kv_bytes = {kv: snapshot_nbytes(cfg, 8, kv) - snapshot_nbytes(cfg, 0, kv) for kv in ("f16", "f32")}
+    assert kv_bytes["f32"] == 2 * kv_bytes["f16"] > 0
+    with pytest.raises(Exception, match="KV cache dtype 'bf16'"):
+        ReferenceEngine(model, kv_cache_dtype="bf16")

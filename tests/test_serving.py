@@ -18,6 +18,7 @@ import zmq
 
 from coordinator.client import Client
 from shared import protocol as P
+from tests.eos_seed import seed_with_early_eos
 
 BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
@@ -65,10 +66,10 @@ def run(addr, prompt=None, **params):
     return "".join(m.text for m in msgs[:-1]), msgs[-1]
 
 
-def local(model, prompt, n, seed, temp=0.8):
+def local(model, prompt, n, seed, temp=0.8, kv="f16"):
     out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
-                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp)],
-                         capture_output=True, text=True, check=True)
+                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
+                          "--kv-cache-dtype", kv], capture_output=True, text=True, check=True)
     return out.stdout[:-1]            # generate ends with a newline
 
 
@@ -121,8 +122,8 @@ def test_cancel_and_stop_strings(daemon):
     assert done.finish_reason == "stop" and cut == full[:full.index(stop)]
 
 
-def test_ignore_eos_streams_past_end_of_generation(daemon):
-    params = dict(max_tokens=48, temperature=0.8, seed=3)
+def test_ignore_eos_streams_past_end_of_generation(daemon, tiny_q4_path):
+    params = dict(max_tokens=48, temperature=0.8, seed=seed_with_early_eos(tiny_q4_path, "Tell me everything", 48, 0.8))
     with Client(daemon.addr, timeout_s=120) as c:
         obeyed = list(c.generate("Tell me everything", **params))
         ignored = list(c.generate("Tell me everything", ignore_eos=True, **params))
@@ -223,6 +224,20 @@ def test_worker_killed_mid_generation_is_replaced(tiny_q4_path):
         assert d.stop() == 0
 
 
+def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
+    """--kv-cache-dtype f32: the arena's slots hold f32 KV, a repeated prompt resumes
+    from them, and both answers are what a local f32 run samples."""
+    d = Daemon(tiny_q4_path, "--kv-cache-dtype", "f32")
+    try:
+        first_text, first = run(d.addr, LONG_PROMPT, max_tokens=12, seed=4)
+        again_text, again = run(d.addr, LONG_PROMPT, max_tokens=12, seed=4)
+        assert again.cached_prompt_tokens == first.prompt_tokens
+        assert first_text == again_text == local(tiny_q4_path, LONG_PROMPT, 12, seed=4, kv="f32")
+        assert first_text != local(tiny_q4_path, LONG_PROMPT, 12, seed=4, kv="f16")   # the dtypes tell apart here
+    finally:
+        assert d.stop() == 0
+
+
 def test_shutdown_leaves_nothing_behind(tiny_q4_path):
     d = Daemon(tiny_q4_path)
     pids = [w.pid for w in d.workers]
@@ -262,6 +277,7 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
     (["--model", "tiny", "--block", "0"], "--block 0"),
     (["--model", "tiny", "--snapshot-mem", "lots"], "size 'lots'"),
     (["--model", "tiny", "--bind", "tcp://256.1.1.1:1"], "cannot bind"),
+    (["--model", "tiny", "--kv-cache-dtype", "q4_0"], "--kv-cache-dtype 'q4_0'"),
 ])
 def test_bad_options_are_refused(args, problem, tmp_path):
     run_ = subprocess.run([sys.executable, "-m", "coordinator.daemon", *args], capture_output=True, text=True,
