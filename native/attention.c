@@ -64,21 +64,65 @@ static void prepare_task(void *p, int t, int worker) {
 }
 
 #define KV_CHUNK 64             /* positions scored at once; chunks start at position 0 */
+#define KV_SEGMENT 1024         /* positions one task attends over (16 chunks); segments start at 0 */
 
-/* Causal softmax attention of one token for the query heads that share one KV head
+/* Causal softmax attention of one token for the G query heads that share one KV head
  * (grouped-query attention): each K and V row is read once for all of them, by the
- * fm_attn_* kernels. Positions go by in chunks of KV_CHUNK from 0 with an online
- * softmax between chunks, so no score buffer grows with the context and every result
- * depends on the token's position only (bitwise the same whole, chunked or decoded). */
-__attribute__((target_clones("avx2", "default")))
-static void attn_head_task(void *p, int task, int worker) {
-    (void)worker;
-    attn_ctx *a = p;
+ * fm_attn_* kernels. A token's positions split into segments of KV_SEGMENT, one task
+ * each, so a long context spreads over all threads (split-KV, as flash-decoding).
+ * A task runs its segment in chunks of KV_CHUNK with an online softmax between them
+ * and leaves a softmax state per head: running max, sum of e^(score - max), and the
+ * e^-weighted sum of V rows. The states of a token's segments are then folded in
+ * segment order. Chunks and segments start at absolute positions, so every result
+ * depends on the token's position only: bitwise the same whole, chunked or decoded.
+ *
+ *   softmax state of one query head: float [hd + 2] = acc[hd] | max | sum
+ *   attn_part [task of the region][G][hd + 2]     attn_run [token][n_head][hd + 2]
+ */
+typedef struct {
+    attn_ctx *a;
+    int64_t *first;             /* [T + 1]: item index of token t's first (KV head, segment) */
+    int64_t i0;                 /* the region's first item */
+    int *pair_first;            /* fold region: pair k's items lie in [pair_first[k], pair_first[k+1]) */
+} seg_ctx;
+
+static int n_segments(int64_t last) { return (int)(last / KV_SEGMENT) + 1; }
+
+/* Item i (token-major, then KV head, then segment) -> token, KV head, segment. */
+static void item_of(const seg_ctx *sc, int nkv, int64_t i, int *t, int *g, int *s) {
+    int tt = 0;
+    while (i >= sc->first[tt + 1]) tt++;
+    int S = (int)((sc->first[tt + 1] - sc->first[tt]) / nkv);
+    int64_t r = i - sc->first[tt];
+    *t = tt, *g = (int)(r / S), *s = (int)(r % S);
+}
+
+static float *head_state(float *states, int h, int hd) { return states + (size_t)h * (hd + 2); }
+
+/* out = acc / sum * sigmoid(gate) for the G heads of one (token, KV head). */
+static void finish_heads(const attn_ctx *a, int t, int g, float *states) {
     const fm_model *m = a->m;
-    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot;
-    int t = task / nkv, g = task % nkv;
+    int nh = m->n_head, hd = m->head_dim, G = nh / m->n_head_kv;
+    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;
+    for (int h = 0; h < G; h++) {
+        const float *st = head_state(states, h, hd), *gate = q0 + (size_t)h * 2 * hd + hd;
+        float *out = a->out + (size_t)t * nh * hd + (size_t)(g * G + h) * hd;
+        for (int i = 0; i < hd; i++) out[i] = st[i] / st[hd + 1] * fm_sigmoid(gate[i]);
+    }
+}
+
+/* One segment of one (token, KV head). A token with a single segment is finished
+ * here; otherwise the states go to attn_part for the fold. */
+__attribute__((target_clones("avx2", "default")))
+static void segment_task(void *p, int task, int worker) {
+    (void)worker;
+    seg_ctx *sg = p;
+    attn_ctx *a = sg->a;
+    const fm_model *m = a->m;
+    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot, t, g, seg;
+    item_of(sg, nkv, sg->i0 + task, &t, &g, &seg);
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
-    int64_t last = a->c->tok_pos[t];
+    int64_t last = a->c->tok_pos[t], end = (seg + 1) * (int64_t)KV_SEGMENT - 1 < last ? (seg + 1) * (int64_t)KV_SEGMENT - 1 : last;
     int f16 = s->kv_type == FM_F16;
     const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;   /* head h of the group: q0 + h*2*hd */
     float scale = 1.0f / sqrtf((float)hd), mx[G], sum[G], acc[G][hd], sc[G][KV_CHUNK];
@@ -87,8 +131,8 @@ static void attn_head_task(void *p, int task, int worker) {
         mx[h] = -INFINITY, sum[h] = 0.0f;
         for (int i = 0; i < hd; i++) acc[h][i] = 0.0f;
     }
-    for (int64_t p0 = 0; p0 <= last; p0 += KV_CHUNK) {
-        int n = last + 1 - p0 < KV_CHUNK ? (int)(last + 1 - p0) : KV_CHUNK;
+    for (int64_t p0 = (int64_t)seg * KV_SEGMENT; p0 <= end; p0 += KV_CHUNK) {
+        int n = end + 1 - p0 < KV_CHUNK ? (int)(end + 1 - p0) : KV_CHUNK;
         for (int j = 0; j < n; j++) {
             krow[j] = kv_at(s, s->k_pages, slot, p0 + j, g, nkv, hd);
             vrow[j] = kv_at(s, s->v_pages, slot, p0 + j, g, nkv, hd);
@@ -107,10 +151,71 @@ static void attn_head_task(void *p, int task, int worker) {
         }
         fm_attn_accumulate(&sc[0][0], KV_CHUNK, G, vrow, f16, n, hd, &acc[0][0]);
     }
+    float *states = n_segments(last) == 1 ? a->c->attn_run + ((size_t)t * nh + (size_t)g * G) * (hd + 2)
+                                          : a->c->attn_part + (size_t)task * G * (hd + 2);
     for (int h = 0; h < G; h++) {
-        const float *gate = q0 + (size_t)h * 2 * hd + hd;
-        float *out = a->out + (size_t)t * nh * hd + (size_t)(g * G + h) * hd;
-        for (int i = 0; i < hd; i++) out[i] = acc[h][i] / sum[h] * fm_sigmoid(gate[i]);
+        float *st = head_state(states, h, hd);
+        for (int i = 0; i < hd; i++) st[i] = acc[h][i];
+        st[hd] = mx[h], st[hd + 1] = sum[h];
+    }
+    if (n_segments(last) == 1) finish_heads(a, t, g, states);
+}
+
+/* Fold a pair's segment states of this region into its running state, in segment
+ * order; the pair's last segment finishes it. */
+__attribute__((target_clones("avx2", "default")))
+static void fold_task(void *p, int k, int worker) {
+    (void)worker;
+    seg_ctx *sg = p;
+    attn_ctx *a = sg->a;
+    const fm_model *m = a->m;
+    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, t, g, seg;
+    for (int item = sg->pair_first[k]; item < sg->pair_first[k + 1]; item++) {
+        item_of(sg, nkv, sg->i0 + item, &t, &g, &seg);
+        if (n_segments(a->c->tok_pos[t]) == 1) continue;   /* a one-segment token between two pairs: done */
+        float *run = a->c->attn_run + ((size_t)t * nh + (size_t)g * G) * (hd + 2);
+        const float *part = a->c->attn_part + (size_t)item * G * (hd + 2);
+        for (int h = 0; h < G; h++) {
+            float *r = head_state(run, h, hd);
+            const float *q = head_state((float *)part, h, hd);
+            if (seg == 0) {
+                for (int i = 0; i < hd + 2; i++) r[i] = q[i];
+                continue;
+            }
+            float mx = r[hd] > q[hd] ? r[hd] : q[hd], wr = fm_expf(r[hd] - mx), wq = fm_expf(q[hd] - mx);
+            for (int i = 0; i < hd; i++) r[i] = r[i] * wr + q[i] * wq;
+            r[hd] = mx, r[hd + 1] = r[hd + 1] * wr + q[hd + 1] * wq;
+        }
+        if (seg == n_segments(a->c->tok_pos[t]) - 1) finish_heads(a, t, g, run);
+    }
+}
+
+/* Attention of the pass's T tokens, FM_ATTN_TASKS segment tasks a region. */
+static void attend(fm_ctx *c, attn_ctx *a, int T) {
+    int nkv = c->m->n_head_kv;
+    int64_t first[T + 1];
+    first[0] = 0;
+    int split = 0;
+    for (int t = 0; t < T; t++) {
+        int S = n_segments(c->tok_pos[t]);
+        split |= S > 1;
+        first[t + 1] = first[t] + (int64_t)nkv * S;
+    }
+    int pair_first[FM_ATTN_TASKS + 1];
+    seg_ctx sg = {a, first, 0, pair_first};
+    for (int64_t i0 = 0; i0 < first[T]; i0 += FM_ATTN_TASKS) {
+        int n = first[T] - i0 < FM_ATTN_TASKS ? (int)(first[T] - i0) : FM_ATTN_TASKS;
+        sg.i0 = i0;
+        fm_pool_run(c->pool, segment_task, &sg, n);
+        if (!split) continue;
+        int pairs = 0, t, g, s, pt = -1, pg = -1;
+        for (int item = 0; item < n; item++) {      /* the region's items of each split (token, KV head) */
+            item_of(&sg, nkv, i0 + item, &t, &g, &s);
+            if (n_segments(c->tok_pos[t]) == 1) continue;
+            if (t != pt || g != pg) pair_first[pairs++] = item, pt = t, pg = g;
+        }
+        pair_first[pairs] = n;
+        fm_pool_run(c->pool, fold_task, &sg, pairs);
     }
 }
 
@@ -126,7 +231,7 @@ void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
     };
     fm_run_jobs(c->pool, in, 3);
     fm_pool_run(c->pool, prepare_task, &a, T);
-    fm_pool_run(c->pool, attn_head_task, &a, T * m->n_head_kv);
+    attend(c, &a, T);
     fm_quantize_rows(c->pool, a.out, c->xq, T, width);
     fm_job out = {&l->attn_output, 0, a.out, c->xq, T, c->tmp, D};
     fm_run_jobs(c->pool, &out, 1);

@@ -18,6 +18,8 @@ struct fm_ctx {
     int32_t *pair_token, *pair_slot;/* MoE: token and top-k slot of each (expert, token) pair */
     block_q8_0 *xq2;                /* second quantised buffer (gathered expert inputs) */
     float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
+    float *attn_part;               /* attention: softmax states of segment tasks [FM_ATTN_TASKS][n_head/kv][hd+2] */
+    float *attn_run;                /* and the merged one of each (token, KV head) [T][n_head][hd+2] */
     /* the pass in progress: sequence i holds tokens [seq_first[i], seq_first[i] + seq_count[i]) */
     fm_seq *const *seqs;
     int n_seqs;
@@ -27,6 +29,8 @@ struct fm_ctx {
     double seconds[FM_N_PHASES];    /* where the time went, by phase (fm_ctx_times) */
     int64_t moe_calls, experts_used; /* distinct experts a MoE block ran, summed (fm_ctx_moe_stats) */
 };
+
+enum { FM_ATTN_TASKS = 256 };      /* attention segment tasks per parallel region (attention.c) */
 
 void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T);
 void fm_attention_block(fm_ctx *c, const fm_layer *l, int T);

@@ -46,6 +46,9 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->xq = malloc(T * (widest / 32) * sizeof(block_q8_0));
     c->xq2 = malloc(T * (k + 1) * (max3(D, ff, ffs) / 32) * sizeof(block_q8_0));
     c->xg = malloc(T * k * max3(D, ff, 0) * sizeof(float));
+    size_t softmax_state = (size_t)(m->head_dim + 2) * sizeof(float);   /* one query head's, attention.c */
+    c->attn_part = malloc((size_t)FM_ATTN_TASKS * (m->n_head / m->n_head_kv) * softmax_state);
+    c->attn_run = malloc(T * m->n_head * softmax_state);
     c->ids = malloc(T * k * sizeof(int32_t));
     c->weights = malloc(T * k * sizeof(float));
     c->pair_token = malloc(T * k * sizeof(int32_t));
@@ -56,7 +59,7 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->tok_pos = malloc(T * sizeof(int64_t));
     if (!c->x || !c->xn || !c->tmp || !c->a || !c->b || !c->c || !c->d || !c->xq || !c->xq2 || !c->xg || !c->ids ||
         !c->weights || !c->pair_token || !c->pair_slot || !c->seq_first || !c->seq_count || !c->tok_seq ||
-        !c->tok_pos) {
+        !c->tok_pos || !c->attn_part || !c->attn_run) {
         fm_ctx_destroy(c);
         return NULL;
     }
@@ -66,7 +69,8 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
 void fm_ctx_destroy(fm_ctx *c) {
     if (!c) return;
     void *bufs[] = {c->x, c->xn, c->tmp, c->a, c->b, c->c, c->d, c->xq, c->xq2, c->xg, c->ids, c->weights,
-                    c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos};
+                    c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos,
+                    c->attn_part, c->attn_run};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(c);
 }

@@ -148,6 +148,42 @@ def test_native_kv_pages_hold_what_the_reference_writes(tiny_f32_path, kv):
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+LONG = np.random.default_rng(7).integers(0, 512, 2300).tolist()   # 3 attention segments of 1024
+
+
+def test_long_context_matches_reference(tiny_f32_path):
+    """Past 1024 positions a token's attention splits into segments (one task each)
+    whose softmax states are folded: the result is still the reference's."""
+    model = Model(tiny_f32_path)
+    ref, cpu = ReferenceEngine(model), native_engine.NativeEngine(model, threads=2)
+    want = ref.forward(LONG, ref.new_state())
+    got = cpu.forward(LONG, cpu.new_state())
+    assert _rel(got[1024:], want[1024:]) <= F32_RTOL
+
+
+def test_long_prompt_chunked_batched_and_decoded_alike(tiny_q4_path):
+    """Split attention is bitwise independent of how positions are grouped: chunks of
+    64 tokens (more segment tasks than one region takes), of 37, single tokens, and a
+    batched step mixing split and unsplit sequences."""
+    model = Model(tiny_q4_path)
+    whole = native_engine.NativeEngine(model, threads=2).forward(LONG, _state(model))
+    small = native_engine.NativeEngine(model, threads=2, max_batch=37)
+    state = _state(model)
+    parts = [small.forward(LONG[:2290], state)] + [small.forward([t], state) for t in LONG[2290:]]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    cpu = native_engine.NativeEngine(model, threads=2)
+    prompts = [LONG[:10], LONG[:1500], LONG[:30], LONG[:1030]]   # unsplit, split, unsplit, split
+    states = []
+    for p in prompts:
+        st = _state(model)
+        cpu.forward(p, st, all_logits=False)
+        states.append(st)
+    copies = [st.copy() for st in states]
+    tokens = [1, 2, 3, 4]
+    alone = np.concatenate([cpu.forward([t], st, all_logits=False) for t, st in zip(tokens, copies)])
+    np.testing.assert_array_equal(cpu.decode_batch(tokens, states), alone)
+
+
 def test_last_logits_only(tiny_q4_path):
     cpu = native_engine.NativeEngine(Model(tiny_q4_path), threads=2, max_batch=8)
     all_rows = cpu.forward(PROMPT, cpu.new_state())
