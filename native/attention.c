@@ -122,7 +122,8 @@ static void segment_task(void *p, int task, int worker) {
     int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot, t, g, seg;
     item_of(sg, nkv, sg->i0 + task, &t, &g, &seg);
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
-    int64_t last = a->c->tok_pos[t], end = (seg + 1) * (int64_t)KV_SEGMENT - 1 < last ? (seg + 1) * (int64_t)KV_SEGMENT - 1 : last;
+    int64_t last = a->c->tok_pos[t], end = (seg + 1) * (int64_t)KV_SEGMENT - 1;
+    end = end < last ? end : last;
     int f16 = s->kv_type == FM_F16;
     const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;   /* head h of the group: q0 + h*2*hd */
     float scale = 1.0f / sqrtf((float)hd), mx[G], sum[G], acc[G][hd], sc[G][KV_CHUNK];
