@@ -143,21 +143,35 @@ class NativeEngine:
         state.set_logits(logits[-1])
         return logits
 
+    def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
+        """Several sequences in one pass, each with tokens of its own (a prompt chunk, or
+        the one token it decodes): the logits of each one's last token [n, vocab], bitwise
+        what forward(tokens, state, all_logits=False) gives each alone. Each weight is
+        read once per pass of at most max_batch tokens for all the sequences in it."""
+        if not segments or len({id(s) for _, s in segments}) != len(segments):
+            raise FermoeError("forward_batch needs one or more distinct sequences")
+        checked = [(self._check_tokens(t), s) for t, s in segments]
+        if max(len(t) for t, _ in checked) > self.max_batch:
+            raise FermoeError(f"a segment of forward_batch holds more than {self.max_batch} tokens")
+        out, group, size = [], [], 0
+        for seg in checked + [None]:
+            if seg is None or size + len(seg[0]) > self.max_batch:
+                out.append(self._run(group, all_logits=False, want=True))
+                group, size = [], 0
+            if seg is not None:
+                group.append(seg)
+                size += len(seg[0])
+        logits = np.concatenate(out)
+        for (_, state), row in zip(checked, logits):
+            state.set_logits(row)
+        return logits
+
     def decode_batch(self, tokens, states: list[SequenceState]) -> np.ndarray:
-        """One new token for each of several sequences, in one pass per max_batch of
-        them (each weight read once for all): their logits [n, vocab], bitwise what
-        forward([token], state, all_logits=False) gives each alone."""
+        """One new token for each of several sequences: forward_batch of one-token segments."""
         tokens = self._check_tokens(tokens)
         if len(tokens) != len(states) or len({id(s) for s in states}) != len(states):
             raise FermoeError("decode_batch needs one token for each of distinct sequences")
-        out = []
-        for start in range(0, len(tokens), self.max_batch):
-            group = [(tokens[i:i + 1], states[i]) for i in range(start, min(start + self.max_batch, len(tokens)))]
-            out.append(self._run(group, all_logits=False, want=True))
-        logits = np.concatenate(out)
-        for state, row in zip(states, logits):
-            state.set_logits(row)
-        return logits
+        return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
 
     def _check_tokens(self, tokens) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)

@@ -3,11 +3,13 @@
 One DEALER socket to the coordinator's worker endpoint. Each sequence is restored
 from the snapshot slots named in its Assign (or started empty), prefilled up to
 each planned snapshot position in turn (writing the slot as it passes), then
-decoded one token at a time. A round gives each sequence still prefilling one
-chunk, then advances every decoding sequence by one token in a single batched
-pass (each weight read once for all of them), so a long generation does not
-starve the others and N clients cost far less than N times one. Started by the
-coordinator, or by hand to add capacity: `cpu_worker --connect tcp://HOST:PORT`.
+decoded one token at a time. A round is one forward pass (each weight read once
+for all of its sequences), as vLLM's scheduler builds them: one token for every
+decoding sequence first, then prompt chunks in arrival order up to PASS_TOKENS in
+all, each stopping at its next snapshot position. So a long prompt never stalls
+the generations already running for more than one pass, and N clients cost far
+less than N times one. Started by the coordinator, or by hand to add capacity:
+`cpu_worker --connect tcp://HOST:PORT`.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from shared.state import SequenceState, kv_dtype, restore_snapshots, write_snaps
 
 log = logging.getLogger("fermoe.cpu_worker")
 HEARTBEAT_S = 1.0
-PREFILL_CHUNK = 64          # prompt tokens one sequence gets before the others (and heartbeats) take a turn
+PASS_TOKENS = 64            # tokens of one forward pass, decoded ones first (the engine's max_batch)
 
 
 @dataclass
@@ -136,13 +138,45 @@ class CPUWorker:
         return Sequence(msg, state, params, sorted(msg.snapshots, key=lambda s: s.position))
 
     def work_round(self) -> None:
-        for rid in [r for r, seq in self.sequences.items() if seq.state.position < len(seq.msg.tokens)]:
-            seq = self.sequences.get(rid)
-            if seq is not None:
-                self.guarded(rid, seq, self.prefill_chunk)
-            if self.sock.poll(0):
-                return                         # a Stop or a new Assign: handle it first
-        self.decode_round()
+        """One forward pass: a token for each decoding sequence, then prompt chunks."""
+        batch = []                                  # (rid, seq, tokens) of this pass
+        for rid, seq in list(self.sequences.items()):
+            if seq.state.position < len(seq.msg.tokens) or not self.guarded(rid, seq, self.sample):
+                continue
+            if seq.decoder.finish_reason is None:
+                batch.append((rid, seq, seq.decoder.history[-1:]))
+            else:
+                self.sequences.pop(rid, None)
+                self.finish(rid, seq, seq.decoder.finish_reason)
+        budget = PASS_TOKENS - len(batch)
+        for rid, seq in list(self.sequences.items()):
+            pos, tokens = seq.state.position, seq.msg.tokens
+            if pos >= len(tokens) or budget <= 0 or not self.guarded(rid, seq, self.write_snapshots):
+                continue
+            end = min(len(tokens), pos + budget, seq.pending[0].position if seq.pending else len(tokens))
+            batch.append((rid, seq, tokens[pos:end]))
+            budget -= end - pos
+        if batch:
+            self.run_pass(batch)
+
+    def run_pass(self, batch) -> None:
+        t0 = time.perf_counter()
+        try:
+            logits = self.engine.forward_batch([(tokens, seq.state) for _, seq, tokens in batch])
+        except Exception as e:                  # the pass failed: every sequence in it did
+            log.exception("forward pass failed")
+            for rid, seq, _ in batch:
+                self.sequences.pop(rid, None)
+                self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
+            return
+        elapsed = time.perf_counter() - t0
+        for (rid, seq, _), row in zip(batch, logits):
+            if seq.decoder is not None:
+                seq.decoder.logits = row
+                seq.decode_s += elapsed
+            else:
+                seq.prefill_ms += 1000 * elapsed
+                self.guarded(rid, seq, self.write_snapshots)
 
     def guarded(self, rid: str, seq: Sequence, step) -> bool:
         """step(rid, seq); a failure ends that sequence with an error, never the worker."""
@@ -155,35 +189,6 @@ class CPUWorker:
             self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
             return False
 
-    def decode_round(self) -> None:
-        """One token for every sequence past its prompt, then one pass for all of them."""
-        ready = [(rid, seq) for rid, seq in self.sequences.items() if seq.state.position >= len(seq.msg.tokens)]
-        running = []
-        t0 = time.perf_counter()
-        for rid, seq in ready:
-            if not self.guarded(rid, seq, self.sample):
-                continue
-            if seq.decoder.finish_reason is None:
-                running.append((rid, seq))
-            else:
-                self.sequences.pop(rid, None)
-                self.finish(rid, seq, seq.decoder.finish_reason)
-        if running:
-            try:
-                logits = self.engine.decode_batch([seq.decoder.history[-1] for _, seq in running],
-                                                  [seq.state for _, seq in running])
-            except Exception as e:             # the pass failed: every sequence in it did
-                log.exception("decode pass failed")
-                for rid, seq in running:
-                    self.sequences.pop(rid, None)
-                    self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
-                return
-            for (_, seq), row in zip(running, logits):
-                seq.decoder.logits = row
-        elapsed = time.perf_counter() - t0
-        for _, seq in ready:
-            seq.decode_s += elapsed
-
     def sample(self, rid: str, seq: Sequence) -> None:
         if seq.decoder is None:
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
@@ -192,18 +197,11 @@ class CPUWorker:
         if seq.decoder.finish_reason is None:
             self.send(P.Sampled(request_id=rid, token=seq.decoder.sample()))
 
-    def prefill_chunk(self, rid: str, seq: Sequence) -> None:
-        """Prefill up to the next snapshot position (or a chunk), writing the snapshot there."""
-        state, tokens = seq.state, seq.msg.tokens
-        end = min(len(tokens), state.position + PREFILL_CHUNK)
-        if seq.pending:
-            end = min(end, seq.pending[0].position)
-        t0 = time.perf_counter()
-        self.engine.forward(tokens[state.position:end], state, all_logits=False)
-        seq.prefill_ms += 1000 * (time.perf_counter() - t0)
-        while seq.pending and seq.pending[0].position == state.position:
+    def write_snapshots(self, rid: str, seq: Sequence) -> None:
+        """Every planned snapshot at the position the prompt has reached."""
+        while seq.pending and seq.pending[0].position == seq.state.position:
             ref = seq.pending.pop(0)
-            write_snapshot(state, self.arena.slot(ref.slot), self.block)
+            write_snapshot(seq.state, self.arena.slot(ref.slot), self.block)
             self.send(P.SnapshotWritten(request_id=rid, slot=ref.slot))
 
     def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:

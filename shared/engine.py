@@ -35,9 +35,13 @@ class ReferenceEngine:
         finally:
             ACTIVATIONS_Q8.reset(token)
 
+    def forward_batch(self, segments) -> np.ndarray:
+        """Several (tokens, state) segments: the logits of each one's last token [n, vocab]."""
+        return np.concatenate([self.forward(tokens, state, all_logits=False) for tokens, state in segments])
+
     def decode_batch(self, tokens, states) -> np.ndarray:
         """One new token for each of several sequences: their logits [n, vocab]."""
-        return np.concatenate([self.forward([t], s, all_logits=False) for t, s in zip(tokens, states)])
+        return self.forward_batch([([t], s) for t, s in zip(tokens, states)])
 
 
 def load_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None,

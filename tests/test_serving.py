@@ -283,3 +283,13 @@ def test_bad_options_are_refused(args, problem, tmp_path):
     run_ = subprocess.run([sys.executable, "-m", "coordinator.daemon", *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "FERMOE_CACHE": str(tmp_path)})
     assert run_.returncode == 1 and problem in run_.stderr and "Traceback" not in run_.stderr
+
+
+def test_bench_serve_on_the_tiny_model(tiny_q4_path):
+    from bench.serve import run as bench_serve
+    out = bench_serve(str(tiny_q4_path), prompt_tokens=40, decode_tokens=4, extra=["--block", str(BLOCK)])
+    assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
+    assert set(out["aggregate_decode_tok_s"]) == {1, 2, 4} and min(out["aggregate_decode_tok_s"].values()) > 0
+    during = out["decode_during_prefill"]
+    assert during["arriving_prompts"] == len(during["arriving_ttft_s"]) == 2
+    assert 0 < during["running_median_gap_s"] <= during["running_max_gap_s"]

@@ -1,6 +1,7 @@
-"""A CPU worker advances all its decoding sequences in one batched pass per token,
-and each still samples exactly what a local run samples. The worker runs in this
-process; its messages to the coordinator are collected instead of sent."""
+"""A CPU worker runs one forward pass a round: a token for each of its decoding
+sequences, then prompt chunks; each sequence still samples exactly what a local run
+samples. The worker runs in this process; its messages to the coordinator are
+collected instead of sent, and its passes recorded."""
 from __future__ import annotations
 
 import pytest
@@ -26,10 +27,9 @@ def worker(tiny_q4_path):
     w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "test-worker", threads=2)  # never answered
     w.sent = []
     w.send = w.sent.append
-    batches = []
-    decode_batch = w.engine.decode_batch
-    w.engine.decode_batch = lambda tokens, states: batches.append(len(tokens)) or decode_batch(tokens, states)
-    w.batches = batches
+    w.passes = []                      # per pass: the number of tokens of each sequence in it
+    forward_batch = w.engine.forward_batch
+    w.engine.forward_batch = lambda segments: w.passes.append([len(t) for t, _ in segments]) or forward_batch(segments)
     yield w
     w.close()
 
@@ -40,7 +40,7 @@ def test_decoding_sequences_share_one_pass_and_sample_as_alone(worker, tiny_q4_p
         worker.handle_assign(_assign(model, *req))
     while worker.sequences:
         worker.work_round()
-    assert max(worker.batches) == len(REQUESTS)          # all three decoded together
+    assert max(p.count(1) for p in worker.passes) == len(REQUESTS)   # all three decoded together
 
     finished = {m.request_id: m for m in worker.sent if isinstance(m, P.Finished)}
     for rid, prompt, max_tokens, temperature, seed in REQUESTS:
@@ -55,13 +55,13 @@ def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
     model = worker.model
     for req in REQUESTS[:2]:
         worker.handle_assign(_assign(model, *req))
-    worker.work_round()                                   # prefill, first tokens
-    real = worker.engine.decode_batch
+    worker.work_round()                                   # the prompts
+    real = worker.engine.forward_batch
 
-    def broken(tokens, states):
-        worker.engine.decode_batch = real
+    def broken(segments):
+        worker.engine.forward_batch = real
         raise RuntimeError("simulated fault")
-    worker.engine.decode_batch = broken
+    worker.engine.forward_batch = broken
     worker.work_round()
     errors = [m for m in worker.sent if isinstance(m, P.Finished)]
     assert {m.request_id for m in errors} == {"a", "b"} and all("simulated fault" in m.error for m in errors)
@@ -70,6 +70,37 @@ def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
     while worker.sequences:
         worker.work_round()
     assert [m for m in worker.sent if isinstance(m, P.Finished)][-1].finish_reason == "length"
+
+
+def test_a_long_prompt_does_not_stall_running_generations(worker):
+    """Every pass that takes a chunk of a 300-token prompt also takes the next token of
+    the generation already running, and the prompt is cut at its snapshot positions."""
+    model = worker.model
+    worker.handle_assign(_assign(model, "a", "The old GPU said", 40, 0.8, 1))
+    worker.work_round()                                   # its prompt: decoding from the next pass
+    long = _assign(model, "b", "", 4, 0.8, 2)
+    long.tokens = list(range(3, 303))
+    worker.arena, worker.block = _Arena(), 8
+    long.snapshots = [P.SnapshotRef(slot=0, position=100), P.SnapshotRef(slot=1, position=200)]
+    worker.handle_assign(long)
+    while worker.sequences["b"].state.position < 300:
+        worker.work_round()
+    prefill_passes = worker.passes[1:]
+    assert len(prefill_passes) == 6 and all(p[0] == 1 for p in prefill_passes)   # a decode token in each
+    assert [sum(p[1:]) for p in prefill_passes] == [63, 37, 63, 37, 63, 37]       # cut at 100 and 200
+    assert [m.slot for m in worker.sent if isinstance(m, P.SnapshotWritten)] == [0, 1]
+
+
+class _Arena:
+    """Snapshot slots in plain memory, as the shared arena hands them out."""
+    def __init__(self):
+        self.slots = {}
+
+    def slot(self, i):
+        return self.slots.setdefault(i, bytearray(1 << 24))      # larger than the tiny model's snapshots
+
+    def close(self):
+        pass
 
 
 def test_a_model_without_batching_still_serves(tiny_q4_path):
