@@ -17,7 +17,8 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 from .topology import default_cpus
 
 COMPUTE_TYPES = {GGMLType.F32, GGMLType.Q4_0, GGMLType.Q8_0}
-MAX_BATCH = 64          # prompt tokens per native call: scratch grows with it
+MAX_BATCH = 256         # tokens per native call: scratch grows with it (~60 MB at 256 for the
+                        # full-size model); a 512-token prompt prefills 1.2-1.3x faster than at 64
 _KV_TYPES = {"f16": GGMLType.F16, "f32": GGMLType.F32}   # fm_seq.kv_type
 
 

@@ -5,10 +5,11 @@ from the snapshot slots named in its Assign (or started empty), prefilled up to
 each planned snapshot position in turn (writing the slot as it passes), then
 decoded one token at a time. A round is one forward pass (each weight read once
 for all of its sequences), as vLLM's scheduler builds them: one token for every
-decoding sequence first, then prompt chunks in arrival order up to PASS_TOKENS in
-all, each stopping at its next snapshot position. So a long prompt never stalls
-the generations already running for more than one pass, and N clients cost far
-less than N times one. Started by the coordinator, or by hand to add capacity:
+decoding sequence first, then prompt chunks in arrival order, each stopping at its
+next snapshot position, up to PASS_TOKENS in all, or DECODING_PASS_TOKENS while a
+sequence is decoding. So a long prompt never stalls the generations already running
+for more than one short pass, a prompt alone prefills in long ones (more tokens per
+expert), and N clients cost far less than N times one. Started by the coordinator, or by hand to add capacity:
 `cpu_worker --connect tcp://HOST:PORT`.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ from shared.state import SequenceState, kv_dtype, restore_snapshots, write_snaps
 
 log = logging.getLogger("fermoe.cpu_worker")
 HEARTBEAT_S = 1.0
-PASS_TOKENS = 64            # tokens of one forward pass, decoded ones first (the engine's max_batch)
+PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
+DECODING_PASS_TOKENS = 64   # ... and while sequences decode: the pause a prompt chunk puts in their streams
 
 
 @dataclass
@@ -148,7 +150,8 @@ class CPUWorker:
             else:
                 self.sequences.pop(rid, None)
                 self.finish(rid, seq, seq.decoder.finish_reason)
-        budget = PASS_TOKENS - len(batch)
+        budget = min(DECODING_PASS_TOKENS if batch else PASS_TOKENS, getattr(self.engine, "max_batch", PASS_TOKENS))
+        budget -= len(batch)
         for rid, seq in list(self.sequences.items()):
             pos, tokens = seq.state.position, seq.msg.tokens
             if pos >= len(tokens) or budget <= 0 or not self.guarded(rid, seq, self.write_snapshots):

@@ -91,6 +91,16 @@ def test_a_long_prompt_does_not_stall_running_generations(worker):
     assert [m.slot for m in worker.sent if isinstance(m, P.SnapshotWritten)] == [0, 1]
 
 
+def test_a_prompt_alone_prefills_in_long_passes(worker):
+    model = worker.model
+    long = _assign(model, "b", "", 2, 0.8, 2)
+    long.tokens = list(range(3, 303))
+    worker.handle_assign(long)
+    while worker.sequences["b"].state.position < 300:
+        worker.work_round()
+    assert worker.passes == [[256], [44]]
+
+
 class _Arena:
     """Snapshot slots in plain memory, as the shared arena hands them out."""
     def __init__(self):
