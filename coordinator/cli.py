@@ -15,8 +15,8 @@ DEFAULT_MODEL = "tiny"
 def _add_model(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="GGUF file, or the name of a built-in model (default: tiny, made on first use)")
-    p.add_argument("--engine", default="reference",
-                   help="reference (numpy spec) or cpu (native W4A8 kernels); default: reference")
+    p.add_argument("--engine", default="cpu",
+                   help="cpu (native W4A8 kernels, the default) or reference (the numpy spec: slow)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="cpu engine threads (default: the physical cores of the first NUMA node)")
     add_kv_cache_dtype(p)

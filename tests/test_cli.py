@@ -26,7 +26,7 @@ def fermoe(*args, env=None, check=True):
 
 def test_logits_from_tokens_and_prompt(tiny_path, tmp_path):
     out = tmp_path / "logits.npy"
-    fermoe("logits", tiny_path, "--tokens", "1,2,3,400", "--out", out)
+    fermoe("logits", tiny_path, "--engine", "reference", "--tokens", "1,2,3,400", "--out", out)
     logits = np.load(out)
     engine = ReferenceEngine(Model(tiny_path))
     # same computation in another process: equal up to BLAS summation order
