@@ -204,12 +204,19 @@ class Coordinator:
             log.error("worker %s runs another model (%s); sending it away", wid, msg.fingerprint)
             self.send_worker(wid, P.Shutdown())
             return
-        self.workers[wid] = WorkerView(wid, alive=True, ready=True, threads=msg.threads, pid=msg.pid)
+        self.workers[wid] = WorkerView(wid, alive=True, ready=False, threads=msg.threads, pid=msg.pid)
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
                                         n_slots=arena.n_slots if arena else 0, block=self.opts.block,
                                         kv_cache_dtype=self.opts.kv_cache_dtype))
         log.info("worker %s (pid %d, %d threads) joined", wid, msg.pid, msg.threads)
+
+    def handle_attached(self, wid: str, msg: P.Attached) -> None:
+        view = self.workers[wid]
+        view.ready, view.arena = True, msg.arena and self.arena is not None
+        if self.arena is not None and not msg.arena:
+            log.warning("worker %s has no access to the snapshot arena: its requests run without the prefix cache",
+                        wid)
 
     def handle_heartbeat(self, wid: str, msg: P.Heartbeat) -> None:
         pass                                    # last_seen is updated for every message
@@ -262,10 +269,11 @@ class Coordinator:
             self.assign(self.requests[self.queue.pop(0)], wid)
 
     def assign(self, req: Request, wid: str) -> None:
-        resume = self.index.lookup(req.tokens) if self.arena else None
+        cache = self.workers[wid].arena                 # the worker can read and write snapshot slots
+        resume = self.index.lookup(req.tokens) if cache else None
         req.resume, req.cached_tokens = resume, (resume.position if resume else 0)
         start = req.cached_tokens
-        req.planned = self.index.plan(req.tokens, start) if self.arena else []
+        req.planned = self.index.plan(req.tokens, start) if cache else []
         req.worker, req.attempts = wid, req.attempts + 1
         self.workers[wid].requests.add(req.rid)
         m = req.msg

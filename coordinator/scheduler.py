@@ -15,6 +15,7 @@ class WorkerView:
     ready: bool = False
     threads: int = 1
     pid: int = 0
+    arena: bool = False          # mapped the snapshot arena: it may resume and write snapshots
     requests: set = field(default_factory=set)
 
 

@@ -50,13 +50,14 @@ class Sequence:
 
 class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
-                 cpus: list[int] | None = None):
+                 cpus: list[int] | None = None, shared_memory: bool = True):
         from shared.builtin import resolve_model
         from shared.engine import load_engine
         self.model = Model(resolve_model(model_path))
         self.engine = load_engine(engine, self.model, threads=threads, cpus=cpus)
         self.worker_id = worker_id
         self.arena = self.block = None              # attached on Welcome
+        self.shared_memory = shared_memory          # False: never map the arena, as on another host
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
@@ -101,13 +102,13 @@ class CPUWorker:
             self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
             return
         self.engine.kv_cache_dtype = msg.kv_cache_dtype     # the snapshot slots hold this KV
-        if self.arena is None and msg.n_slots:
+        if self.arena is None and msg.n_slots and self.shared_memory:
             try:
                 self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
                 self.block = msg.block
             except FermoeError as e:        # another host: no shared memory with the coordinator
                 log.warning("running without the snapshot arena: %s", e)
-                self.send(P.Error(message=f"worker {self.worker_id} cannot attach the snapshot arena: {e}"))
+        self.send(P.Attached(arena=self.arena is not None))
 
     def handle_assign(self, msg: P.Assign) -> None:
         try:
@@ -228,7 +229,7 @@ def run_cpu_worker(args) -> int:
         from .topology import default_cpus
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
-                       args.threads, args.engine, cpus)
+                       args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory)
     try:
         worker.event_loop()
     finally:
@@ -246,6 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", default=None, help="comma-separated CPUs to pin to (default: the node's physical cores)")
     p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
     p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
+    p.add_argument("--no-shared-memory", action="store_true",
+                   help="do not map the coordinator's snapshot arena (as a worker on another host cannot): "
+                        "requests then run without the prefix cache")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_worker %(levelname)s %(message)s")
     try:

@@ -120,6 +120,13 @@ class Welcome(_Msg, tag="welcome"):
     kv_cache_dtype: str
 
 
+class Attached(_Msg, tag="attached"):
+    """worker -> coordinator, answer to Welcome: whether the worker mapped the snapshot
+    arena. One that did not (on another host, or started with --no-shared-memory) is
+    assigned requests without snapshots to resume or write; it is ready from here on."""
+    arena: bool
+
+
 class SnapshotRef(msgspec.Struct, forbid_unknown_fields=True):
     """A snapshot slot in the shared arena and the position its state is at."""
     slot: int
@@ -183,7 +190,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
 CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
 TO_WORKER = Union[Welcome, Assign, Stop, Shutdown]
-FROM_WORKER = Union[Hello, Sampled, SnapshotWritten, Finished, Heartbeat, Error]
+FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Heartbeat, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {}

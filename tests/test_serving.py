@@ -272,6 +272,37 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
         extra.wait()
 
 
+def test_a_worker_without_the_arena_serves_without_the_cache(daemon, tiny_q4_path):
+    """cpu_worker --no-shared-memory (as on another host): it gets no snapshots to
+    resume or write, so its requests run whole, and sample what the others sample."""
+    prompt = "A prompt long enough to cross a few snapshot blocks of eight tokens."
+    expected, _ = run(daemon.addr, prompt, max_tokens=8, seed=9)       # cached from here on
+    with Client(daemon.addr) as c:
+        before = {w.worker_id for w in c.status().workers}
+    endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
+    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint, "--model",
+                              str(tiny_q4_path), "--threads", "1", "--worker-id", "remote", "--no-shared-memory"])
+    try:
+        with Client(daemon.addr) as c:
+            deadline = time.monotonic() + 60
+            while not any(w.worker_id == "remote" and w.alive for w in c.status().workers):
+                assert time.monotonic() < deadline, "the worker never became ready"
+                time.sleep(0.2)
+            rids = [c.submit(prompt, max_tokens=8, seed=9) for _ in range(4)]
+            dones = []
+            for rid in rids:
+                msgs = list(c.stream(rid))
+                assert "".join(m.text for m in msgs[:-1]) == expected
+                dones.append(msgs[-1])
+        assert all(d.finish_reason in ("length", "stop") for d in dones)
+        cached = {d.cached_prompt_tokens > 0 for d in dones}
+        assert cached == {True, False}          # some ran on a worker with the cache, some on "remote"
+        assert "remote" not in before
+    finally:
+        extra.kill()
+        extra.wait()
+
+
 @pytest.mark.parametrize("args, problem", [
     (["--model", "/nonexistent.gguf"], "cannot open"),
     (["--model", "tiny", "--block", "0"], "--block 0"),
