@@ -35,6 +35,7 @@ log = logging.getLogger("fermoe.cpu_worker")
 HEARTBEAT_S = 1.0
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
 DECODING_PASS_TOKENS = 64   # ... and while sequences decode: the pause a prompt chunk puts in their streams
+MIN_PROMPT_TOKENS = 8       # prompt tokens a pass takes however many sequences decode: no prompt starves
 
 
 @dataclass
@@ -152,7 +153,7 @@ class CPUWorker:
                 self.sequences.pop(rid, None)
                 self.finish(rid, seq, seq.decoder.finish_reason)
         budget = min(DECODING_PASS_TOKENS if batch else PASS_TOKENS, getattr(self.engine, "max_batch", PASS_TOKENS))
-        budget -= len(batch)
+        budget = max(budget - len(batch), MIN_PROMPT_TOKENS)
         for rid, seq in list(self.sequences.items()):
             pos, tokens = seq.state.position, seq.msg.tokens
             if pos >= len(tokens) or budget <= 0 or not self.guarded(rid, seq, self.write_snapshots):

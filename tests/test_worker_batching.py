@@ -101,6 +101,21 @@ def test_a_prompt_alone_prefills_in_long_passes(worker):
     assert worker.passes == [[256], [44]]
 
 
+def test_more_decoding_sequences_than_the_budget_starve_no_prompt(worker, monkeypatch):
+    import cpu_worker.worker as W
+    monkeypatch.setattr(W, "DECODING_PASS_TOKENS", 2)           # fewer than the decoding sequences
+    model = worker.model
+    for req in REQUESTS:
+        worker.handle_assign(_assign(model, *req))
+    worker.work_round()                                         # their prompts
+    long = _assign(model, "d", "", 2, 0.8, 2)
+    long.tokens = list(range(3, 40))
+    worker.handle_assign(long)
+    while worker.sequences["d"].state.position < len(long.tokens):
+        worker.work_round()
+    assert [p[-1] for p in worker.passes[1:]] == [W.MIN_PROMPT_TOKENS] * 4 + [37 - 4 * W.MIN_PROMPT_TOKENS]
+
+
 class _Arena:
     """Snapshot slots in plain memory, as the shared arena hands them out."""
     def __init__(self):
