@@ -183,19 +183,27 @@ class Coordinator:
             self.end(req, "cancelled", notify=False)
 
     # ---- workers --------------------------------------------------------------
-    def send_worker(self, worker_id: str, msg) -> None:
-        self.workers_sock.send_multipart([worker_id.encode(), P.encode(msg)])
+    def send_worker(self, worker_id: str, msg, data: list = ()) -> None:
+        self.workers_sock.send_multipart([worker_id.encode(), P.encode(msg), *data])
 
     def handle_worker_frames(self, frames: list[bytes]) -> None:
+        """[worker id, message, data...]: data frames come only with the SnapshotWritten
+        of a worker without the arena (the snapshot itself)."""
         wid = frames[0].decode(errors="replace")
         try:
-            msg = P.decode(frames[-1], P.FROM_WORKER)
+            msg = P.decode(frames[1], P.FROM_WORKER) if len(frames) > 1 else None
+            if msg is None:
+                raise ProtocolError("no message frame")
+            if len(frames) > 2 and not isinstance(msg, P.SnapshotWritten):
+                raise ProtocolError(f"{type(msg).__name__} came with {len(frames) - 2} data frames")
         except ProtocolError as e:
             log.error("worker %s sent a bad message: %s", wid, e)
             return
         self.last_seen[wid] = time.monotonic()
         if isinstance(msg, P.Hello):
             self.handle_hello(wid, msg)
+        elif isinstance(msg, P.SnapshotWritten) and wid in self.workers:
+            self.handle_snapshotwritten(wid, msg, frames[2:])
         elif wid in self.workers:
             getattr(self, f"handle_{type(msg).__name__.lower()}")(wid, msg)
 
@@ -215,8 +223,7 @@ class Coordinator:
         view = self.workers[wid]
         view.ready, view.arena = True, msg.arena and self.arena is not None
         if self.arena is not None and not msg.arena:
-            log.warning("worker %s has no access to the snapshot arena: its requests run without the prefix cache",
-                        wid)
+            log.info("worker %s has no access to the snapshot arena: its snapshots travel as message frames", wid)
 
     def handle_heartbeat(self, wid: str, msg: P.Heartbeat) -> None:
         pass                                    # last_seen is updated for every message
@@ -238,14 +245,20 @@ class Coordinator:
         if self.reply(req.client, P.Token(request_id=req.rid, token=msg.token, text=text)) and req.stream.stopped:
             self.end(req, "stop")
 
-    def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten) -> None:
+    def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten, data: list = ()) -> None:
         req = self.requests.get(msg.request_id)
-        if req is None:
+        if req is None or req.worker != wid:
             return
         for planned in list(req.planned):
-            if planned.slot == msg.slot:
-                self.index.commit(planned)
-                req.planned.remove(planned)
+            if planned.slot != msg.slot:
+                continue
+            if not self.workers[wid].arena:             # the snapshot came as a frame: into its slot
+                if len(data) != 1 or len(data[0]) != self.arena.slot_bytes:
+                    log.error("worker %s sent snapshot %d without its %d bytes", wid, msg.slot, self.arena.slot_bytes)
+                    return
+                self.arena.slot(msg.slot)[:] = data[0]
+            self.index.commit(planned)
+            req.planned.remove(planned)
 
     def handle_finished(self, wid: str, msg: P.Finished) -> None:
         req = self.requests.get(msg.request_id)
@@ -269,7 +282,7 @@ class Coordinator:
             self.assign(self.requests[self.queue.pop(0)], wid)
 
     def assign(self, req: Request, wid: str) -> None:
-        cache = self.workers[wid].arena                 # the worker can read and write snapshot slots
+        cache = self.arena is not None
         resume = self.index.lookup(req.tokens) if cache else None
         req.resume, req.cached_tokens = resume, (resume.position if resume else 0)
         start = req.cached_tokens
@@ -278,11 +291,13 @@ class Coordinator:
         self.workers[wid].requests.add(req.rid)
         m = req.msg
         refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
+        # a worker without the arena gets the slots' bytes as frames (copied: the slot may be reused later)
+        data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
         self.send_worker(wid, P.Assign(
             request_id=req.rid, tokens=req.tokens, resume=refs,
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             max_tokens=m.max_tokens, temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
-            repeat_penalty=m.repeat_penalty, seed=req.seed, ignore_eos=m.ignore_eos))
+            repeat_penalty=m.repeat_penalty, seed=req.seed, ignore_eos=m.ignore_eos), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
             notify: bool = True) -> None:

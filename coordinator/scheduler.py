@@ -15,7 +15,7 @@ class WorkerView:
     ready: bool = False
     threads: int = 1
     pid: int = 0
-    arena: bool = False          # mapped the snapshot arena: it may resume and write snapshots
+    arena: bool = False          # mapped the snapshot arena; else snapshots go to it and back as frames
     requests: set = field(default_factory=set)
 
 

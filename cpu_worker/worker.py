@@ -57,7 +57,7 @@ class CPUWorker:
         self.model = Model(resolve_model(model_path))
         self.engine = load_engine(engine, self.model, threads=threads, cpus=cpus)
         self.worker_id = worker_id
-        self.arena = self.block = None              # attached on Welcome
+        self.arena = self.block = self.slot_bytes = None   # from the Welcome
         self.shared_memory = shared_memory          # False: never map the arena, as on another host
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -79,7 +79,7 @@ class CPUWorker:
         while self.running:
             busy = bool(self.sequences)
             if self.sock.poll(0 if busy else int(HEARTBEAT_S * 1000)):
-                self.handle(self.sock.recv())
+                self.handle(self.sock.recv_multipart())
                 continue                                 # drain messages before working
             if time.monotonic() - last_beat >= HEARTBEAT_S:
                 self.send(P.Heartbeat(running=len(self.sequences)))
@@ -87,13 +87,18 @@ class CPUWorker:
             if busy:
                 self.work_round()
 
-    def handle(self, data: bytes) -> None:
+    def handle(self, frames: list[bytes]) -> None:
+        """One message; an Assign to a worker without the arena carries its resume
+        snapshots as raw frames after it (none ride in any other message)."""
         try:
-            msg = P.decode(data, P.TO_WORKER)
+            msg = P.decode(frames[0], P.TO_WORKER)
         except ProtocolError as e:
             self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
             return
-        getattr(self, f"handle_{type(msg).__name__.lower()}")(msg)
+        if isinstance(msg, P.Assign):
+            self.handle_assign(msg, frames[1:])
+        else:
+            getattr(self, f"handle_{type(msg).__name__.lower()}")(msg)
 
     def handle_welcome(self, msg: P.Welcome) -> None:
         from shared.shm_arena import SnapshotArena
@@ -103,17 +108,17 @@ class CPUWorker:
             self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
             return
         self.engine.kv_cache_dtype = msg.kv_cache_dtype     # the snapshot slots hold this KV
+        self.block, self.slot_bytes = msg.block, msg.slot_bytes
         if self.arena is None and msg.n_slots and self.shared_memory:
             try:
                 self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
-                self.block = msg.block
             except FermoeError as e:        # another host: no shared memory with the coordinator
-                log.warning("running without the snapshot arena: %s", e)
+                log.warning("no snapshot arena here (%s): snapshots travel as message frames", e)
         self.send(P.Attached(arena=self.arena is not None))
 
-    def handle_assign(self, msg: P.Assign) -> None:
+    def handle_assign(self, msg: P.Assign, data: list[bytes] = ()) -> None:
         try:
-            self.sequences[msg.request_id] = self.start(msg)
+            self.sequences[msg.request_id] = self.start(msg, data)
         except (FermoeError, ValueError) as e:
             self.send(P.Finished(request_id=msg.request_id, finish_reason="error", prefill_ms=0.0,
                                  decode_ms=0.0, completion_tokens=0, error=str(e)))
@@ -127,12 +132,14 @@ class CPUWorker:
         self.running = False
 
     # ---- sequences --------------------------------------------------------
-    def start(self, msg: P.Assign) -> Sequence:
+    def start(self, msg: P.Assign, data: list[bytes] = ()) -> Sequence:
         cfg = self.model.config
-        if (msg.resume or msg.snapshots) and self.arena is None:
-            raise FermoeError("this worker has no snapshot arena (started on another host?)")
+        if (msg.resume or msg.snapshots) and self.block is None:
+            raise FermoeError("snapshots assigned before the coordinator's Welcome")
+        if self.arena is None and len(data) != len(msg.resume):
+            raise FermoeError(f"{len(msg.resume)} snapshots to resume from, {len(data)} came with the message")
         if msg.resume:
-            slots = [self.arena.slot(r.slot) for r in msg.resume]
+            slots = [self.arena.slot(r.slot) for r in msg.resume] if self.arena is not None else list(data)
             state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block, self.engine.kv_cache_dtype)
         else:
             state = self.engine.new_state()
@@ -203,11 +210,18 @@ class CPUWorker:
             self.send(P.Sampled(request_id=rid, token=seq.decoder.sample()))
 
     def write_snapshots(self, rid: str, seq: Sequence) -> None:
-        """Every planned snapshot at the position the prompt has reached."""
+        """Every planned snapshot at the position the prompt has reached: into its arena
+        slot, or without the arena as a frame after the message, for the coordinator."""
         while seq.pending and seq.pending[0].position == seq.state.position:
             ref = seq.pending.pop(0)
-            write_snapshot(seq.state, self.arena.slot(ref.slot), self.block)
-            self.send(P.SnapshotWritten(request_id=rid, slot=ref.slot))
+            written = P.SnapshotWritten(request_id=rid, slot=ref.slot)
+            if self.arena is not None:
+                write_snapshot(seq.state, self.arena.slot(ref.slot), self.block)
+                self.send(written)
+            else:
+                buf = bytearray(self.slot_bytes)
+                write_snapshot(seq.state, buf, self.block)
+                self.sock.send_multipart([P.encode(written), buf])
 
     def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:
         done = seq.decoder.history[len(seq.msg.tokens):] if seq.decoder else []

@@ -122,8 +122,10 @@ class Welcome(_Msg, tag="welcome"):
 
 class Attached(_Msg, tag="attached"):
     """worker -> coordinator, answer to Welcome: whether the worker mapped the snapshot
-    arena. One that did not (on another host, or started with --no-shared-memory) is
-    assigned requests without snapshots to resume or write; it is ready from here on."""
+    arena; it is ready from here on. One that did not (on another host, or started with
+    --no-shared-memory) gets the snapshots of an Assign's `resume` as raw frames after
+    the Assign, in order, and sends each snapshot it writes as one raw frame after its
+    SnapshotWritten. No other message carries data frames."""
     arena: bool
 
 

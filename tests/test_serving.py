@@ -18,6 +18,7 @@ import zmq
 
 from coordinator.client import Client
 from shared import protocol as P
+from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
 
 BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
@@ -272,35 +273,72 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
         extra.wait()
 
 
-def test_a_worker_without_the_arena_serves_without_the_cache(daemon, tiny_q4_path):
-    """cpu_worker --no-shared-memory (as on another host): it gets no snapshots to
-    resume or write, so its requests run whole, and sample what the others sample."""
-    prompt = "A prompt long enough to cross a few snapshot blocks of eight tokens."
-    expected, _ = run(daemon.addr, prompt, max_tokens=8, seed=9)       # cached from here on
-    with Client(daemon.addr) as c:
-        before = {w.worker_id for w in c.status().workers}
-    endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint, "--model",
-                              str(tiny_q4_path), "--threads", "1", "--worker-id", "remote", "--no-shared-memory"])
+def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
+    """cpu_worker --no-shared-memory (as on another host): it resumes from snapshots
+    sent as message frames and sends back the ones it writes, which the daemon's own
+    worker then resumes from. Idle workers are picked by id, so with the daemon's
+    worker busy the second of two concurrent requests goes to "remote" (a daemon of its
+    own: no other test's hand-started worker may take them)."""
+    daemon, extra = Daemon(tiny_q4_path), None
     try:
+        cached_prompt = "A prompt long enough to cross a few snapshot blocks of eight tokens."
+        expected, _ = run(daemon.addr, cached_prompt, max_tokens=8, seed=9)
+        endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
+        extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint, "--model",
+                                  str(tiny_q4_path), "--threads", "1", "--worker-id", "remote",
+                                  "--no-shared-memory"])
         with Client(daemon.addr) as c:
             deadline = time.monotonic() + 60
             while not any(w.worker_id == "remote" and w.alive for w in c.status().workers):
                 assert time.monotonic() < deadline, "the worker never became ready"
                 time.sleep(0.2)
-            rids = [c.submit(prompt, max_tokens=8, seed=9) for _ in range(4)]
-            dones = []
-            for rid in rids:
+            assert min(w.worker_id for w in c.status().workers) != "remote"
+            # both resume: the daemon's worker from shared memory, "remote" from frames
+            first, second = (c.submit(cached_prompt, max_tokens=8, seed=9) for _ in range(2))
+            for rid in (first, second):
                 msgs = list(c.stream(rid))
                 assert "".join(m.text for m in msgs[:-1]) == expected
-                dones.append(msgs[-1])
-        assert all(d.finish_reason in ("length", "stop") for d in dones)
-        cached = {d.cached_prompt_tokens > 0 for d in dones}
-        assert cached == {True, False}          # some ran on a worker with the cache, some on "remote"
-        assert "remote" not in before
+                assert msgs[-1].cached_prompt_tokens >= BLOCK
+            # "remote" prefills a new prompt and sends its snapshots; the other worker resumes from them
+            busy = c.submit(LONG_PROMPT, max_tokens=8, seed=1)
+            fresh = "Another prompt, new to the cache, that remote prefills and snapshots."
+            on_remote = c.submit(fresh, max_tokens=8, seed=2)
+            remote_text = "".join(m.text for m in list(c.stream(on_remote))[:-1])
+            list(c.stream(busy))
+        again_text, again = run(daemon.addr, fresh, max_tokens=8, seed=2)
+        assert again.cached_prompt_tokens >= BLOCK and again_text == remote_text
+        assert any("travel as message frames" in line for line in daemon.log)
     finally:
-        extra.kill()
-        extra.wait()
+        if extra is not None:
+            extra.kill()
+            extra.wait()
+        assert daemon.stop() == 0
+
+
+def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
+    """On the worker endpoint: no frame, garbage, data frames on a message that takes
+    none, a snapshot of the wrong size for a request the sender does not run. (A
+    daemon of its own: the rogue stays registered until its heartbeats time out.)"""
+    d = Daemon(tiny_q4_path)
+    try:
+        endpoint = next(line.split("workers on ")[1].strip() for line in d.log if "workers on " in line)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"rogue")
+        sock.connect(endpoint)
+        fingerprint = Model(tiny_q4_path).fingerprint
+        sock.send(P.encode(P.Hello(worker_id="rogue", pid=1, threads=1, fingerprint=fingerprint)))
+        sock.send(P.encode(P.Attached(arena=False)))
+        sock.send(b"\x00\xc1garbage")
+        sock.send_multipart([P.encode(P.Heartbeat(running=0)), b"unexpected data"])
+        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0)), b"short"])
+        time.sleep(0.5)
+        sock.close()
+        assert d.proc.poll() is None
+        assert run(d.addr, "after the rogue", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
+        assert any("rogue sent a bad message" in line for line in d.log)
+    finally:
+        assert d.stop() == 0
 
 
 @pytest.mark.parametrize("args, problem", [
