@@ -263,8 +263,8 @@ def main(argv=None) -> int:
     p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
     p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
     p.add_argument("--no-shared-memory", action="store_true",
-                   help="do not map the coordinator's snapshot arena (as a worker on another host cannot): "
-                        "requests then run without the prefix cache")
+                   help="do not map the coordinator's snapshot arena, as a worker on another host cannot: "
+                        "snapshots then travel as message frames")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_worker %(levelname)s %(message)s")
     try:
