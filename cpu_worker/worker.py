@@ -3,13 +3,16 @@
 One DEALER socket to the coordinator's worker endpoint. Each sequence is restored
 from the snapshot slots named in its Assign (or started empty), prefilled up to
 each planned snapshot position in turn (writing the slot as it passes), then
-decoded one token at a time. A round is one forward pass (each weight read once
+decoded one token at a time. The slots live in the coordinator's shared-memory
+arena; a worker that cannot map it (another host) gets and sends them as raw
+frames beside the messages instead. A round is one forward pass (each weight read once
 for all of its sequences), as vLLM's scheduler builds them: one token for every
 decoding sequence first, then prompt chunks in arrival order, each stopping at its
 next snapshot position, up to PASS_TOKENS in all, or DECODING_PASS_TOKENS while a
 sequence is decoding. So a long prompt never stalls the generations already running
 for more than one short pass, a prompt alone prefills in long ones (more tokens per
-expert), and N clients cost far less than N times one. Started by the coordinator, or by hand to add capacity:
+expert), and N clients cost far less than N times one. Started by the coordinator,
+or by hand to add capacity:
 `cpu_worker --connect tcp://HOST:PORT`.
 """
 from __future__ import annotations
