@@ -1,6 +1,7 @@
-/* kernels_float_x86.c: F32/F16 products (SSE, AVX2, AVX-512) and the SIMD Q8_0
- * quantiser. The F32/F16 tensors are the small ones (norm-adjacent vectors,
- * the router); these only need to stay memory-bound. */
+/* kernels_float_x86.c: F32/F16 products (SSE, AVX2, AVX-512), the SIMD Q8_0
+ * quantiser, fp16 rows (F16C) and the attention kernels over the KV cache (AVX2).
+ * The F32/F16 tensors are the small ones (norm-adjacent vectors, the router);
+ * these only need to stay memory-bound. */
 #include <immintrin.h>
 #include <math.h>
 #include "kernels.h"
