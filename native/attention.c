@@ -16,16 +16,23 @@ typedef struct {
     int T;
 } attn_ctx;
 
-/* NeoX RoPE on the first rope_dim dims: pairs (i, i + rope_dim/2). */
-static void rope(float *x, int64_t pos, int rope_dim, float theta) {
-    int half = rope_dim / 2;
-    for (int i = 0; i < half; i++) {
+/* The rotations of NeoX RoPE at one position, pair i = (i, i + rope_dim/2): computed
+ * once a token for all its heads (pow, cos and sin per pair per head were ~80 us a
+ * layer on one thread). */
+static void rope_angles(int64_t pos, int rope_dim, float theta, float *cs, float *sn) {
+    for (int i = 0; i < rope_dim / 2; i++) {
         double inv_freq = 1.0 / pow(theta, (double)(2 * i) / rope_dim);
         float angle = (float)(pos * inv_freq);
-        float cs = cosf(angle), sn = sinf(angle);
+        cs[i] = cosf(angle), sn[i] = sinf(angle);
+    }
+}
+
+static void rope(float *x, int rope_dim, const float *cs, const float *sn) {
+    int half = rope_dim / 2;
+    for (int i = 0; i < half; i++) {
         float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * cs - x2 * sn;
-        x[i + half] = x2 * cs + x1 * sn;
+        x[i] = x1 * cs[i] - x2 * sn[i];
+        x[i + half] = x2 * cs[i] + x1 * sn[i];
     }
 }
 
@@ -49,15 +56,17 @@ static void prepare_task(void *p, int t, int worker) {
     int hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd, slot = a->l->attn_slot;
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t pos = a->c->tok_pos[t];
+    float cs[m->rope_dim / 2 + 1], sn[m->rope_dim / 2 + 1];
+    rope_angles(pos, m->rope_dim, m->rope_theta, cs, sn);
     for (int h = 0; h < m->n_head; h++) {
         float *q = a->qg + ((size_t)t * m->n_head + h) * 2 * hd;
         fm_rmsnorm(q, q, a->l->attn_q_norm.data, hd, m->rms_eps);
-        rope(q, pos, m->rope_dim, m->rope_theta);
+        rope(q, m->rope_dim, cs, sn);
     }
     float k[hd];
     for (int h = 0; h < nkv; h++) {
         fm_rmsnorm(k, a->k + (size_t)t * kvw + h * hd, a->l->attn_k_norm.data, hd, m->rms_eps);
-        rope(k, pos, m->rope_dim, m->rope_theta);
+        rope(k, m->rope_dim, cs, sn);
         store_kv(s, kv_at(s, s->k_pages, slot, pos, h, nkv, hd), k, hd);
         store_kv(s, kv_at(s, s->v_pages, slot, pos, h, nkv, hd), a->v + (size_t)t * kvw + h * hd, hd);
     }
@@ -231,7 +240,10 @@ void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
         {&l->attn_v, 0, c->xn, c->xq, T, a.v, kvw},
     };
     fm_run_jobs(c->pool, in, 3);
-    fm_pool_run(c->pool, prepare_task, &a, T);
+    if (T <= 8)                 /* a few microseconds a token: not worth a parallel region */
+        for (int t = 0; t < T; t++) prepare_task(&a, t, 0);
+    else
+        fm_pool_run(c->pool, prepare_task, &a, T);
     attend(c, &a, T);
     fm_quantize_rows(c->pool, a.out, c->xq, T, width);
     fm_job out = {&l->attn_output, 0, a.out, c->xq, T, c->tmp, D};
