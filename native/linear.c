@@ -104,7 +104,8 @@ static void quant_task(void *ctxp, int b, int worker) {
 }
 
 /* Rows quantise in ~1 us each: a few are done by the caller, since a parallel region
- * costs more to start and join than that (a decode step has ~4 of these a layer). */
+ * costs more to start and join than that (one row always was: fm_pool_run runs a
+ * single task inline; a batched step of a few sequences has ~4 of these a layer). */
 #define SERIAL_QUANT_ROWS 8
 
 void fm_quantize_rows(fm_pool *pool, const float *x, block_q8_0 *y, int B, int n) {
