@@ -133,6 +133,7 @@ static void segment_task(void *p, int task, int worker) {
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t last = a->c->tok_pos[t], end = (seg + 1) * (int64_t)KV_SEGMENT - 1;
     end = end < last ? end : last;
+    int alone = n_segments(last) == 1;          /* the token's only segment: finished here */
     int f16 = s->kv_type == FM_F16;
     const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;   /* head h of the group: q0 + h*2*hd */
     float scale = 1.0f / sqrtf((float)hd), mx[G], sum[G], acc[G][hd], sc[G][KV_CHUNK];
@@ -161,14 +162,14 @@ static void segment_task(void *p, int task, int worker) {
         }
         fm_attn_accumulate(&sc[0][0], KV_CHUNK, G, vrow, f16, n, hd, &acc[0][0]);
     }
-    float *states = n_segments(last) == 1 ? a->c->attn_run + ((size_t)t * nh + (size_t)g * G) * (hd + 2)
+    float *states = alone ? a->c->attn_run + ((size_t)t * nh + (size_t)g * G) * (hd + 2)
                                           : a->c->attn_part + (size_t)task * G * (hd + 2);
     for (int h = 0; h < G; h++) {
         float *st = head_state(states, h, hd);
         for (int i = 0; i < hd; i++) st[i] = acc[h][i];
         st[hd] = mx[h], st[hd + 1] = sum[h];
     }
-    if (n_segments(last) == 1) finish_heads(a, t, g, states);
+    if (alone) finish_heads(a, t, g, states);
 }
 
 /* Fold a pair's segment states of this region into its running state, in segment
@@ -187,7 +188,7 @@ static void fold_task(void *p, int k, int worker) {
         const float *part = a->c->attn_part + (size_t)item * G * (hd + 2);
         for (int h = 0; h < G; h++) {
             float *r = head_state(run, h, hd);
-            const float *q = head_state((float *)part, h, hd);
+            const float *q = part + (size_t)h * (hd + 2);
             if (seg == 0) {
                 for (int i = 0; i < hd + 2; i++) r[i] = q[i];
                 continue;
@@ -240,10 +241,7 @@ void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
         {&l->attn_v, 0, c->xn, c->xq, T, a.v, kvw},
     };
     fm_run_jobs(c->pool, in, 3);
-    if (T <= 8)                 /* a few microseconds a token: not worth a parallel region */
-        for (int t = 0; t < T; t++) prepare_task(&a, t, 0);
-    else
-        fm_pool_run(c->pool, prepare_task, &a, T);
+    fm_pool_run_light(c->pool, prepare_task, &a, T);  /* a few microseconds a token */
     attend(c, &a, T);
     fm_quantize_rows(c->pool, a.out, c->xq, T, width);
     fm_job out = {&l->attn_output, 0, a.out, c->xq, T, c->tmp, D};

@@ -103,17 +103,8 @@ static void quant_task(void *ctxp, int b, int worker) {
     fm_quantize_row_q8_0(c->x + (int64_t)b * c->n, c->y + (int64_t)b * (c->n / 32), c->n);
 }
 
-/* Rows quantise in ~1 us each: a few are done by the caller, since a parallel region
- * costs more to start and join than that (one row always was: fm_pool_run runs a
- * single task inline; a batched step of a few sequences has ~4 of these a layer). */
-#define SERIAL_QUANT_ROWS 8
-
 void fm_quantize_rows(fm_pool *pool, const float *x, block_q8_0 *y, int B, int n) {
     if (n % 32) return;         /* only F32 weights can take such rows: they read x itself */
     quant_ctx c = {x, y, n};
-    if (B <= SERIAL_QUANT_ROWS) {
-        for (int b = 0; b < B; b++) quant_task(&c, b, 0);
-        return;
-    }
-    fm_pool_run(pool, quant_task, &c, B);
+    fm_pool_run_light(pool, quant_task, &c, B);     /* ~1 us a row */
 }

@@ -113,6 +113,14 @@ void fm_pool_run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
     while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {}
 }
 
+void fm_pool_run_light(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
+    if (n_tasks > FM_POOL_INLINE_TASKS) {
+        fm_pool_run(p, fn, ctx, n_tasks);
+        return;
+    }
+    for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+}
+
 int fm_pool_size(const fm_pool *p) { return p->n_threads; }
 
 void fm_pool_destroy(fm_pool *p) {

@@ -16,8 +16,12 @@ typedef void (*fm_task_fn)(void *ctx, int task, int worker);
 fm_pool *fm_pool_create(int n_threads, const int *cpus);
 void fm_pool_destroy(fm_pool *pool);
 int fm_pool_size(const fm_pool *pool);
-/* Runs every task, blocking until all are done. Not reentrant. */
+/* Runs every task, blocking until all are done (one task runs in the caller). Not reentrant. */
 void fm_pool_run(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
+/* The same for tasks of about a microsecond: up to FM_POOL_INLINE_TASKS of them run in
+ * the caller, since starting and joining a region costs more than that. */
+enum { FM_POOL_INLINE_TASKS = 8 };
+void fm_pool_run_light(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
 /* Probes of bandwidth.c. Seconds of one parallel read pass over buf, in ~4 MB tasks: */
 double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
 /* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */
