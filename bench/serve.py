@@ -93,7 +93,7 @@ def decode_during_prefill(addr: str, prompt: list[int], vocab_hi: int, cold_toke
     end = max(t for t, _ in ttfts)
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if a < end]
     return {"arriving_prompts": arrivals, "prompt_tokens": cold_tokens,
-            "running_max_gap_s": round(max(gaps), 3), "running_median_gap_s": round(float(np.median(gaps)), 3),
+            "running_max_gap_s": round(max(gaps), 5), "running_median_gap_s": round(float(np.median(gaps)), 5),
             "arriving_ttft_s": sorted(round(t, 2) for _, t in ttfts)}
 
 
