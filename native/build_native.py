@@ -40,7 +40,7 @@ KERNEL_API = ("enum { FM_ISA_SCALAR", "/* ---- the per-ISA implementations ---- 
 
 # The forward's headers are plain declarations: cffi reads them as they are (less the
 # preprocessor lines), so the Python view of the structs can never drift from C.
-FORWARD_HEADERS = ["model.h", "threadpool.h", "forward.h"]
+FORWARD_HEADERS = ["model.h", "threadpool.h", "linear.h", "forward.h"]
 
 
 def _header_cdef(name: str, section: tuple[str, str] | None = None) -> str:
@@ -72,7 +72,7 @@ def make_builder(absolute: bool = False) -> FFI:
     builder.cdef(CDEF + _header_cdef("kernels.h", KERNEL_API) + "".join(_header_cdef(h) for h in FORWARD_HEADERS))
     builder.set_source(
         "native._fermoe_native",
-        '#include "kernels.h"\n#include "forward.h"',
+        '#include "kernels.h"\n#include "linear.h"\n#include "forward.h"',
         sources=sources,
         include_dirs=[str(HERE)],
         depends=[str(HERE / h) for h in HEADERS],

@@ -17,6 +17,7 @@ struct fm_ctx {
     float *weights;                 /* [T][k] routing weights */
     int32_t *pair_token, *pair_slot;/* MoE: token and top-k slot of each (expert, token) pair */
     block_q8_0 *xq2;                /* second quantised buffer (gathered expert inputs) */
+    block_q8_0 *hq;                 /* quantised expert hidden states [T*k][ff/32], then shared [T][ffs/32] */
     float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
     float *attn_part;               /* attention: softmax states of segment tasks [FM_ATTN_TASKS][n_head/kv][hd+2] */
     float *attn_run;                /* and the merged one of each (token, KV head) [T][n_head][hd+2] */

@@ -44,7 +44,8 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->c = malloc(T * max3(d_inner, (size_t)m->n_head * m->head_dim, k * D) * sizeof(float));
     c->d = malloc(T * (max3(2 * (size_t)m->ssm_v_heads, m->n_expert, 0) + 1) * sizeof(float));
     c->xq = malloc(T * (widest / 32) * sizeof(block_q8_0));
-    c->xq2 = malloc(T * (k + 1) * (max3(D, ff, ffs) / 32) * sizeof(block_q8_0));
+    c->xq2 = malloc(T * k * (D / 32) * sizeof(block_q8_0) + 1);
+    c->hq = malloc(T * (k * (ff / 32) + ffs / 32) * sizeof(block_q8_0) + 1);
     c->xg = malloc(T * k * max3(D, ff, 0) * sizeof(float));
     size_t softmax_state = (size_t)(m->head_dim + 2) * sizeof(float);   /* one query head's, attention.c */
     c->attn_part = malloc((size_t)FM_ATTN_TASKS * (m->n_head / m->n_head_kv) * softmax_state);
@@ -57,8 +58,8 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->seq_count = malloc(T * sizeof(int32_t));
     c->tok_seq = malloc(T * sizeof(int32_t));
     c->tok_pos = malloc(T * sizeof(int64_t));
-    if (!c->x || !c->xn || !c->tmp || !c->a || !c->b || !c->c || !c->d || !c->xq || !c->xq2 || !c->xg || !c->ids ||
-        !c->weights || !c->pair_token || !c->pair_slot || !c->seq_first || !c->seq_count || !c->tok_seq ||
+    if (!c->x || !c->xn || !c->tmp || !c->a || !c->b || !c->c || !c->d || !c->xq || !c->xq2 || !c->hq || !c->xg ||
+        !c->ids || !c->weights || !c->pair_token || !c->pair_slot || !c->seq_first || !c->seq_count || !c->tok_seq ||
         !c->tok_pos || !c->attn_part || !c->attn_run) {
         fm_ctx_destroy(c);
         return NULL;
@@ -68,8 +69,8 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
 
 void fm_ctx_destroy(fm_ctx *c) {
     if (!c) return;
-    void *bufs[] = {c->x, c->xn, c->tmp, c->a, c->b, c->c, c->d, c->xq, c->xq2, c->xg, c->ids, c->weights,
-                    c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos,
+    void *bufs[] = {c->x, c->xn, c->tmp, c->a, c->b, c->c, c->d, c->xq, c->xq2, c->hq, c->xg, c->ids,
+                    c->weights, c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos,
                     c->attn_part, c->attn_run};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(c);

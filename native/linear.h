@@ -1,7 +1,7 @@
 /* Matrix products of the forward pass, spread over the thread pool. A job is
  * y[b][r] = W[r] . x[b] for every row r of one weight matrix and every one of B
  * activation rows; several jobs run in one parallel region so small matrices
- * (an expert's gate and up, the GDN's four projections) share the threads. */
+ * (the experts' gates and ups, the GDN's four projections) share the threads. */
 #ifndef FM_LINEAR_H
 #define FM_LINEAR_H
 
@@ -17,6 +17,13 @@ typedef struct {
     int B;
     float *y;                   /* y[b * ldy + r] */
     int ldy;
+    /* Optional, a gated pair (an FFN's gate and up projections): w_up has w's shape
+     * and takes the same x into y_up, then y = silu(y) * y_up; with hq set, those
+     * rows of y are quantised to Q8_0 too (hq[b * rows/32 ...], the next
+     * projection's input), so nothing is left for a serial step between regions. */
+    const fm_tensor *w_up;
+    float *y_up;
+    block_q8_0 *hq;
 } fm_job;
 
 void fm_run_jobs(fm_pool *pool, const fm_job *jobs, int n_jobs);

@@ -54,11 +54,6 @@ static void gather_inputs(fm_ctx *c, int pairs, int D, int fp32) {
     }
 }
 
-__attribute__((target_clones("avx2", "default")))
-static void swiglu_rows(float *g, const float *u, size_t n) {
-    for (size_t i = 0; i < n; i++) g[i] = fm_silu(g[i]) * u[i];
-}
-
 void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp;
@@ -66,13 +61,17 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     float *router = c->d, *sh_gate = c->d + (size_t)T * E;
     float *G = c->a, *U = c->b, *Dn = c->c, *Gs = c->a + (size_t)pairs * ff, *Us = c->b + (size_t)pairs * ff;
 
+    /* h = silu(gate) * up comes out of the gate/up regions already quantised for
+     * the down projections (F32 weights, in the tiny test models, read h itself). */
+    int fp32 = l->ffn_gate_exps.type == FM_F32;
+    block_q8_0 *hq = ff % FM_QK || l->ffn_down_exps.type == FM_F32 ? NULL : c->hq;
+    block_q8_0 *hsq = ffs % FM_QK || l->ffn_down_shexp.type == FM_F32 ? NULL : c->hq + (size_t)pairs * (ff / 32);
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
-    fm_job first[3] = {
+    fm_job first[2] = {
         {&l->ffn_gate_inp, 0, c->xn, c->xq, T, router, E},
-        {&l->ffn_gate_shexp, 0, c->xn, c->xq, T, Gs, ffs},
-        {&l->ffn_up_shexp, 0, c->xn, c->xq, T, Us, ffs},
+        {&l->ffn_gate_shexp, 0, c->xn, c->xq, T, Gs, ffs, &l->ffn_up_shexp, Us, hsq},
     };
-    fm_run_jobs(c->pool, first, ffs ? 3 : 1);
+    fm_run_jobs(c->pool, first, ffs ? 2 : 1);
     for (int t = 0; t < T; t++) {
         route(router + (size_t)t * E, E, k, c->ids + (size_t)t * k, c->weights + (size_t)t * k);
         if (ffs) sh_gate[t] = fm_dot(l->ffn_gate_inp_shexp.data, c->xn + (size_t)t * D, D);
@@ -81,29 +80,20 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     int firstp[E], count[E], experts[E];
     int n_used = group_by_expert(c, T, E, k, firstp, count, experts);
     c->moe_calls++, c->experts_used += n_used;
-    int fp32 = l->ffn_gate_exps.type == FM_F32;
     gather_inputs(c, pairs, D, fp32);
-    fm_job jobs[2 * E + 1];
+    fm_job jobs[E + 1];
     for (int i = 0; i < n_used; i++) {
         int e = experts[i], p = firstp[e];
-        jobs[2 * i] = (fm_job){&l->ffn_gate_exps, e, c->xg + (size_t)p * D, c->xq2 + (size_t)p * (D / 32),
-                               count[e], G + (size_t)p * ff, ff};
-        jobs[2 * i + 1] = jobs[2 * i];
-        jobs[2 * i + 1].w = &l->ffn_up_exps;
-        jobs[2 * i + 1].y = U + (size_t)p * ff;
+        jobs[i] = (fm_job){&l->ffn_gate_exps, e, c->xg + (size_t)p * D, c->xq2 + (size_t)p * (D / 32), count[e],
+                           G + (size_t)p * ff, ff, &l->ffn_up_exps, U + (size_t)p * ff,
+                           hq ? hq + (size_t)p * (ff / 32) : NULL};
     }
-    fm_run_jobs(c->pool, jobs, 2 * n_used);
+    fm_run_jobs(c->pool, jobs, n_used);
 
-    /* h = silu(gate) * up, then the down projections (and the shared expert's) */
-    swiglu_rows(G, U, (size_t)pairs * ff);
-    if (ffs) swiglu_rows(Gs, Us, (size_t)T * ffs);
-    block_q8_0 *hq = c->xq2, *hsq = c->xq2 + (size_t)pairs * (ff / 32);
-    fm_quantize_rows(c->pool, G, hq, pairs, ff);
-    if (ffs) fm_quantize_rows(c->pool, Gs, hsq, T, ffs);
     for (int i = 0; i < n_used; i++) {
         int e = experts[i], p = firstp[e];
-        jobs[i] = (fm_job){&l->ffn_down_exps, e, G + (size_t)p * ff, hq + (size_t)p * (ff / 32), count[e],
-                           Dn + (size_t)p * D, D};
+        jobs[i] = (fm_job){&l->ffn_down_exps, e, G + (size_t)p * ff, hq ? hq + (size_t)p * (ff / 32) : NULL,
+                           count[e], Dn + (size_t)p * D, D};
     }
     int n_jobs = n_used;
     if (ffs) jobs[n_jobs++] = (fm_job){&l->ffn_down_shexp, 0, Gs, hsq, T, c->tmp, D};

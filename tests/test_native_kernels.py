@@ -285,6 +285,71 @@ def test_pool_matvec_covers_every_row_once(isa):
     np.testing.assert_array_equal(y, native.matvec(W, x, "q4_0"))
 
 
+_FM_TYPES = {"f32": 0, "q4_0": 2, "q8_0": 8}
+
+
+def _tensor(W, kind, rows, cols, mat_stride=0):
+    t = native.ffi.new("fm_tensor *")
+    t.data, t.type, t.rows, t.cols, t.mat_stride = native.ffi.from_buffer(W), _FM_TYPES[kind], rows, cols, mat_stride
+    return t
+
+
+def test_job_regions_compute_each_row_once(isa):
+    """fm_run_jobs (the forward's parallel products) over jobs of every weight type,
+    one token and several, a 3-D tensor's matrix and gated pairs: as many threads as
+    twice the CPUs claim runs of rows across job edges, and each result is the
+    single call's, bit for bit; a pair's y is silu(gate) * up and its Q8_0 copy is
+    y's exact quantisation."""
+    ffi, lib = native.ffi, native.lib
+    keep, jobs, checks = [], [], []
+
+    def add(kind, rows, cols, B, mats=1, mat=0, up=False, quantised=False):
+        Ws = [make_weights(kind, rows * mats, cols) for _ in range(2 if up else 1)]
+        row_bytes = Ws[0].nbytes // (rows * mats)
+        ts = [_tensor(W, kind, rows, cols, rows * row_bytes) for W in Ws]
+        X, _ = make_acts(kind, cols, B)
+        X = np.ascontiguousarray(X)
+        Ys = [np.full((B, rows), np.nan, np.float32) for _ in Ws]
+        hq = np.zeros((B, rows // QK * 34), np.uint8) if quantised else None
+        fp = lambda a: ffi.cast("float *", ffi.from_buffer(a))
+        xq = ffi.cast("block_q8_0 *", ffi.from_buffer(X)) if kind != "f32" else ffi.NULL
+        jobs.append((ts[0], mat, fp(X) if kind == "f32" else ffi.NULL, xq, B, fp(Ys[0]), rows,
+                     ts[1] if up else ffi.NULL, fp(Ys[1]) if up else ffi.NULL,
+                     ffi.cast("block_q8_0 *", ffi.from_buffer(hq)) if quantised else ffi.NULL))
+        keep.extend([Ws, ts, X, Ys, hq])
+        mine = [W[mat * rows:(mat + 1) * rows] for W in Ws]
+        want = [native.matvec(W, X[0], kind)[None] if B == 1 else native.matmul(W, X, kind) for W in mine]
+        checks.append((kind, B, up, Ys, want, hq))
+
+    add("q4_0", 8192 + 37, 1024, 1)             # 4.7 MB: many units, a ragged last one
+    add("q8_0", 300, 256, 3)
+    add("f32", 70, 96, 1)
+    add("f32", 45, 64, 2)
+    add("q4_0", 200, 512, 1, mats=3, mat=2)     # an expert of a 3-D tensor
+    add("q4_0", 544, 512, 1, up=True, quantised=True)
+    add("q8_0", 96, 256, 3, up=True, quantised=True)
+    add("f32", 64, 64, 2, up=True)
+    cjobs = ffi.new("fm_job[]", len(jobs))
+    for j, fields in zip(cjobs, jobs):
+        j.w, j.mat, j.x, j.xq, j.B, j.y, j.ldy, j.w_up, j.y_up, j.hq = fields
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    pool = lib.fm_pool_create(2 * len(cpus), ffi.new("int[]", cpus * 2))
+    try:
+        lib.fm_run_jobs(pool, cjobs, len(jobs))
+    finally:
+        lib.fm_pool_destroy(pool)
+    for kind, B, up, Ys, want, hq in checks:
+        if not up:
+            np.testing.assert_array_equal(Ys[0], want[0], err_msg=f"{kind} B={B}")
+            continue
+        np.testing.assert_array_equal(Ys[1], want[1], err_msg=f"{kind} B={B} up")
+        g = want[0].astype(np.float64)
+        np.testing.assert_allclose(Ys[0], g / (1 + np.exp(-g)) * want[1], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{kind} B={B} silu(gate) * up")
+        if hq is not None:
+            np.testing.assert_array_equal(hq, native.quantize_row_q8_0(Ys[0]), err_msg=f"{kind} B={B} hq")
+
+
 def test_bench_pairs_alternate_read_and_product_passes():
     from bench.kernels import paired_passes
     W = make_weights("q4_0", 256, 1024)
