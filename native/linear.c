@@ -9,12 +9,13 @@
  * threads claim runs of units, guided-scheduling style: each claim takes
  * 1/CLAIM_DIVISOR of what is left per thread, so runs start long (long memory
  * streams) and shrink towards the end of the region, where the last claims are a
- * unit each (and none takes over a quarter of a thread's share: on a VM a thread
- * can stall for milliseconds holding its claim). A region then ends within about a unit's time of its first idle
- * thread; with fixed tasks it ended a whole task later, ~17 us of 16 idle threads a
- * region on a 16-core Xeon. Units are UNIT_BYTES (at least MIN_ROWS rows, a whole
- * number of 64-byte output lines) for one token; batched products re-prepare their
- * activations per call, so their units are BATCH_UNIT_BYTES. */
+ * unit each. No claim takes over 1/MAX_CLAIM_SHARE of a thread's share: on a VM a
+ * thread can stall for milliseconds holding its claim. A region then ends within
+ * about a unit's time of its first idle thread; with fixed tasks it ended a whole
+ * task later, ~17 us of 16 idle threads a region on a 16-core Xeon. Units are
+ * UNIT_BYTES (at least MIN_ROWS rows, a whole number of 64-byte output lines) for
+ * one token; batched products re-prepare their activations per call, so their
+ * units are BATCH_UNIT_BYTES. */
 #define MIN_ROWS 16
 #define UNIT_BYTES (32 << 10)
 #define BATCH_UNIT_BYTES (128 << 10)
