@@ -5,32 +5,33 @@
 #include "kernels.h"
 #include "ops.h"
 
-/* A region's jobs are cut into units of rows (a unit never spans two jobs) and the
- * threads claim runs of units, guided-scheduling style: each claim takes
- * 1/CLAIM_DIVISOR of what is left per thread, so runs start long (long memory
- * streams) and shrink towards the end of the region, where the last claims are a
- * unit each. No claim takes over 1/MAX_CLAIM_SHARE of a thread's share: on a VM a
- * thread can stall for milliseconds holding its claim. A region then ends within
- * about a unit's time of its first idle thread; with fixed tasks it ended a whole
- * task later, ~17 us of 16 idle threads a region on a 16-core Xeon. Units are
- * UNIT_BYTES (at least MIN_ROWS rows, a whole number of 64-byte output lines) for
- * one token; batched products re-prepare their activations per call, so their
- * units are BATCH_UNIT_BYTES. */
+/* A region's jobs are cut into units of rows (a unit never spans two jobs) and each
+ * thread owns an even, contiguous share of the units: it streams through it from
+ * the front, a quarter of what is left at a time, and a thread whose share is done
+ * steals the back half of the largest share still left (which it then owns, so
+ * that can be split again). Owners read long runs of consecutive rows, and the
+ * region ends within about a unit's time of its first idle thread: with fixed
+ * tasks from one counter it ended a whole task later (~17 us of 16 idle threads a
+ * region on a 16-core Xeon), and every thread's claims contended on one line.
+ * Units are UNIT_BYTES (a multiple of MIN_ROWS rows, whole 64-byte output lines,
+ * unless fewer rows make a unit) for one token; batched products re-prepare
+ * their activations per call, so their units are BATCH_UNIT_BYTES. */
 #define MIN_ROWS 16
 #define UNIT_BYTES (32 << 10)
 #define BATCH_UNIT_BYTES (128 << 10)
-#define CLAIM_DIVISOR 2
-#define MAX_CLAIM_SHARE 4
+#define OWN_CLAIM_DIVISOR 4
 #define MAX_JOBS 512            /* a region of them; a 256-expert model's down projections and the shared one fit */
+
+/* A thread's units [front, back): front in the low 32 bits, so one CAS moves either end. */
+typedef struct { _Alignas(64) _Atomic uint64_t range; } share_t;
 
 typedef struct {
     const fm_job *jobs;
     int n_jobs;
     int unit_rows[MAX_JOBS];
     int first_unit[MAX_JOBS + 1];
-    int divisor;                /* CLAIM_DIVISOR x threads */
-    int max_claim;              /* a thread's share / MAX_CLAIM_SHARE: a thread that stalls holds no more */
-    atomic_int next;            /* the first unit nobody has claimed */
+    int n_shares;
+    share_t *share;             /* [n_shares], one a thread */
 } jobs_ctx;
 
 static size_t row_bytes(const fm_tensor *w) {
@@ -47,8 +48,9 @@ static size_t job_row_bytes(const fm_job *j) {
 }
 
 static int unit_rows(const fm_job *j) {
-    size_t bytes = j->B == 1 ? UNIT_BYTES : BATCH_UNIT_BYTES, align = j->hq ? FM_QK : MIN_ROWS;
+    size_t bytes = j->B == 1 ? UNIT_BYTES : BATCH_UNIT_BYTES;
     size_t per = (bytes + job_row_bytes(j) - 1) / job_row_bytes(j);
+    size_t align = j->hq ? FM_QK : per > MIN_ROWS ? MIN_ROWS : 1;   /* F32 rows can be 8 KB */
     per = (per + align - 1) / align * align;
     return per > (size_t)j->w->rows ? j->w->rows : (int)per;
 }
@@ -101,25 +103,50 @@ static void prefetch_head(const uint8_t *p, size_t n) {
     for (size_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-/* Claims the next run of units: 0 when none is left, else how many, from *first. */
-static int claim(jobs_ctx *c, int *first) {
-    const int n_units = c->first_unit[c->n_jobs];
-    int cur = atomic_load_explicit(&c->next, memory_order_relaxed);
+static uint64_t range_of(uint32_t front, uint32_t back) { return (uint64_t)back << 32 | front; }
+
+/* The owner's next run from the front of its share: 0 when it is empty, else how
+ * many units, from *first. */
+static int take_front(share_t *s, int *first) {
+    uint64_t r = atomic_load_explicit(&s->range, memory_order_relaxed);
     for (;;) {
-        int left = n_units - cur;
-        if (left <= 0) return 0;
-        int n = left / c->divisor;
-        n = n > c->max_claim ? c->max_claim : n < 1 ? 1 : n;
-        if (atomic_compare_exchange_weak_explicit(&c->next, &cur, cur + n, memory_order_relaxed,
+        uint32_t front = (uint32_t)r, back = (uint32_t)(r >> 32);
+        if (front >= back) return 0;
+        uint32_t n = (back - front) / OWN_CLAIM_DIVISOR ? (back - front) / OWN_CLAIM_DIVISOR : 1;
+        if (atomic_compare_exchange_weak_explicit(&s->range, &r, range_of(front + n, back), memory_order_relaxed,
                                                   memory_order_relaxed)) {
-            *first = cur;
-            return n;
+            *first = (int)front;
+            return (int)n;
         }
     }
 }
 
-/* Units [u, end) of the region: one call a job they cover. */
-static void run_units(const jobs_ctx *c, int u, int end) {
+/* Moves the back half of the largest share left into the thief's own (empty) one;
+ * 0 when every share is empty. */
+static int steal(jobs_ctx *c, int thief) {
+    for (;;) {
+        int victim = -1;
+        uint32_t most = 0;
+        uint64_t seen = 0;
+        for (int i = 0; i < c->n_shares; i++) {
+            uint64_t r = atomic_load_explicit(&c->share[i].range, memory_order_relaxed);
+            uint32_t left = (uint32_t)(r >> 32) - (uint32_t)r;
+            if (left > most) most = left, victim = i, seen = r;
+        }
+        if (victim < 0) return 0;
+        uint32_t front = (uint32_t)seen, back = (uint32_t)(seen >> 32), n = (back - front + 1) / 2;
+        if (atomic_compare_exchange_weak_explicit(&c->share[victim].range, &seen, range_of(front, back - n),
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+            atomic_store_explicit(&c->share[thief].range, range_of(back - n, back), memory_order_relaxed);
+            return 1;
+        }
+    }
+}
+
+/* Units [u, end) of the region: one call a job they cover. *next is where the
+ * thread's previous call stopped: a run that goes on from there needs no head
+ * prefetch, since the kernels prefetch past the rows they read. */
+static void run_units(const jobs_ctx *c, int u, int end, int *next) {
     int j = 0;
     while (u >= c->first_unit[j + 1]) j++;
     for (; u < end; j++) {
@@ -128,35 +155,43 @@ static void run_units(const jobs_ctx *c, int u, int end) {
         int rb = (u - c->first_unit[j]) * c->unit_rows[j];
         int re = (stop - c->first_unit[j]) * c->unit_rows[j];
         if (re > job->w->rows) re = job->w->rows;
-        size_t rbytes = row_bytes(job->w);
-        prefetch_head(matrix(job->w, job->mat) + rb * rbytes, (size_t)(re - rb) * rbytes);
-        if (job->w_up) prefetch_head(matrix(job->w_up, job->mat) + rb * rbytes, (size_t)(re - rb) * rbytes);
+        size_t rbytes = row_bytes(job->w), n = (size_t)(re - rb) * rbytes;
+        if (u != *next) {
+            prefetch_head(matrix(job->w, job->mat) + rb * rbytes, n);
+            if (job->w_up) prefetch_head(matrix(job->w_up, job->mat) + rb * rbytes, n);
+        }
         run_rows(job, rb, re);
-        u = stop;
+        u = *next = stop;
     }
 }
 
-/* One task a thread: each claims runs until the region has none left. */
-static void job_task(void *ctxp, int task, int worker) {
-    (void)task, (void)worker;
+/* Worker w: its own share, then stolen halves, until every share is empty. */
+static void job_task(void *ctxp, int w, int worker) {
+    (void)worker;
     jobs_ctx *c = ctxp;
-    for (int u, n; (n = claim(c, &u));) run_units(c, u, u + n);
+    int next = -1;
+    do {
+        for (int u, n; (n = take_front(&c->share[w], &u));) run_units(c, u, u + n, &next);
+    } while (steal(c, w));
 }
 
 void fm_run_jobs(fm_pool *pool, const fm_job *jobs, int n_jobs) {
+    const int threads = fm_pool_size(pool);
+    share_t share[threads];
     for (int start = 0; start < n_jobs; start += MAX_JOBS) {
         jobs_ctx c = {.jobs = jobs + start, .n_jobs = n_jobs - start < MAX_JOBS ? n_jobs - start : MAX_JOBS,
-                      .divisor = CLAIM_DIVISOR * fm_pool_size(pool)};
+                      .n_shares = threads, .share = share};
         c.first_unit[0] = 0;
         for (int j = 0; j < c.n_jobs; j++) {
             int rows = c.jobs[j].w->rows, per = unit_rows(&c.jobs[j]);
             c.unit_rows[j] = per;
             c.first_unit[j + 1] = c.first_unit[j] + (rows + per - 1) / per;
         }
-        int n_units = c.first_unit[c.n_jobs], threads = fm_pool_size(pool);
-        c.max_claim = n_units / (MAX_CLAIM_SHARE * threads) > 1 ? n_units / (MAX_CLAIM_SHARE * threads) : 1;
-        atomic_init(&c.next, 0);
-        fm_pool_run(pool, job_task, &c, n_units < threads ? n_units : threads);
+        const uint64_t n_units = (uint64_t)c.first_unit[c.n_jobs];
+        for (int i = 0; i < threads; i++)
+            atomic_init(&share[i].range, range_of((uint32_t)(n_units * i / threads),
+                                                  (uint32_t)(n_units * (i + 1) / threads)));
+        fm_pool_run_each(pool, job_task, &c);
     }
 }
 

@@ -22,6 +22,7 @@ struct fm_pool {
     atomic_int next_task;
     atomic_int pending;         /* workers still inside the current region */
     int n_tasks;
+    int each;                   /* fm_pool_run_each: every worker runs its own index once */
     fm_task_fn fn;
     void *ctx;
     int stop;
@@ -40,6 +41,10 @@ static void pin_to(int cpu) {
 }
 
 static void drain(fm_pool *p, int worker) {
+    if (p->each) {
+        p->fn(p->ctx, worker, worker);
+        return;
+    }
     for (int t; (t = atomic_fetch_add(&p->next_task, 1)) < p->n_tasks;)
         p->fn(p->ctx, t, worker);
 }
@@ -95,11 +100,8 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
     return p;
 }
 
-void fm_pool_run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
-    if (p->n_threads == 1 || n_tasks <= 1) {
-        for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
-        return;
-    }
+static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
+    p->each = each;
     p->fn = fn;
     p->ctx = ctx;
     p->n_tasks = n_tasks;
@@ -111,6 +113,19 @@ void fm_pool_run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
     pthread_mutex_unlock(&p->lock);
     drain(p, 0);
     while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {}
+}
+
+void fm_pool_run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
+    if (p->n_threads == 1 || n_tasks <= 1) {
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    run(p, fn, ctx, n_tasks, 0);
+}
+
+void fm_pool_run_each(fm_pool *p, fm_task_fn fn, void *ctx) {
+    if (p->n_threads == 1) fn(ctx, 0, 0);
+    else run(p, fn, ctx, p->n_threads, 1);
 }
 
 void fm_pool_run_light(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {

@@ -18,7 +18,10 @@ void fm_pool_destroy(fm_pool *pool);
 int fm_pool_size(const fm_pool *pool);
 /* Runs every task, blocking until all are done (one task runs in the caller). Not reentrant. */
 void fm_pool_run(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
-/* The same for tasks of about a microsecond: up to FM_POOL_INLINE_TASKS of them run in
+/* fn(ctx, w, w) once on every worker w < fm_pool_size: for work the region divides
+ * itself (no shared task counter for the threads to contend on). */
+void fm_pool_run_each(fm_pool *pool, fm_task_fn fn, void *ctx);
+/* The same as fm_pool_run for tasks of about a microsecond: up to FM_POOL_INLINE_TASKS of them run in
  * the caller, since starting and joining a region costs more than that. */
 enum { FM_POOL_INLINE_TASKS = 8 };
 void fm_pool_run_light(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
