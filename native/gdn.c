@@ -4,7 +4,7 @@
 #include "ctx.h"
 #include "ops.h"
 
-#define CONV_CHANNELS_PER_TASK 256
+#define CONV_RUN 256            /* channels a conv_channels call takes (its stack arrays) */
 
 typedef struct {
     const fm_ctx *c;            /* the pass: which tokens belong to which sequence */
@@ -30,14 +30,11 @@ static float *ssm_state(const gdn_ctx *g, int i) {
  * order, whatever the chunking of the prompt. Each sequence of the pass carries
  * its own history. */
 __attribute__((target_clones("avx2", "default")))
-static void conv_task(void *p, int task, int worker) {
-    (void)worker;
-    gdn_ctx *g = p;
+static void conv_channels(const gdn_ctx *g, int c0, int n) {
     int K = g->m->ssm_conv_kernel, C = g->channels;
-    int c0 = task * CONV_CHANNELS_PER_TASK, n = C - c0 < CONV_CHANNELS_PER_TASK ? C - c0 : CONV_CHANNELS_PER_TASK;
     const float *w = g->l->ssm_conv1d.data;
-    float wt[FM_MAX_CONV_KERNEL][CONV_CHANNELS_PER_TASK], hist[FM_MAX_CONV_KERNEL - 1][CONV_CHANNELS_PER_TASK];
-    float acc[CONV_CHANNELS_PER_TASK];
+    float wt[FM_MAX_CONV_KERNEL][CONV_RUN], hist[FM_MAX_CONV_KERNEL - 1][CONV_RUN];
+    float acc[CONV_RUN];
     for (int j = 0; j < K; j++)
         for (int i = 0; i < n; i++) wt[j][i] = w[(size_t)(c0 + i) * K + j];
     for (int s = 0; s < g->c->n_seqs; s++) {
@@ -59,6 +56,11 @@ static void conv_task(void *p, int task, int worker) {
         for (int j = 0; j < K - 1; j++)
             for (int i = 0; i < n; i++) state[(size_t)j * C + c0 + i] = hist[j][i];
     }
+}
+
+/* The conv of channels [c0, c1): the projection region runs it as their rows come out. */
+static void conv_rows(void *p, int c0, int c1) {
+    for (int c = c0; c < c1; c += CONV_RUN) conv_channels(p, c, c1 - c < CONV_RUN ? c1 - c : CONV_RUN);
 }
 
 static void l2_normalize(float *y, const float *x, int n, float scale) {
@@ -131,13 +133,12 @@ void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T) {
 
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
     fm_job in[4] = {
-        {&l->attn_qkv, 0, c->xn, c->xq, T, g.qkv, channels},
+        {&l->attn_qkv, 0, c->xn, c->xq, T, g.qkv, channels, .done = conv_rows, .done_ctx = &g},
         {&l->attn_gate, 0, c->xn, c->xq, T, g.z, d_inner},
         {&l->ssm_beta, 0, c->xn, c->xq, T, g.beta, Hv},
         {&l->ssm_alpha, 0, c->xn, c->xq, T, g.alpha, Hv},
     };
-    fm_run_jobs(c->pool, in, 4);
-    fm_pool_run(c->pool, conv_task, &g, (channels + CONV_CHANNELS_PER_TASK - 1) / CONV_CHANNELS_PER_TASK);
+    fm_run_jobs(c->pool, in, 4);     /* with the conv of the qkv channels */
     fm_pool_run(c->pool, gdn_head_task, &g, c->n_seqs * Hv);
 
     fm_quantize_rows(c->pool, g.o, c->xq, T, d_inner);

@@ -91,9 +91,11 @@ static void swiglu_rows(const fm_job *j, int rb, int re) {
 
 static void run_rows(const fm_job *j, int rb, int re) {
     product(j, j->w, j->y, rb, re);
-    if (!j->w_up) return;
-    product(j, j->w_up, j->y_up, rb, re);
-    swiglu_rows(j, rb, re);
+    if (j->w_up) {
+        product(j, j->w_up, j->y_up, rb, re);
+        swiglu_rows(j, rb, re);
+    }
+    if (j->done) j->done(j->done_ctx, rb, re);
 }
 
 /* The first FM_PF_DIST bytes of a task: the kernels prefetch that far ahead of

@@ -24,6 +24,11 @@ typedef struct {
     const fm_tensor *w_up;
     float *y_up;
     block_q8_0 *hq;
+    /* Optional: done(done_ctx, rb, re) runs on the thread that computed rows [rb, re)
+     * of y (after the pair's SiLU), while they are in its cache: per-row work that
+     * would otherwise need a parallel region of its own (the GDN's conv). */
+    void (*done)(void *done_ctx, int rb, int re);
+    void *done_ctx;
 } fm_job;
 
 void fm_run_jobs(fm_pool *pool, const fm_job *jobs, int n_jobs);
