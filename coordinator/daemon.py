@@ -337,9 +337,18 @@ class Coordinator:
             self.worker_died(wid)
 
     def worker_died(self, wid: str) -> None:
+        log.error("worker %s died", wid)
+        self.drop_worker(wid)
+        self.supervisor.restart(wid)
+
+    def handle_goodbye(self, wid: str, msg: P.Goodbye) -> None:
+        log.info("worker %s left", wid)        # one of ours that exits is restarted when reaped
+        self.drop_worker(wid)
+
+    def drop_worker(self, wid: str) -> None:
+        """Forget a worker; its requests go back to the front of the queue, to be replayed."""
         view = self.workers.pop(wid, None)
         self.last_seen.pop(wid, None)
-        log.error("worker %s died", wid)
         for rid in list(view.requests if view else []):
             req = self.requests[rid]
             self._release_snapshots(req)
@@ -348,7 +357,6 @@ class Coordinator:
                 continue
             req.worker, req.skip = None, req.sent      # replay: same seed, same tokens, resent none
             self.queue.insert(0, rid)
-        self.supervisor.restart(wid)
 
     def shutdown(self) -> None:
         for rid in list(self.requests):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -232,6 +233,10 @@ class CPUWorker:
                              decode_ms=1000 * seq.decode_s, completion_tokens=len(done), error=error))
 
     def close(self) -> None:
+        try:
+            self.send(P.Goodbye())              # delivered within the socket's linger
+        except zmq.ZMQError:
+            pass
         self.sock.close()
         if self.arena is not None:
             self.arena.close()
@@ -248,11 +253,16 @@ def run_cpu_worker(args) -> int:
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends it as Ctrl-C does: saying goodbye
     try:
         worker.event_loop()
     finally:
         worker.close()
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:

@@ -184,6 +184,11 @@ class Finished(_Msg, tag="finished"):
     error: str | None = None
 
 
+class Goodbye(_Msg, tag="goodbye"):
+    """worker -> coordinator: exiting now (stopped by hand, SIGTERM or Ctrl-C); what it
+    was running is replayed elsewhere at once, not after the heartbeat timeout."""
+
+
 class Heartbeat(_Msg, tag="heartbeat"):
     """worker -> coordinator, every second: still alive, this many sequences."""
     running: int
@@ -192,7 +197,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
 CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
 TO_WORKER = Union[Welcome, Assign, Stop, Shutdown]
-FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Heartbeat, Error]
+FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Heartbeat, Goodbye, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {}

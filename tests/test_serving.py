@@ -70,8 +70,8 @@ def run(addr, prompt=None, **params):
 def local(model, prompt, n, seed, temp=0.8, kv="f16"):
     out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
                           "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
-                          "--kv-cache-dtype", kv], capture_output=True, text=True, check=True)
-    return out.stdout[:-1]            # generate ends with a newline
+                          "--kv-cache-dtype", kv], capture_output=True, check=True)
+    return out.stdout.decode()[:-1]   # generate ends with a newline; bytes, so a "\r" stays one
 
 
 def test_stream_equals_local_generate(daemon, tiny_q4_path):
@@ -269,8 +269,47 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
             for rid in rids:
                 assert list(c.stream(rid))[-1].finish_reason in ("length", "stop")
     finally:
-        extra.kill()
-        extra.wait()
+        extra.terminate()                   # says goodbye: the daemon forgets it at once
+        assert extra.wait(timeout=30) == 0
+    with Client(daemon.addr) as c:
+        deadline = time.monotonic() + 10    # well inside the 60 s heartbeat timeout
+        while any(w.worker_id == "by-hand" for w in c.status().workers):
+            assert time.monotonic() < deadline, "the stopped worker is still listed"
+            time.sleep(0.1)
+
+
+def test_a_worker_stopped_mid_generation_hands_its_request_on(tiny_q4_path):
+    """A hand-started worker stopped with SIGTERM while it generates says goodbye: its
+    request is replayed on the daemon's own worker at once, and the client's stream
+    goes on to what one uninterrupted run samples."""
+    daemon, extra = Daemon(tiny_q4_path), None
+    try:
+        expected = local(tiny_q4_path, LONG_PROMPT, 400, seed=6)
+        endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
+        extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint,
+                                  "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "a-by-hand"])
+        with Client(daemon.addr, timeout_s=120) as c:
+            deadline = time.monotonic() + 60
+            while not any(w.worker_id == "a-by-hand" and w.alive for w in c.status().workers):
+                assert time.monotonic() < deadline, "the worker never became ready"
+                time.sleep(0.2)
+            rid = c.submit(LONG_PROMPT, max_tokens=400, seed=6, temperature=0.8)   # idle: picked by id
+            stream = c.stream(rid)
+            text = next(stream).text
+            assert [w.running for w in c.status().workers if w.worker_id == "a-by-hand"] == [1]
+            extra.terminate()
+            t0 = time.monotonic()
+            msgs = list(stream)
+            assert time.monotonic() - t0 < 30, "the request waited for the heartbeat timeout"
+            text += "".join(m.text for m in msgs[:-1])
+            assert msgs[-1].finish_reason in ("length", "stop")
+            assert text == expected
+        assert extra.wait(timeout=30) == 0
+        assert any("worker a-by-hand left" in line for line in daemon.log)
+    finally:
+        if extra is not None and extra.poll() is None:
+            extra.kill()
+        assert daemon.stop() == 0
 
 
 def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
