@@ -94,6 +94,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         if context is not None:
             _extend_context(s, context)
     rows = np.repeat(logits[None], batch, axis=0)
+    engine.region_stats(enable=True, reset=True)
     step_s = []
     for _ in range(decode_tokens):
         tokens = [int(np.argmax(r)) for r in rows]
@@ -104,6 +105,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
             rows = engine.decode_batch(tokens, states)
         step_s.append(time.perf_counter() - t0)
 
+    regions = engine.region_stats(enable=False)
     per_token = bytes_per_token(model)
     phase_s = engine.phase_seconds()
     phase_bytes = bytes_by_phase(model)
@@ -138,6 +140,12 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "floor_tok_s": round(floor_tps, 2),
         "fraction_of_floor": round(decode_tps / floor_tps, 3),
         "decode_breakdown": breakdown,
+        "decode_parallel_regions": {       # the thread pool's share of a token
+            "per_token": round(regions["regions"] / decode_tokens, 1),
+            "ms_per_token": round(1000 * regions["seconds"] / decode_tokens, 2),
+            "outside_ms_per_token": round(1000 * (sum(step_s) - regions["seconds"]) / decode_tokens, 2),
+            "thread_busy_fraction": round(regions["busy_fraction"], 3),
+        },
     }
 
 

@@ -10,6 +10,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 
 #define SPIN_ITERATIONS 200000
 
@@ -28,6 +29,10 @@ struct fm_pool {
     int stop;
     const int *cpus;
     pthread_t caller;           /* pinned while the pool lives; its old affinity comes back on destroy */
+    int stats;                  /* fm_pool_stats_enable */
+    int64_t regions;
+    double region_seconds;      /* the caller's view: start to the last worker's end */
+    struct { _Alignas(64) double seconds; } *busy;   /* per worker: time inside its tasks */
     cpu_set_t caller_affinity;
 };
 
@@ -40,13 +45,31 @@ static void pin_to(int cpu) {
     pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
-static void drain(fm_pool *p, int worker) {
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static void drain_tasks(fm_pool *p, int worker) {
     if (p->each) {
         p->fn(p->ctx, worker, worker);
         return;
     }
     for (int t; (t = atomic_fetch_add(&p->next_task, 1)) < p->n_tasks;)
         p->fn(p->ctx, t, worker);
+}
+
+/* The region's tasks of one worker; timed when the pool keeps statistics (the
+ * worker's own line: nothing crosses cores until fm_pool_stats reads them). */
+static void drain(fm_pool *p, int worker) {
+    if (!p->stats) {
+        drain_tasks(p, worker);
+        return;
+    }
+    double t0 = now();
+    drain_tasks(p, worker);
+    p->busy[worker].seconds += now() - t0;
 }
 
 static void *worker_main(void *argp) {
@@ -77,6 +100,15 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
     if (!p) return NULL;
     p->n_threads = n_threads;
     p->threads = calloc(n_threads, sizeof *p->threads);
+    p->busy = aligned_alloc(64, (size_t)n_threads * sizeof *p->busy);
+    if (!p->threads || !p->busy) {
+        free(p->threads);
+        free(p->busy);
+        free(p);
+        errno = ENOMEM;
+        return NULL;
+    }
+    for (int i = 0; i < n_threads; i++) p->busy[i].seconds = 0.0;
     if (cpus) {
         int *copy = malloc(n_threads * sizeof *copy);
         for (int i = 0; i < n_threads; i++) copy[i] = cpus[i];
@@ -101,6 +133,7 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
 }
 
 static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
+    const double t0 = p->stats ? now() : 0.0;
     p->each = each;
     p->fn = fn;
     p->ctx = ctx;
@@ -113,6 +146,10 @@ static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
     pthread_mutex_unlock(&p->lock);
     drain(p, 0);
     while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {}
+    if (p->stats) {
+        p->regions++;
+        p->region_seconds += now() - t0;
+    }
 }
 
 void fm_pool_run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
@@ -138,6 +175,18 @@ void fm_pool_run_light(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks) {
 
 int fm_pool_size(const fm_pool *p) { return p->n_threads; }
 
+void fm_pool_stats_enable(fm_pool *p, int on) { p->stats = on; }
+
+void fm_pool_stats(fm_pool *p, int64_t *regions, double *region_seconds, double *busy_seconds, int reset) {
+    double busy = 0.0;
+    for (int i = 0; i < p->n_threads; i++) {
+        busy += p->busy[i].seconds;
+        if (reset) p->busy[i].seconds = 0.0;
+    }
+    *regions = p->regions, *region_seconds = p->region_seconds, *busy_seconds = busy;
+    if (reset) p->regions = 0, p->region_seconds = 0.0;
+}
+
 void fm_pool_destroy(fm_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->lock);
@@ -152,6 +201,7 @@ void fm_pool_destroy(fm_pool *p) {
      * threads it starts later would inherit that. */
     if (p->cpus) pthread_setaffinity_np(p->caller, sizeof p->caller_affinity, &p->caller_affinity);
     free((void *)p->cpus);
+    free(p->busy);
     free(p->threads);
     free(p);
 }

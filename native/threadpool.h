@@ -5,6 +5,7 @@
 #define FM_THREADPOOL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 typedef struct fm_pool fm_pool;
 
@@ -25,6 +26,13 @@ void fm_pool_run_each(fm_pool *pool, fm_task_fn fn, void *ctx);
  * the caller, since starting and joining a region costs more than that. */
 enum { FM_POOL_INLINE_TASKS = 8 };
 void fm_pool_run_light(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
+/* Where parallel time goes (off until enabled; call between regions): the parallel
+ * regions run, their seconds from start to the last worker's end, and the seconds
+ * the workers spent inside tasks, summed over workers; busy / (threads x region
+ * seconds) is the share of the threads' time a region keeps busy. Regions that
+ * run inline (one task, or a pool of one) are not counted. */
+void fm_pool_stats_enable(fm_pool *pool, int on);
+void fm_pool_stats(fm_pool *pool, int64_t *regions, double *region_seconds, double *busy_seconds, int reset);
 /* Probes of bandwidth.c. Seconds of one parallel read pass over buf, in ~4 MB tasks: */
 double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
 /* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */

@@ -231,6 +231,27 @@ def test_forward_exp_is_accurate_and_never_inf():
     assert np.isfinite(tail).all() and (tail[:3] < 1e-37).all() and (tail[3:] > 1e38).all()
 
 
+def test_region_stats_count_the_parallel_regions(tiny_q4_path):
+    """The pool's statistics: nothing while off; once on, every parallel region of a
+    step (a 2-thread pool runs none inline but one-task ones) with its time, the
+    workers' share of it inside tasks in (0, 1], and a reset that starts again."""
+    cpu = native_engine.NativeEngine(Model(tiny_q4_path), threads=2)
+    state = cpu.new_state()
+    cpu.forward(PROMPT, state)
+    assert cpu.region_stats()["regions"] == 0
+    cpu.region_stats(enable=True, reset=True)
+    cpu.forward([5], state)
+    one = cpu.region_stats(reset=True)
+    cpu.forward([6, 7], state)
+    two = cpu.region_stats(enable=False, reset=True)
+    n_layers = Model(tiny_q4_path).config.n_layer
+    assert one["regions"] >= 3 * n_layers and two["regions"] >= one["regions"]
+    for s in (one, two):
+        assert s["seconds"] > 0 and 0 < s["busy_fraction"] <= 1
+    cpu.forward([8], state)
+    assert cpu.region_stats()["regions"] == 0
+
+
 def test_bench_decode_batch_and_context(tiny_q4_path):
     from bench.decode import bytes_per_token, kv_bytes_per_token, run
     model = Model(tiny_q4_path)
@@ -240,5 +261,6 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     assert out["kv_mb_per_token"] == round(kv_bytes_per_token(model, 40) / 1e6, 1)
     assert out["weight_bytes_per_token"] == bytes_per_token(model) > 0
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
+    assert out["decode_parallel_regions"]["per_token"] == 0     # one thread: every region runs inline
     with pytest.raises(ValueError, match="shorter than the prompt"):
         run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=1, context=4)
