@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 
+from coordinator.options import add_kv_cache_dtype
 from shared.errors import FermoeError
 
 DEFAULT_MODEL = "tiny"
@@ -20,13 +21,6 @@ def _add_model(p: argparse.ArgumentParser):
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="cpu engine threads (default: the physical cores of the first NUMA node)")
     add_kv_cache_dtype(p)
-
-
-def add_kv_cache_dtype(p: argparse.ArgumentParser):
-    from shared.state import DEFAULT_KV_DTYPE, KV_DTYPES
-    p.add_argument("--kv-cache-dtype", default=DEFAULT_KV_DTYPE,
-                   help=f"element type of the attention KV cache: {' or '.join(KV_DTYPES)} "
-                        f"(default {DEFAULT_KV_DTYPE}, as llama.cpp's)")
 
 
 def _add_sampling(p: argparse.ArgumentParser):

@@ -5,7 +5,7 @@ import argparse
 import re
 
 from shared.errors import FermoeError
-from shared.state import KV_DTYPES
+from shared.state import DEFAULT_KV_DTYPE, KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -17,6 +17,13 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise FermoeError(f"size {text!r}: expected a number with an optional unit (e.g. 8GiB, 512M)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser):
+    """--kv-cache-dtype, as the daemon, generate, logits and bench decode take it."""
+    p.add_argument("--kv-cache-dtype", default=DEFAULT_KV_DTYPE,
+                   help=f"element type of the attention KV cache: {' or '.join(KV_DTYPES)} "
+                        f"(default {DEFAULT_KV_DTYPE}, as llama.cpp's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numa-interleave", action="store_true",
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")
-    from coordinator.cli import add_kv_cache_dtype
     add_kv_cache_dtype(p)
     return p
 
