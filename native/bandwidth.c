@@ -5,7 +5,6 @@
  * compares them pair by pair: on a noisy machine only neighbouring passes share
  * the conditions a ratio needs. */
 #include <stdint.h>
-#include <time.h>
 
 #include "kernels.h"
 #include "threadpool.h"
@@ -22,11 +21,9 @@ static void read_task(void *p, int task, int worker) {
 }
 
 static double pass_seconds(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks) {
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    const double t0 = fm_now();
     fm_pool_run(pool, fn, ctx, n_tasks);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    return (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
+    return fm_now() - t0;
 }
 
 double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes) {

@@ -1,16 +1,9 @@
 /* The layer loop: h += mixer(norm1(h)); h += moe(norm2(h)); then the LM head. */
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "ctx.h"
 #include "ops.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 void fm_ctx_times(fm_ctx *c, double *seconds, int reset) {
     for (int i = 0; i < FM_N_PHASES; i++) {
@@ -119,24 +112,24 @@ int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs
     for (int t = 0; t < T; t++)
         if (tokens[t] < 0 || tokens[t] >= m->n_vocab) return -1;
     int D = m->n_embd;
-    double t0 = now(), t1;
+    double t0 = fm_now(), t1;
     for (int t = 0; t < T; t++) fm_dequant_row(&m->token_embd, tokens[t], c->x + (size_t)t * D);
     for (int i = 0; i < m->n_layer; i++) {
         const fm_layer *l = &m->layers[i];
         norm_rows(c, c->xn, c->x, &l->attn_norm, T);
-        t1 = now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
+        t1 = fm_now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
         if (l->is_attention) fm_attention_block(c, l, T);
         else fm_gdn_block(c, l, T);
-        t1 = now(), c->seconds[l->is_attention ? FM_PHASE_ATTENTION : FM_PHASE_GDN] += t1 - t0, t0 = t1;
+        t1 = fm_now(), c->seconds[l->is_attention ? FM_PHASE_ATTENTION : FM_PHASE_GDN] += t1 - t0, t0 = t1;
         add_rows(c->x, c->tmp, (size_t)T * D);
         norm_rows(c, c->xn, c->x, &l->post_attention_norm, T);
-        t1 = now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
+        t1 = fm_now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
         fm_moe_block(c, l, T);
-        t1 = now(), c->seconds[FM_PHASE_MOE] += t1 - t0, t0 = t1;
+        t1 = fm_now(), c->seconds[FM_PHASE_MOE] += t1 - t0, t0 = t1;
         add_rows(c->x, c->tmp, (size_t)T * D);
     }
     if (logits) lm_head(c, T, logits, all_logits);
-    c->seconds[logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER] += now() - t0;
+    c->seconds[logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER] += fm_now() - t0;
     for (int i = 0; i < n_seqs; i++) seqs[i]->position += counts[i];
     return 0;
 }

@@ -45,7 +45,7 @@ static void pin_to(int cpu) {
     pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
-static double now(void) {
+double fm_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
@@ -67,9 +67,9 @@ static void drain(fm_pool *p, int worker) {
         drain_tasks(p, worker);
         return;
     }
-    double t0 = now();
+    double t0 = fm_now();
     drain_tasks(p, worker);
-    p->busy[worker].seconds += now() - t0;
+    p->busy[worker].seconds += fm_now() - t0;
 }
 
 static void *worker_main(void *argp) {
@@ -133,7 +133,7 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
 }
 
 static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
-    const double t0 = p->stats ? now() : 0.0;
+    const double t0 = p->stats ? fm_now() : 0.0;
     p->each = each;
     p->fn = fn;
     p->ctx = ctx;
@@ -148,7 +148,7 @@ static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
     while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {}
     if (p->stats) {
         p->regions++;
-        p->region_seconds += now() - t0;
+        p->region_seconds += fm_now() - t0;
     }
 }
 

@@ -9,6 +9,9 @@
 
 typedef struct fm_pool fm_pool;
 
+/* Seconds on the monotonic clock: the one clock of the forward's timings. */
+double fm_now(void);
+
 /* fn(ctx, task, worker) is called once for every task in [0, n_tasks). */
 typedef void (*fm_task_fn)(void *ctx, int task, int worker);
 
