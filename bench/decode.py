@@ -73,7 +73,8 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         seed: int = 0, batch: int = 1, context: int | None = None, kv_cache_dtype: str = DEFAULT_KV_DTYPE) -> dict:
     from cpu_worker.native_engine import NativeEngine
 
-    model = Model(model_path)
+    from shared.builtin import resolve_model
+    model = Model(resolve_model(model_path))     # a GGUF file, or a built-in model's name
     engine = NativeEngine(model, threads=threads, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()

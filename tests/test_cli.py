@@ -57,6 +57,13 @@ def test_builtin_model_made_on_first_use(tmp_path):
     assert list(tmp_path.glob("tiny-*.gguf")), run.stderr
 
 
+def test_bench_decode_takes_a_builtin_model(tmp_path):
+    import json
+    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", 4, "--tokens", 2, env={"FERMOE_CACHE": str(tmp_path)})
+    out = json.loads(run.stdout)
+    assert out["model"] == "tiny" and out["decode_tok_s"] > 0 and list(tmp_path.glob("tiny-*.gguf"))
+
+
 def test_synth_command_writes_a_loadable_model(tmp_path):
     out = tmp_path / "s.gguf"
     fermoe("synth", out, "--preset", "tiny", "--experts", 4, "--layers", 2, "--type", "f32", "--seed", 3)
