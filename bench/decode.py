@@ -75,6 +75,10 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
 
     from shared.builtin import resolve_model
     model = Model(resolve_model(model_path))     # a GGUF file, or a built-in model's name
+    end = max(prompt_tokens, context or 0) + decode_tokens + min(decode_tokens, STAT_TOKENS)
+    if end > model.config.n_ctx_train:
+        raise ValueError(f"--prompt/--context and --tokens reach position {end}, past the model's context "
+                         f"length of {model.config.n_ctx_train}")
     engine = NativeEngine(model, threads=threads, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()

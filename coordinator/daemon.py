@@ -161,6 +161,9 @@ class Coordinator:
             raise FermoeError("the prompt has no tokens")
         if not all(0 <= t < n_vocab for t in tokens):
             raise FermoeError(f"token ids must be in [0, {n_vocab})")
+        n_ctx = self.model.config.n_ctx_train
+        if len(tokens) > n_ctx:
+            raise FermoeError(f"the prompt is {len(tokens)} tokens, longer than the model's context length of {n_ctx}")
         return tokens
 
     def handle_cancel(self, client: bytes, msg: P.Cancel) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 from shared.errors import FermoeError
@@ -52,6 +53,8 @@ def parse_options(argv=None):
         (opts.cpu_workers_per_socket >= 1, f"--cpu-workers-per-socket {opts.cpu_workers_per_socket}: must be >= 1"),
         (opts.threads_per_worker is None or opts.threads_per_worker >= 1,
          f"--threads-per-worker {opts.threads_per_worker}: must be >= 1"),
+        (opts.threads_per_worker is None or opts.threads_per_worker <= os.cpu_count(),
+         f"--threads-per-worker {opts.threads_per_worker}: more than the {os.cpu_count()} CPUs of this machine"),
         (opts.block >= 1, f"--block {opts.block}: must be >= 1"),
         (opts.max_sequences >= 1, f"--max-sequences {opts.max_sequences}: must be >= 1"),
         (opts.engine in ("cpu", "reference"), f"--engine {opts.engine!r}: expected cpu or reference"),

@@ -7,6 +7,8 @@ engine, or between processes, as it is.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from shared.errors import FermoeError
@@ -44,6 +46,8 @@ class NativeEngine:
         threads = threads or len(cpus)
         if threads < 1:
             raise FermoeError(f"--threads {threads}: must be at least 1")
+        if threads > os.cpu_count():    # pinned spinning threads sharing CPUs would crawl, not run
+            raise FermoeError(f"--threads {threads}: more than the {os.cpu_count()} CPUs of this machine")
         cpus = (cpus * threads)[:threads]
         self._keep = []                      # arrays the C structs point into
         model.file.populate()                # no page faults in the first tokens' steps
@@ -146,6 +150,7 @@ class NativeEngine:
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or of the last one, [1, vocab])."""
         tokens = self._check_tokens(tokens)
+        state.check_room(len(tokens))
         out = []
         for start in range(0, len(tokens), self.max_batch):
             chunk = tokens[start:start + self.max_batch]
@@ -163,6 +168,8 @@ class NativeEngine:
         if not segments or len({id(s) for _, s in segments}) != len(segments):
             raise FermoeError("forward_batch needs one or more distinct sequences")
         checked = [(self._check_tokens(t), s) for t, s in segments]
+        for tokens, state in checked:
+            state.check_room(len(tokens))
         if max(len(t) for t, _ in checked) > self.max_batch:
             raise FermoeError(f"a segment of forward_batch holds more than {self.max_batch} tokens")
         out, group, size = [], [], 0

@@ -38,6 +38,7 @@ class ModelConfig:
     n_ff_exp: int
     n_ff_shexp: int
     rope_sections: tuple = (11, 11, 10, 0)   # M-RoPE; collapses to 1-D RoPE for text
+    n_ctx_train: int = 262144                # context_length: positions a sequence may reach
 
     # ---- derived sizes -------------------------------------------------
     def is_attention(self, layer: int) -> bool:
@@ -86,13 +87,13 @@ class ModelConfig:
         return len(self.attention_layers) * 2 * self.n_head_kv * self.head_dim * 2
 
     # ---- GGUF metadata, both ways ----------------------------------------
-    def to_metadata(self, context_length: int = 262144) -> dict:
+    def to_metadata(self) -> dict:
         """The `{arch}.*` keys llama.cpp's converter writes for this config."""
         a = self.arch
         meta = {
             "general.architecture": a,
             f"{a}.block_count": self.n_layer,
-            f"{a}.context_length": context_length,
+            f"{a}.context_length": self.n_ctx_train,
             f"{a}.embedding_length": self.n_embd,
             f"{a}.vocab_size": self.n_vocab,
             f"{a}.attention.head_count": self.n_head,
@@ -163,6 +164,7 @@ class ModelConfig:
             n_ff_exp=key("expert_feed_forward_length"),
             n_ff_shexp=key("expert_shared_feed_forward_length", default=0),
             rope_sections=tuple(meta.get(f"{arch}.rope.dimension_sections", (11, 11, 10, 0))),
+            n_ctx_train=key("context_length"),
         )
         cfg.validate(path)
         return cfg

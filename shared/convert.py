@@ -98,6 +98,7 @@ def model_config_from_hf(text: dict, arch: str) -> ModelConfig:
         ssm_d_inner=text["linear_value_head_dim"] * text["linear_num_value_heads"],
         n_expert=text["num_experts"], n_expert_used=text["num_experts_per_tok"],
         n_ff_exp=text["moe_intermediate_size"], n_ff_shexp=text.get("shared_expert_intermediate_size", 0),
+        n_ctx_train=text.get("max_position_embeddings", 262144),
         rope_sections=(sections + (0, 0, 0, 0))[:4],
     )
     cfg.validate("config.json")
@@ -237,7 +238,7 @@ def convert(hf_dir, out_path, out_type: str = "f32", progress: bool = True) -> M
     cfg = model_config_from_hf(text, arch)
     items = _Planner(Checkpoint(hf_dir), cfg, prefix).plan()
     qtype = OUT_TYPES[out_type]
-    meta = cfg.to_metadata(context_length=text.get("max_position_embeddings", 262144))
+    meta = cfg.to_metadata()
     meta["general.name"] = hf_dir.name
     meta["general.file_type"] = FILE_TYPE[qtype]
     meta.update(hf_tokenizer_metadata(hf_dir, cfg.n_vocab, arch))

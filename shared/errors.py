@@ -20,3 +20,7 @@ class ModelError(FermoeError):
 
 class ProtocolError(FermoeError):
     """A wire message is malformed, oversized, wrongly typed or unknown."""
+
+
+class ContextLengthError(FermoeError):
+    """A sequence would run past its model's context length (context_length, n_ctx_train)."""

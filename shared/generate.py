@@ -13,7 +13,8 @@ class Decoder:
     """Samples one token per `step()` from a state whose last logits are known.
 
     history is the prompt (the repeat penalty looks back over it). Finished after
-    max_tokens tokens or a token in stop_ids (that token is still returned)."""
+    max_tokens tokens, a token in stop_ids, or a token the model's context has no
+    room left to run (that token is still returned)."""
 
     def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int,
                  stop_ids=frozenset()):
@@ -38,7 +39,7 @@ class Decoder:
         self.remaining -= 1
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif self.remaining <= 0:
+        elif self.remaining <= 0 or self.state.position >= self.state.cfg.n_ctx_train:
             self.finish_reason = "length"
         return token
 

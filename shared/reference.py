@@ -196,6 +196,7 @@ def forward(model: Model, tokens, state: SequenceState) -> np.ndarray:
     """Advance `state` by `tokens`; return the logits of every new position [T, vocab]."""
     cfg = model.config
     tokens = np.asarray(tokens, dtype=np.int64)
+    state.check_room(len(tokens))
     h = model.token_embd.take(tokens)
     for layer in model.layers:
         x = rms_norm(h, layer.attn_norm.f32(), cfg.rms_eps)

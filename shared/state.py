@@ -29,7 +29,7 @@ import struct
 import numpy as np
 
 from .config import ModelConfig
-from .errors import FermoeError
+from .errors import ContextLengthError, FermoeError
 
 MAGIC = b"FMSTATE1"
 LAYOUT_VERSION = 1
@@ -167,6 +167,13 @@ class SequenceState:
     @position.setter
     def position(self, value: int) -> None:
         struct.pack_into("<Q", self.buffer, 32, value)
+
+    def check_room(self, n_tokens: int) -> None:
+        """Refuse, before any work, to run n_tokens more than the model's context holds."""
+        n_ctx = self.cfg.n_ctx_train
+        if self.position + n_tokens > n_ctx:
+            raise ContextLengthError(f"{self.position + n_tokens} positions ({self.position} in the sequence, "
+                                     f"{n_tokens} new) exceed the model's context length of {n_ctx}")
 
     @property
     def logits_valid(self) -> bool:

@@ -88,6 +88,7 @@ def test_full_size_preset_has_the_papers_size(experts, paper_gb):
     (["generate", "{tiny}", "-p", "hi", "--top-p", "0"], "top_p must be in"),
     (["generate", "{tiny}", "-p", "hi", "--engine", "warp"], "--engine 'warp'"),
     (["generate", "{tiny}", "-p", "hi", "--kv-cache-dtype", "f8"], "KV cache dtype 'f8'"),
+    (["generate", "{tiny}", "-p", "hi", "--threads", str(os.cpu_count() + 1)], "CPUs of this machine"),
     (["synth", "{out}", "--experts", "1"], "--experts 1"),
 ])
 def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):

@@ -138,7 +138,8 @@ def test_bad_requests_get_errors_and_the_daemon_serves_on(daemon):
         for params, problem in [(dict(prompt="x", tokens=[1]), "exactly one"),
                                 (dict(tokens=[10**9]), "token ids"),
                                 (dict(prompt="x", top_p=2.0), "top_p"),
-                                (dict(tokens=[]), "no tokens")]:
+                                (dict(tokens=[]), "no tokens"),
+                                (dict(tokens=[1] * 262145), "longer than the model's context length of 262144")]:
             with pytest.raises(Exception, match=problem):
                 list(c.generate(**params))
     assert run(daemon.addr, "still alive?", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
@@ -386,6 +387,7 @@ def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
     (["--model", "tiny", "--snapshot-mem", "lots"], "size 'lots'"),
     (["--model", "tiny", "--bind", "tcp://256.1.1.1:1"], "cannot bind"),
     (["--model", "tiny", "--kv-cache-dtype", "q4_0"], "--kv-cache-dtype 'q4_0'"),
+    (["--model", "tiny", "--threads-per-worker", "4097"], "--threads-per-worker 4097: more than the"),
 ])
 def test_bad_options_are_refused(args, problem, tmp_path):
     run_ = subprocess.run([sys.executable, "-m", "coordinator.daemon", *args], capture_output=True, text=True,
