@@ -287,7 +287,7 @@ def run_sweep(threads: int = 2, reps: int = 5, isas: list[str] | None = None,
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="fermoe bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--matrix-mb", type=int, default=288, help="Q4_0 matvec matrix size (MiB; > caches)")
     ap.add_argument("--read-mb", type=int, default=512, help="read-bandwidth buffer (MiB)")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
@@ -299,6 +299,12 @@ def main(argv=None) -> None:
     ap.add_argument("--matmul-sweep", action="store_true",
                     help="only time fm_matmul_q4_0 at several batch sizes and shapes (GMAC/s, tokens/s)")
     args = ap.parse_args(argv)
+    if not 1 <= args.threads <= (os.cpu_count() or 1):
+        ap.error(f"--threads {args.threads}: must be in [1, {os.cpu_count()}] (the CPUs of this machine)")
+    if args.cols < 32 or args.cols % 32:
+        ap.error(f"--cols {args.cols}: must be a positive multiple of 32 (the Q4_0 block)")
+    if min(args.matrix_mb, args.read_mb, args.reps) < 1:
+        ap.error("--matrix-mb, --read-mb and --reps must be at least 1")
     if args.matmul_sweep:
         print(json.dumps(run_sweep(threads=args.threads, reps=args.reps, isas=args.isa), indent=2))
         return

@@ -15,12 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 
 from coordinator.client import Client
+from shared.errors import FermoeError
 
 
 def _free_addr() -> str:
@@ -100,12 +102,17 @@ def decode_during_prefill(addr: str, prompt: list[int], vocab_hi: int, cold_toke
 def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: list[str] = (),
         log_path: str | None = None) -> dict:
     addr = _free_addr()
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
     daemon = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr,
                                *extra], stderr=log)
     try:
         with Client(addr, timeout_s=3600) as c:
-            status = c.wait_ready(600, alive=lambda: daemon.poll() is None)
+            try:
+                status = c.wait_ready(600, alive=lambda: daemon.poll() is None)
+            except FermoeError as e:            # say why: the coordinator's own last words
+                log.seek(0)
+                last = [line for line in log.read().splitlines() if line.strip()][-1:]
+                raise FermoeError(f"{e}: {last[0]}" if last else str(e)) from None
             from shared.builtin import resolve_model
             from shared.model import Model
             vocab_hi = min(1000, Model(resolve_model(model)).config.n_vocab)
@@ -130,6 +137,7 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=60)
+        log.close()
 
 
 def main(argv=None) -> int:
@@ -139,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens per client (default 32)")
     p.add_argument("--log", default=None, help="write the coordinator's log here")
     args, daemon_options = p.parse_known_args(argv)      # the rest goes to the coordinator
+    if args.prompt < 1 or args.tokens < 1:
+        p.error("--prompt and --tokens must be at least 1")
     print(json.dumps(run(args.model, args.prompt, args.tokens, daemon_options, args.log), indent=2))
     return 0
 

@@ -30,9 +30,13 @@ def _add_sampling(p: argparse.ArgumentParser):
     p.add_argument("--top-p", type=float, default=d.top_p, help=f"default {d.top_p}")
     p.add_argument("--min-p", type=float, default=d.min_p, help=f"default {d.min_p}")
     p.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1.0 = off (default)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default or -1: random, as llama.cpp's)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-generation tokens (as llama.cpp's --ignore-eos)")
+
+
+def _seed(args) -> int | None:
+    return None if args.seed == -1 else args.seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +110,7 @@ def cmd_generate(args) -> None:
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, seed=args.seed)
+                            repeat_penalty=args.repeat_penalty, seed=_seed(args))
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
     for token in generate(engine, ids, args.n_predict, params, stop_ids=stop_ids):
@@ -169,9 +173,11 @@ def cmd_submit(args) -> None:
     with Client(args.addr) as client:
         if args.wait:
             client.wait_ready(args.wait)
+        else:
+            client.status()                 # nothing there: one clear error now, not after minutes
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
         rid = client.submit(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                            min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=_seed(args), stop=args.stop,
                             ignore_eos=args.ignore_eos, **kwargs)
         _stream(client, rid)
 
@@ -216,6 +222,9 @@ def main(argv=None) -> int:
         COMMANDS[args.command](args)
     except FermoeError as e:
         print(f"fermoe: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:                    # an output path that cannot be written, a full disk
+        print(f"fermoe: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

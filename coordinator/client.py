@@ -21,7 +21,11 @@ class Client:
         self.addr, self.timeout_s = addr, timeout_s
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
+        try:
+            self.sock.connect(addr)
+        except zmq.ZMQError as e:
+            self.sock.close()
+            raise FermoeError(f"cannot connect to {addr!r}: {e}") from None
         self._inbox: dict[str | None, deque] = defaultdict(deque)
 
     def close(self) -> None:

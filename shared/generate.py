@@ -6,6 +6,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .errors import FermoeError
 from .sampling import Sampler, SamplingParams
 
 
@@ -48,7 +49,7 @@ def generate(engine, prompt_ids: list[int], max_tokens: int, params: SamplingPar
              stop_ids=frozenset(), state=None) -> Iterator[int]:
     """Yield up to max_tokens sampled tokens; stops after a token in stop_ids."""
     if not prompt_ids:
-        raise ValueError("the prompt has no tokens")
+        raise FermoeError("the prompt has no tokens")
     state = state or engine.new_state()
     logits = engine.forward(prompt_ids, state, all_logits=False)[-1]
     decoder = Decoder(engine, state, logits, prompt_ids, params, max_tokens, stop_ids)

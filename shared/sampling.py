@@ -26,6 +26,7 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
             (self.repeat_penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}"),
+            (self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2**64), got {self.seed}"),
         ]
         for ok, problem in checks:
             if not ok:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -42,6 +43,9 @@ def test_generate_is_seeded_and_greedy_is_stable(tiny_path):
     assert a == b and a.strip()
     g = fermoe("generate", tiny_path, "-p", "Once upon a time", "-n", 12, "--temp", 0).stdout
     assert g == fermoe("generate", tiny_path, "-p", "Once upon a time", "-n", 12, "--temp", 0, "--seed", 1).stdout
+    # --seed -1 is llama.cpp's "a random seed"
+    randoms = {fermoe("generate", tiny_path, "-p", "Once upon a time", "-n", 12, "--seed", -1).stdout for _ in range(3)}
+    assert len(randoms) > 1
 
 
 def test_ignore_eos_keeps_generating(tiny_q4_path):
@@ -90,15 +94,39 @@ def test_full_size_preset_has_the_papers_size(experts, paper_gb):
     (["generate", "{tiny}", "-p", "hi", "--kv-cache-dtype", "f8"], "KV cache dtype 'f8'"),
     (["generate", "{tiny}", "-p", "hi", "--threads", str(os.cpu_count() + 1)], "CPUs of this machine"),
     (["synth", "{out}", "--experts", "1"], "--experts 1"),
+    (["generate", "{tiny}", "-p", ""], "the prompt has no tokens"),
+    (["generate", "{tiny}", "-p", "hi", "--seed", "-2"], "seed must be in [0, 2**64), got -2"),
+    (["logits", "{tiny}", "--tokens", "1", "--out", "{missing}/x.npy"], "missing.gguf/x.npy: No such file or directory"),
+    (["synth", "{missing}/x.gguf"], "missing.gguf/x.gguf: No such file or directory"),
+    (["submit", "-p", "hi", "--addr", "garbage"], "cannot connect to 'garbage'"),
+    (["submit", "-p", "hi", "--addr", "tcp://127.0.0.1:{port}"], "no answer from the coordinator"),
 ])
 def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(os.urandom(4096))
-    paths = dict(missing=tmp_path / "missing.gguf", corrupt=corrupt, tiny=tiny_path, out=tmp_path / "o.gguf")
+    with socket.socket() as s:          # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    paths = dict(missing=tmp_path / "missing.gguf", corrupt=corrupt, tiny=tiny_path, out=tmp_path / "o.gguf",
+                 port=port)
     run = fermoe(*[a.format(**paths) for a in args], check=False)
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
     assert run.stderr.startswith("fermoe: error:") and message in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "kernels", "--threads", "0"], "--threads 0: must be in [1,"),
+    (["bench", "kernels", "--cols", "33"], "--cols 33: must be a positive multiple of 32"),
+    (["bench", "decode", "{tiny}", "--context", "999999"], "past the model's context length of 262144"),
+    (["bench", "serve", "{tiny}", "--prompt", "0"], "--prompt and --tokens must be at least 1"),
+    (["bench", "serve", "{missing}"], "exited before it was ready: coordinator: error: {missing}: cannot open"),
+])
+def test_bench_options_are_refused_in_one_line(tiny_path, tmp_path, args, message):
+    paths = dict(tiny=tiny_path, missing=tmp_path / "missing.gguf")
+    run = fermoe(*[a.format(**paths) for a in args], check=False)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert message.format(**paths) in run.stderr, run.stderr
 
 
 def test_cpu_engine_from_the_command_line(tiny_q4_path, tmp_path):
