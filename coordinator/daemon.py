@@ -14,6 +14,7 @@ the tokens already sent are not sent again.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 import sys
@@ -21,12 +22,14 @@ import time
 
 import zmq
 
+from cpu_worker.topology import numa_nodes
 from shared import protocol as P
 from shared.errors import FermoeError, ProtocolError
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.state import snapshot_nbytes
 
+from .memory import resolve_max_model_len
 from .requests import Request, TextStream
 from .scheduler import WorkerView, pick_worker
 from .snapshots import SnapshotIndex
@@ -44,6 +47,9 @@ class Coordinator:
         self.opts = opts
         self.model = Model(opts.model_path)
         self.tokenizer = self.model.tokenizer
+        sequences = opts.max_sequences * opts.cpu_workers_per_socket * len(numa_nodes())
+        self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
+                                                   os.path.getsize(opts.model_path), sequences)
         self.ctx = zmq.Context.instance()
         self.clients = self._socket(opts.bind, mandatory=True)
         self.workers_sock = self._socket(opts.worker_bind)
@@ -161,9 +167,10 @@ class Coordinator:
             raise FermoeError("the prompt has no tokens")
         if not all(0 <= t < n_vocab for t in tokens):
             raise FermoeError(f"token ids must be in [0, {n_vocab})")
-        n_ctx = self.model.config.n_ctx_train
-        if len(tokens) > n_ctx:
-            raise FermoeError(f"the prompt is {len(tokens)} tokens, longer than the model's context length of {n_ctx}")
+        if len(tokens) > self.max_model_len:
+            limit = (f"the model's context length of {self.max_model_len}"
+                     if self.max_model_len == self.model.config.n_ctx_train else f"--max-model-len {self.max_model_len}")
+            raise FermoeError(f"the prompt is {len(tokens)} tokens, longer than {limit}")
         return tokens
 
     def handle_cancel(self, client: bytes, msg: P.Cancel) -> None:
@@ -299,7 +306,8 @@ class Coordinator:
         self.send_worker(wid, P.Assign(
             request_id=req.rid, tokens=req.tokens, resume=refs,
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
-            max_tokens=m.max_tokens, temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
+            # every position up to max_model_len is run; the last token is sampled from the last one
+            max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
             repeat_penalty=m.repeat_penalty, seed=req.seed, ignore_eos=m.ignore_eos), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,

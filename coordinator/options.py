@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-mem", default="8GiB", help="shared memory for prefix snapshots (0 = no cache)")
     p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens")
     p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="positions a sequence may hold, prompt and output (default: the model's context "
+                        "length, or less if max-sequences such sequences per worker would not fit in memory)")
     p.add_argument("--numa-interleave", action="store_true",
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")

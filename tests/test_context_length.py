@@ -4,6 +4,7 @@ finish_reason "length", and a prompt longer than it is refused up front, locally
 and by the coordinator."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -103,3 +104,48 @@ def test_a_served_generation_stops_at_the_context(short_path, short):
         assert sampled == list(generate(w.engine, prompt, 1000, SamplingParams(temperature=0.8, seed=3)))
     finally:
         w.close()
+
+
+# ---------------------------------------------------------------- the coordinator's max_model_len
+
+def test_the_fitted_max_model_len_fits_and_is_the_longest_that_does():
+    from coordinator.memory import BLOCK, RESERVE_BYTES, fitted_max_model_len, kv_bytes_per_position
+    from shared.state import recurrent_nbytes
+    from shared.synth import preset_config
+    cfg = preset_config("qwen3.6-35b-a3b", experts=128)
+    weights, sequences = 10_440_000_000, 8
+
+    def used(n, dtype):
+        return weights + max(RESERVE_BYTES, int(memory * 0.05)) + sequences * (
+            recurrent_nbytes(cfg) + n * kv_bytes_per_position(cfg, dtype))
+    for memory, dtype in [(24 << 30, "f16"), (24 << 30, "f32"), (16 << 30, "f16")]:
+        n = fitted_max_model_len(cfg, dtype, weights, sequences, memory)
+        assert 0 < n < cfg.n_ctx_train and n % BLOCK == 0
+        assert used(n, dtype) <= memory < used(n + BLOCK, dtype)
+    assert fitted_max_model_len(cfg, "f16", weights, sequences, 128 << 30) == cfg.n_ctx_train
+    assert fitted_max_model_len(cfg, "f16", weights, sequences, 12 << 30) == 0
+
+
+def test_a_coordinator_caps_its_sequences_at_max_model_len(tiny_q4_path):
+    from coordinator.client import Client
+    from tests.test_serving import Daemon
+    d = Daemon(tiny_q4_path, "--max-model-len", "24")
+    try:
+        with Client(d.addr, timeout_s=120) as c:
+            with pytest.raises(Exception, match="the prompt is 25 tokens, longer than --max-model-len 24"):
+                list(c.generate(tokens=list(range(3, 28))))
+            done = list(c.generate(tokens=list(range(3, 13)), max_tokens=100, ignore_eos=True, seed=1))[-1]
+        assert done.finish_reason == "length" and done.completion_tokens == 24 - 10 + 1 and not done.error
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("args, memory, problem", [
+    (["--max-model-len", "262145"], None, "--max-model-len 262145: must be in [1, 262144]"),
+    ([], str(1 << 20), "state does not fit in this host's 0.0 GiB beside the weights: lower --max-sequences"),
+])
+def test_impossible_context_options_are_refused(tiny_q4_path, tmp_path, args, memory, problem):
+    env = {**os.environ, "FERMOE_CACHE": str(tmp_path), **({"FERMOE_HOST_MEMORY": memory} if memory else {})}
+    run = subprocess.run([sys.executable, "-m", "coordinator.daemon", "--model", str(tiny_q4_path), *args],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 1 and problem in run.stderr and "Traceback" not in run.stderr

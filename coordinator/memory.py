@@ -1,0 +1,72 @@
+"""How many positions a served sequence may hold (vLLM's max_model_len).
+
+KV pages are allocated as a sequence grows, so the limit is what keeps the host's
+memory from running out: max_sequences sequences on every local worker, each at
+max_model_len positions, must fit beside the mapped weights. By default it is the
+model's context length, or less where that many sequences would not fit;
+--max-model-len sets it (never above the model's context length)."""
+from __future__ import annotations
+
+import logging
+import os
+
+from shared.config import ModelConfig
+from shared.errors import FermoeError
+from shared.state import kv_dtype, recurrent_nbytes
+
+log = logging.getLogger("fermoe.coordinator")
+
+BLOCK = 256                     # a fitted limit is a whole number of KV pages
+RESERVE_BYTES = 2 << 30         # left to the OS, the processes and the page cache's churn
+RESERVE_FRACTION = 0.05
+
+
+def host_memory_bytes() -> int:
+    """MemTotal of this host (FERMOE_HOST_MEMORY overrides it, for tests)."""
+    if os.environ.get("FERMOE_HOST_MEMORY"):
+        return int(os.environ["FERMOE_HOST_MEMORY"])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise FermoeError("cannot read MemTotal from /proc/meminfo")
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
+    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * kv_dtype(dtype).itemsize
+
+
+def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequences: int, memory: int) -> int:
+    """The longest context (a multiple of BLOCK, at most the model's) that `sequences`
+    sequences can all reach in `memory` bytes beside the weights; 0 if not even their
+    recurrent states fit."""
+    budget = memory - weight_bytes - max(RESERVE_BYTES, int(memory * RESERVE_FRACTION))
+    per_sequence = budget // max(sequences, 1) - recurrent_nbytes(cfg)
+    if per_sequence <= 0:
+        return 0
+    positions = per_sequence // kv_bytes_per_position(cfg, dtype)
+    return min(cfg.n_ctx_train, positions // BLOCK * BLOCK)
+
+
+def resolve_max_model_len(asked: int | None, cfg: ModelConfig, dtype: str, weight_bytes: int,
+                          sequences: int) -> int:
+    """--max-model-len as given (checked against the model), or fitted to the host."""
+    memory = host_memory_bytes()
+    fitted = fitted_max_model_len(cfg, dtype, weight_bytes, sequences, memory)
+    gib = memory / (1 << 30)
+    if asked is not None:
+        if not 1 <= asked <= cfg.n_ctx_train:
+            raise FermoeError(f"--max-model-len {asked}: must be in [1, {cfg.n_ctx_train}] "
+                              f"(the model's context length)")
+        if asked > fitted:
+            log.warning("--max-model-len %d: %d sequences that long may not fit in this host's %.1f GiB "
+                        "beside the weights (about %d would)", asked, sequences, gib, fitted)
+        return asked
+    if fitted < 1:
+        raise FermoeError(f"{sequences} sequences' state does not fit in this host's {gib:.1f} GiB beside "
+                          f"the weights: lower --max-sequences")
+    if fitted < cfg.n_ctx_train:
+        log.info("max_model_len %d positions: %d sequences at the model's context length (%d) would not fit "
+                 "in this host's %.1f GiB beside the weights (--max-model-len, --max-sequences)",
+                 fitted, sequences, cfg.n_ctx_train, gib)
+    return fitted
