@@ -174,7 +174,7 @@ def cmd_submit(args) -> None:
         if args.wait:
             client.wait_ready(args.wait)
         else:
-            client.status()                 # nothing there: one clear error now, not after minutes
+            client.status(timeout_s=5.0)    # nothing there: one clear error now, not after minutes
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
         rid = client.submit(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=_seed(args), stop=args.stop,
