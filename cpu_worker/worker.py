@@ -245,11 +245,26 @@ class CPUWorker:
             close()
 
 
+def _cpu_list(text: str) -> list[int]:
+    """--cpus: CPUs this process may run on, or a FermoeError naming the bad ones."""
+    try:
+        cpus = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise FermoeError(f"--cpus {text!r}: expected comma-separated CPU numbers") from None
+    allowed = sorted(os.sched_getaffinity(0))
+    bad = [c for c in cpus if c not in allowed]
+    if not cpus or bad:
+        raise FermoeError(f"--cpus {text}: {bad or 'no CPUs'} not among the CPUs this process may run on {allowed}")
+    return cpus
+
+
 def run_cpu_worker(args) -> int:
-    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    from .topology import default_cpus, numa_nodes
+    cpus = _cpu_list(args.cpus) if args.cpus else None
+    if args.node is not None and args.node not in numa_nodes():
+        raise FermoeError(f"--node {args.node}: this machine's NUMA nodes are {sorted(numa_nodes())}")
     if cpus is not None or args.node is not None:
         from .numa_placement import place
-        from .topology import default_cpus
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory)

@@ -395,6 +395,18 @@ def test_bad_options_are_refused(args, problem, tmp_path):
     assert run_.returncode == 1 and problem in run_.stderr and "Traceback" not in run_.stderr
 
 
+@pytest.mark.parametrize("args, problem", [
+    (["--cpus", "0,4096"], "--cpus 0,4096: [4096] not among the CPUs this process may run on"),
+    (["--cpus", "one"], "--cpus 'one': expected comma-separated CPU numbers"),
+    (["--node", "4096"], "--node 4096: this machine's NUMA nodes are"),
+    (["--threads", "4097"], "--threads 4097: more than the"),
+])
+def test_bad_worker_options_are_refused(tiny_q4_path, args, problem):
+    run_ = subprocess.run([sys.executable, "-m", "cpu_worker.worker", "--connect", "tcp://127.0.0.1:9",
+                           "--model", str(tiny_q4_path), *args], capture_output=True, text=True, timeout=60)
+    assert run_.returncode == 1 and problem in run_.stderr and "Traceback" not in run_.stderr
+
+
 def test_bench_serve_on_the_tiny_model(tiny_q4_path):
     from bench.serve import run as bench_serve
     out = bench_serve(str(tiny_q4_path), prompt_tokens=40, decode_tokens=4, extra=["--block", str(BLOCK)])
