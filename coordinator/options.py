@@ -67,6 +67,12 @@ def parse_options(argv=None):
     for ok, problem in checks:
         if not ok:
             raise FermoeError(problem)
+    from cpu_worker.topology import numa_nodes, physical_cores
+    for node, cpus in numa_nodes().items():
+        cores = len(physical_cores(cpus))
+        if opts.cpu_workers_per_socket > cores:
+            raise FermoeError(f"--cpu-workers-per-socket {opts.cpu_workers_per_socket}: node {node} has {cores} "
+                              f"physical cores, and a worker needs one at least")
     opts.snapshot_mem = parse_size(opts.snapshot_mem)
     opts.model_path = resolve_model(opts.model)
     return opts

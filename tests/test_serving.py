@@ -388,6 +388,7 @@ def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
     (["--model", "tiny", "--bind", "tcp://256.1.1.1:1"], "cannot bind"),
     (["--model", "tiny", "--kv-cache-dtype", "q4_0"], "--kv-cache-dtype 'q4_0'"),
     (["--model", "tiny", "--threads-per-worker", "4097"], "--threads-per-worker 4097: more than the"),
+    (["--model", "tiny", "--cpu-workers-per-socket", "4097"], "--cpu-workers-per-socket 4097: node 0 has"),
 ])
 def test_bad_options_are_refused(args, problem, tmp_path):
     run_ = subprocess.run([sys.executable, "-m", "coordinator.daemon", *args], capture_output=True, text=True,
