@@ -20,7 +20,7 @@ import numpy as np
 
 from shared.ggml_types import row_nbytes
 from shared.model import Model, Weight
-from shared.state import DEFAULT_KV_DTYPE, kv_dtype
+from shared.state import DEFAULT_KV_DTYPE, kv_bytes_per_position
 
 
 def _nbytes(w: Weight) -> int:
@@ -53,8 +53,7 @@ def bytes_per_token(model: Model) -> int:
 
 def kv_bytes_per_token(model: Model, context: int, kv_cache_dtype: str = DEFAULT_KV_DTYPE) -> int:
     """Bytes of KV cache one decoded token reads at position `context`."""
-    cfg = model.config
-    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * kv_dtype(kv_cache_dtype).itemsize * context
+    return kv_bytes_per_position(model.config, kv_cache_dtype) * context
 
 
 def _extend_context(state, context: int) -> None:

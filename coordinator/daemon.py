@@ -307,8 +307,9 @@ class Coordinator:
             request_id=req.rid, tokens=req.tokens, resume=refs,
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
-            max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
-            repeat_penalty=m.repeat_penalty, seed=req.seed, ignore_eos=m.ignore_eos), data)
+            max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), temperature=m.temperature,
+            top_k=m.top_k, top_p=m.top_p, min_p=m.min_p, repeat_penalty=m.repeat_penalty, seed=req.seed,
+            ignore_eos=m.ignore_eos), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
             notify: bool = True) -> None:

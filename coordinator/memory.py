@@ -12,7 +12,7 @@ import os
 
 from shared.config import ModelConfig
 from shared.errors import FermoeError
-from shared.state import kv_dtype, recurrent_nbytes
+from shared.state import kv_bytes_per_position, recurrent_nbytes
 
 log = logging.getLogger("fermoe.coordinator")
 
@@ -30,10 +30,6 @@ def host_memory_bytes() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise FermoeError("cannot read MemTotal from /proc/meminfo")
-
-
-def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
-    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * kv_dtype(dtype).itemsize
 
 
 def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequences: int, memory: int) -> int:

@@ -82,10 +82,6 @@ class ModelConfig:
         s = self.ssm_v_heads * self.ssm_head_k_dim * self.ssm_head_v_dim
         return s + (self.ssm_conv_kernel - 1) * self.conv_channels
 
-    @property
-    def kv_bytes_per_token_f16(self) -> int:
-        return len(self.attention_layers) * 2 * self.n_head_kv * self.head_dim * 2
-
     # ---- GGUF metadata, both ways ----------------------------------------
     def to_metadata(self) -> dict:
         """The `{arch}.*` keys llama.cpp's converter writes for this config."""

@@ -47,6 +47,11 @@ def kv_dtype(name: str) -> np.dtype:
     return KV_DTYPES[name]
 
 
+def kv_bytes_per_position(cfg: ModelConfig, dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """Bytes of K and V one position holds in every attention layer."""
+    return len(cfg.attention_layers) * 2 * cfg.n_head_kv * cfg.head_dim * kv_dtype(dtype).itemsize
+
+
 class StateError(FermoeError):
     """A state buffer or file does not belong to this model or is damaged."""
 
