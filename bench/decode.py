@@ -3,7 +3,10 @@ engine, next to the memory read bandwidth measured in the same run, as JSON.
 
 The decode floor is bytes of weights read per token / read bandwidth: every
 token reads the non-expert matrices, the selected experts, the shared expert
-and the LM head once.
+and the LM head once. A token also reads and writes each sequence's recurrent
+state (the GDN layers' S and conv history) and reads its KV cache: the floor
+with those bytes too is floor_with_state_tok_s (a pass of --batch B sequences
+reads the weights once and B states and caches).
 
 --batch B decodes B copies of the sequence in one pass per step (what a worker
 does with B clients; B = 1 is the matrix-vector path) and reports the aggregate
@@ -133,6 +136,9 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     ms = 1000 * float(np.median(step_s))
     decode_tps = 1000 / ms
     floor_tps = bandwidth / per_token
+    state_bytes = 2 * 4 * len(model.config.gdn_layers) * model.config.recurrent_state_floats   # read and written
+    kv_bytes = kv_bytes_per_token(model, context_at, kv_cache_dtype)
+    floor_state_tps = bandwidth / (per_token + batch * (state_bytes + kv_bytes))
     return {
         "model": model_path,
         "threads": engine.threads,
@@ -146,7 +152,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "batch": batch,
         "context": context_at,
         "kv_cache_dtype": kv_cache_dtype,
-        "kv_mb_per_token": round(kv_bytes_per_token(model, context_at, kv_cache_dtype) / 1e6, 1),
+        "kv_mb_per_token": round(kv_bytes / 1e6, 1),
         "decode_ms_per_token_median": round(ms, 2),
         "decode_ms_per_token_min": round(1000 * min(step_s), 2),
         "decode_tok_s": round(decode_tps, 2),
@@ -155,6 +161,9 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "floor_tok_s": round(floor_tps, 2),
         "fraction_of_floor": round(decode_tps / floor_tps, 3),
+        "state_mb_per_token": round(state_bytes / 1e6, 1),
+        "floor_with_state_tok_s": round(floor_state_tps, 2),
+        "fraction_of_floor_with_state": round(decode_tps / floor_state_tps, 3),
         "decode_breakdown": breakdown,
         "decode_parallel_regions": {       # the thread pool's share of a token
             "per_token": round(regions["regions"] / stat_tokens, 1),

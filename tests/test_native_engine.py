@@ -260,6 +260,12 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     assert out["decode_tok_s_aggregate"] == pytest.approx(3 * out["decode_tok_s"], rel=0.01)
     assert out["kv_mb_per_token"] == round(kv_bytes_per_token(model, 40) / 1e6, 1)
     assert out["weight_bytes_per_token"] == bytes_per_token(model) > 0
+    state = native_engine.NativeEngine(model, threads=1).new_state()
+    state_bytes = 2 * (state.ssm.nbytes + state.conv.nbytes)            # read and written a token
+    assert out["state_mb_per_token"] == round(state_bytes / 1e6, 1)
+    per_pass = out["weight_bytes_per_token"] + 3 * (state_bytes + kv_bytes_per_token(model, 40))
+    assert out["floor_with_state_tok_s"] == pytest.approx(out["read_bandwidth_gb_s"] * 1e9 / per_pass, rel=0.01)
+    assert out["fraction_of_floor_with_state"] > out["fraction_of_floor"]
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
     assert out["decode_parallel_regions"]["per_token"] == 0     # one thread: every region runs inline
     with pytest.raises(ValueError, match="shorter than the prompt"):
