@@ -77,7 +77,8 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
 
     from shared.builtin import resolve_model
     model = Model(resolve_model(model_path))     # a GGUF file, or a built-in model's name
-    end = max(prompt_tokens, context or 0) + decode_tokens + min(decode_tokens, STAT_TOKENS)
+    stat_tokens = min(decode_tokens, STAT_TOKENS)
+    end = max(prompt_tokens, context or 0) + decode_tokens + stat_tokens
     if end > model.config.n_ctx_train:
         raise ValueError(f"--prompt/--context and --tokens reach position {end}, past the model's context "
                          f"length of {model.config.n_ctx_train}")
@@ -118,7 +119,6 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     phase_s = engine.phase_seconds()
     # then a few more steps with the pool's statistics on (timing them costs a clock
     # read per region and worker, so the figures above are taken without)
-    stat_tokens = min(decode_tokens, STAT_TOKENS)
     engine.region_stats(enable=True, reset=True)
     t0 = time.perf_counter()
     for _ in range(stat_tokens):
@@ -136,7 +136,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     ms = 1000 * float(np.median(step_s))
     decode_tps = 1000 / ms
     floor_tps = bandwidth / per_token
-    state_bytes = 2 * 4 * len(model.config.gdn_layers) * model.config.recurrent_state_floats   # read and written
+    state_bytes = 2 * model.config.recurrent_state_bytes    # read and written
     kv_bytes = kv_bytes_per_token(model, context_at, kv_cache_dtype)
     floor_state_tps = bandwidth / (per_token + batch * (state_bytes + kv_bytes))
     return {

@@ -22,7 +22,6 @@ import time
 
 import zmq
 
-from cpu_worker.topology import numa_nodes
 from shared import protocol as P
 from shared.errors import FermoeError, ProtocolError
 from shared.model import Model
@@ -33,7 +32,7 @@ from .memory import resolve_max_model_len
 from .requests import Request, TextStream
 from .scheduler import WorkerView, pick_worker
 from .snapshots import SnapshotIndex
-from .supervisor import Supervisor
+from .supervisor import Supervisor, worker_plan
 
 log = logging.getLogger("fermoe.coordinator")
 # Silence after which a worker counts as dead (hung, or a lost host). Workers beat
@@ -47,7 +46,7 @@ class Coordinator:
         self.opts = opts
         self.model = Model(opts.model_path)
         self.tokenizer = self.model.tokenizer
-        sequences = opts.max_sequences * opts.cpu_workers_per_socket * len(numa_nodes())
+        sequences = opts.max_sequences * len(worker_plan(opts))     # on this host
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    os.path.getsize(opts.model_path), sequences)
         self.ctx = zmq.Context.instance()

@@ -15,26 +15,28 @@ log = logging.getLogger("fermoe.coordinator")
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 
 
+def worker_plan(opts) -> dict[str, tuple[int, list[int]]]:
+    """worker id -> (node, CPUs): each node's physical cores split among its workers
+    (options.py has checked that every worker gets one at least)."""
+    plan = {}
+    per = opts.cpu_workers_per_socket
+    for node, cpus in numa_nodes().items():
+        cores = physical_cores(cpus)
+        for i in range(per):
+            share = cores[i::per]
+            if opts.threads_per_worker:
+                share = (share * opts.threads_per_worker)[:opts.threads_per_worker]
+            plan[f"cpu{node}.{i}"] = (node, share)
+    return plan
+
+
 class Supervisor:
     def __init__(self, opts, endpoint: str):
         self.opts, self.endpoint = opts, endpoint
         self.procs: dict[str, subprocess.Popen] = {}
-        self.plan = self._plan()
+        self.plan = worker_plan(opts)
         self.restarts: dict[str, list[float]] = {}
         self.given_up: set[str] = set()
-
-    def _plan(self) -> dict[str, tuple[int, list[int]]]:
-        """worker id -> (node, CPUs): the node's physical cores split among its workers."""
-        plan = {}
-        per = self.opts.cpu_workers_per_socket
-        for node, cpus in numa_nodes().items():
-            cores = physical_cores(cpus)
-            for i in range(per):
-                share = cores[i::per] or cores
-                if self.opts.threads_per_worker:
-                    share = (share * self.opts.threads_per_worker)[:self.opts.threads_per_worker]
-                plan[f"cpu{node}.{i}"] = (node, share)
-        return plan
 
     def start(self, wid: str) -> None:
         node, cpus = self.plan[wid]

@@ -82,6 +82,11 @@ class ModelConfig:
         s = self.ssm_v_heads * self.ssm_head_k_dim * self.ssm_head_v_dim
         return s + (self.ssm_conv_kernel - 1) * self.conv_channels
 
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """fp32 bytes of one sequence's recurrent state, all GDN layers."""
+        return 4 * len(self.gdn_layers) * self.recurrent_state_floats
+
     # ---- GGUF metadata, both ways ----------------------------------------
     def to_metadata(self) -> dict:
         """The `{arch}.*` keys llama.cpp's converter writes for this config."""

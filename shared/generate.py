@@ -40,7 +40,7 @@ class Decoder:
         self.remaining -= 1
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif self.remaining <= 0 or self.state.position >= self.state.cfg.n_ctx_train:
+        elif self.remaining <= 0 or self.state.room <= 0:
             self.finish_reason = "length"
         return token
 

@@ -58,7 +58,7 @@ class StateError(FermoeError):
 
 def recurrent_nbytes(cfg: ModelConfig) -> int:
     """Bytes of the recurrent buffer of one sequence (header included)."""
-    return HEADER_BYTES + 4 * (len(cfg.gdn_layers) * cfg.recurrent_state_floats + cfg.n_vocab)
+    return HEADER_BYTES + cfg.recurrent_state_bytes + 4 * cfg.n_vocab
 
 
 class KVCache:
@@ -173,12 +173,16 @@ class SequenceState:
     def position(self, value: int) -> None:
         struct.pack_into("<Q", self.buffer, 32, value)
 
+    @property
+    def room(self) -> int:
+        """Positions the model's context length leaves this sequence."""
+        return self.cfg.n_ctx_train - self.position
+
     def check_room(self, n_tokens: int) -> None:
         """Refuse, before any work, to run n_tokens more than the model's context holds."""
-        n_ctx = self.cfg.n_ctx_train
-        if self.position + n_tokens > n_ctx:
+        if n_tokens > self.room:
             raise ContextLengthError(f"{self.position + n_tokens} positions ({self.position} in the sequence, "
-                                     f"{n_tokens} new) exceed the model's context length of {n_ctx}")
+                                     f"{n_tokens} new) exceed the model's context length of {self.cfg.n_ctx_train}")
 
     @property
     def logits_valid(self) -> bool:
