@@ -56,7 +56,7 @@ class NativeEngine:
         self._ctx = self.lib.fm_ctx_create(self._model, self._pool, max_batch)
         if self._pool == self.ffi.NULL or self._ctx == self.ffi.NULL:
             raise FermoeError("could not create the native thread pool or scratch memory")
-        self.threads = threads
+        self.threads, self.cpus = threads, cpus
 
     @property
     def isa(self) -> str:

@@ -7,6 +7,17 @@ from pathlib import Path
 
 SYS = Path("/sys/devices/system")
 
+# The CPUs this process may run on, as it started. A native thread pool pins the
+# thread that creates it to its first CPU while it lives, so sched_getaffinity(0)
+# from that thread would then name one CPU, and a second engine made there would
+# put all its threads on it.
+_PROCESS_CPUS = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (as it started; see _PROCESS_CPUS)."""
+    return list(_PROCESS_CPUS)
+
 
 def parse_cpulist(text: str) -> list[int]:
     """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
@@ -21,7 +32,7 @@ def parse_cpulist(text: str) -> list[int]:
 
 def numa_nodes() -> dict[int, list[int]]:
     """CPUs of each NUMA node; one node holding every allowed CPU where sysfs has none."""
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = allowed_cpus()
     nodes = {}
     for d in sorted((SYS / "node").glob("node[0-9]*")):
         cpus = [c for c in parse_cpulist((d / "cpulist").read_text()) if c in allowed]

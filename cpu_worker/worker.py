@@ -251,7 +251,8 @@ def _cpu_list(text: str) -> list[int]:
         cpus = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise FermoeError(f"--cpus {text!r}: expected comma-separated CPU numbers") from None
-    allowed = sorted(os.sched_getaffinity(0))
+    from .topology import allowed_cpus
+    allowed = allowed_cpus()
     bad = [c for c in cpus if c not in allowed]
     if not cpus or bad:
         raise FermoeError(f"--cpus {text}: {bad or 'no CPUs'} not among the CPUs this process may run on {allowed}")

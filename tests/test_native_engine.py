@@ -212,6 +212,24 @@ def test_every_isa_gives_the_same_tokens(tiny_q4_path):
     assert len(set(outputs.values())) == 1, outputs
 
 
+def test_a_second_engine_gets_every_cpu_too(tiny_q4_path):
+    """A pool pins the thread that creates it to its first CPU while it lives: an
+    engine made after it from the same thread must still default to every core."""
+    from cpu_worker.topology import default_cpus
+    cpus = default_cpus()
+    if len(cpus) < 2:
+        pytest.skip("needs two cores")
+    model = Model(tiny_q4_path)
+    first = native_engine.NativeEngine(model)
+    second = native_engine.NativeEngine(model)
+    try:
+        assert first.cpus == second.cpus == cpus and second.threads == len(cpus)
+        assert default_cpus() == cpus
+    finally:
+        second.close()
+        first.close()
+
+
 def test_read_bandwidth_probe(tiny_q4_path):
     cpu = native_engine.NativeEngine(Model(tiny_q4_path), threads=2)
     assert 1e8 < cpu.read_bandwidth(megabytes=64, reps=1) < 1e13
