@@ -1,15 +1,17 @@
 """Kernel benchmark: the CPU kernels' speed next to the memory read bandwidth, in one run.
 
-    python -m bench.kernels [--matrix-mb 288] [--read-mb 512] [--threads 2] [--pairs 15] [--reps 5]
+    python -m bench.kernels [--matrix-mb 288] [--threads 2] [--pairs 15] [--reps 5]
     python -m bench.kernels --matmul-sweep [--threads 2] [--reps 5] [--isa avx2]
 
 prints JSON. Measured in the same process (these machines are noisy: their clock and
 memory bandwidth drift by 20-30% within minutes, so only ratios measured together
 mean much):
   - for each ISA the CPU runs, with 1 and with N threads: --pairs passes of a plain C
-    read loop (fm_read_sum) over a buffer far larger than the caches, alternated with
-    as many Q4_0 x Q8_0 matrix-vector products over a matrix larger than the caches
-    (read first in even pairs, the product first in odd ones). Reported: the median
+    read loop (fm_read_sum) over a Q4_0 matrix far larger than the caches, alternated
+    with as many Q4_0 x Q8_0 matrix-vector products over that same matrix (read first
+    in even pairs, the product first in odd ones). The same pages on both sides: on a
+    VM a buffer in 4 KB pages reads ~12% slower than one in huge pages, and which a
+    buffer gets depends on the memory free at the time. Reported: the median
     read GB/s, the median product GB/s (weight bytes / time) and the fraction of the
     read bandwidth, the median of the pairs' ratios with their range. A pair shares
     the machine's state of the moment; the best of each side, taken apart, would not;
@@ -124,14 +126,14 @@ def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
 
 def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -> tuple[dict, dict]:
     """(the ISA's figures, its read passes by thread count)."""
-    W, xq, buf = big
+    W, xq = big
     Ws, xqs, Xs = small
     out = {"matvec_gbps": {}, "read_gbps": {}, "fraction_of_read_bw": {}, "fraction_of_read_bw_range": {},
            "matmul": {}}
     reads_by_nt = {}
     with native.use_isa(isa):
         for nt in threads:
-            reads, products = paired_passes(cpus[:nt], W, xq, buf, pairs)
+            reads, products = paired_passes(cpus[:nt], W, xq, W, pairs)
             ratios = [p / r for p, r in zip(products, reads)]
             key = str(nt)
             reads_by_nt[key] = reads
@@ -149,7 +151,7 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -
     return out, reads_by_nt
 
 
-def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 5,
+def run(matrix_mb: int = 288, threads: int = 2, reps: int = 5,
         isas: list[str] | None = None, cols: int = 2048, batch_sizes=(16, 64),
         small_rows: int = 4096, pairs: int = 15) -> dict:
     """Measure everything once; returns the JSON-ready dict (see the module docstring)."""
@@ -163,14 +165,13 @@ def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 
     xq = native.quantize_row_q8_0(rng.standard_normal(cols).astype(np.float32))
     small_W = random_q4_0(small_rows, cols, seed=3)  # 9 MB: the batched product is compute-bound
     Xs = native.quantize_row_q8_0(rng.standard_normal((max(batch_sizes), cols)).astype(np.float32))
-    buf = np.ones(read_mb * MB, np.uint8)  # written once, so every page is really there
 
     result = {
         "machine": {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "isas": native.supported_isas(),
                     "default_isa": native.get_isa()},
         "setup": {"matvec_matrix": {"rows": rows, "cols": cols, "bytes": int(big_W.nbytes)},
                   "matmul_matrix": {"rows": small_rows, "cols": cols, "bytes": int(small_W.nbytes)},
-                  "read_buffer_bytes": int(buf.nbytes), "threads": thread_counts, "reps": reps,
+                  "read_pass": "the matvec matrix itself", "threads": thread_counts, "reps": reps,
                   "pairs": pairs, "cpus": cpus[:max(thread_counts)],
                   "threading": "read and matvec: the engine's pinned native pool, alternated pass by pass; "
                                "matmul: a python pool splitting rows (cffi calls release the GIL)"},
@@ -178,7 +179,7 @@ def run(matrix_mb: int = 288, read_mb: int = 512, threads: int = 2, reps: int = 
     by_isa, all_reads = {}, {str(nt): [] for nt in thread_counts}
     with ThreadPoolExecutor(max(thread_counts)) as pool:
         for isa in isas:
-            by_isa[isa], reads = _bench_isa(pool, cpus, isa, (big_W, xq, buf), (small_W, Xs[0], Xs),
+            by_isa[isa], reads = _bench_isa(pool, cpus, isa, (big_W, xq), (small_W, Xs[0], Xs),
                                             thread_counts, batch_sizes, reps, pairs)
             for nt, r in reads.items():
                 all_reads[nt] += r
@@ -289,7 +290,6 @@ def run_sweep(threads: int = 2, reps: int = 5, isas: list[str] | None = None,
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="fermoe bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--matrix-mb", type=int, default=288, help="Q4_0 matvec matrix size (MiB; > caches)")
-    ap.add_argument("--read-mb", type=int, default=512, help="read-bandwidth buffer (MiB)")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="measure with 1 and with this many threads")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the batched products; the best one counts")
@@ -303,14 +303,14 @@ def main(argv=None) -> None:
         ap.error(f"--threads {args.threads}: must be in [1, {os.cpu_count()}] (the CPUs of this machine)")
     if args.cols < 32 or args.cols % 32:
         ap.error(f"--cols {args.cols}: must be a positive multiple of 32 (the Q4_0 block)")
-    if min(args.matrix_mb, args.read_mb, args.reps) < 1:
-        ap.error("--matrix-mb, --read-mb and --reps must be at least 1")
+    if min(args.matrix_mb, args.reps) < 1:
+        ap.error("--matrix-mb and --reps must be at least 1")
     if args.matmul_sweep:
         print(json.dumps(run_sweep(threads=args.threads, reps=args.reps, isas=args.isa), indent=2))
         return
     if args.pairs < 1:
         ap.error("--pairs must be at least 1")
-    res = run(matrix_mb=args.matrix_mb, read_mb=args.read_mb, threads=args.threads, reps=args.reps,
+    res = run(matrix_mb=args.matrix_mb, threads=args.threads, reps=args.reps,
               isas=args.isa, cols=args.cols, pairs=args.pairs)
     print(json.dumps(res, indent=2))
 
