@@ -1,6 +1,6 @@
 """Kernel benchmark: the CPU kernels' speed next to the memory read bandwidth, in one run.
 
-    python -m bench.kernels [--matrix-mb 288] [--threads 2] [--pairs 15] [--reps 5]
+    python -m bench.kernels [--matrix-mb M] [--threads 2] [--pairs 15] [--reps 5]
     python -m bench.kernels --matmul-sweep [--threads 2] [--reps 5] [--isa avx2]
 
 prints JSON. Measured in the same process (these machines are noisy: their clock and
@@ -96,6 +96,30 @@ def _parallel(pool: ThreadPoolExecutor, nthreads: int, n: int, task) -> None:
         f.result()
 
 
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
+    """Bytes of the highest cache level summed over its instances (sysfs; 0 if unknown)."""
+    from pathlib import Path
+    sizes, seen, best_level = {}, set(), 0
+    for d in Path(root).glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level, shared = int((d / "level").read_text()), (d / "shared_cpu_list").read_text().strip()
+            text = (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if (level, shared) in seen or not text[:-1].isdigit():
+            continue
+        seen.add((level, shared))
+        sizes[level] = sizes.get(level, 0) + int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+        best_level = max(best_level, level)
+    return sizes.get(best_level, 0)
+
+
+def default_matrix_mb(root: str = "/sys/devices/system/cpu") -> int:
+    """288 MiB, or four times the last-level cache where that is larger: the matrix
+    must stream from memory, and the GPU machine's Xeon has a 300 MiB L3."""
+    return max(288, -(-4 * last_level_cache_bytes(root) // MB))
+
+
 def _bench_cpus(n: int) -> list[int]:
     """n CPUs to pin to, the way the engine picks them (physical cores of the node)."""
     from cpu_worker.topology import default_cpus
@@ -151,7 +175,7 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -
     return out, reads_by_nt
 
 
-def run(matrix_mb: int = 288, threads: int = 2, reps: int = 5,
+def run(matrix_mb: int | None = None, threads: int = 2, reps: int = 5,
         isas: list[str] | None = None, cols: int = 2048, batch_sizes=(16, 64),
         small_rows: int = 4096, pairs: int = 15) -> dict:
     """Measure everything once; returns the JSON-ready dict (see the module docstring)."""
@@ -159,7 +183,7 @@ def run(matrix_mb: int = 288, threads: int = 2, reps: int = 5,
     thread_counts = sorted({1, threads})
     cpus = _bench_cpus(max(thread_counts))
     nb_bytes = cols // 32 * 18
-    rows = max(64, matrix_mb * MB // nb_bytes // 64 * 64)
+    rows = max(64, (matrix_mb or default_matrix_mb()) * MB // nb_bytes // 64 * 64)
     big_W = random_q4_0(rows, cols, seed=1)
     rng = np.random.default_rng(2)
     xq = native.quantize_row_q8_0(rng.standard_normal(cols).astype(np.float32))
@@ -289,7 +313,8 @@ def run_sweep(threads: int = 2, reps: int = 5, isas: list[str] | None = None,
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="fermoe bench kernels", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--matrix-mb", type=int, default=288, help="Q4_0 matvec matrix size (MiB; > caches)")
+    ap.add_argument("--matrix-mb", type=int, default=default_matrix_mb(),
+                    help="Q4_0 matvec matrix size (MiB; default: 288 or 4x the last-level cache)")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="measure with 1 and with this many threads")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the batched products; the best one counts")

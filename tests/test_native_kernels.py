@@ -502,3 +502,19 @@ def test_isas_agree_with_scalar(kind):
             if kind != "f16":
                 assert_close(native.matmul(W, X, kind), want_b, scale_b, ISA_RTOL,
                              f"{name} vs scalar {kind} batched")
+
+
+def test_bench_matrix_outgrows_the_last_level_cache(tmp_path):
+    """The default matrix is 4x the highest cache level (each shared instance once)."""
+    from bench.kernels import default_matrix_mb, last_level_cache_bytes
+    for cpu in range(4):
+        for index, (level, size, shared) in enumerate([(1, "48K", f"{cpu}"), (2, "2048K", f"{cpu}"),
+                                                       (3, "150M", "0-1" if cpu < 2 else "2-3")]):
+            d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+            d.mkdir(parents=True)
+            (d / "level").write_text(f"{level}\n")
+            (d / "size").write_text(f"{size}\n")
+            (d / "shared_cpu_list").write_text(f"{shared}\n")
+    assert last_level_cache_bytes(str(tmp_path)) == 300 << 20
+    assert default_matrix_mb(str(tmp_path)) == 1200
+    assert last_level_cache_bytes(str(tmp_path / "none")) == 0 and default_matrix_mb(str(tmp_path / "none")) == 288
