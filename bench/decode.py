@@ -133,6 +133,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
                      "gb_s": round(phase_bytes[p] * decode_tokens / phase_s[p] / 1e9, 2) if phase_s[p] else None}
                  for p in phase_s}
     bandwidth = engine.read_bandwidth()
+    weights_bandwidth = engine.read_bandwidth(weights=True)
     ms = 1000 * float(np.median(step_s))
     decode_tps = 1000 / ms
     floor_tps = bandwidth / per_token
@@ -161,6 +162,8 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "floor_tok_s": round(floor_tps, 2),
         "fraction_of_floor": round(decode_tps / floor_tps, 3),
+        "weights_read_gb_s": round(weights_bandwidth / 1e9, 2),
+        "fraction_of_weights_read_floor": round(decode_tps * per_token / weights_bandwidth, 3),
         "state_mb_per_token": round(state_bytes / 1e6, 1),
         "floor_with_state_tok_s": round(floor_state_tps, 2),
         "fraction_of_floor_with_state": round(decode_tps / floor_state_tps, 3),

@@ -339,6 +339,13 @@ class GGUFFile:
             raise GGUFError(self.path, f"file is closed; cannot read tensor {name!r}")
         return np.frombuffer(self._mm, np.uint8, info.nbytes, info.offset)
 
+    def data(self, limit: int | None = None) -> np.ndarray:
+        """uint8 zero-copy view of the tensor data (its first `limit` bytes), as mapped."""
+        if self._mm is None:
+            raise GGUFError(self.path, "file is closed")
+        n = len(self._mm) - self.data_offset
+        return np.frombuffer(self._mm, np.uint8, n if limit is None else min(n, limit), self.data_offset)
+
     def get(self, key: str, default=_REQUIRED):
         """Metadata value; a missing key without a default is a GGUFError naming the key."""
         if key in self.metadata:

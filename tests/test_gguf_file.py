@@ -174,6 +174,19 @@ def test_get_raw_and_close(sample):
         f.raw("output.weight")
 
 
+def test_data_views_the_tensor_region(sample):
+    import os
+    f = GGUFFile(sample[0])
+    first = min(f.tensors.values(), key=lambda t: t.offset)
+    assert first.offset == f.data_offset
+    assert len(f.data()) == os.path.getsize(sample[0]) - f.data_offset
+    assert (f.data(first.nbytes) == f.raw(first.name)).all()
+    assert len(f.data(1 << 40)) == len(f.data())
+    f.close()
+    with pytest.raises(GGUFError, match="closed"):
+        f.data()
+
+
 def test_large_token_array_parses_fast(tmp_path):
     path = tmp_path / "vocab.gguf"
     tokens = [f"tok{i}" for i in range(248_320)]

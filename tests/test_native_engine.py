@@ -233,6 +233,7 @@ def test_a_second_engine_gets_every_cpu_too(tiny_q4_path):
 def test_read_bandwidth_probe(tiny_q4_path):
     cpu = native_engine.NativeEngine(Model(tiny_q4_path), threads=2)
     assert 1e8 < cpu.read_bandwidth(megabytes=64, reps=1) < 1e13
+    assert 1e8 < cpu.read_bandwidth(megabytes=64, reps=1, weights=True) < 1e13   # the mapped file itself
 
 
 def test_forward_exp_is_accurate_and_never_inf():
@@ -284,6 +285,8 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     per_pass = out["weight_bytes_per_token"] + 3 * (state_bytes + kv_bytes_per_token(model, 40))
     assert out["floor_with_state_tok_s"] == pytest.approx(out["read_bandwidth_gb_s"] * 1e9 / per_pass, rel=0.01)
     assert out["fraction_of_floor_with_state"] > out["fraction_of_floor"]
+    assert out["fraction_of_weights_read_floor"] == pytest.approx(
+        out["decode_tok_s"] * out["weight_bytes_per_token"] / (out["weights_read_gb_s"] * 1e9), rel=0.02)
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
     assert out["decode_parallel_regions"]["per_token"] == 0     # one thread: every region runs inline
     with pytest.raises(ValueError, match="shorter than the prompt"):
