@@ -44,6 +44,7 @@ import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -98,7 +99,6 @@ def _parallel(pool: ThreadPoolExecutor, nthreads: int, n: int, task) -> None:
 
 def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
     """Bytes of the highest cache level summed over its instances (sysfs; 0 if unknown)."""
-    from pathlib import Path
     sizes, seen, best_level = {}, set(), 0
     for d in Path(root).glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
@@ -127,15 +127,15 @@ def _bench_cpus(n: int) -> list[int]:
     return (cpus * n)[:n]
 
 
-def paired_passes(cpus: list[int], W: np.ndarray, xq: np.ndarray, buf: np.ndarray,
+def paired_passes(cpus: list[int], W: np.ndarray, xq: np.ndarray,
                   pairs: int) -> tuple[list[float], list[float]]:
-    """GB/s of `pairs` read passes over buf and of as many products W . xq, alternated
+    """GB/s of `pairs` read passes over W and of as many products W . xq, alternated
     on one pinned pool, after one untimed pass of each: (reads, products)."""
     reads, products = [], []
     with native.Pool(cpus) as pool:
-        read = lambda: reads.append(buf.nbytes / pool.read_seconds(buf) / 1e9)  # noqa: E731
+        read = lambda: reads.append(W.nbytes / pool.read_seconds(W) / 1e9)  # noqa: E731
         product = lambda: products.append(W.nbytes / pool.matvec_q4_0_seconds(W, xq) / 1e9)  # noqa: E731
-        pool.read_seconds(buf)
+        pool.read_seconds(W)
         pool.matvec_q4_0_seconds(W, xq)
         for i in range(pairs):
             for step in ((read, product) if i % 2 == 0 else (product, read)):
@@ -157,7 +157,7 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -
     reads_by_nt = {}
     with native.use_isa(isa):
         for nt in threads:
-            reads, products = paired_passes(cpus[:nt], W, xq, W, pairs)
+            reads, products = paired_passes(cpus[:nt], W, xq, pairs)
             ratios = [p / r for p, r in zip(products, reads)]
             key = str(nt)
             reads_by_nt[key] = reads

@@ -35,6 +35,8 @@ from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.state import SequenceState, kv_dtype, restore_snapshots, write_snapshot
 
+from .topology import allowed_cpus, default_cpus, numa_nodes
+
 log = logging.getLogger("fermoe.cpu_worker")
 HEARTBEAT_S = 1.0
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
@@ -251,7 +253,6 @@ def _cpu_list(text: str) -> list[int]:
         cpus = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise FermoeError(f"--cpus {text!r}: expected comma-separated CPU numbers") from None
-    from .topology import allowed_cpus
     allowed = allowed_cpus()
     bad = [c for c in cpus if c not in allowed]
     if not cpus or bad:
@@ -260,7 +261,6 @@ def _cpu_list(text: str) -> list[int]:
 
 
 def run_cpu_worker(args) -> int:
-    from .topology import default_cpus, numa_nodes
     cpus = _cpu_list(args.cpus) if args.cpus else None
     if args.node is not None and args.node not in numa_nodes():
         raise FermoeError(f"--node {args.node}: this machine's NUMA nodes are {sorted(numa_nodes())}")

@@ -355,7 +355,7 @@ def test_bench_pairs_alternate_read_and_product_passes():
     W = make_weights("q4_0", 256, 1024)
     x, _ = make_acts("q4_0", 1024)
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    reads, products = paired_passes(cpus, W, x, np.ones(1 << 20, np.uint8), pairs=4)
+    reads, products = paired_passes(cpus, W, x, pairs=4)
     assert len(reads) == len(products) == 4 and min(reads + products) > 0
 
 
