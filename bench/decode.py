@@ -120,11 +120,16 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     # then a few more steps with the pool's statistics on (timing them costs a clock
     # read per region and worker, so the figures above are taken without)
     engine.region_stats(enable=True, reset=True)
+    before = engine.phase_seconds()
     t0 = time.perf_counter()
     for _ in range(stat_tokens):
         rows = step(rows)
     stat_s = time.perf_counter() - t0
     regions = engine.region_stats(enable=False, reset=True)
+    stat_phases = {p: sec - before[p] for p, sec in engine.phase_seconds().items()}
+    # the caller alone: each phase's time outside its regions, and the step's outside the forward
+    serial_ms = {p: round(1000 * (stat_phases[p] - regions["seconds_by_phase"][p]) / stat_tokens, 3)
+                 for p in stat_phases}
 
     per_token = bytes_per_token(model)
     phase_bytes = bytes_by_phase(model)
@@ -172,6 +177,8 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
             "per_token": round(regions["regions"] / stat_tokens, 1),
             "ms_per_token": round(1000 * regions["seconds"] / stat_tokens, 2),
             "outside_ms_per_token": round(1000 * (stat_s - regions["seconds"]) / stat_tokens, 2),
+            "outside_ms_by_phase": serial_ms,
+            "outside_forward_ms_per_token": round(1000 * (stat_s - sum(stat_phases.values())) / stat_tokens, 3),
             "thread_busy_fraction": round(regions["busy_fraction"], 3),
         },
     }

@@ -73,14 +73,18 @@ class NativeEngine:
 
     def region_stats(self, enable: bool | None = None, reset: bool = False) -> dict[str, float]:
         """The thread pool's parallel regions since the last reset (counted only while
-        enabled): how many, their seconds, and the share of the threads' time in them
-        spent inside tasks (the rest waits at a region's start or end)."""
+        enabled): how many, their seconds (also by phase of the forward, as
+        phase_seconds names them), and the share of the threads' time in them spent
+        inside tasks (the rest waits at a region's start or end)."""
         if enable is not None:
             self.lib.fm_pool_stats_enable(self._pool, int(enable))
         regions, seconds, busy = self.ffi.new("int64_t *"), self.ffi.new("double *"), self.ffi.new("double *")
         self.lib.fm_pool_stats(self._pool, regions, seconds, busy, int(reset))
+        by_phase = self.ffi.new("double[]", len(self.PHASES))
+        self.lib.fm_ctx_region_times(self._ctx, by_phase, int(reset))
         return {"regions": regions[0], "seconds": seconds[0],
-                "busy_fraction": busy[0] / (self.threads * seconds[0]) if seconds[0] else 0.0}
+                "busy_fraction": busy[0] / (self.threads * seconds[0]) if seconds[0] else 0.0,
+                "seconds_by_phase": dict(zip(self.PHASES, by_phase))}
 
     def read_bandwidth(self, megabytes: int = 1024, reps: int = 5, weights: bool = False) -> float:
         """Bytes/s this engine's pinned threads read from a fresh buffer far larger than

@@ -28,6 +28,8 @@ struct fm_ctx {
     int32_t *tok_seq;               /* [max_tokens] the sequence of each token */
     int64_t *tok_pos;               /* [max_tokens] the position of each token */
     double seconds[FM_N_PHASES];    /* where the time went, by phase (fm_ctx_times) */
+    double region_seconds[FM_N_PHASES]; /* of which inside parallel regions (fm_ctx_region_times) */
+    double regions_at;              /* the pool's region seconds at the last phase boundary */
     int64_t moe_calls, experts_used; /* distinct experts a MoE block ran, summed (fm_ctx_moe_stats) */
 };
 

@@ -12,6 +12,23 @@ void fm_ctx_times(fm_ctx *c, double *seconds, int reset) {
     }
 }
 
+void fm_ctx_region_times(fm_ctx *c, double *seconds, int reset) {
+    for (int i = 0; i < FM_N_PHASES; i++) {
+        seconds[i] = c->region_seconds[i];
+        if (reset) c->region_seconds[i] = 0.0;
+    }
+}
+
+/* Closes a phase begun at t0: its wall time, and the region seconds the pool
+ * counted meanwhile. Returns the next phase's start. */
+static double phase_end(fm_ctx *c, int phase, double t0) {
+    double t1 = fm_now(), regions = fm_pool_region_seconds(c->pool);
+    c->seconds[phase] += t1 - t0;
+    c->region_seconds[phase] += regions - c->regions_at;
+    c->regions_at = regions;
+    return t1;
+}
+
 void fm_ctx_moe_stats(fm_ctx *c, int64_t *calls, int64_t *experts, int reset) {
     *calls = c->moe_calls, *experts = c->experts_used;
     if (reset) c->moe_calls = c->experts_used = 0;
@@ -112,24 +129,25 @@ int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs
     for (int t = 0; t < T; t++)
         if (tokens[t] < 0 || tokens[t] >= m->n_vocab) return -1;
     int D = m->n_embd;
-    double t0 = fm_now(), t1;
+    double t0 = fm_now();
+    c->regions_at = fm_pool_region_seconds(c->pool);
     for (int t = 0; t < T; t++) fm_dequant_row(&m->token_embd, tokens[t], c->x + (size_t)t * D);
     for (int i = 0; i < m->n_layer; i++) {
         const fm_layer *l = &m->layers[i];
         norm_rows(c, c->xn, c->x, &l->attn_norm, T);
-        t1 = fm_now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
+        t0 = phase_end(c, FM_PHASE_OTHER, t0);
         if (l->is_attention) fm_attention_block(c, l, T);
         else fm_gdn_block(c, l, T);
-        t1 = fm_now(), c->seconds[l->is_attention ? FM_PHASE_ATTENTION : FM_PHASE_GDN] += t1 - t0, t0 = t1;
+        t0 = phase_end(c, l->is_attention ? FM_PHASE_ATTENTION : FM_PHASE_GDN, t0);
         add_rows(c->x, c->tmp, (size_t)T * D);
         norm_rows(c, c->xn, c->x, &l->post_attention_norm, T);
-        t1 = fm_now(), c->seconds[FM_PHASE_OTHER] += t1 - t0, t0 = t1;
+        t0 = phase_end(c, FM_PHASE_OTHER, t0);
         fm_moe_block(c, l, T);
-        t1 = fm_now(), c->seconds[FM_PHASE_MOE] += t1 - t0, t0 = t1;
+        t0 = phase_end(c, FM_PHASE_MOE, t0);
         add_rows(c->x, c->tmp, (size_t)T * D);
     }
     if (logits) lm_head(c, T, logits, all_logits);
-    c->seconds[logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER] += fm_now() - t0;
+    phase_end(c, logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER, t0);
     for (int i = 0; i < n_seqs; i++) seqs[i]->position += counts[i];
     return 0;
 }

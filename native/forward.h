@@ -31,6 +31,10 @@ int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs
  * embedding). For `fermoe bench decode`'s breakdown. */
 enum { FM_PHASE_GDN, FM_PHASE_ATTENTION, FM_PHASE_MOE, FM_PHASE_LM_HEAD, FM_PHASE_OTHER, FM_N_PHASES };
 void fm_ctx_times(fm_ctx *c, double *seconds, int reset);
+/* The same phases' seconds inside the pool's parallel regions, counted while the
+ * pool keeps statistics (fm_pool_stats_enable): a phase's time less this is what
+ * its caller ran alone, between regions. */
+void fm_ctx_region_times(fm_ctx *c, double *seconds, int reset);
 /* MoE blocks run and distinct experts they ran, since creation or reset: shows
  * whether a batch's tokens spread over the experts as real routing does. */
 void fm_ctx_moe_stats(fm_ctx *c, int64_t *calls, int64_t *experts, int reset);

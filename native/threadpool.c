@@ -177,6 +177,8 @@ int fm_pool_size(const fm_pool *p) { return p->n_threads; }
 
 void fm_pool_stats_enable(fm_pool *p, int on) { p->stats = on; }
 
+double fm_pool_region_seconds(const fm_pool *p) { return p->region_seconds; }
+
 void fm_pool_stats(fm_pool *p, int64_t *regions, double *region_seconds, double *busy_seconds, int reset) {
     double busy = 0.0;
     for (int i = 0; i < p->n_threads; i++) {

@@ -36,6 +36,8 @@ void fm_pool_run_light(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks);
  * run inline (one task, or a pool of one) are not counted. */
 void fm_pool_stats_enable(fm_pool *pool, int on);
 void fm_pool_stats(fm_pool *pool, int64_t *regions, double *region_seconds, double *busy_seconds, int reset);
+/* The running total of region seconds behind fm_pool_stats (0 while never enabled). */
+double fm_pool_region_seconds(const fm_pool *pool);
 /* Probes of bandwidth.c. Seconds of one parallel read pass over buf, in ~4 MB tasks: */
 double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
 /* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */

@@ -267,6 +267,10 @@ def test_region_stats_count_the_parallel_regions(tiny_q4_path):
     assert one["regions"] >= 3 * n_layers and two["regions"] >= one["regions"]
     for s in (one, two):
         assert s["seconds"] > 0 and 0 < s["busy_fraction"] <= 1
+        by_phase = s["seconds_by_phase"]      # every region falls in one phase of the forward
+        assert set(by_phase) == set(cpu.PHASES) and min(by_phase.values()) >= 0
+        assert by_phase["gdn"] > 0 and by_phase["moe"] > 0 and by_phase["lm_head"] > 0
+        assert sum(by_phase.values()) == pytest.approx(s["seconds"], rel=1e-9)
     cpu.forward([8], state)
     assert cpu.region_stats()["regions"] == 0
 
@@ -288,6 +292,12 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     assert out["fraction_of_weights_read_floor"] == pytest.approx(
         out["decode_tok_s"] * out["weight_bytes_per_token"] / (out["weights_read_gb_s"] * 1e9), rel=0.02)
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
-    assert out["decode_parallel_regions"]["per_token"] == 0     # one thread: every region runs inline
+    regions = out["decode_parallel_regions"]
+    assert regions["per_token"] == 0     # one thread: every region runs inline
+    assert set(regions["outside_ms_by_phase"]) == set(native_engine.NativeEngine.PHASES)
+    assert regions["outside_ms_by_phase"]["moe"] > 0 and regions["outside_forward_ms_per_token"] > 0
+    # the time outside the regions is the phases' share of it plus the step's outside the forward
+    assert sum(regions["outside_ms_by_phase"].values()) + regions["outside_forward_ms_per_token"] == pytest.approx(
+        regions["outside_ms_per_token"], abs=0.02)
     with pytest.raises(ValueError, match="shorter than the prompt"):
         run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=1, context=4)
