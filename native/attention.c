@@ -108,37 +108,35 @@ static void item_of(const seg_ctx *sc, int nkv, int64_t i, int *t, int *g, int *
 
 static float *head_state(float *states, int h, int hd) { return states + (size_t)h * (hd + 2); }
 
-/* out = acc / sum * sigmoid(gate) for the G heads of one (token, KV head). */
-static void finish_heads(const attn_ctx *a, int t, int g, float *states) {
+/* out = acc / sum * sigmoid(gate) for heads [h0, h0 + n) of the G that share KV head g
+ * of token t; states holds theirs, head h0's first. */
+__attribute__((target_clones("avx2", "default")))
+static void finish_heads(const attn_ctx *a, int t, int g, int h0, int n, const float *states) {
     const fm_model *m = a->m;
     int nh = m->n_head, hd = m->head_dim, G = nh / m->n_head_kv;
-    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;
-    for (int h = 0; h < G; h++) {
-        const float *st = head_state(states, h, hd), *gate = q0 + (size_t)h * 2 * hd + hd;
-        float *out = a->out + (size_t)t * nh * hd + (size_t)(g * G + h) * hd;
+    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G + h0) * 2 * hd;
+    for (int h = 0; h < n; h++) {
+        const float *st = states + (size_t)h * (hd + 2), *gate = q0 + (size_t)h * 2 * hd + hd;
+        float *out = a->out + (size_t)t * nh * hd + (size_t)(g * G + h0 + h) * hd;
         for (int i = 0; i < hd; i++) out[i] = st[i] / st[hd + 1] * fm_sigmoid(gate[i]);
     }
 }
 
-/* One segment of one (token, KV head). A token with a single segment is finished
- * here; otherwise the states go to attn_part for the fold. */
+/* The softmax states of heads [h0, h0 + n) of the G sharing KV head g, over segment
+ * seg of token t's positions, into states [n][hd + 2]. The kernels keep each head's
+ * sums apart, so a head's state is bitwise the same whichever heads share the call. */
 __attribute__((target_clones("avx2", "default")))
-static void segment_task(void *p, int task, int worker) {
-    (void)worker;
-    seg_ctx *sg = p;
-    attn_ctx *a = sg->a;
+static void attend_segment(const attn_ctx *a, int t, int g, int h0, int n_heads, int seg, float *states) {
     const fm_model *m = a->m;
-    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot, t, g, seg;
-    item_of(sg, nkv, sg->i0 + task, &t, &g, &seg);
+    int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot;
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t last = a->c->tok_pos[t], end = (seg + 1) * (int64_t)KV_SEGMENT - 1;
     end = end < last ? end : last;
-    int alone = n_segments(last) == 1;          /* the token's only segment: finished here */
-    int f16 = s->kv_type == FM_F16;
-    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G) * 2 * hd;   /* head h of the group: q0 + h*2*hd */
-    float scale = 1.0f / sqrtf((float)hd), mx[G], sum[G], acc[G][hd], sc[G][KV_CHUNK];
+    int f16 = s->kv_type == FM_F16, H = n_heads;
+    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G + h0) * 2 * hd;   /* head h: q0 + h*2*hd */
+    float scale = 1.0f / sqrtf((float)hd), mx[H], sum[H], acc[H][hd], sc[H][KV_CHUNK];
     const void *krow[KV_CHUNK], *vrow[KV_CHUNK];
-    for (int h = 0; h < G; h++) {
+    for (int h = 0; h < H; h++) {
         mx[h] = -INFINITY, sum[h] = 0.0f;
         for (int i = 0; i < hd; i++) acc[h][i] = 0.0f;
     }
@@ -148,8 +146,8 @@ static void segment_task(void *p, int task, int worker) {
             krow[j] = kv_at(s, s->k_pages, slot, p0 + j, g, nkv, hd);
             vrow[j] = kv_at(s, s->v_pages, slot, p0 + j, g, nkv, hd);
         }
-        fm_attn_scores(q0, 2 * hd, G, krow, f16, n, hd, &sc[0][0], KV_CHUNK);
-        for (int h = 0; h < G; h++) {
+        fm_attn_scores(q0, 2 * hd, H, krow, f16, n, hd, &sc[0][0], KV_CHUNK);
+        for (int h = 0; h < H; h++) {
             float cm = mx[h];
             for (int j = 0; j < n; j++) sc[h][j] *= scale;
             for (int j = 0; j < n; j++) cm = sc[h][j] > cm ? sc[h][j] : cm;
@@ -160,16 +158,45 @@ static void segment_task(void *p, int task, int worker) {
             for (int j = 0; j < n; j++) sum[h] += sc[h][j];
             mx[h] = cm;
         }
-        fm_attn_accumulate(&sc[0][0], KV_CHUNK, G, vrow, f16, n, hd, &acc[0][0]);
+        fm_attn_accumulate(&sc[0][0], KV_CHUNK, H, vrow, f16, n, hd, &acc[0][0]);
     }
-    float *states = alone ? a->c->attn_run + ((size_t)t * nh + (size_t)g * G) * (hd + 2)
-                                          : a->c->attn_part + (size_t)task * G * (hd + 2);
-    for (int h = 0; h < G; h++) {
+    for (int h = 0; h < H; h++) {
         float *st = head_state(states, h, hd);
         for (int i = 0; i < hd; i++) st[i] = acc[h][i];
         st[hd] = mx[h], st[hd + 1] = sum[h];
     }
-    if (alone) finish_heads(a, t, g, states);
+}
+
+/* One segment of one (token, KV head), all G heads. A token with a single segment
+ * is finished here; otherwise the states go to attn_part for the fold. */
+static void segment_task(void *p, int task, int worker) {
+    (void)worker;
+    seg_ctx *sg = p;
+    attn_ctx *a = sg->a;
+    int nh = a->m->n_head, hd = a->m->head_dim, nkv = a->m->n_head_kv, G = nh / nkv, t, g, seg;
+    item_of(sg, nkv, sg->i0 + task, &t, &g, &seg);
+    int alone = n_segments(a->c->tok_pos[t]) == 1;     /* the token's only segment: finished here */
+    float *states = alone ? a->c->attn_run + ((size_t)t * nh + (size_t)g * G) * (hd + 2)
+                          : a->c->attn_part + (size_t)task * G * (hd + 2);
+    attend_segment(a, t, g, 0, G, seg, states);
+    if (alone) finish_heads(a, t, g, 0, G, states);
+}
+
+/* Tokens of one segment each, fewer (token, KV head) pairs than threads (a decode
+ * step at a short context): task = (token, KV head, one of `parts` runs of its G
+ * heads), so that every thread has heads to attend with. */
+typedef struct { attn_ctx *a; int parts; } part_ctx;
+
+static void heads_task(void *p, int task, int worker) {
+    (void)worker;
+    const part_ctx *pc = p;
+    attn_ctx *a = pc->a;
+    int nh = a->m->n_head, hd = a->m->head_dim, nkv = a->m->n_head_kv, G = nh / nkv;
+    int part = task % pc->parts, g = task / pc->parts % nkv, t = task / pc->parts / nkv;
+    int h0 = part * G / pc->parts, h1 = (part + 1) * G / pc->parts;
+    float *states = a->c->attn_run + ((size_t)t * nh + (size_t)g * G + h0) * (hd + 2);
+    attend_segment(a, t, g, h0, h1 - h0, 0, states);
+    finish_heads(a, t, g, h0, h1 - h0, states);
 }
 
 /* Fold a pair's segment states of this region into its running state, in segment
@@ -197,7 +224,7 @@ static void fold_task(void *p, int k, int worker) {
             for (int i = 0; i < hd; i++) r[i] = r[i] * wr + q[i] * wq;
             r[hd] = mx, r[hd + 1] = r[hd + 1] * wr + q[hd + 1] * wq;
         }
-        if (seg == n_segments(a->c->tok_pos[t]) - 1) finish_heads(a, t, g, run);
+        if (seg == n_segments(a->c->tok_pos[t]) - 1) finish_heads(a, t, g, 0, G, run);
     }
 }
 
@@ -211,6 +238,13 @@ static void attend(fm_ctx *c, attn_ctx *a, int T) {
         int S = n_segments(c->tok_pos[t]);
         split |= S > 1;
         first[t + 1] = first[t] + (int64_t)nkv * S;
+    }
+    int threads = fm_pool_size(c->pool), G = c->m->n_head / nkv;
+    if (!split && first[T] < threads) {
+        part_ctx pc = {a, (int)((threads + first[T] - 1) / first[T])};
+        pc.parts = pc.parts < G ? pc.parts : G;
+        fm_pool_run(c->pool, heads_task, &pc, (int)first[T] * pc.parts);
+        return;
     }
     int pair_first[FM_ATTN_TASKS + 1];
     seg_ctx sg = {a, first, 0, pair_first};

@@ -250,6 +250,27 @@ def test_forward_exp_is_accurate_and_never_inf():
     assert np.isfinite(tail).all() and (tail[:3] < 1e-37).all() and (tail[3:] > 1e38).all()
 
 
+def test_decode_spreads_a_short_contexts_heads_over_the_threads(tmp_path, monkeypatch):
+    """One KV head and two threads: a decode step's attention runs as one task per
+    run of query heads, not one per KV head. Bitwise what the whole prompt gives
+    (one task per token there), and the reference's within the W4A8 tolerance."""
+    import dataclasses
+    from shared import synth as synth_module
+    monkeypatch.setitem(synth_module.PRESETS, "tiny-mqa",
+                        dataclasses.replace(synth_module.PRESETS["tiny"], n_head_kv=1))
+    path = tmp_path / "tiny-mqa.gguf"
+    synth(path, "tiny-mqa", progress=False)
+    model = Model(path)
+    assert model.config.n_head // model.config.n_head_kv == 4
+    cpu = native_engine.NativeEngine(model, threads=2)
+    whole = cpu.forward(PROMPT, cpu.new_state())
+    state = cpu.new_state()
+    parts = [cpu.forward(PROMPT[:5], state)] + [cpu.forward([t], state) for t in PROMPT[5:]]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    ref = ReferenceEngine(model, activations_q8=True)
+    assert _rel(whole, ref.forward(PROMPT, ref.new_state())) <= W4A8_RTOL
+
+
 def test_region_stats_count_the_parallel_regions(tiny_q4_path):
     """The pool's statistics: nothing while off; once on, every parallel region of a
     step (a 2-thread pool runs none inline but one-task ones) with its time, the
