@@ -163,7 +163,7 @@ class NativeEngine:
             chunk = tokens[start:start + self.max_batch]
             last = start + self.max_batch >= len(tokens)
             out.append(self._run([(chunk, state)], all_logits, want=all_logits or last))
-        logits = np.concatenate([o for o in out if o is not None])
+        logits = out[0] if len(out) == 1 else np.concatenate([o for o in out if o is not None])
         state.set_logits(logits[-1])
         return logits
 
@@ -187,7 +187,7 @@ class NativeEngine:
             if seg is not None:
                 group.append(seg)
                 size += len(seg[0])
-        logits = np.concatenate(out)
+        logits = out[0] if len(out) == 1 else np.concatenate(out)
         for (_, state), row in zip(checked, logits):
             state.set_logits(row)
         return logits
