@@ -42,13 +42,8 @@ static size_t row_bytes(const fm_tensor *w) {
     }
 }
 
-/* Bytes of weights a row of the job reads (both matrices of a gated pair, every term's). */
+/* Bytes of weights a row of the job reads (both matrices of a gated pair). */
 static size_t job_row_bytes(const fm_job *j) {
-    if (j->terms) {
-        size_t n = 0;
-        for (int k = 0; k < j->n_terms; k++) n += row_bytes(j->terms[k].w);
-        return n;
-    }
     return row_bytes(j->w) * (j->w_up ? 2 : 1);
 }
 
@@ -64,49 +59,22 @@ static const uint8_t *matrix(const fm_tensor *w, int mat) {
     return (const uint8_t *)w->data + (int64_t)mat * w->mat_stride;
 }
 
-/* y[b * ldy + r] = w[mat][r] . x[b] for rows [rb, re) and B activation rows. */
-static void product_of(const fm_tensor *w, int mat, const float *x, const block_q8_0 *xq, int B, float *y, int ldy,
-                       int rb, int re) {
-    const uint8_t *base = matrix(w, mat);
+/* y[b * ldy + r] = w[r] . x[b] for rows [rb, re). */
+static void product(const fm_job *j, const fm_tensor *w, float *y, int rb, int re) {
+    const uint8_t *base = matrix(w, j->mat);
     int cols = w->cols;
     switch (w->type) {
     case FM_Q4_0:
-        if (B == 1) fm_matvec_q4_0((const block_q4_0 *)base, xq, y, cols, rb, re);
-        else fm_matmul_q4_0((const block_q4_0 *)base, xq, y, cols, B, ldy, rb, re);
+        if (j->B == 1) fm_matvec_q4_0((const block_q4_0 *)base, j->xq, y, cols, rb, re);
+        else fm_matmul_q4_0((const block_q4_0 *)base, j->xq, y, cols, j->B, j->ldy, rb, re);
         break;
     case FM_Q8_0:
-        if (B == 1) fm_matvec_q8_0((const block_q8_0 *)base, xq, y, cols, rb, re);
-        else fm_matmul_q8_0((const block_q8_0 *)base, xq, y, cols, B, ldy, rb, re);
+        if (j->B == 1) fm_matvec_q8_0((const block_q8_0 *)base, j->xq, y, cols, rb, re);
+        else fm_matmul_q8_0((const block_q8_0 *)base, j->xq, y, cols, j->B, j->ldy, rb, re);
         break;
     default:
-        if (B == 1) fm_matvec_f32((const float *)base, x, y, cols, rb, re);
-        else fm_matmul_f32((const float *)base, x, y, cols, B, ldy, rb, re);
-    }
-}
-
-static void product(const fm_job *j, const fm_tensor *w, float *y, int rb, int re) {
-    product_of(w, j->mat, j->x, j->xq, j->B, y, j->ldy, rb, re);
-}
-
-/* A weighted sum's rows [rb, re), TERM_ROWS at a time: each term's products into a
- * local run, added in term order (the order a separate combine would add them). */
-#define TERM_ROWS 64
-static void sum_rows(const fm_job *j, int rb, int re) {
-    float part[TERM_ROWS], acc[TERM_ROWS];
-    for (int r0 = rb; r0 < re; r0 += TERM_ROWS) {
-        int n = re - r0 < TERM_ROWS ? re - r0 : TERM_ROWS;
-        for (int k = 0; k < j->n_terms; k++) {
-            const fm_term *t = &j->terms[k];
-            /* rows [r0, r0 + n) of the matrix are rows [0, n) of the one that starts there */
-            fm_tensor sub = *t->w;
-            sub.data = matrix(t->w, t->mat) + (size_t)r0 * row_bytes(t->w);
-            product_of(&sub, 0, t->x, t->xq, 1, part, 0, 0, n);
-            if (k == 0)
-                for (int i = 0; i < n; i++) acc[i] = part[i] * t->scale;
-            else
-                for (int i = 0; i < n; i++) acc[i] += t->scale * part[i];
-        }
-        for (int i = 0; i < n; i++) j->y[r0 + i] = acc[i];
+        if (j->B == 1) fm_matvec_f32((const float *)base, j->x, y, cols, rb, re);
+        else fm_matmul_f32((const float *)base, j->x, y, cols, j->B, j->ldy, rb, re);
     }
 }
 
@@ -122,10 +90,6 @@ static void swiglu_rows(const fm_job *j, int rb, int re) {
 }
 
 static void run_rows(const fm_job *j, int rb, int re) {
-    if (j->terms) {
-        sum_rows(j, rb, re);
-        return;
-    }
     product(j, j->w, j->y, rb, re);
     if (j->w_up) {
         product(j, j->w_up, j->y_up, rb, re);
@@ -194,12 +158,7 @@ static void run_units(const jobs_ctx *c, int u, int end, int *next) {
         int re = (stop - c->first_unit[j]) * c->unit_rows[j];
         if (re > job->w->rows) re = job->w->rows;
         size_t rbytes = row_bytes(job->w), n = (size_t)(re - rb) * rbytes;
-        if (u != *next && job->terms)
-            for (int k = 0; k < job->n_terms; k++) {
-                const fm_term *t = &job->terms[k];
-                prefetch_head(matrix(t->w, t->mat) + rb * row_bytes(t->w), (size_t)(re - rb) * row_bytes(t->w));
-            }
-        else if (u != *next) {
+        if (u != *next) {
             prefetch_head(matrix(job->w, job->mat) + rb * rbytes, n);
             if (job->w_up) prefetch_head(matrix(job->w_up, job->mat) + rb * rbytes, n);
         }

@@ -9,15 +9,6 @@
 #include "model.h"
 #include "threadpool.h"
 
-/* One product of a weighted sum (fm_job.terms): scale * (w[mat] . x). */
-typedef struct {
-    const fm_tensor *w;
-    int mat;
-    const float *x;             /* [cols] fp32 (F32 weights) */
-    const block_q8_0 *xq;       /* [cols/32] quantised (Q4_0/Q8_0 weights) */
-    float scale;
-} fm_term;
-
 typedef struct {
     const fm_tensor *w;
     int mat;                    /* which expert of a 3-D tensor (0 for 2-D) */
@@ -38,14 +29,6 @@ typedef struct {
      * would otherwise need a parallel region of its own (the GDN's conv). */
     void (*done)(void *done_ctx, int rb, int re);
     void *done_ctx;
-    /* Optional, for one token (B = 1): y[r] = sum over k, in order, of
-     * terms[k].scale * (terms[k].w[r] . x_k), the products of matrices of w's shape
-     * summed where their rows are computed (a MoE block's down projections, weighted
-     * by the routing). The sum starts from the first term's scaled product, each
-     * further one added as y + scale * product. w still gives the rows; x and xq
-     * are unused. */
-    const fm_term *terms;
-    int n_terms;
 } fm_job;
 
 void fm_run_jobs(fm_pool *pool, const fm_job *jobs, int n_jobs);

@@ -54,23 +54,6 @@ static void gather_inputs(fm_ctx *c, int pairs, int D, int fp32) {
     }
 }
 
-/* One token's down projections and their weighted sum in one region: each thread
- * sums the rows it computes, in the order the combine below adds them (the shared
- * expert scaled by its gate, then the pairs in order), so the result is bitwise
- * the batched path's, with no serial pass over the experts' outputs. */
-static void down_and_combine(fm_ctx *c, const fm_layer *l, const float *G, const block_q8_0 *hq, const float *Gs,
-                             const block_q8_0 *hsq, float sh_gate) {
-    const fm_model *m = c->m;
-    int k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp, n = 0;
-    fm_term terms[k + 1];
-    if (ffs) terms[n++] = (fm_term){&l->ffn_down_shexp, 0, Gs, hsq, fm_sigmoid(sh_gate)};
-    for (int p = 0; p < k; p++)
-        terms[n++] = (fm_term){&l->ffn_down_exps, c->ids[c->pair_slot[p]], G + (size_t)p * ff,
-                               hq ? hq + (size_t)p * (ff / 32) : NULL, c->weights[c->pair_slot[p]]};
-    fm_job job = {.w = terms[0].w, .B = 1, .y = c->tmp, .ldy = m->n_embd, .terms = terms, .n_terms = n};
-    fm_run_jobs(c->pool, &job, 1);
-}
-
 void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp;
@@ -107,10 +90,6 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     }
     fm_run_jobs(c->pool, jobs, n_used);
 
-    if (T == 1) {
-        down_and_combine(c, l, G, hq, Gs, hsq, sh_gate[0]);
-        return;
-    }
     for (int i = 0; i < n_used; i++) {
         int e = experts[i], p = firstp[e];
         jobs[i] = (fm_job){&l->ffn_down_exps, e, G + (size_t)p * ff, hq ? hq + (size_t)p * (ff / 32) : NULL,
