@@ -14,7 +14,11 @@ mean much):
     buffer gets depends on the memory free at the time. Reported: the median
     read GB/s, the median product GB/s (weight bytes / time) and the fraction of the
     read bandwidth, the median of the pairs' ratios with their range. A pair shares
-    the machine's state of the moment; the best of each side, taken apart, would not;
+    the machine's state of the moment; the best of each side, taken apart, would not.
+    Each pair also holds a pass of the read loop that prefetches ahead as the kernels
+    do (fm_read_sum_prefetched): its GB/s, its fraction of the plain loop's (what the
+    software prefetch alone costs a stream the hardware prefetchers would run), and
+    the product's fraction of it;
   - for each ISA: the batched product (prefill) in tokens/s for B = 16 and 64, on a
     cache-sized matrix where it is compute-bound, and its speed-up over B matvecs
     (best of --reps);
@@ -128,19 +132,23 @@ def _bench_cpus(n: int) -> list[int]:
 
 
 def paired_passes(cpus: list[int], W: np.ndarray, xq: np.ndarray,
-                  pairs: int) -> tuple[list[float], list[float]]:
-    """GB/s of `pairs` read passes over W and of as many products W . xq, alternated
-    on one pinned pool, after one untimed pass of each: (reads, products)."""
-    reads, products = [], []
+                  pairs: int) -> tuple[list[float], list[float], list[float]]:
+    """GB/s of `pairs` read passes over W, as many read passes that prefetch as the
+    kernels do, and as many products W . xq, alternated on one pinned pool (each
+    pair in a rotated order), after one untimed pass of each: (reads, prefetched
+    reads, products)."""
+    reads, prefetched, products = [], [], []
     with native.Pool(cpus) as pool:
-        read = lambda: reads.append(W.nbytes / pool.read_seconds(W) / 1e9)  # noqa: E731
-        product = lambda: products.append(W.nbytes / pool.matvec_q4_0_seconds(W, xq) / 1e9)  # noqa: E731
+        steps = [lambda: reads.append(W.nbytes / pool.read_seconds(W) / 1e9),
+                 lambda: prefetched.append(W.nbytes / pool.read_seconds(W, prefetched=True) / 1e9),
+                 lambda: products.append(W.nbytes / pool.matvec_q4_0_seconds(W, xq) / 1e9)]
         pool.read_seconds(W)
+        pool.read_seconds(W, prefetched=True)
         pool.matvec_q4_0_seconds(W, xq)
         for i in range(pairs):
-            for step in ((read, product) if i % 2 == 0 else (product, read)):
-                step()
-    return reads, products
+            for k in range(len(steps)):
+                steps[(i + k) % len(steps)]()
+    return reads, prefetched, products
 
 
 def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
@@ -153,11 +161,12 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -
     W, xq = big
     Ws, xqs, Xs = small
     out = {"matvec_gbps": {}, "read_gbps": {}, "fraction_of_read_bw": {}, "fraction_of_read_bw_range": {},
-           "matmul": {}}
+           "prefetched_read_gbps": {}, "prefetched_read_fraction_of_read_bw": {},
+           "fraction_of_prefetched_read_bw": {}, "matmul": {}}
     reads_by_nt = {}
     with native.use_isa(isa):
         for nt in threads:
-            reads, products = paired_passes(cpus[:nt], W, xq, pairs)
+            reads, prefetched, products = paired_passes(cpus[:nt], W, xq, pairs)
             ratios = [p / r for p, r in zip(products, reads)]
             key = str(nt)
             reads_by_nt[key] = reads
@@ -165,6 +174,11 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -
             out["read_gbps"][key] = round(statistics.median(reads), 2)
             out["fraction_of_read_bw"][key] = round(statistics.median(ratios), 3)
             out["fraction_of_read_bw_range"][key] = [round(min(ratios), 3), round(max(ratios), 3)]
+            out["prefetched_read_gbps"][key] = round(statistics.median(prefetched), 2)
+            out["prefetched_read_fraction_of_read_bw"][key] = round(
+                statistics.median([f / r for f, r in zip(prefetched, reads)]), 3)
+            out["fraction_of_prefetched_read_bw"][key] = round(
+                statistics.median([p / f for p, f in zip(products, prefetched)]), 3)
         t_vec = matmul_seconds(pool, Ws, xqs[None, :], np.empty((1, Ws.shape[0]), np.float32),
                                threads[-1], reps)
         for B in batch_sizes:
@@ -195,7 +209,7 @@ def run(matrix_mb: int | None = None, threads: int = 2, reps: int = 5,
                     "default_isa": native.get_isa()},
         "setup": {"matvec_matrix": {"rows": rows, "cols": cols, "bytes": int(big_W.nbytes)},
                   "matmul_matrix": {"rows": small_rows, "cols": cols, "bytes": int(small_W.nbytes)},
-                  "read_pass": "the matvec matrix itself", "threads": thread_counts, "reps": reps,
+                  "read_pass": "the matvec matrix itself, plain and with the kernels' software prefetch", "threads": thread_counts, "reps": reps,
                   "pairs": pairs, "cpus": cpus[:max(thread_counts)],
                   "threading": "read and matvec: the engine's pinned native pool, alternated pass by pass; "
                                "matmul: a python pool splitting rows (cffi calls release the GIL)"},

@@ -188,9 +188,11 @@ def matmul(W: np.ndarray, X: np.ndarray, kind: str, row_begin: int = 0, row_end:
     return Y
 
 
-def read_sum(buf: np.ndarray) -> int:
-    """Sum of the 64-bit words of buf (whole 128-byte lines): a memory read probe."""
-    return int(lib.fm_read_sum(ffi.from_buffer(buf), buf.nbytes))
+def read_sum(buf: np.ndarray, prefetched: bool = False) -> int:
+    """Sum of the 64-bit words of buf (whole 128-byte lines): a memory read probe;
+    `prefetched`: the loop that also prefetches ahead as the kernels do."""
+    fn = lib.fm_read_sum_prefetched if prefetched else lib.fm_read_sum
+    return int(fn(ffi.from_buffer(buf), buf.nbytes))
 
 
 class Pool:
@@ -220,9 +222,10 @@ class Pool:
         """Best GB/s of reps parallel read passes over buf."""
         return lib.fm_pool_read_gbps(self._pool, ffi.from_buffer(buf), buf.nbytes, reps)
 
-    def read_seconds(self, buf: np.ndarray) -> float:
-        """Seconds of one parallel read pass over buf."""
-        return lib.fm_pool_read_seconds(self._pool, ffi.from_buffer(buf), buf.nbytes)
+    def read_seconds(self, buf: np.ndarray, prefetched: bool = False) -> float:
+        """Seconds of one parallel read pass over buf (`prefetched`: see read_sum)."""
+        fn = lib.fm_pool_read_prefetched_seconds if prefetched else lib.fm_pool_read_seconds
+        return fn(self._pool, ffi.from_buffer(buf), buf.nbytes)
 
     def matvec_q4_0_seconds(self, W: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> float:
         """Seconds of one Q4_0 x Q8_0 product W . x, rows split over the pool in

@@ -11,13 +11,13 @@
 
 #define CHUNK (4u << 20)    /* bytes a task reads: large enough to stream, small enough to balance */
 
-typedef struct { const uint8_t *buf; size_t nbytes; volatile uint64_t sink; } read_ctx;
+typedef struct { const uint8_t *buf; size_t nbytes; uint64_t (*sum)(const void *, size_t); volatile uint64_t sink; } read_ctx;
 
 static void read_task(void *p, int task, int worker) {
     (void)worker;
     read_ctx *c = p;
     size_t off = (size_t)task * CHUNK, n = c->nbytes - off < CHUNK ? c->nbytes - off : CHUNK;
-    c->sink += fm_read_sum(c->buf + off, n & ~(size_t)127);
+    c->sink += c->sum(c->buf + off, n & ~(size_t)127);
 }
 
 static double pass_seconds(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks) {
@@ -26,9 +26,17 @@ static double pass_seconds(fm_pool *pool, fm_task_fn fn, void *ctx, int n_tasks)
     return fm_now() - t0;
 }
 
-double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes) {
-    read_ctx c = {buf, nbytes, 0};
+static double read_pass(fm_pool *pool, const void *buf, size_t nbytes, uint64_t (*sum)(const void *, size_t)) {
+    read_ctx c = {buf, nbytes, sum, 0};
     return pass_seconds(pool, read_task, &c, (int)((nbytes + CHUNK - 1) / CHUNK));
+}
+
+double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes) {
+    return read_pass(pool, buf, nbytes, fm_read_sum);
+}
+
+double fm_pool_read_prefetched_seconds(fm_pool *pool, const void *buf, size_t nbytes) {
+    return read_pass(pool, buf, nbytes, fm_read_sum_prefetched);
 }
 
 double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps) {

@@ -61,6 +61,10 @@ int fm_isa_from_name(const char *name); /* -1 if unknown */
 
 /* ---- memory bandwidth probe (membench.c), for bench/kernels.py ---- */
 uint64_t fm_read_sum(const void *buf, size_t nbytes); /* sums the 64-bit words of the first nbytes & ~127 bytes */
+/* The same sum, the loop asking for each line FM_PF_DIST bytes ahead as the
+ * matrix-vector kernels do (fm_prefetch): what their software prefetch costs a
+ * plain stream, which without it runs on the hardware prefetchers alone. */
+uint64_t fm_read_sum_prefetched(const void *buf, size_t nbytes);
 
 /* ---- the per-ISA implementations ---- */
 typedef struct {

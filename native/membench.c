@@ -6,26 +6,34 @@
 #include "kernels.h"
 
 /* Four independent 256-bit accumulators keep the adds off the critical path,
- * so only memory limits the loop. */
-__attribute__((target("avx2"))) static uint64_t read_sum_avx2(const uint8_t *p, size_t n)
-{
-    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
-    for (size_t i = 0; i < n; i += 128) {
-        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i)));
-        b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
-        c = _mm256_add_epi64(c, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
-        d = _mm256_add_epi64(d, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+ * so only memory limits the loop. PF: also prefetch the 2 lines FM_PF_DIST ahead. */
+#define READ_SUM_AVX2(NAME, PF)                                                                      \
+    __attribute__((target("avx2"))) static uint64_t NAME(const uint8_t *p, size_t n)                 \
+    {                                                                                              \
+        __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;                                   \
+        for (size_t i = 0; i < n; i += 128) {                                                      \
+            if (PF) {                                                                              \
+                __builtin_prefetch(p + i + FM_PF_DIST, 0, 3);                                      \
+                __builtin_prefetch(p + i + FM_PF_DIST + 64, 0, 3);                                 \
+            }                                                                                      \
+            a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i)));                 \
+            b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(p + i + 32)));            \
+            c = _mm256_add_epi64(c, _mm256_loadu_si256((const __m256i *)(p + i + 64)));            \
+            d = _mm256_add_epi64(d, _mm256_loadu_si256((const __m256i *)(p + i + 96)));            \
+        }                                                                                          \
+        uint64_t o[4];                                                                             \
+        _mm256_storeu_si256((__m256i *)o, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d))); \
+        return o[0] + o[1] + o[2] + o[3];                                                          \
     }
-    uint64_t o[4];
-    _mm256_storeu_si256((__m256i *)o, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
-    return o[0] + o[1] + o[2] + o[3];
-}
+READ_SUM_AVX2(read_sum_avx2, 0)
+READ_SUM_AVX2(read_sum_prefetched_avx2, 1)
 
 /* SSE2 is part of x86-64 itself. */
-static uint64_t read_sum_sse2(const uint8_t *p, size_t n)
+static uint64_t read_sum_sse2(const uint8_t *p, size_t n, int pf)
 {
     __m128i a = _mm_setzero_si128(), b = a, c = a, d = a;
     for (size_t i = 0; i < n; i += 64) {
+        if (pf) __builtin_prefetch(p + i + FM_PF_DIST, 0, 3);
         a = _mm_add_epi64(a, _mm_loadu_si128((const __m128i *)(p + i)));
         b = _mm_add_epi64(b, _mm_loadu_si128((const __m128i *)(p + i + 16)));
         c = _mm_add_epi64(c, _mm_loadu_si128((const __m128i *)(p + i + 32)));
@@ -40,5 +48,12 @@ uint64_t fm_read_sum(const void *buf, size_t nbytes)
 {
     const uint8_t *p = (const uint8_t *)buf;
     nbytes &= ~(size_t)127;
-    return fm_best_isa() >= FM_ISA_AVX2 ? read_sum_avx2(p, nbytes) : read_sum_sse2(p, nbytes);
+    return fm_best_isa() >= FM_ISA_AVX2 ? read_sum_avx2(p, nbytes) : read_sum_sse2(p, nbytes, 0);
+}
+
+uint64_t fm_read_sum_prefetched(const void *buf, size_t nbytes)
+{
+    const uint8_t *p = (const uint8_t *)buf;
+    nbytes &= ~(size_t)127;
+    return fm_best_isa() >= FM_ISA_AVX2 ? read_sum_prefetched_avx2(p, nbytes) : read_sum_sse2(p, nbytes, 1);
 }

@@ -40,6 +40,8 @@ void fm_pool_stats(fm_pool *pool, int64_t *regions, double *region_seconds, doub
 double fm_pool_region_seconds(const fm_pool *pool);
 /* Probes of bandwidth.c. Seconds of one parallel read pass over buf, in ~4 MB tasks: */
 double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
+/* the same with the kernels' software prefetch (fm_read_sum_prefetched): */
+double fm_pool_read_prefetched_seconds(fm_pool *pool, const void *buf, size_t nbytes);
 /* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */
 double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps);
 /* seconds of one Q4_0 x Q8_0 matrix-vector product W[rows, cols] . x -> y[rows],

@@ -282,6 +282,7 @@ def test_pool_matvec_covers_every_row_once(isa):
         assert pool.matvec_q4_0_seconds(W, x, out=y) > 0
         assert pool.read_gbps(np.ones(1 << 20, np.uint8), reps=1) > 0
         assert pool.read_seconds(np.ones(1 << 20, np.uint8)) > 0
+        assert pool.read_seconds(np.ones(1 << 20, np.uint8), prefetched=True) > 0
     np.testing.assert_array_equal(y, native.matvec(W, x, "q4_0"))
 
 
@@ -350,13 +351,22 @@ def test_job_regions_compute_each_row_once(isa):
             np.testing.assert_array_equal(hq, native.quantize_row_q8_0(Ys[0]), err_msg=f"{kind} B={B} hq")
 
 
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_read_sum_adds_the_whole_lines(prefetched):
+    """The read probes sum every 64-bit word of the whole 128-byte lines, and no more."""
+    buf = np.random.default_rng(7).integers(0, 256, 5 * 4096 + 200, dtype=np.uint8)
+    whole = buf[:buf.nbytes // 128 * 128].view(np.uint64)
+    want = int(whole.sum(dtype=np.uint64))
+    assert native.read_sum(buf, prefetched=prefetched) == want
+
+
 def test_bench_pairs_alternate_read_and_product_passes():
     from bench.kernels import paired_passes
     W = make_weights("q4_0", 256, 1024)
     x, _ = make_acts("q4_0", 1024)
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    reads, products = paired_passes(cpus, W, x, pairs=4)
-    assert len(reads) == len(products) == 4 and min(reads + products) > 0
+    reads, prefetched, products = paired_passes(cpus, W, x, pairs=4)
+    assert len(reads) == len(prefetched) == len(products) == 4 and min(reads + prefetched + products) > 0
 
 
 def test_bench_kernels_reports_each_isa_against_bandwidth():
@@ -369,7 +379,8 @@ def test_bench_kernels_reports_each_isa_against_bandwidth():
         for nt in ("1", "2"):
             low, high = got["fraction_of_read_bw_range"][nt]
             assert 0 < low <= got["fraction_of_read_bw"][nt] <= high
-            assert got["matvec_gbps"][nt] > 0 and got["read_gbps"][nt] > 0
+            assert got["matvec_gbps"][nt] > 0 and got["read_gbps"][nt] > 0 and got["prefetched_read_gbps"][nt] > 0
+            assert got["fraction_of_prefetched_read_bw"][nt] > 0 and got["prefetched_read_fraction_of_read_bw"][nt] > 0
     assert out["ratios"]["ssse3_vs_scalar_matvec_1t"] > 1
 
 
