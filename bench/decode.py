@@ -180,6 +180,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
             "outside_ms_by_phase": serial_ms,
             "outside_forward_ms_per_token": round(1000 * (stat_s - sum(stat_phases.values())) / stat_tokens, 3),
             "thread_busy_fraction": round(regions["busy_fraction"], 3),
+            "empty_region_us": round(1e6 * engine.region_overhead(), 2),
         },
     }
 

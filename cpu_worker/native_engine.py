@@ -95,6 +95,11 @@ class NativeEngine:
         gbps = self.lib.fm_pool_read_gbps(self._pool, self.ffi.from_buffer(buf), buf.nbytes, reps)
         return gbps * 1e9
 
+    def region_overhead(self, reps: int = 2000) -> float:
+        """Seconds a parallel region of empty tasks takes on this engine's pool (the
+        mean of `reps`): what each of a token's regions costs before any work."""
+        return self.lib.fm_pool_region_overhead_seconds(self._pool, reps)
+
     def experts_per_moe_block(self, reset: bool = False) -> float:
         """Mean distinct experts each MoE block ran since creation or the last reset."""
         calls, experts = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")

@@ -1,7 +1,7 @@
 /* Memory read bandwidth through the engine's own pinned thread pool: the ceiling
  * the decode step is held against (bench decode's floor); and the Q4_0
  * matrix-vector product through the same pool, so that the two are measured the
- * way the forward runs. bench kernels times single passes of each, alternated, and
+ * way the forward runs; and what an empty parallel region costs it. bench kernels times single passes of each, alternated, and
  * compares them pair by pair: on a noisy machine only neighbouring passes share
  * the conditions a ratio needs. */
 #include <stdint.h>
@@ -46,6 +46,15 @@ double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps
         if (r > 0 && gbps > best) best = gbps;
     }
     return best;
+}
+
+static void no_task(void *p, int task, int worker) { (void)p, (void)task, (void)worker; }
+
+double fm_pool_region_overhead_seconds(fm_pool *pool, int reps) {
+    for (int r = 0; r < reps; r++) fm_pool_run_each(pool, no_task, NULL);
+    const double t0 = fm_now();
+    for (int r = 0; r < reps; r++) fm_pool_run_each(pool, no_task, NULL);
+    return (fm_now() - t0) / reps;
 }
 
 typedef struct { const void *W, *x; float *y; int rows, cols, rows_per_task; } matvec_ctx;

@@ -10,19 +10,24 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define SPIN_ITERATIONS 200000
 
+/* The lines the threads meet on each have one of their own: idle workers spin
+ * reading `generation`, so a store to anything sharing its line (each finishing
+ * worker's decrement of `pending`, each task claimed from `next_task`, the next
+ * region's description) would take the line from 15 readers on a 16-core machine. */
 struct fm_pool {
     int n_threads;
     pthread_t *threads;
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    atomic_int generation;      /* bumped to start a region */
-    atomic_int next_task;
-    atomic_int pending;         /* workers still inside the current region */
-    int n_tasks;
+    _Alignas(64) atomic_int generation;      /* bumped to start a region */
+    _Alignas(64) atomic_int next_task;
+    _Alignas(64) atomic_int pending;         /* workers still inside the current region */
+    _Alignas(64) int n_tasks;                /* the region, written before its generation */
     int each;                   /* fm_pool_run_each: every worker runs its own index once */
     fm_task_fn fn;
     void *ctx;
@@ -96,8 +101,9 @@ static void *worker_main(void *argp) {
 
 fm_pool *fm_pool_create(int n_threads, const int *cpus) {
     if (n_threads < 1) { errno = EINVAL; return NULL; }
-    fm_pool *p = calloc(1, sizeof *p);
+    fm_pool *p = aligned_alloc(64, (sizeof *p + 63) / 64 * 64);
     if (!p) return NULL;
+    memset(p, 0, sizeof *p);
     p->n_threads = n_threads;
     p->threads = calloc(n_threads, sizeof *p->threads);
     p->busy = aligned_alloc(64, (size_t)n_threads * sizeof *p->busy);

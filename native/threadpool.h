@@ -44,6 +44,9 @@ double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
 double fm_pool_read_prefetched_seconds(fm_pool *pool, const void *buf, size_t nbytes);
 /* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */
 double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps);
+/* seconds a parallel region of empty tasks takes (start to join), the mean of
+ * `reps` after as many untimed: the least a region costs, whatever it does. */
+double fm_pool_region_overhead_seconds(fm_pool *pool, int reps);
 /* seconds of one Q4_0 x Q8_0 matrix-vector product W[rows, cols] . x -> y[rows],
  * rows split into ~4 MB tasks. */
 double fm_pool_matvec_q4_0_seconds(fm_pool *pool, const void *W, const void *x, float *y, int rows, int cols);

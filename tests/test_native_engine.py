@@ -294,6 +294,7 @@ def test_region_stats_count_the_parallel_regions(tiny_q4_path):
         assert sum(by_phase.values()) == pytest.approx(s["seconds"], rel=1e-9)
     cpu.forward([8], state)
     assert cpu.region_stats()["regions"] == 0
+    assert 0 < cpu.region_overhead(reps=100) < one["seconds"]   # an empty region: less than a step's
 
 
 def test_bench_decode_batch_and_context(tiny_q4_path):
