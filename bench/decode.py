@@ -23,6 +23,7 @@ import numpy as np
 
 from shared.ggml_types import row_nbytes
 from shared.model import Model, Weight
+from shared.sampling import Sampler, SamplingParams
 from shared.state import DEFAULT_KV_DTYPE, kv_bytes_per_position
 
 
@@ -69,6 +70,7 @@ def _extend_context(state, context: int) -> None:
 
 
 STAT_TOKENS = 8         # decode steps timed region by region, after the timed ones
+SAMPLE_REPS = 20        # draws of the default sampler from the last logits
 
 
 def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
@@ -131,6 +133,13 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     serial_ms = {p: round(1000 * (stat_phases[p] - regions["seconds_by_phase"][p]) / stat_tokens, 3)
                  for p in stat_phases}
 
+    sampler, row = Sampler(SamplingParams(seed=0)), rows[0]
+    sampler.sample(row)
+    t0 = time.perf_counter()
+    for _ in range(SAMPLE_REPS):
+        sampler.sample(row)
+    sample_ms = 1000 * (time.perf_counter() - t0) / SAMPLE_REPS
+
     per_token = bytes_per_token(model)
     phase_bytes = bytes_by_phase(model)
     breakdown = {p: {"ms_per_token": round(1000 * phase_s[p] / decode_tokens, 2),
@@ -172,6 +181,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "state_mb_per_token": round(state_bytes / 1e6, 1),
         "floor_with_state_tok_s": round(floor_state_tps, 2),
         "fraction_of_floor_with_state": round(decode_tps / floor_state_tps, 3),
+        "sampling_ms_per_token": round(sample_ms, 3),      # the default sampler (the decode above is greedy)
         "decode_breakdown": breakdown,
         "decode_parallel_regions": {       # the thread pool's share of a token
             "per_token": round(regions["regions"] / stat_tokens, 1),

@@ -33,6 +33,24 @@ class SamplingParams:
                 raise FermoeError(problem)
 
 
+SAMPLE_STRIDE = 64      # top_k's threshold comes from every 64th logit
+
+
+def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest logits, largest first; equal logits by index (the k
+    smallest of (-logit, index)). A threshold from a strided sample of the logits
+    bounds the candidates, so one comparison over the vocabulary replaces most of a
+    partition of it (1.2 of 1.5 ms a token at 248k); if fewer than k reach the
+    threshold, the whole vocabulary is the candidate set."""
+    sample = logits[::SAMPLE_STRIDE]
+    rank = min(len(sample), 4 * -(-k // SAMPLE_STRIDE) + 8)     # ~4x the k expected above it
+    threshold = np.partition(sample, len(sample) - rank)[len(sample) - rank]
+    cand = np.flatnonzero(logits >= threshold)
+    if len(cand) < k:
+        cand = np.arange(len(logits))
+    return cand[np.lexsort((cand, -logits[cand]))[:k]]
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         params.validate()
@@ -53,9 +71,7 @@ class Sampler:
         if p.temperature == 0:
             return int(np.argmax(logits))
         if p.top_k and p.top_k < len(logits):
-            # a partial selection first: a full sort of a 248k vocabulary costs ~20 ms a token
-            top = np.argpartition(-logits, p.top_k - 1)[:p.top_k]
-            order = top[np.lexsort((top, -logits[top]))]
+            order = top_k_order(logits, p.top_k)    # a full sort of a 248k vocabulary costs ~20 ms a token
         else:
             order = np.argsort(-logits, kind="stable")
         top_logits = logits[order].astype(np.float64)

@@ -314,6 +314,7 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     assert out["fraction_of_weights_read_floor"] == pytest.approx(
         out["decode_tok_s"] * out["weight_bytes_per_token"] / (out["weights_read_gb_s"] * 1e9), rel=0.02)
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
+    assert out["sampling_ms_per_token"] > 0
     regions = out["decode_parallel_regions"]
     assert regions["per_token"] == 0     # one thread: every region runs inline
     assert set(regions["outside_ms_by_phase"]) == set(native_engine.NativeEngine.PHASES)

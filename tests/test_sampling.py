@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shared.errors import FermoeError
-from shared.sampling import Sampler, SamplingParams
+from shared.sampling import SAMPLE_STRIDE, Sampler, SamplingParams, top_k_order
 
 OPEN = dict(top_k=0, top_p=1.0, min_p=0.0)          # every filter off
 
@@ -29,6 +29,29 @@ def test_greedy_and_top_k_one_take_the_largest_logit():
     x = _logits()
     assert Sampler(SamplingParams(temperature=0.0)).sample(x) == int(np.argmax(x))
     assert set(_draws(SamplingParams(temperature=5.0, top_k=1, seed=1), x, 200)) == {int(np.argmax(x))}
+
+
+def _top_k_by_definition(x, k):
+    return np.lexsort((np.arange(len(x)), -x))[:k]
+
+
+@pytest.mark.parametrize("case", ["normal", "ties", "tops_off_the_stride", "tops_on_the_stride", "tiny"])
+@pytest.mark.parametrize("k", [1, 40, 300])
+def test_top_k_order_is_the_k_largest_with_ties_by_index(case, k):
+    """The sampled threshold only narrows the candidates: whatever the logits, the
+    result is the k largest, largest first, equal ones by index."""
+    rng = np.random.default_rng(k)
+    n = 7 if case == "tiny" else 248_320
+    x = rng.standard_normal(n).astype(np.float32)
+    if case == "ties":
+        x = rng.integers(0, 5, n).astype(np.float32)
+    on_stride = np.arange(0, n, SAMPLE_STRIDE)
+    if case == "tops_off_the_stride":              # the sample misses every large logit
+        x[np.setdiff1d(np.arange(n), on_stride)[:500]] += 50
+    if case == "tops_on_the_stride":               # the sample is all large: fewer than k reach its threshold
+        x[on_stride] += 50
+    k = min(k, n - 1)
+    np.testing.assert_array_equal(top_k_order(x, k), _top_k_by_definition(x, k))
 
 
 def test_top_k_top_p_and_min_p_keep_only_their_tokens():
