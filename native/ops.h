@@ -36,18 +36,24 @@ static inline float fm_silu(float x) { return x / (1.0f + fm_expf(-x)); }
 static inline float fm_sigmoid(float x) { return 1.0f / (1.0f + fm_expf(-x)); }
 static inline float fm_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* y = x / rms(x) * w (GGUF norm weights are plain multipliers). y may be x. */
-static inline void fm_rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = 1.0f / sqrtf(ss / n + eps);
-    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+/* Eight running sums, added up in a fixed order at the end: the loop vectorises
+ * and no add waits on the one before it. One running sum is a chain of dependent
+ * adds, ~4 cycles an element: ~2.5 us for a 2048-wide norm, 81 of them a token,
+ * on the caller between parallel regions. */
+static inline float fm_dot(const float *a, const float *b, int n) {
+    float s[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
+    float t = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
 }
 
-static inline float fm_dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+/* y = x / rms(x) * w (GGUF norm weights are plain multipliers). y may be x. */
+static inline void fm_rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
+    float inv = 1.0f / sqrtf(fm_dot(x, x, n) / n + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
 }
 
 /* One row of a weight matrix as floats (embedding lookup). */
