@@ -1,9 +1,9 @@
 /* Memory read bandwidth through the engine's own pinned thread pool: the ceiling
- * the decode step is held against (bench decode's floor); and the Q4_0
- * matrix-vector product through the same pool, so that the two are measured the
- * way the forward runs; and what an empty parallel region costs it. bench kernels times single passes of each, alternated, and
- * compares them pair by pair: on a noisy machine only neighbouring passes share
- * the conditions a ratio needs. */
+ * the decode step is held against (bench decode's floor); the Q4_0 matrix-vector
+ * product through the same pool, so that the two are measured the way the forward
+ * runs; and what an empty parallel region costs the pool. bench kernels times
+ * single passes of each, alternated, and compares them pair by pair: on a noisy
+ * machine only neighbouring passes share the conditions a ratio needs. */
 #include <stdint.h>
 
 #include "kernels.h"
