@@ -228,7 +228,9 @@ static void fold_task(void *p, int k, int worker) {
     }
 }
 
-/* Attention of the pass's T tokens, FM_ATTN_TASKS segment tasks a region. */
+/* Attention of the pass's T tokens, FM_ATTN_TASKS segment tasks a region; when
+ * every token has one segment and there are fewer (token, KV head) pairs than
+ * threads, one task per run of query heads instead (heads_task). */
 static void attend(fm_ctx *c, attn_ctx *a, int T) {
     int nkv = c->m->n_head_kv;
     int64_t first[T + 1];
