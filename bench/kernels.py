@@ -209,8 +209,8 @@ def run(matrix_mb: int | None = None, threads: int = 2, reps: int = 5,
                     "default_isa": native.get_isa()},
         "setup": {"matvec_matrix": {"rows": rows, "cols": cols, "bytes": int(big_W.nbytes)},
                   "matmul_matrix": {"rows": small_rows, "cols": cols, "bytes": int(small_W.nbytes)},
-                  "read_pass": "the matvec matrix itself, plain and with the kernels' software prefetch", "threads": thread_counts, "reps": reps,
-                  "pairs": pairs, "cpus": cpus[:max(thread_counts)],
+                  "read_pass": "the matvec matrix itself, plain and with the kernels' software prefetch",
+                  "threads": thread_counts, "reps": reps, "pairs": pairs, "cpus": cpus[:max(thread_counts)],
                   "threading": "read and matvec: the engine's pinned native pool, alternated pass by pass; "
                                "matmul: a python pool splitting rows (cffi calls release the GIL)"},
     }
