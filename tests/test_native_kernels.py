@@ -430,11 +430,13 @@ def test_matmul_batches_and_tiles(isa, kind, B):
 
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("cols", [512, 2048 + 3 * QK, 4096, 8192 + 5 * QK])
-def test_matmul_rows_are_matvec_bit_for_bit(isa, kind, cols):
+@pytest.mark.parametrize("B", [2, 3, 4, 11])
+def test_matmul_rows_are_matvec_bit_for_bit(isa, kind, cols, B):
     """Each row of a batched product is exactly the matrix-vector product, whatever
     the row or token falls in (2x2 tiles, odd rows and tokens, k-chunks, tail
-    blocks): so a prompt gives the same bits run whole, chunked or token by token."""
-    rows, B = 19, 11
+    blocks, the few-token path): so a prompt gives the same bits run whole, chunked
+    or token by token, and a sequence decoded alone or beside others."""
+    rows = 19
     W = make_weights(kind, rows, cols)
     X, _ = make_acts(kind, cols, B)
     got = native.matmul(W, X, kind)
