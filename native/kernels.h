@@ -242,6 +242,47 @@ ATTR void NAME(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int
     FM_MATVEC_TAIL(GB, DOT);                                                                             \
 }
 
+/* The batched product for 2 to FM_FEW_TOKENS tokens (a decode round of a few
+ * sequences; an expert's gate and up for its ~4 tokens of a 64-token prompt): the
+ * loop of FM_GROUP_MATVEC, each weight group unpacked once and multiplied by every
+ * token's activations, where the tiled product's layout costs a third of its time
+ * at so few tokens. ROWT(w, g, gs, ng, T, s) sums T tokens over ng <= KC groups of
+ * one row (g: T rows of gs prepared groups) into s[T], each as ROW sums it, so every
+ * (row, token) rounds as the matrix-vector product rounds it. 40 KB of stack. */
+#define FM_FEW_TOKENS 4
+#define FM_FEW_MATMUL(NAME, XG, GB, KC, CHUNK, PREP, ROWT, DOT, ATTR)                                       \
+ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1) \
+{                                                                                                        \
+    const int nb = cols / FM_QK, ng = nb / (GB), nt = nb - (GB) * ng;                                    \
+    XG g[FM_FEW_TOKENS * (CHUNK)];                                                                       \
+    for (int k0 = 0; k0 < ng; k0 += (CHUNK)) {                                                           \
+        const int nk = ng - k0 < (CHUNK) ? ng - k0 : (CHUNK);                                            \
+        for (int b = 0; b < B; b++) PREP(X + (size_t)b * nb + (GB) * k0, nk, g + b * (CHUNK));           \
+        for (int r = r0; r < r1; r++) {                                                                  \
+            const block_q4_0 *w = W + (size_t)r * nb + (GB) * k0;                                        \
+            for (int k = 0; k < nk; k += (KC)) {                                                         \
+                const int n = nk - k < (KC) ? nk - k : (KC);                                             \
+                float s[FM_FEW_TOKENS];                                                                  \
+                switch (B) {                                                                             \
+                case 2: ROWT(w + (GB) * k, g + k, (CHUNK), n, 2, s); break;                              \
+                case 3: ROWT(w + (GB) * k, g + k, (CHUNK), n, 3, s); break;                              \
+                default: ROWT(w + (GB) * k, g + k, (CHUNK), n, 4, s); break;                             \
+                }                                                                                        \
+                for (int b = 0; b < B; b++) {                                                            \
+                    float *y = Y + (size_t)b * ldy + r;                                                  \
+                    *y = k0 + k ? *y + s[b] : s[b];                                                      \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int r = r0; r < r1; r++)                                                                        \
+        for (int b = 0; b < B; b++) {                                                                    \
+            float *y = Y + (size_t)b * ldy + r;                                                          \
+            if (!ng) *y = 0.0f;                                                                          \
+            if (nt) *y += DOT(nt * FM_QK, W + (size_t)r * nb + (GB) * ng, X + (size_t)b * nb + (GB) * ng); \
+        }                                                                                                \
+}
+
 /* Per-ISA implementations, named fm_<op>_<isa>; dispatch.c builds one table per ISA. */
 #define FM_DECLARE_INT_KERNELS(isa)                                                                         \
     float fm_vec_dot_q4_0_q8_0_##isa(int n, const block_q4_0 *w, const block_q8_0 *x);                      \

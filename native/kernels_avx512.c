@@ -296,8 +296,36 @@ FM_INLINE FM_VNNI void kernel_vnni(const wt16_vnni *w, int wstride, const xt16_v
         }
 }
 
-FM_TILED_MATMUL(fm_matmul_q4_0_avx512vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, VNNI_Q4_KC, 4, prepare_xt16_q4_vnni,
-                unpack_wt16_q4_vnni, kernel_vnni, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, FM_VNNI)
+FM_TILED_MATMUL(matmul_tiled_q4_0_vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, VNNI_Q4_KC, 4, prepare_xt16_q4_vnni,
+                unpack_wt16_q4_vnni, kernel_vnni, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, static FM_VNNI)
+
+/* A few tokens (FM_FEW_MATMUL, kernels.h): each group unpacked once, then dotted
+ * with every token's activations as row_q4_0_vnni dots them. */
+FM_INLINE FM_VNNI void row_tokens_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int gs, int ng, const int T,
+                                            float *s)
+{
+    __m512 acc[FM_FEW_TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int k = 0; k < ng; k++) {
+        wgroup_vnni u;
+        fm_prefetch(w + 16 * k);
+        fm_prefetch((const char *)(w + 16 * k) + 192);
+        unpack_group_q4_vnni(w + 16 * k, &u);
+        for (int t = 0; t < T; t++) acc[t] = group_dot_vnni(&u, g + (size_t)t * gs + k, acc[t]);
+    }
+    for (int t = 0; t < T; t++) s[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+FM_FEW_MATMUL(matmul_few_q4_0_vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_tokens_q4_0_vnni,
+              fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_VNNI)
+
+#define FEW_MIN_COLS 1024   /* as on AVX2 (kernels_x86.c) */
+FM_VNNI void fm_matmul_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy,
+                                       int r0, int r1)
+{
+    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FEW_MIN_COLS) matmul_few_q4_0_vnni(W, X, Y, cols, B, ldy, r0, r1);
+    else matmul_tiled_q4_0_vnni(W, X, Y, cols, B, ldy, r0, r1);
+}
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0
  * 256-bit VNNI per block: 34-byte blocks leave enough time per byte. negc is

@@ -675,25 +675,18 @@ FM_TILED_MATMUL(matmul_tiled_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, AVX2_
              kernel_q4_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_matvec_q4_0_avx2, static FM_AVX2)
 
 /* ---------------------------------------------------------------- a few tokens (AVX2)
- * 2 to AVX2_FEW_TOKENS tokens on rows of at least AVX2_FEW_MIN_COLS columns (a
- * decode round of a few sequences; an expert's gate and up for its ~4 tokens of
- * a 64-token prompt): the matrix-vector product's loop, each weight group
- * unpacked once and multiplied by every token's activations, in place of the
- * tiled product, whose layout costs a third of its time at so few tokens and whose
- * reads wait on memory more. Every (row, token) sums as row_q4_0_avx2 sums it.
- * Measured (2 threads, Zen 3, in one process): a decode round of 2 sequences
- * 0.89x the time, of 4 sequences 0.91x; from memory an expert's gate and up at
- * B = 2-4 1.13-1.16x, but its down projection (512 columns) 0.96-0.98x, and in
- * cache 0.88-0.98x: short rows stay tiled. */
-#define AVX2_FEW_TOKENS 4
-#define AVX2_FEW_MIN_COLS 1024
+ * FM_FEW_MATMUL (kernels.h) on rows of at least FEW_MIN_COLS columns. Measured (2
+ * threads, Zen 3, in one process): a decode round of 2 / 4 sequences 0.86x / 0.946x
+ * the time of the tiled product; from memory an expert's gate and up at B = 2-4
+ * 1.13-1.16x, but its down projection (512 columns) 0.96-0.98x, and in cache
+ * 0.88-0.98x: short rows stay tiled. */
+#define FEW_MIN_COLS 1024
 
-/* T tokens' sums over ng <= AVX2_Q4_KC groups of one row (g: T rows of gs groups). */
 FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int gs, int ng, const int T,
                                             float *s)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[AVX2_FEW_TOKENS];
+    __m256 acc[FM_FEW_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int k = 0; k < ng; k++, w += 8) {
         __m256i lo[4], hi[4];
@@ -716,44 +709,13 @@ FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_av
     for (int t = 0; t < T; t++) s[t] = hsum_ps_avx(acc[t]);
 }
 
-FM_AVX2 static void matmul_few_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy,
-                                         int r0, int r1)
-{
-    enum { GS = CHUNK_BLOCKS / 8 };
-    const int nb = cols / FM_QK, ng = nb / 8, nt = nb - 8 * ng;
-    xgroup_avx2 g[AVX2_FEW_TOKENS * GS];   /* 40 KB of stack */
-    for (int k0 = 0; k0 < ng; k0 += GS) {
-        const int nk = ng - k0 < GS ? ng - k0 : GS;
-        for (int b = 0; b < B; b++) prepare_x_avx2(X + (size_t)b * nb + 8 * k0, nk, g + b * GS);
-        for (int r = r0; r < r1; r++) {
-            const block_q4_0 *w = W + (size_t)r * nb + 8 * k0;
-            for (int k = 0; k < nk; k += AVX2_Q4_KC) {
-                const int n = nk - k < AVX2_Q4_KC ? nk - k : AVX2_Q4_KC;
-                float s[AVX2_FEW_TOKENS];
-                switch (B) {
-                case 2: row_tokens_q4_0_avx2(w + 8 * k, g + k, GS, n, 2, s); break;
-                case 3: row_tokens_q4_0_avx2(w + 8 * k, g + k, GS, n, 3, s); break;
-                default: row_tokens_q4_0_avx2(w + 8 * k, g + k, GS, n, 4, s); break;
-                }
-                for (int b = 0; b < B; b++) {
-                    float *y = Y + (size_t)b * ldy + r;
-                    *y = k0 + k ? *y + s[b] : s[b];
-                }
-            }
-        }
-    }
-    for (int r = r0; r < r1; r++)
-        for (int b = 0; b < B; b++) {
-            float *y = Y + (size_t)b * ldy + r;
-            if (!ng) *y = 0.0f;
-            if (nt) *y += fm_vec_dot_q4_0_q8_0_avx2(nt * FM_QK, W + (size_t)r * nb + 8 * ng, X + (size_t)b * nb + 8 * ng);
-        }
-}
+FM_FEW_MATMUL(matmul_few_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 8, prepare_x_avx2, row_tokens_q4_0_avx2,
+              fm_vec_dot_q4_0_q8_0_avx2, static FM_AVX2)
 
 FM_AVX2 void fm_matmul_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0,
                                  int r1)
 {
-    if (B >= 2 && B <= AVX2_FEW_TOKENS && cols >= AVX2_FEW_MIN_COLS) matmul_few_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
+    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FEW_MIN_COLS) matmul_few_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
     else matmul_tiled_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
 }
 
