@@ -311,8 +311,9 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     per_pass = out["weight_bytes_per_token"] + 3 * (state_bytes + kv_bytes_per_token(model, 40))
     assert out["floor_with_state_tok_s"] == pytest.approx(out["read_bandwidth_gb_s"] * 1e9 / per_pass, rel=0.01)
     assert out["fraction_of_floor_with_state"] > out["fraction_of_floor"]
+    # the fraction is printed to 3 decimals: on the tiny model (~0.02) that alone can be 2.5% off
     assert out["fraction_of_weights_read_floor"] == pytest.approx(
-        out["decode_tok_s"] * out["weight_bytes_per_token"] / (out["weights_read_gb_s"] * 1e9), rel=0.02)
+        out["decode_tok_s"] * out["weight_bytes_per_token"] / (out["weights_read_gb_s"] * 1e9), rel=0.02, abs=6e-4)
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
     assert out["sampling_ms_per_token"] > 0
     regions = out["decode_parallel_regions"]
