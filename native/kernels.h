@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void fm_prefetch(const void *p)
  * loaded vector feeds several products. Blocks past the last whole group go
  * through the per-block DOT; B = 1 goes to MATVEC. */
 #define FM_TILE_BYTES 18432
-void *fm_kernel_scratch(size_t n);  /* kernels_x86.c: per-thread, grown on demand, NULL if out of memory */
+void *fm_kernel_scratch(size_t n);  /* kernels_ssse3.c: per-thread, grown on demand, NULL if out of memory */
 
 #define FM_TILE_ROWS(KERNEL, RB, T, nk0)                                                                    \
     do {                                                                                                    \
@@ -297,8 +297,8 @@ ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int
 
 FM_DECLARE_INT_KERNELS(generic)     /* kernels_scalar.c */
 FM_DECLARE_F32_KERNELS(generic)
-FM_DECLARE_INT_KERNELS(ssse3)       /* kernels_x86.c */
-FM_DECLARE_INT_KERNELS(avx2)        /* kernels_x86.c */
+FM_DECLARE_INT_KERNELS(ssse3)       /* kernels_ssse3.c */
+FM_DECLARE_INT_KERNELS(avx2)        /* kernels_avx2.c */
 FM_DECLARE_INT_KERNELS(avx512vnni)  /* kernels_avx512.c */
 FM_DECLARE_F32_KERNELS(ssse3)       /* kernels_float_x86.c, as the next three */
 FM_DECLARE_F32_KERNELS(avx2)

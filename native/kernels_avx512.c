@@ -138,7 +138,7 @@ FM_VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const 
 }
 
 /* k-chunks (groups) of the batched products below: the matrix-vector products sum
- * in the same pieces, so a row rounds alike in both (see kernels_x86.c). */
+ * in the same pieces, so a row rounds alike in both (see kernels_avx2.c). */
 #define VNNI_Q4_KC 8
 #define VNNI_Q8_KC 4
 
@@ -156,7 +156,7 @@ FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g,
     return _mm512_reduce_add_ps(acc);
 }
 
-/* One row at a time, as on AVX2 (see kernels_x86.c). */
+/* One row at a time, as on AVX2 (see kernels_avx2.c). */
 FM_GROUP_MATVEC(fm_matvec_q4_0_avx512vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_q4_0_vnni,
                 fm_vec_dot_q4_0_q8_0_avx512vnni, FM_VNNI)
 
@@ -181,7 +181,7 @@ typedef struct {
     __m512 dw;
 } wt16_vnni;       /* 576 bytes: one row's group of 16 weight blocks */
 
-#define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* see FM_KEEP in kernels_x86.c */
+#define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* see FM_KEEP in kernels_ssse3.c */
 
 /* In-lane 4x4 transpose of 32-bit elements: a[m] element 4L+p <- a[p] element 4L+m. */
 FM_INLINE FM_VNNI void transpose4_epi32_vnni(__m512i a[4])
@@ -319,7 +319,7 @@ FM_INLINE FM_VNNI void row_tokens_q4_0_vnni(const block_q4_0 *w, const xgroup_vn
 FM_FEW_MATMUL(matmul_few_q4_0_vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_tokens_q4_0_vnni,
               fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_VNNI)
 
-#define FEW_MIN_COLS 1024   /* as on AVX2 (kernels_x86.c) */
+#define FEW_MIN_COLS 1024   /* as on AVX2 (kernels_avx2.c) */
 FM_VNNI void fm_matmul_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy,
                                        int r0, int r1)
 {

@@ -1,0 +1,303 @@
+/* kernels_ssse3.c: the SSSE3 versions (the paper's pmaddubsw kernel) of the
+ * integer dot products, matrix-vector and batched products, and the batched
+ * kernels' per-thread scratch. Each function carries its own target attribute,
+ * so this file builds without -m flags and one .so runs everywhere; dispatch.c
+ * only calls a version the CPU supports.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include "kernels.h"
+
+#define FM_SSSE3 __attribute__((target("ssse3")))
+#define FM_INLINE static inline __attribute__((always_inline))
+
+/* Per-thread scratch of the batched kernels (all ISAs): the prepared activations,
+ * grown on demand, freed when the thread exits. */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static __thread void *scratch_ptr;
+static __thread size_t scratch_size;
+
+static void scratch_key_init(void) { pthread_key_create(&scratch_key, free); }
+
+void *fm_kernel_scratch(size_t n)
+{
+    if (n <= scratch_size) return scratch_ptr;
+    pthread_once(&scratch_once, scratch_key_init);
+    free(scratch_ptr);
+    n = (n + 65535) & ~(size_t)65535;
+    scratch_ptr = aligned_alloc(64, n);
+    scratch_size = scratch_ptr ? n : 0;
+    pthread_setspecific(scratch_key, scratch_ptr);
+    return scratch_ptr;
+}
+
+/* An empty asm that pins a vector in a register at this point: without it GCC
+ * reassociates the sums of a group into a tree, hoists all the products and
+ * spills them (1.6x slower). */
+#define FM_KEEP(v) __asm__("" : "+x"(v))
+
+/* ================================================================ SSSE3
+ * One Q4_0 x Q8_0 block as DESIGN.md describes it: unpack nibbles, subtract 8;
+ * pmaddubsw needs an unsigned operand, so take |w| (psignb w,w) and move w's
+ * sign onto the activation (psignb x,w); pmaddwd with ones widens to int32.
+ * |w| <= 8 and |x| <= 127, so no pair sum can saturate. */
+FM_INLINE FM_SSSE3 __m128i q4_block_ssse3(const block_q4_0 *w, __m128i x0, __m128i x1)
+{
+    const __m128i m4 = _mm_set1_epi8(0x0F), e8 = _mm_set1_epi8(8);
+    const __m128i q = _mm_loadu_si128((const __m128i *)w->qs);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), e8);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), e8);
+    const __m128i p0 = _mm_maddubs_epi16(_mm_sign_epi8(lo, lo), _mm_sign_epi8(x0, lo));
+    const __m128i p1 = _mm_maddubs_epi16(_mm_sign_epi8(hi, hi), _mm_sign_epi8(x1, hi));
+    return _mm_madd_epi16(_mm_add_epi16(p0, p1), _mm_set1_epi16(1));
+}
+
+/* Q8_0 x Q8_0: the same sign trick on 2 x 16 bytes; |w| <= 128, |x| <= 127: no saturation. */
+FM_INLINE FM_SSSE3 __m128i q8_block_ssse3(const block_q8_0 *w, __m128i x0, __m128i x1)
+{
+    const __m128i w0 = _mm_loadu_si128((const __m128i *)w->qs);
+    const __m128i w1 = _mm_loadu_si128((const __m128i *)(w->qs + 16));
+    const __m128i p0 = _mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(x0, w0));
+    const __m128i p1 = _mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(x1, w1));
+    return _mm_add_epi32(_mm_madd_epi16(p0, _mm_set1_epi16(1)), _mm_madd_epi16(p1, _mm_set1_epi16(1)));
+}
+
+/* (v0+v1)+(v2+v3): the association of store_sums_ssse3's 2x2 path (two rounds of
+ * haddps), so a row rounds alike in the matrix-vector and the batched product. */
+FM_INLINE FM_SSSE3 float hsum_ps_sse(__m128 v)
+{
+    v = _mm_hadd_ps(v, v);
+    return _mm_cvtss_f32(_mm_hadd_ps(v, v));
+}
+
+/* SSSE3 has no FMA: scale with mul + add. Scales go through the portable fp16 helper. */
+#define SSSE3_ACC(acc, isum, s) acc = _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(isum), _mm_set1_ps(s)))
+
+FM_SSSE3 float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w, const block_q8_0 *x)
+{
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < n / FM_QK; b++) {
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)x[b].qs);
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)(x[b].qs + 16));
+        SSSE3_ACC(acc, q4_block_ssse3(w + b, x0, x1), fm_fp16_to_fp32(w[b].d) * fm_fp16_to_fp32(x[b].d));
+    }
+    return hsum_ps_sse(acc);
+}
+
+FM_SSSE3 float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const block_q8_0 *x)
+{
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < n / FM_QK; b++) {
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)x[b].qs);
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)(x[b].qs + 16));
+        SSSE3_ACC(acc, q8_block_ssse3(w + b, x0, x1), fm_fp16_to_fp32(w[b].d) * fm_fp16_to_fp32(x[b].d));
+    }
+    return hsum_ps_sse(acc);
+}
+
+#define SSSE3_Q4_KC 32          /* groups per k-chunk of fm_matmul_q4_0_ssse3 */
+#define SSSE3_Q8_KC 16
+
+
+/* ---------------------------------------------------------------- batched (SSSE3)
+ * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 128-bit vectors: a group is 4
+ * blocks, lane p = block p. Q4_0: the nibbles (0..15) are pmaddubsw's unsigned
+ * operand, the -8 offset a per-block correction -8*sum(x) (int32), and the 8
+ * int16 products of a group are summed in int16: <= 8 * 2 * 15 * 127 = 30480,
+ * no saturation. Q8_0: the sign trick (|w|, x signed by w), each product widened
+ * to int32 at once (a pair sum can reach 32512). SSSE3 has no FMA: mul + add. */
+typedef struct {
+    __m128i v[8];  /* v[m]: x[4m..4m+3] of blocks 0..3; v[4+m]: x[16+4m..16+4m+3] */
+    __m128i corr;  /* -8 * sum(x_b) */
+    __m128 dx;
+} xt4_ssse3;
+
+typedef struct {
+    __m128i v[8];  /* nibbles 0..15, element order as xt4_ssse3 */
+    __m128 dw;
+} wt4_ssse3;
+
+typedef struct {
+    __m128i v[8], a[8];  /* w and |w|, element order as xt4_ssse3 */
+    __m128 dw;
+} wq8t4_ssse3;
+
+/* 4x4 transpose of 32-bit elements: a[m] element p <- a[p] element m. */
+FM_INLINE FM_SSSE3 void transpose4_epi32_sse(__m128i a[4])
+{
+    const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpackhi_epi32(a[0], a[1]);
+    const __m128i t2 = _mm_unpacklo_epi32(a[2], a[3]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
+    a[0] = _mm_unpacklo_epi64(t0, t2);
+    a[1] = _mm_unpackhi_epi64(t0, t2);
+    a[2] = _mm_unpacklo_epi64(t1, t3);
+    a[3] = _mm_unpackhi_epi64(t1, t3);
+}
+
+/* 4 Q8_0 blocks' 32 ints in the group layout: v[0..3] from bytes 0..15, v[4..7] from 16..31. */
+FM_INLINE FM_SSSE3 void load_q8_group4_ssse3(const block_q8_0 *x, __m128i v[8])
+{
+    __m128i a[4], b[4];
+    for (int j = 0; j < 4; j++) {
+        a[j] = _mm_loadu_si128((const __m128i *)x[j].qs);
+        b[j] = _mm_loadu_si128((const __m128i *)(x[j].qs + 16));
+    }
+    transpose4_epi32_sse(a);
+    transpose4_epi32_sse(b);
+    for (int m = 0; m < 4; m++) {
+        v[m] = a[m];
+        v[4 + m] = b[m];
+    }
+}
+
+/* Four fp16 scales to fp32 at once, exactly as fm_fp16_to_fp32 (SSSE3 CPUs have no
+ * F16C): magnitude bits moved into place and scaled by 2^112 (exact for normals and
+ * subnormals alike), exponent forced to all ones for inf/NaN, sign put back. */
+FM_INLINE FM_SSSE3 __m128 d4_ssse3(uint16_t d0, uint16_t d1, uint16_t d2, uint16_t d3)
+{
+    const __m128i h = _mm_set_epi32(d3, d2, d1, d0);
+    const __m128i em = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
+    const __m128 f = _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(em, 13)), _mm_castsi128_ps(_mm_set1_epi32(0x77800000)));
+    const __m128i infnan = _mm_and_si128(_mm_cmpgt_epi32(em, _mm_set1_epi32(0x7bff)), _mm_set1_epi32(0x7f800000));
+    const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
+    return _mm_castsi128_ps(_mm_or_si128(_mm_or_si128(_mm_castps_si128(f), infnan), sign));
+}
+
+FM_SSSE3 static void prepare_xt4_ssse3(const block_q8_0 *x, int ng, xt4_ssse3 *g)
+{
+    const __m128i one8 = _mm_set1_epi8(1);
+    for (int k = 0; k < ng; k++, x += 4) {
+        load_q8_group4_ssse3(x, g[k].v);
+        __m128i s = _mm_setzero_si128();  /* int16 pair sums of x: <= 8 * 2 * 127 */
+        for (int m = 0; m < 8; m++) s = _mm_add_epi16(s, _mm_maddubs_epi16(one8, g[k].v[m]));
+        g[k].corr = _mm_madd_epi16(s, _mm_set1_epi16(-8));
+        g[k].dx = d4_ssse3(x[0].d, x[1].d, x[2].d, x[3].d);
+    }
+}
+
+FM_INLINE FM_SSSE3 void unpack_wt4_ssse3(const block_q4_0 *w, wt4_ssse3 *u)
+{
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm_loadu_si128((const __m128i *)w[j].qs);
+    transpose4_epi32_sse(q);
+    for (int m = 0; m < 4; m++) {
+        u->v[m] = _mm_and_si128(q[m], m4);
+        u->v[4 + m] = _mm_and_si128(_mm_srli_epi16(q[m], 4), m4);
+    }
+    u->dw = d4_ssse3(w[0].d, w[1].d, w[2].d, w[3].d);
+}
+
+FM_INLINE FM_SSSE3 void unpack_wq8t4_ssse3(const block_q8_0 *w, wq8t4_ssse3 *u)
+{
+    load_q8_group4_ssse3(w, u->v);
+    for (int m = 0; m < 8; m++) u->a[m] = _mm_sign_epi8(u->v[m], u->v[m]);
+    u->dw = d4_ssse3(w[0].d, w[1].d, w[2].d, w[3].d);
+}
+
+/* The R x T sums of a kernel into Y (added when acc_out); 2 x 2 in one go. */
+FM_INLINE FM_SSSE3 void store_sums_ssse3(__m128 acc[2][2], float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    if (R == 2 && T == 2) {  /* [r0t0, r1t0, r0t1, r1t1] */
+        __m128 s = _mm_hadd_ps(_mm_hadd_ps(acc[0][0], acc[1][0]), _mm_hadd_ps(acc[0][1], acc[1][1]));
+        __m64 *y0 = (__m64 *)Y, *y1 = (__m64 *)(Y + ldy);
+        if (acc_out) s = _mm_add_ps(s, _mm_loadh_pi(_mm_loadl_pi(_mm_setzero_ps(), y0), y1));
+        _mm_storel_pi(y0, s);
+        _mm_storeh_pi(y1, s);
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float *y = Y + (size_t)t * ldy + r;
+            const float v = hsum_ps_sse(acc[r][t]);
+            *y = acc_out ? *y + v : v;
+        }
+}
+
+/* R rows (wstride groups apart) x T tokens (xstride groups apart) over nk groups. */
+FM_INLINE FM_SSSE3 void kernel_q4_ssse3(const wt4_ssse3 *w, int wstride, const xt4_ssse3 *x, int xstride, int nk,
+                                        float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    const __m128i one16 = _mm_set1_epi16(1);
+    __m128 acc[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m128i p[2][2];
+        for (int m = 0; m < 8; m++) {
+            __m128i wv[2], xv[2];
+            for (int r = 0; r < R; r++) {
+                wv[r] = _mm_load_si128(&w[(size_t)r * wstride + k].v[m]);
+                FM_KEEP(wv[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm_load_si128(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    const __m128i q = _mm_maddubs_epi16(wv[r], xv[t]);
+                    p[r][t] = m ? _mm_add_epi16(p[r][t], q) : q;
+                    FM_KEEP(p[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                const xt4_ssse3 *xg = &x[(size_t)t * xstride + k];
+                const __m128i s = _mm_add_epi32(_mm_madd_epi16(p[r][t], one16), xg->corr);
+                const __m128 d = _mm_mul_ps(w[(size_t)r * wstride + k].dw, xg->dx);
+                acc[r][t] = _mm_add_ps(acc[r][t], _mm_mul_ps(_mm_cvtepi32_ps(s), d));
+            }
+    }
+    store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
+}
+
+FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const xt4_ssse3 *x, int xstride, int nk,
+                                        float *Y, int ldy, int acc_out, const int R, const int T)
+{
+    const __m128i one16 = _mm_set1_epi16(1);
+    __m128 acc[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        __m128i s[2][2];
+        for (int m = 0; m < 8; m++) {
+            __m128i av[2], xv[2];
+            for (int r = 0; r < R; r++) {
+                av[r] = _mm_load_si128(&w[(size_t)r * wstride + k].a[m]);
+                FM_KEEP(av[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                xv[t] = _mm_load_si128(&x[(size_t)t * xstride + k].v[m]);
+                FM_KEEP(xv[t]);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    const __m128i sx = _mm_sign_epi8(xv[t], w[(size_t)r * wstride + k].v[m]);
+                    const __m128i q = _mm_madd_epi16(_mm_maddubs_epi16(av[r], sx), one16);
+                    s[r][t] = m ? _mm_add_epi32(s[r][t], q) : q;
+                    FM_KEEP(s[r][t]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                const __m128 d = _mm_mul_ps(w[(size_t)r * wstride + k].dw, x[(size_t)t * xstride + k].dx);
+                acc[r][t] = _mm_add_ps(acc[r][t], _mm_mul_ps(_mm_cvtepi32_ps(s[r][t]), d));
+            }
+    }
+    store_sums_ssse3(acc, Y, ldy, acc_out, R, T);
+}
+
+/* The matrix-vector products are the batched kernels at one row and one token
+ * (FM_KERNEL_MATVEC): exact by construction, and faster than the per-block loop
+ * they replaced, since the transposed layout sums a group in int16 first. */
+FM_KERNEL_MATVEC(fm_matvec_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, prepare_xt4_ssse3,
+                 unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, FM_SSSE3)
+FM_KERNEL_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, prepare_xt4_ssse3,
+                 unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, FM_SSSE3)
+
+FM_TILED_MATMUL(fm_matmul_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, 2, prepare_xt4_ssse3,
+             unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, FM_SSSE3)
+FM_TILED_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, 2, prepare_xt4_ssse3,
+             unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, fm_matvec_q8_0_ssse3, FM_SSSE3)
