@@ -191,7 +191,7 @@ ATTR void NAME(const WTYPE *W, const block_q8_0 *X, float *Y, int cols, int B, i
  * k-chunk) and summed by the same KERNEL, then the tail blocks by DOT, so every
  * row rounds exactly as in the batched product and a prompt gives the same bits
  * whole, chunked or token by token (serving relies on it). ISAs whose matvec is
- * specialised for speed (AVX2 and AVX-512 Q4_0) keep that same summation order
+ * specialised for speed (Q4_0 on every SIMD ISA) keep that same summation order
  * by hand, and the tests hold every ISA to it. */
 #define FM_KERNEL_MATVEC(NAME, WTYPE, WT, XT, GB, KC, PREP, UNPACK, KERNEL, DOT, ATTR)                    \
 ATTR void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)                 \
@@ -215,7 +215,7 @@ ATTR void NAME(const WTYPE *W, const block_q8_0 *x, float *y, int cols, int r0, 
     FM_MATVEC_TAIL(GB, DOT);                                                                             \
 }
 
-/* The specialised Q4_0 matrix-vector products (AVX2, AVX-512): activations
+/* The specialised Q4_0 matrix-vector products (SSSE3, AVX2, AVX-512): activations
  * prepared CHUNK groups at a time into XG groups by PREP; each row summed by
  * ROW(w, g, n) -> float over at most KC groups at a time (the batched product's
  * k-chunk), those sums added in order, then the tail blocks by DOT; rows without
