@@ -293,8 +293,9 @@ FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const
 /* ---------------------------------------------------------------- matrix-vector (SSSE3)
  * Q4_0 straight from the GGUF layout, as on AVX2: a group is 4 blocks, each
  * block's nibbles multiplied by its own activation bytes, then the 8 int16 sums of
- * each block folded with 3 phaddw (<= 4 * 7620 = 30480: no saturation) and one
- * pmaddwd to one int32 in lane p = block p. That is the batched kernel's integer,
+ * each block folded as fold8_avx2 folds them (halves added as int16, pmaddwd,
+ * packssdw, pmaddwd: <= 30480 before the last, no saturation; 1.02-1.04x three
+ * phaddw) to one int32 in lane p = block p. That is the batched kernel's integer,
  * scaled and summed in its order, so every row rounds as in the batched product;
  * it skips the batched layout's transposes and tile stores: 1.25x from memory on
  * Zen 3 (1 and 2 threads), where SSSE3 is compute-bound. */
@@ -333,7 +334,9 @@ FM_INLINE FM_SSSE3 float row_q4_0_ssse3(const block_q4_0 *w, const xgroup_ssse3 
             p[b] = _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(q, m4), g[k].xlo[b]),
                                  _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4), g[k].xhi[b]));
         }
-        const __m128i s = _mm_add_epi32(_mm_madd_epi16(_mm_hadd_epi16(_mm_hadd_epi16(p[0], p[1]), _mm_hadd_epi16(p[2], p[3])),
+        const __m128i s01 = _mm_add_epi16(_mm_unpacklo_epi64(p[0], p[1]), _mm_unpackhi_epi64(p[0], p[1]));
+        const __m128i s23 = _mm_add_epi16(_mm_unpacklo_epi64(p[2], p[3]), _mm_unpackhi_epi64(p[2], p[3]));
+        const __m128i s = _mm_add_epi32(_mm_madd_epi16(_mm_packs_epi32(_mm_madd_epi16(s01, one16), _mm_madd_epi16(s23, one16)),
                                                        one16), g[k].corr);
         const __m128 d = _mm_mul_ps(d4_ssse3(w[0].d, w[1].d, w[2].d, w[3].d), g[k].dx);
         acc = _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(s), d));
