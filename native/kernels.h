@@ -250,6 +250,7 @@ ATTR void NAME(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int
  * one row (g: T rows of gs prepared groups) into s[T], each as ROW sums it, so every
  * (row, token) rounds as the matrix-vector product rounds it. 40 KB of stack. */
 #define FM_FEW_TOKENS 4
+#define FM_FEW_MIN_COLS 1024  /* shorter rows stay tiled (an expert's down projection: 0.96-0.98x from memory) */
 #define FM_FEW_MATMUL(NAME, XG, GB, KC, CHUNK, PREP, ROWT, DOT, ATTR)                                       \
 ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1) \
 {                                                                                                        \
@@ -281,6 +282,16 @@ ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int
             if (!ng) *y = 0.0f;                                                                          \
             if (nt) *y += DOT(nt * FM_QK, W + (size_t)r * nb + (GB) * ng, X + (size_t)b * nb + (GB) * ng); \
         }                                                                                                \
+}
+
+/* fm_matmul_q4_0_<isa>: FEW for 2 to MAXB tokens on rows of FM_FEW_MIN_COLS or more,
+ * else the tiled TILED. */
+#define FM_FEW_OR_TILED(NAME, FEW, TILED, MAXB, ATTR)                                                    \
+ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1) \
+{                                                                                                        \
+    _Static_assert((MAXB) <= FM_FEW_TOKENS, "FM_FEW_MATMUL takes at most FM_FEW_TOKENS tokens");        \
+    if (B >= 2 && B <= (MAXB) && cols >= FM_FEW_MIN_COLS) FEW(W, X, Y, cols, B, ldy, r0, r1);            \
+    else TILED(W, X, Y, cols, B, ldy, r0, r1);                                                           \
 }
 
 /* Per-ISA implementations, named fm_<op>_<isa>; dispatch.c builds one table per ISA. */

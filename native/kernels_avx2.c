@@ -385,13 +385,11 @@ FM_TILED_MATMUL(matmul_tiled_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, AVX2_
              kernel_q4_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_matvec_q4_0_avx2, static FM_AVX2)
 
 /* ---------------------------------------------------------------- a few tokens (AVX2)
- * FM_FEW_MATMUL (kernels.h) on rows of at least FEW_MIN_COLS columns. Measured (2
+ * FM_FEW_MATMUL (kernels.h) on rows of at least FM_FEW_MIN_COLS columns. Measured (2
  * threads, Zen 3, in one process): a decode round of 2 / 4 sequences 0.86x / 0.946x
  * the time of the tiled product; from memory an expert's gate and up at B = 2-4
  * 1.13-1.16x, but its down projection (512 columns) 0.96-0.98x, and in cache
  * 0.88-0.98x: short rows stay tiled. */
-#define FEW_MIN_COLS 1024
-
 FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int gs, int ng, const int T,
                                             float *s)
 {
@@ -422,12 +420,7 @@ FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_av
 FM_FEW_MATMUL(matmul_few_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 8, prepare_x_avx2, row_tokens_q4_0_avx2,
               fm_vec_dot_q4_0_q8_0_avx2, static FM_AVX2)
 
-FM_AVX2 void fm_matmul_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0,
-                                 int r1)
-{
-    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FEW_MIN_COLS) matmul_few_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
-    else matmul_tiled_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
-}
+FM_FEW_OR_TILED(fm_matmul_q4_0_avx2, matmul_few_q4_0_avx2, matmul_tiled_q4_0_avx2, 4, FM_AVX2)
 
 /* Q8_0 x Q8_0: 34-byte blocks leave more time per byte; the sign trick per block is enough. */
 FM_INLINE FM_AVX2 __m256 q8_block_avx2(const block_q8_0 *w, __m256i xq, float s, __m256 acc)

@@ -319,13 +319,7 @@ FM_INLINE FM_VNNI void row_tokens_q4_0_vnni(const block_q4_0 *w, const xgroup_vn
 FM_FEW_MATMUL(matmul_few_q4_0_vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_tokens_q4_0_vnni,
               fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_VNNI)
 
-#define FEW_MIN_COLS 1024   /* as on AVX2 (kernels_avx2.c) */
-FM_VNNI void fm_matmul_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy,
-                                       int r0, int r1)
-{
-    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FEW_MIN_COLS) matmul_few_q4_0_vnni(W, X, Y, cols, B, ldy, r0, r1);
-    else matmul_tiled_q4_0_vnni(W, X, Y, cols, B, ldy, r0, r1);
-}
+FM_FEW_OR_TILED(fm_matmul_q4_0_avx512vnni, matmul_few_q4_0_vnni, matmul_tiled_q4_0_vnni, 4, FM_VNNI)
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0
  * 256-bit VNNI per block: 34-byte blocks leave enough time per byte. negc is
