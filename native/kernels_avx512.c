@@ -142,18 +142,30 @@ FM_VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const 
 #define VNNI_Q4_KC 8
 #define VNNI_Q8_KC 4
 
-/* One row straight from memory over ng groups (288 B, 4.5 lines each). */
-FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int ng)
+/* T tokens' sums over ng groups (288 B, 4.5 lines each) of one row straight from
+ * memory (g: T rows of gs groups): each group unpacked once, then dotted with every
+ * token's activations; one token is the matrix-vector product's row, more the
+ * few-token product's (FM_FEW_MATMUL, kernels.h). */
+FM_INLINE FM_VNNI void row_tokens_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int gs, int ng, const int T,
+                                            float *s)
 {
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[FM_FEW_TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int k = 0; k < ng; k++) {
         wgroup_vnni u;
         fm_prefetch(w + 16 * k);
         fm_prefetch((const char *)(w + 16 * k) + 192);
         unpack_group_q4_vnni(w + 16 * k, &u);
-        acc = group_dot_vnni(&u, g + k, acc);
+        for (int t = 0; t < T; t++) acc[t] = group_dot_vnni(&u, g + (size_t)t * gs + k, acc[t]);
     }
-    return _mm512_reduce_add_ps(acc);
+    for (int t = 0; t < T; t++) s[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int ng)
+{
+    float s;
+    row_tokens_q4_0_vnni(w, g, 0, ng, 1, &s);
+    return s;
 }
 
 /* One row at a time, as on AVX2 (see kernels_avx2.c). */
@@ -298,23 +310,6 @@ FM_INLINE FM_VNNI void kernel_vnni(const wt16_vnni *w, int wstride, const xt16_v
 
 FM_TILED_MATMUL(matmul_tiled_q4_0_vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, VNNI_Q4_KC, 4, prepare_xt16_q4_vnni,
                 unpack_wt16_q4_vnni, kernel_vnni, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, static FM_VNNI)
-
-/* A few tokens (FM_FEW_MATMUL, kernels.h): each group unpacked once, then dotted
- * with every token's activations as row_q4_0_vnni dots them. */
-FM_INLINE FM_VNNI void row_tokens_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int gs, int ng, const int T,
-                                            float *s)
-{
-    __m512 acc[FM_FEW_TOKENS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int k = 0; k < ng; k++) {
-        wgroup_vnni u;
-        fm_prefetch(w + 16 * k);
-        fm_prefetch((const char *)(w + 16 * k) + 192);
-        unpack_group_q4_vnni(w + 16 * k, &u);
-        for (int t = 0; t < T; t++) acc[t] = group_dot_vnni(&u, g + (size_t)t * gs + k, acc[t]);
-    }
-    for (int t = 0; t < T; t++) s[t] = _mm512_reduce_add_ps(acc[t]);
-}
 
 FM_FEW_MATMUL(matmul_few_q4_0_vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_tokens_q4_0_vnni,
               fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_VNNI)
