@@ -363,10 +363,48 @@ FM_INLINE FM_SSSE3 float row_q4_0_ssse3(const block_q4_0 *w, const xgroup_ssse3 
 FM_GROUP_MATVEC(fm_matvec_q4_0_ssse3, xgroup_ssse3, 4, SSSE3_Q4_KC, CHUNK_BLOCKS / 4, prepare_x_ssse3, row_q4_0_ssse3,
                 fm_vec_dot_q4_0_q8_0_ssse3, FM_SSSE3)
 
-/* The Q8_0 matrix-vector product is the batched kernel at one row and one token
- * (FM_KERNEL_MATVEC): exact by construction. */
-FM_KERNEL_MATVEC(fm_matvec_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, prepare_xt4_ssse3,
-                 unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, FM_SSSE3)
+/* Q8_0 by hand too, as on AVX2 (fm_matvec_q8_0_avx2): 4 blocks' exact int32 totals
+ * (the sign trick, two rounds of phaddd) in lane p = block p, then the batched
+ * kernel's scaling and sums: 1.15-1.27x unpacking each row into the tile layout
+ * (FM_KERNEL_MATVEC) did, 1 thread from memory on Zen 3. */
+FM_INLINE FM_SSSE3 __m128i q8_group_totals_ssse3(const block_q8_0 *w, const block_q8_0 *x)
+{
+    __m128i v[4];
+    for (int p = 0; p < 4; p++)
+        v[p] = q8_block_ssse3(w + p, _mm_loadu_si128((const __m128i *)x[p].qs),
+                              _mm_loadu_si128((const __m128i *)(x[p].qs + 16)));
+    return _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
+}
+
+FM_SSSE3 void fm_matvec_q8_0_ssse3(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
+{
+    enum { GS = CHUNK_BLOCKS / 4 };
+    _Static_assert(GS % SSSE3_Q8_KC == 0, "an activation chunk holds whole k-chunks");
+    const int nb = cols / FM_QK, ng = nb / 4, nt = nb - 4 * ng;
+    __m128 dx[GS];
+    for (int k0 = 0; k0 < ng; k0 += GS) {
+        const int nk = ng - k0 < GS ? ng - k0 : GS;
+        const block_q8_0 *xc = x + 4 * k0;
+        for (int k = 0; k < nk; k++) dx[k] = d4_ssse3(xc[4 * k].d, xc[4 * k + 1].d, xc[4 * k + 2].d, xc[4 * k + 3].d);
+        for (int r = r0; r < r1; r++) {
+            const block_q8_0 *w = W + (size_t)r * nb + 4 * k0;
+            float v = k0 ? y[r] : 0.0f;
+            for (int kc = 0; kc < nk; kc += SSSE3_Q8_KC) {
+                __m128 acc = _mm_setzero_ps();
+                for (int k = kc; k < nk && k < kc + SSSE3_Q8_KC; k++) {
+                    const block_q8_0 *wk = w + 4 * k;
+                    fm_prefetch(wk);
+                    const __m128 d = _mm_mul_ps(d4_ssse3(wk[0].d, wk[1].d, wk[2].d, wk[3].d), dx[k]);
+                    acc = _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(q8_group_totals_ssse3(wk, xc + 4 * k)), d));
+                }
+                const float sum = hsum_ps_sse(acc);
+                v = k0 + kc ? v + sum : sum;
+            }
+            y[r] = v;
+        }
+    }
+    FM_MATVEC_TAIL(4, fm_vec_dot_q8_0_q8_0_ssse3);
+}
 
 FM_TILED_MATMUL(matmul_tiled_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, 2, prepare_xt4_ssse3,
              unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, static FM_SSSE3)
