@@ -250,7 +250,7 @@ ATTR void NAME(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int
  * one row (g: T rows of gs prepared groups) into s[T], each as ROW sums it, so every
  * (row, token) rounds as the matrix-vector product rounds it. 40 KB of stack. */
 #define FM_FEW_TOKENS 4
-#define FM_FEW_MIN_COLS 1024  /* shorter rows stay tiled (an expert's down projection: 0.96-0.98x from memory) */
+#define FM_FEW_MIN_COLS 1024  /* shorter rows stay tiled (an expert's down projection: 0.84-0.91x in cache) */
 #define FM_FEW_MATMUL(NAME, XG, GB, KC, CHUNK, PREP, ROWT, DOT, ATTR)                                       \
 ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1) \
 {                                                                                                        \

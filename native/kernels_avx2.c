@@ -388,8 +388,8 @@ FM_TILED_MATMUL(matmul_tiled_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, AVX2_
  * FM_FEW_MATMUL (kernels.h) on rows of at least FM_FEW_MIN_COLS columns. Measured (2
  * threads, Zen 3, in one process): a decode round of 2 / 4 sequences 0.86x / 0.946x
  * the time of the tiled product; from memory an expert's gate and up at B = 2-4
- * 1.13-1.16x, but its down projection (512 columns) 0.96-0.98x, and in cache
- * 0.88-0.98x: short rows stay tiled. */
+ * 1.13-1.16x (in cache alike since the 3-vpmaddwd fold), but its down projection
+ * (512 columns) 0.94-1.06x from memory and 0.84-0.91x in cache: short rows stay tiled. */
 FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int gs, int ng, const int T,
                                             float *s)
 {
