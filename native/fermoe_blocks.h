@@ -1,5 +1,5 @@
 /* fermoe_blocks.h: the ggml block layouts we compute with, shared by the C
- * kernels and (later) the CUDA ones. Plain C: no host-only headers, so nvcc can
+ * kernels and the CUDA ones. Plain C: no host-only headers, so nvcc can
  * include it too. Layouts are byte-exact with llama.cpp (ggml-common.h) and with
  * the numpy spec in shared/quants.py:
  *
@@ -8,7 +8,8 @@
  *   block_q8_0  34 B | d fp16 | qs[32] int8 |  x = q * d
  *
  * Blocks are packed back to back (18 and 34 are not multiples of 4), so the
- * fp16 scale is read as a uint16_t at 2-byte alignment.
+ * fp16 scale is read as a uint16_t at 2-byte alignment. The CUDA kernels
+ * (native/cuda) include it under nvcc and clang (__CUDA__) alike.
  */
 #ifndef FERMOE_BLOCKS_H
 #define FERMOE_BLOCKS_H
@@ -35,7 +36,7 @@ _Static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must be 18 bytes");
 _Static_assert(sizeof(block_q8_0) == 34, "block_q8_0 must be 34 bytes");
 #endif
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(__CUDA__)
 #define FM_HD static __host__ __device__ __forceinline__
 #else
 #define FM_HD static inline

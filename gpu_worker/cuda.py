@@ -1,0 +1,71 @@
+"""The real GPU through pycuda, behind the interface the engine uses (the host
+emulation in emulator.py has the same one). pycuda is an optional dependency:
+`pip install -e '.[gpu]'`."""
+from __future__ import annotations
+
+import os
+
+from shared.errors import FermoeError
+
+from .cuda_source import compose
+
+NO_PYCUDA = ("--engine gpu needs pycuda and a CUDA driver ({why}); install them with "
+             "pip install -e '.[gpu]', or set FERMOE_GPU=emulate to run the kernels on the CPU")
+
+
+class CudaDevice:
+    """One CUDA device with a context of its own, made current for this thread."""
+
+    def __init__(self, index: int = 0):
+        try:
+            import pycuda.driver as drv
+        except ImportError as e:
+            raise FermoeError(NO_PYCUDA.format(why=f"import pycuda: {e}")) from None
+        try:
+            drv.init()
+            count = drv.Device.count()
+        except drv.Error as e:
+            raise FermoeError(NO_PYCUDA.format(why=f"CUDA: {e}")) from None
+        if not 0 <= index < count:
+            raise FermoeError(f"--gpu {index}: this machine has {count} CUDA device(s)")
+        self.drv = drv
+        self.dev = drv.Device(index)
+        self.name = self.dev.name()
+        self.ctx = self.dev.make_context()
+        self.debug = bool(os.environ.get("FERMOE_GPU_DEBUG"))
+        for name in ("mem_alloc", "mem_get_info", "memcpy_htod", "memcpy_htod_async", "memcpy_dtoh",
+                     "memcpy_dtoh_async", "memcpy_dtod", "memcpy_dtod_async", "memset_d8", "memset_d8_async",
+                     "pagelocked_empty", "register_host_memory"):
+            setattr(self, name, getattr(drv, name))
+
+    def stream(self, role: str):
+        return self.drv.Stream()
+
+    def event(self):
+        return self.drv.Event()
+
+    def synchronize(self):
+        self.ctx.synchronize()
+
+    def module(self, signatures: dict[str, str]):
+        from pycuda.compiler import SourceModule
+        source = compose("nvcc")
+        # -lineinfo: profilers map time to source lines; no fast-math (the prelude picks intrinsics)
+        return SourceModule(source, no_extern_c=True, options=["-lineinfo"])
+
+    def close(self):
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.pop()
+            self.ctx.detach()
+            self.ctx = None
+
+
+def open_device(index: int = 0):
+    """The device `--engine gpu` runs on: the host emulation when FERMOE_GPU=emulate."""
+    mode = os.environ.get("FERMOE_GPU", "")
+    if mode == "emulate":
+        from .emulator import EmulatedDevice
+        return EmulatedDevice()
+    if mode:
+        raise FermoeError(f"FERMOE_GPU={mode!r}: expected emulate (or unset for the CUDA device)")
+    return CudaDevice(index)

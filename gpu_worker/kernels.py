@@ -1,0 +1,81 @@
+"""The kernels of native/cuda as Python calls: each entry point's signature (as
+pycuda's `prepare` spells it: P pointer, i int, I unsigned, f float, q int64), and
+a launcher that checks what it is given, launches on a stream, and with
+FERMOE_GPU_DEBUG=1 synchronises after every launch so a fault names its kernel."""
+from __future__ import annotations
+
+import os
+
+from shared.errors import FermoeError
+
+WEIGHT_TYPES = ("f32", "f16", "q4_0", "q8_0")
+
+SIGNATURES = {
+    "embed_rows": "PPPiii",
+    "rmsnorm": "PPPiiiif",
+    "rmsnorm_gated": "PPPPiif",
+    "moe_route": "PPPPiii",
+    "moe_tiles": "PPPPPPiii",
+    "moe_scatter": "PPPPPii",
+    "moe_combine": "PPPPPPPiii",
+    "attn_qk_norm_rope": "PPPPPPPPPPiiiiiifi",
+    "attn_prompt": "PPPPPiiiiif",
+    "gdn_conv": "PPPPiii",
+    "gdn_conv_history": "PPPiiii",
+    "gdn_qk_gates": "PPPPPPPPPiiiiif",
+    "gdn_recurrent": "PPPPPPPiiiiiii",
+    "gdn_chunk_prep": "PPPPPPPPPPPiiiiii",
+    "gdn_chunk_state": "PPPPPPPPPiiiiii",
+    "gdn_chunk_output": "PPPPPPPPiiiii",
+}
+for _t in WEIGHT_TYPES:
+    SIGNATURES.update({
+        f"gemm_{_t}": "PPPiiiiii",
+        f"gemm_gated_{_t}": "PPPPiiiii",
+        f"moe_gateup_{_t}": "PPPPqqPPPPPiii",
+        f"moe_down_{_t}": "PPPPqqPPPPii",
+    })
+
+
+class LaunchError(FermoeError):
+    """A kernel launch was given the wrong shapes, or failed on the device."""
+
+
+class Kernel:
+    """One entry point: `k(grid, block, stream, *args)`."""
+
+    def __init__(self, function, name: str, signature: str, device, debug: bool):
+        self.fn = function.prepare(signature)
+        self.name, self.signature, self.device, self.debug = name, signature, device, debug
+
+    def __call__(self, grid, block, stream, *args):
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        if len(args) != len(self.signature):
+            raise LaunchError(f"{self.name}: {len(args)} arguments, its signature {self.signature!r} has "
+                              f"{len(self.signature)}")
+        if min(grid) < 1 or min(block) < 1 or block[0] * block[1] * block[2] > 1024:
+            raise LaunchError(f"{self.name}: grid {grid} and block {block} (1 to 1024 threads a block)")
+        values = [int(a) if k == "P" else a for k, a in zip(self.signature, args)]
+        try:
+            self.fn.prepared_async_call(grid, block, stream, *values)
+            if self.debug:
+                self.device.synchronize()
+        except FermoeError:
+            raise
+        except Exception as e:      # pycuda's LaunchError, LogicError...: name the kernel
+            raise LaunchError(f"{self.name} grid {grid} block {block}: {e}") from e
+
+
+class Kernels:
+    """Every entry point of the module, as attributes: `kernels.rmsnorm(...)`."""
+
+    def __init__(self, device):
+        module = device.module(SIGNATURES)
+        debug = bool(os.environ.get("FERMOE_GPU_DEBUG"))
+        for name, signature in SIGNATURES.items():
+            setattr(self, name, Kernel(module.get_function(name), name, signature, device, debug))
+
+    def gemm(self, wtype: str, kind: str = "gemm"):
+        """The GEMM entry of `kind` (gemm, gemm_gated, moe_gateup, moe_down) for a weight type."""
+        return getattr(self, f"{kind}_{wtype}")

@@ -1,0 +1,171 @@
+"""One method per kernel: the launch geometry each .cu file's header gives, and the
+shapes it expects, checked before the launch. Every call goes on `self.stream`."""
+from __future__ import annotations
+
+import numpy as np
+
+from .buffers import DeviceArray
+from .kernels import Kernels, LaunchError
+
+GEMM_TILE = 64          # gemm.cu's BM = BN
+CHUNK = 64              # gdn_chunk.cu's chunk
+MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
+MAX_HEAD_DIM = 256      # attention.cu
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _need(ok: bool, what: str):
+    if not ok:
+        raise LaunchError(what)
+
+
+class Ops:
+    def __init__(self, device, kernels: Kernels | None = None, stream=None):
+        self.device = device
+        self.k = kernels or Kernels(device)
+        self.stream = stream if stream is not None else device.stream("compute")
+
+    # ---- rows --------------------------------------------------------------
+    def embed(self, out: DeviceArray, W, tokens: DeviceArray, T: int, n: int, wtype: str):
+        _need(out.shape == (T, n) and tokens.shape[0] >= T, f"embed: out {out.shape}, {T} tokens of {n}")
+        self.k.embed_rows((T,), (256,), self.stream, out, W, tokens, T, n, GGML_TYPE[wtype])
+
+    def rmsnorm(self, y: DeviceArray, x: DeviceArray, w: DeviceArray, rows: int, n: int, eps: float,
+                ldy: int | None = None, ldx: int | None = None):
+        _need(w.shape == (n,), f"rmsnorm: weight {w.shape} for rows of {n}")
+        self.k.rmsnorm((rows,), (256,), self.stream, y, x, w, rows, n, ldy or n, ldx or n, eps)
+
+    def rmsnorm_gated(self, y, x, z, w: DeviceArray, rows: int, n: int, eps: float):
+        _need(w.shape == (n,), f"rmsnorm_gated: weight {w.shape} for rows of {n}")
+        self.k.rmsnorm_gated((rows,), (256,), self.stream, y, x, z, w, rows, n, eps)
+
+    # ---- products ------------------------------------------------------------
+    def gemm(self, C: DeviceArray, A: DeviceArray, W, M: int, N: int, K: int, wtype: str, accumulate: bool = False,
+             lda: int | None = None, ldc: int | None = None):
+        lda, ldc = lda or K, ldc or N
+        _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
+              f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
+        grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE))
+        self.k.gemm(wtype)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, int(accumulate))
+
+    def gemm_gated(self, C, A, Wg, Wu, M: int, N: int, K: int, wtype: str):
+        grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE))
+        self.k.gemm(wtype, "gemm_gated")(grid, (256,), self.stream, C, A, Wg, Wu, M, N, K, K, N)
+
+    # ---- MoE -------------------------------------------------------------------
+    def moe_route(self, topk_ids, topk_w, counts: DeviceArray, logits, T: int, E: int, k: int):
+        _need(counts.shape == (E,), f"moe_route: counts {counts.shape} for {E} experts")
+        self.k.moe_route((_cdiv(T, 128),), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
+
+    def moe_group(self, g, T: int, E: int, k: int):
+        """Offsets, the tile table and the grouped order from g.counts (a MoeGroups)."""
+        self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
+                         g.counts, E, GEMM_TILE, g.max_tiles)
+        P = T * k
+        self.k.moe_scatter((_cdiv(P, 256),), (256,), self.stream, g.pair_token, g.pair_pos, g.cursor, g.offsets,
+                           g.topk_ids, P, k)
+
+    def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, up_offset: int, g, N: int, K: int, wtype: str):
+        self.k.gemm(wtype, "moe_gateup")((_cdiv(N, GEMM_TILE), g.max_tiles), (256,), self.stream, act, x, slot,
+                                         slot_map, expert_bytes, up_offset, g.tile_expert, g.tile_row0,
+                                         g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
+
+    def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
+        self.k.gemm(wtype, "moe_down")((_cdiv(N, GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,
+                                       slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
+                                       g.tile_rows, g.n_tiles, N, K)
+
+    def moe_combine(self, h, y, g, shared_out, x, shared_gate, T: int, d: int, k: int):
+        self.k.moe_combine((T,), (256,), self.stream, h, y, g.topk_w, g.pair_pos, shared_out or 0, x,
+                           shared_gate or 0, T, d, k)
+
+    # ---- attention ---------------------------------------------------------------
+    def attn_qk_norm_rope(self, q_out, Kc, Vc, qg, k_in, v_in, q_norm, k_norm, cos, sin, start: int, T: int,
+                          nh: int, nkv: int, hd: int, rope_dim: int, eps: float, kv_f16: bool):
+        _need(hd <= MAX_HEAD_DIM, f"attention head_dim {hd}: the GPU kernels take up to {MAX_HEAD_DIM}")
+        _need(Kc.shape[0] >= start + T, f"attention cache of {Kc.shape[0]} positions for {start} + {T}")
+        self.k.attn_qk_norm_rope((T, nh + nkv), (128,), self.stream, q_out, Kc, Vc, qg, k_in, v_in, q_norm, k_norm,
+                                 cos, sin, start, T, nh, nkv, hd, rope_dim, eps, int(kv_f16))
+
+    def attn_prompt(self, out, q, Kc, Vc, qg, start: int, T: int, nh: int, nkv: int, hd: int):
+        self.k.attn_prompt((_cdiv(T, 16), nh), (128,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv, hd,
+                           float(hd) ** -0.5)
+
+    # ---- Gated DeltaNet -------------------------------------------------------------
+    def gdn_conv(self, out, x, state, w, T: int, C: int, Kk: int):
+        self.k.gdn_conv((_cdiv(C, 256), T), (256,), self.stream, out, x, state, w, T, C, Kk)
+
+    def gdn_conv_history(self, dst, state, x, n: int, T: int, C: int, Kk: int):
+        self.k.gdn_conv_history((_cdiv(C, 256),), (256,), self.stream, dst, state, x, n, T, C, Kk)
+
+    def gdn_qk_gates(self, q, k, beta, g, conv, b, a, ssm_a, dt_bias, T: int, hk: int, hv: int, dk: int, C: int,
+                     eps: float):
+        self.k.gdn_qk_gates((T, hk), (128,), self.stream, q, k, beta, g, conv, b, a, ssm_a, dt_bias, T, hk, hv, dk,
+                            C, eps)
+
+    def gdn_recurrent(self, o, S, q, k, v, beta, g, T: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
+                      tiled: bool):
+        _need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
+        self.k.gdn_recurrent((hv, _cdiv(dv, 32)), (dk,), self.stream, o, S, q, k, v, beta, g, T, hk, hv, dk, dv,
+                             ldv, int(tiled))
+
+    def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
+                    tiled: bool):
+        """The chunked recurrence over w's chunk table (a ChunkWork): prep, state pass, output."""
+        _need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
+        s = self.stream
+        self.k.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g, w.chunk_start,
+                              w.chunk_len, hk, hv, dk, dv, ldv, int(tiled))
+        self.k.gdn_chunk_state((hv, _cdiv(dv, 32)), (256,), s, S, w.S0, w.Vn, w.W, w.U, w.Gc, k, w.chunk_start,
+                               w.chunk_len, nc, hk, hv, dk, dv, int(tiled))
+        self.k.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P, w.Gc, w.chunk_start,
+                                w.chunk_len, hk, hv, dk, dv, int(tiled))
+
+
+class MoeGroups:
+    """A MoE block's routing of up to T tokens, in device memory (moe.cu)."""
+
+    def __init__(self, device, T: int, E: int, k: int):
+        P = T * k
+        self.max_tiles = _cdiv(P, GEMM_TILE) + E
+        i32 = np.int32
+        self.topk_ids, self.topk_w = DeviceArray(device, (T, k), i32), DeviceArray(device, (T, k))
+        self.counts, self.cursor = DeviceArray(device, (E,), i32), DeviceArray(device, (E,), i32)
+        self.offsets = DeviceArray(device, (E + 1,), i32)
+        self.tile_expert, self.tile_row0, self.tile_rows = (DeviceArray(device, (self.max_tiles,), i32)
+                                                            for _ in range(3))
+        self.n_tiles = DeviceArray(device, (1,), i32)
+        self.pair_token, self.pair_pos = DeviceArray(device, (P,), i32), DeviceArray(device, (P,), i32)
+
+    def reset(self, stream):
+        self.counts.zero(stream)
+        self.cursor.zero(stream)
+
+
+class ChunkWork:
+    """The chunked recurrence's buffers for up to n_chunks chunks (gdn_chunk.cu), and
+    the chunk table of the pass, uploaded once and shared by every GDN layer."""
+
+    def __init__(self, device, n_chunks: int, hv: int, dk: int, dv: int):
+        f = (n_chunks, hv)
+        self.W, self.U, self.Vn = (DeviceArray(device, f + (CHUNK, w)) for w in (dk, dv, dv))
+        self.P, self.Gc = DeviceArray(device, f + (CHUNK, CHUNK)), DeviceArray(device, f + (CHUNK,))
+        self.S0 = DeviceArray(device, f + (dk, dv))
+        self.chunk_start = DeviceArray(device, (n_chunks,), np.int32)
+        self.chunk_len = DeviceArray(device, (n_chunks,), np.int32)
+        self.n_chunks = n_chunks
+
+    def set_chunks(self, starts, lengths, stream=None) -> int:
+        n = len(starts)
+        _need(0 < n <= self.n_chunks and max(lengths) <= CHUNK, f"{n} chunks for a table of {self.n_chunks}")
+        self.chunk_start.rows(0, n).upload(np.asarray(starts, np.int32), stream)
+        self.chunk_len.rows(0, n).upload(np.asarray(lengths, np.int32), stream)
+        return n
+
+
+def upload(device, host: np.ndarray, stream=None) -> DeviceArray:
+    return DeviceArray.of(device, host, stream)
