@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from coordinator.options import add_kv_cache_dtype
+from coordinator.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
 from shared.errors import FermoeError
 
 DEFAULT_MODEL = "tiny"
@@ -17,10 +17,12 @@ def _add_model(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="GGUF file, or the name of a built-in model (default: tiny, made on first use)")
     p.add_argument("--engine", default="cpu",
-                   help="cpu (native W4A8 kernels, the default) or reference (the numpy spec: slow)")
+                   help="cpu (native W4A8 kernels, the default), gpu (prefill on the GPU, decode on the cpu "
+                        "engine) or reference (the numpy spec: slow)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="cpu engine threads (default: the physical cores of the first NUMA node)")
     add_kv_cache_dtype(p)
+    add_gpu_options(p)
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -91,11 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _open(args):
     from shared.builtin import resolve_model
-    from shared.engine import load_engine
     from shared.model import Model
 
     model = Model(resolve_model(args.model))
-    return model, load_engine(args.engine, model, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
+    return model, _engine(args, model, args.engine)
+
+
+def _engine(args, model, name: str):
+    from coordinator.engines import load_engine
+    return load_engine(name, model, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+                       **(gpu_engine_options(args) if name == "gpu" else {}))
 
 
 def cmd_generate(args) -> None:
@@ -106,6 +113,9 @@ def cmd_generate(args) -> None:
     if args.n_predict < 0:
         raise FermoeError(f"-n {args.n_predict}: must be >= 0")
     model, engine = _open(args)
+    prefill = None
+    if args.engine == "gpu":        # the prompt on the GPU, the tokens on the CPU from the state it hands over
+        prefill, engine = engine, _engine(args, model, "cpu")
     tok = model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
@@ -113,7 +123,7 @@ def cmd_generate(args) -> None:
                             repeat_penalty=args.repeat_penalty, seed=_seed(args))
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
-    for token in generate(engine, ids, args.n_predict, params, stop_ids=stop_ids):
+    for token in generate(engine, ids, args.n_predict, params, stop_ids=stop_ids, prefill=prefill):
         if token in stop_ids:
             break
         sys.stdout.write(stream.feed(token))
@@ -136,6 +146,7 @@ def cmd_logits(args) -> None:
     if not ids or bad:
         raise FermoeError(f"token ids must be in [0, {model.config.n_vocab}); got {bad or 'none'}")
     logits = engine.forward(ids, engine.new_state())
+    engine.close()
     np.save(args.out, logits.astype(np.float32))
     print(f"wrote {args.out}: {logits.shape[0]} positions x {logits.shape[1]} logits", file=sys.stderr)
 

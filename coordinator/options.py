@@ -27,6 +27,23 @@ def add_kv_cache_dtype(p: argparse.ArgumentParser):
                         f"(default {DEFAULT_KV_DTYPE}, as llama.cpp's)")
 
 
+def add_gpu_options(p: argparse.ArgumentParser):
+    """--gpu-mem and --gpu, for --engine gpu."""
+    p.add_argument("--gpu-mem", default=None,
+                   help="GPU memory the gpu engine may use, e.g. 6GiB (the paper's card); default: all that is free")
+    p.add_argument("--gpu", type=int, default=0, help="CUDA device index for the gpu engine (default 0)")
+
+
+def gpu_engine_options(args) -> dict:
+    """The GPU engine's keyword arguments from --gpu-mem / --gpu."""
+    mem = parse_size(args.gpu_mem) if args.gpu_mem is not None else None
+    if mem is not None and mem <= 0:
+        raise FermoeError(f"--gpu-mem {args.gpu_mem}: must be positive")
+    if args.gpu < 0:
+        raise FermoeError(f"--gpu {args.gpu}: must be >= 0")
+    return {"gpu_mem": mem, "gpu": args.gpu}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description="fermoe coordinator daemon")
     p.add_argument("--model", required=True, help="GGUF path or built-in model name (tiny)")

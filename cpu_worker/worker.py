@@ -59,9 +59,9 @@ class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
                  cpus: list[int] | None = None, shared_memory: bool = True):
         from shared.builtin import resolve_model
-        from shared.engine import load_engine
+        from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
-        self.engine = load_engine(engine, self.model, threads=threads, cpus=cpus)
+        self.engine = cpu_engine(engine, self.model, threads=threads, cpus=cpus)
         self.worker_id = worker_id
         self.arena = self.block = self.slot_bytes = None   # from the Welcome
         self.shared_memory = shared_memory          # False: never map the arena, as on another host

@@ -1,15 +1,34 @@
-"""Engines behind `--engine`: each advances a SequenceState by tokens and returns
-logits. `reference` is the numpy spec; `cpu` the native W4A8 engine; the GPU
-engine plugs in here under the same interface."""
+"""The interface every engine behind `--engine` implements, and the reference one.
+
+Each advances a SequenceState by tokens and returns logits: `reference` is the
+numpy spec (here); `cpu` the native W4A8 engine (cpu_worker); `gpu` the GPU
+prefill engine (gpu_worker). They share the state's layout, so a state prefilled
+by one is decoded on by another. The registry that picks one by name is
+coordinator/engines.py (this package imports no worker package)."""
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import FermoeError
 from .model import Model
 from .state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
-ENGINES = ("reference", "cpu")
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    kv_cache_dtype: str           # the KV dtype of the states new_state() makes
+
+    def new_state(self) -> SequenceState:
+        """An empty sequence of this engine's model."""
+
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+        """Run `tokens` after the state's position: logits [T, vocab] of every new
+        position (or [1, vocab], the last one's); the state moves on by T."""
+
+    def close(self) -> None:
+        """Release what the engine holds (threads, device memory)."""
 
 
 class ReferenceEngine:
@@ -43,13 +62,5 @@ class ReferenceEngine:
         """One new token for each of several sequences: their logits [n, vocab]."""
         return self.forward_batch([([t], s) for t, s in zip(tokens, states)])
 
-
-def load_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None,
-                kv_cache_dtype: str = DEFAULT_KV_DTYPE):
-    """An engine whose new states keep their KV cache in `kv_cache_dtype` (f16, f32)."""
-    if name == "reference":
-        return ReferenceEngine(model, kv_cache_dtype=kv_cache_dtype)
-    if name == "cpu":
-        from cpu_worker.native_engine import NativeEngine
-        return NativeEngine(model, threads=threads, cpus=cpus, kv_cache_dtype=kv_cache_dtype)
-    raise FermoeError(f"--engine {name!r}: not available; choose one of {', '.join(ENGINES)}")
+    def close(self) -> None:
+        pass

@@ -46,12 +46,18 @@ class Decoder:
 
 
 def generate(engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-             stop_ids=frozenset(), state=None) -> Iterator[int]:
-    """Yield up to max_tokens sampled tokens; stops after a token in stop_ids."""
+             stop_ids=frozenset(), state=None, prefill=None) -> Iterator[int]:
+    """Yield up to max_tokens sampled tokens; stops after a token in stop_ids. The
+    prompt runs on `prefill` (another engine: the GPU's) when given, and is closed
+    after it; engine decodes on from the state it leaves."""
     if not prompt_ids:
         raise FermoeError("the prompt has no tokens")
     state = state or engine.new_state()
-    logits = engine.forward(prompt_ids, state, all_logits=False)[-1]
+    if prefill is not None:
+        logits = prefill.forward(prompt_ids, state, all_logits=False)[-1]
+        prefill.close()
+    else:
+        logits = engine.forward(prompt_ids, state, all_logits=False)[-1]
     decoder = Decoder(engine, state, logits, prompt_ids, params, max_tokens, stop_ids)
     while decoder.finish_reason is None:
         yield decoder.step()

@@ -1,0 +1,336 @@
+"""The GPU prefill engine (`--engine gpu`): a prompt through the whole model on the
+GPU in as few passes as the memory budget allows, experts streamed from host memory
+(experts.py), the sequence state handed back in the layout every engine shares
+(shared/state.py), so a CPU engine decodes on from it.
+
+A pass of n tokens at positions [p0, p0 + n), top to bottom as the reference reads:
+
+    h = embed(tokens)
+    for each layer:  h += mixer(rmsnorm(h))       gated attention or Gated DeltaNet
+                     h += moe(rmsnorm(h))         routed experts + shared expert
+    logits = output(rmsnorm(h)) for the rows asked for
+
+Snapshot positions (block boundaries) cut the GDN chunks, so the state there comes
+out of the chunked recurrence as it passes; their conv states, KV and logits too.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from shared.errors import FermoeError
+from shared.model import Model
+from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
+
+from .buffers import DeviceArray
+from .cuda import open_device
+from .experts import ExpertStore, spread_resident
+from .ops import CHUNK, Ops
+from .plan import kv_nbytes, make_plan
+from .weights import KERNEL_TYPES, ResidentWeights
+from .workspace import LOGIT_ROWS, MAX_BOUNDARIES, Workspace
+
+log = logging.getLogger("fermoe.gpu")
+DEFAULT_PASS_TOKENS = 1024
+RECURRENT_BELOW = 32     # passes this short run the token-sequential GDN kernel ("auto")
+GDN_MODES = ("auto", "chunked", "recurrent")
+
+
+def expected_used_fraction(n_tokens: int, n_expert: int, k: int) -> float:
+    """Share of a layer's experts that n tokens are expected to route to (uniform routing)."""
+    return 1.0 - (1.0 - k / n_expert) ** n_tokens
+
+
+class GPUEngine:
+    name = "gpu"
+
+    def __init__(self, model: Model, gpu_mem: int | None = None, gpu: int = 0,
+                 kv_cache_dtype: str = DEFAULT_KV_DTYPE, pass_tokens: int = DEFAULT_PASS_TOKENS,
+                 ring_slots: int = 2, resident: bool = True, pinned: bool = True, overlap: bool = True,
+                 lm_head: str = "gpu", gdn: str = "auto", used_experts: float = 0.8, device=None):
+        kv_dtype(kv_cache_dtype)
+        if lm_head not in ("gpu", "cpu") or gdn not in GDN_MODES or pass_tokens < 1:
+            raise FermoeError(f"lm_head {lm_head!r} (gpu or cpu), gdn {gdn!r} ({', '.join(GDN_MODES)}), "
+                              f"pass_tokens {pass_tokens} (>= 1)")
+        self.model, self.cfg = model, model.config
+        self.kv_cache_dtype, self.lm_head, self.gdn_mode, self.used_experts = kv_cache_dtype, lm_head, gdn, used_experts
+        self._owns_device = device is None
+        self.device = device if device is not None else open_device(gpu)
+        free, _ = self.device.mem_get_info()
+        budget = free if gpu_mem is None else gpu_mem
+        if budget > free:
+            raise FermoeError(f"--gpu-mem {budget >> 20} MiB: {self.device.name} has {free >> 20} MiB free")
+        self.plan = make_plan(model, budget, pass_tokens, ring_slots, None if resident else 0)
+        log.info("%s: %s", self.device.name, self.plan.describe())
+        self.ops = Ops(self.device)
+        self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
+        self.w = ResidentWeights(self.device, model)
+        self.experts = ExpertStore(self.device, model, spread_resident(self.cfg.n_layer, self.plan.resident_layers),
+                                   ring_slots, pinned)
+        self.ws = Workspace(self.device, self.cfg, pass_tokens)
+        cfg = self.cfg
+        self.S = {L: DeviceArray(self.device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
+                  for L in cfg.gdn_layers}
+        self.conv = {L: DeviceArray(self.device, (cfg.ssm_conv_kernel - 1, cfg.conv_channels)) for L in cfg.gdn_layers}
+        self.kv_positions = 0
+        self._grow_kv(pass_tokens)
+        self._cpu_head = None
+
+    # ---- the Engine interface ------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype)
+
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+        """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on."""
+        return self.prefill(tokens, state, all_logits=all_logits)[0]
+
+    def close(self) -> None:
+        """Wait for the device's work; release the CUDA context if this engine opened it."""
+        if getattr(self, "device", None) is None:
+            return
+        self.device.synchronize()
+        if self._owns_device and hasattr(self.device, "close"):
+            self.device.close()
+        self.device = None
+
+    # ---- prefill ------------------------------------------------------------------------
+    def prefill(self, tokens, state: SequenceState, snapshot_at=(), all_logits: bool = False):
+        """Run the prompt; returns (logits, {position: SequenceState}) with the states at
+        the snapshot positions in (state.position, state.position + len(tokens)]."""
+        tokens = self._check_tokens(tokens)
+        T, start = len(tokens), state.position
+        state.check_room(T)
+        boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
+        self._grow_kv(start + T)
+        self._upload_state(state)
+        snaps = {p: self._pinned_state(state, p) for p in boundaries}
+        out, snap_logits = [], {}
+        for a in range(0, T, self.ws.T):
+            b = min(T, a + self.ws.T)
+            cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
+            rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))
+            logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps)
+            for r, row in zip(rows, logits):
+                snap_logits[start + a + r + 1] = row
+            if all_logits:
+                out.append(logits)
+        self._download_state(state, start, T)
+        self.device.synchronize()              # the snapshots' asynchronous copies too
+        state.set_logits(snap_logits[start + T])
+        for p, snap in snaps.items():
+            self._finish_snapshot(snap, state, p, snap_logits[p])
+        result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
+        return result, snaps
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if len(tokens) == 0:
+            raise FermoeError("no tokens to run")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
+            raise FermoeError(f"token ids must be in [0, {self.cfg.n_vocab})")
+        return tokens
+
+    def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps) -> np.ndarray:
+        cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
+        if len(cuts) > MAX_BOUNDARIES:
+            raise FermoeError(f"{len(cuts)} snapshot positions in one pass of {n} tokens: at most {MAX_BOUNDARIES}")
+        self._upload_inputs(tokens, p0, cuts)
+        used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
+        self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
+        self._embed(tokens)
+        for L in range(cfg.n_layer):
+            w = self.w.layers[L]
+            ops.rmsnorm(ws.x, ws.h, w["attn_norm"].data, n, cfg.n_embd, cfg.rms_eps)
+            if cfg.is_attention(L):
+                self._attention(L, n, p0)
+            else:
+                self._gdn(L, n, p0, cuts, snaps)
+            self._moe(L, n)
+        return self._lm_head(n, rows)
+
+    # ---- inputs -------------------------------------------------------------------------
+    def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> None:
+        cfg, ws, n = self.cfg, self.ws, len(tokens)
+        half = cfg.rope_dim // 2
+        inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
+        angle = (np.arange(p0, p0 + n, dtype=np.float64)[:, None] * inv[None, :]).astype(np.float32)
+        ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
+        ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
+        edges = sorted({0, n, *cuts, *range(CHUNK, n, CHUNK)})
+        self.n_chunks = ws.chunks.set_chunks(edges[:-1], np.diff(edges))
+        self.chunk_at = {e: i for i, e in enumerate(edges[:-1])}
+
+    def _embed(self, tokens: np.ndarray) -> None:
+        """The prompt's rows of the embedding table, gathered here and dequantised there."""
+        emb, n, d = self.model.token_embd, len(tokens), self.cfg.n_embd
+        uniq, index = np.unique(tokens, return_inverse=True)
+        if emb.qtype in KERNEL_TYPES and len(emb.shape) == 2:
+            raw, wtype = emb.raw.reshape(emb.shape[0], -1)[uniq], KERNEL_TYPES[emb.qtype]
+        else:
+            raw, wtype = emb.take(uniq).view(np.uint8), "f32"
+        self.ws.embed_raw.view((raw.size,), np.uint8).upload(np.ascontiguousarray(raw).reshape(-1))
+        self.ws.tokens.rows(0, n).upload(index.astype(np.int32))
+        self.ops.embed(self.ws.h.rows(0, n), self.ws.embed_raw, self.ws.tokens, n, d, wtype)
+
+    # ---- mixers ---------------------------------------------------------------------------
+    def _attention(self, L: int, n: int, p0: int) -> None:
+        cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
+        nh, nkv, hd, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
+        qg, q, attn = ws.proj.view((n, 2 * nh * hd)), ws.mix.view((n, nh * hd)), ws.mid.view((n, nh * hd))
+        kk, vv = ws.kv_k.rows(0, n), ws.kv_v.rows(0, n)
+        for out, name, width in ((qg, "attn_q", 2 * nh * hd), (kk, "attn_k", nkv * hd), (vv, "attn_v", nkv * hd)):
+            ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
+        a = cfg.attention_layers.index(L)
+        Kc, Vc = self.Kc[a], self.Vc[a]
+        ops.attn_qk_norm_rope(q, Kc, Vc, qg, kk, vv, w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos,
+                              ws.rope_sin, p0, n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
+                              self.kv_cache_dtype == "f16")
+        ops.attn_prompt(attn, q, Kc, Vc, qg, p0, n, nh, nkv, hd)
+        ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
+
+    def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps) -> None:
+        cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
+        C, Di, d, K = cfg.conv_channels, cfg.ssm_d_inner, cfg.n_embd, cfg.ssm_conv_kernel
+        hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+        qkv, conv, z = ws.proj.view((n, C)), ws.mix.view((n, C)), ws.mid.view((n, Di))
+        b, a = ws.b.rows(0, n), ws.a.rows(0, n)
+        for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (b, "ssm_beta", hv), (a, "ssm_alpha", hv)):
+            ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
+        state, g_slot = self.conv[L], cfg.gdn_layers.index(L)
+        ops.gdn_conv(conv, qkv, state, w["ssm_conv1d"].data, n, C, K)
+        for c in cuts:                      # the conv state at each snapshot position, then at the end
+            ops.gdn_conv_history(ws.conv_snap, state, qkv, c, n, C, K)
+            self._to_host(snaps[p0 + c].conv[g_slot], ws.conv_snap)
+        ops.gdn_conv_history(state, state, qkv, n, n, C, K)
+        q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
+        ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
+        v = conv.at(4 * 2 * cfg.ssm_key_dim, (n, hv * dv))
+        o, S = ws.o.rows(0, n), self.S[L]
+        tiled = cfg.v_heads_tiled
+        if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and n < RECURRENT_BELOW):
+            for s, e in zip([0] + cuts, cuts + [n]):
+                if e > s:
+                    v_se = conv.at(4 * (s * C + 2 * cfg.ssm_key_dim), (e - s, hv * dv))
+                    ops.gdn_recurrent(o.rows(s, e), S, q.rows(s, e), k.rows(s, e), v_se,
+                                      beta.rows(s, e), g.rows(s, e), e - s, hk, hv, dk, dv, C, tiled)
+                if e in cuts:
+                    self._to_host(snaps[p0 + e].ssm[g_slot], S)
+        else:
+            ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks, self.n_chunks, hk, hv, dk, dv, C, tiled)
+            for c in cuts:
+                src = S if c == n else ws.chunks.S0.rows(self.chunk_at[c], self.chunk_at[c] + 1)
+                self._to_host(snaps[p0 + c].ssm[g_slot], src)
+        ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
+        ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
+
+    # ---- mixture of experts ------------------------------------------------------------------
+    def _moe(self, L: int, n: int) -> None:
+        cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
+        d, E, k, ff = cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp
+        ops.rmsnorm(ws.x, ws.h, w["post_attention_norm"].data, n, d, cfg.rms_eps)
+        g = ws.groups
+        ops.gemm(ws.router, ws.x, w["ffn_gate_inp"].data, n, E, d, w["ffn_gate_inp"].wtype)
+        g.reset(ops.stream)
+        ops.moe_route(g.topk_ids, g.topk_w, g.counts, ws.router, n, E, k)
+        ops.moe_group(g, n, E, k)
+        slot, slot_map = self.experts.experts_for(L, g.counts)
+        lay = self.experts.layouts[L]
+        ops.moe_gateup(ws.act, ws.x, slot, slot_map, lay.expert_bytes, lay.up_offset, g, ff, d, lay.gate_up_type)
+        ops.moe_down(ws.moe_out, ws.act, slot, slot_map, lay.expert_bytes, lay.down_offset, g, d, ff, lay.down_type)
+        self.experts.release(L)
+        shared = None
+        if cfg.n_ff_shexp:
+            fs, gate, up, down = cfg.n_ff_shexp, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"]
+            if gate.wtype != up.wtype:
+                raise FermoeError(f"blk.{L}: shared expert gate {gate.wtype} and up {up.wtype} differ")
+            ops.gemm_gated(ws.shared_act, ws.x, gate.data, up.data, n, fs, d, gate.wtype)
+            ops.gemm(ws.shared_out, ws.shared_act, down.data, n, d, fs, down.wtype)
+            shared = ws.shared_out
+        gate_vec = w["ffn_gate_inp_shexp"].data if shared is not None else None
+        ops.moe_combine(ws.h, ws.moe_out, g, shared, ws.x, gate_vec, n, d, k)
+
+    # ---- logits ----------------------------------------------------------------------------------
+    def _lm_head(self, n: int, rows: list[int]) -> np.ndarray:
+        cfg, ws, ops = self.cfg, self.ws, self.ops
+        out = np.empty((len(rows), cfg.n_vocab), np.float32)
+        for i in range(0, len(rows), LOGIT_ROWS):
+            group = rows[i:i + LOGIT_ROWS]
+            m = len(group)
+            for j, r in enumerate(group):        # gather the rows asked for, normalised
+                ops.rmsnorm(ws.lm_rows.rows(j, j + 1), ws.h.rows(r, r + 1), self.w.output_norm.data, 1,
+                            cfg.n_embd, cfg.rms_eps)
+            if self.lm_head == "cpu":
+                out[i:i + m] = self._cpu_logits(ws.lm_rows.rows(0, m).download())
+                continue
+            ops.gemm(ws.logits, ws.lm_rows, self.w.output.data, m, cfg.n_vocab, cfg.n_embd, self.w.output.wtype)
+            out[i:i + m] = ws.logits.rows(0, m).download()
+        return out
+
+    def _cpu_logits(self, x: np.ndarray) -> np.ndarray:
+        """The LM head on the host (the paper's other placement), with the CPU kernels."""
+        import native
+        from shared.quants import quantize_q8_0
+        w = self.model.output
+        kind = KERNEL_TYPES.get(w.qtype)
+        if kind in ("q4_0", "q8_0"):
+            xq = quantize_q8_0(np.ascontiguousarray(x)).reshape(len(x), -1)
+            return native.matmul(w.raw.reshape(w.shape[0], -1), xq, kind)
+        return x @ w.f32().T
+
+    # ---- state in and out --------------------------------------------------------------------------
+    def _grow_kv(self, positions: int) -> None:
+        """Device KV of every attention layer for `positions` positions (fp32)."""
+        if positions <= self.kv_positions:
+            return
+        cfg = self.cfg
+        extra = kv_nbytes(cfg, positions) - self.plan.kv
+        if extra > 0 and self.plan.total + extra > self.plan.budget:
+            raise FermoeError(f"a sequence of {positions} positions needs {extra >> 20} MiB more GPU memory "
+                              f"for its attention cache than --gpu-mem {self.plan.budget >> 20} MiB leaves")
+        shape = (positions, cfg.n_head_kv, cfg.head_dim)
+        self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
+        self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
+        self.kv_positions = positions
+
+    def _upload_state(self, state: SequenceState) -> None:
+        cfg = self.cfg
+        if state.kv.dtype_name != self.kv_cache_dtype:
+            raise FermoeError(f"the state keeps its KV in {state.kv.dtype_name}; this engine runs "
+                              f"--kv-cache-dtype {self.kv_cache_dtype}")
+        for g, L in enumerate(cfg.gdn_layers):
+            self.S[L].upload(state.ssm[g])
+            self.conv[L].upload(state.conv[g])
+        for a in range(len(cfg.attention_layers)):
+            keys, values = state.kv.view(a)
+            if len(keys):
+                self.Kc[a].rows(0, len(keys)).upload(keys)
+                self.Vc[a].rows(0, len(values)).upload(values)
+
+    def _download_state(self, state: SequenceState, start: int, T: int) -> None:
+        cfg = self.cfg
+        for g, L in enumerate(cfg.gdn_layers):
+            state.ssm[g] = self.S[L].download()
+            state.conv[g] = self.conv[L].download()
+        for a in range(len(cfg.attention_layers)):
+            state.kv.append(a, self.Kc[a].rows(start, start + T).download(), self.Vc[a].rows(start, start + T).download())
+        state.position = start + T
+
+    def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
+        """An asynchronous copy into page-locked host memory, in order on the compute stream."""
+        assert dst.nbytes == src.nbytes, (dst.shape, src.shape)
+        self.device.memcpy_dtoh_async(dst, int(src), self.ops.stream)
+
+    def _pinned_state(self, state: SequenceState, position: int) -> SequenceState:
+        """A state whose recurrent buffer is page-locked, for the snapshot at `position`."""
+        buf = self.device.pagelocked_empty((len(memoryview(state.buffer).cast("B")),), np.uint8)
+        buf[:] = np.frombuffer(state.buffer, np.uint8)
+        return SequenceState(self.cfg, self.model.fingerprint, buffer=buf, kv_block=state.kv.block,
+                             kv_dtype=state.kv.dtype_name)
+
+    def _finish_snapshot(self, snap: SequenceState, state: SequenceState, position: int, logits: np.ndarray) -> None:
+        for a in range(len(self.cfg.attention_layers)):
+            keys, values = state.kv.view(a)
+            snap.kv.append(a, keys[:position], values[:position])
+        snap.position = position
+        snap.set_logits(logits)

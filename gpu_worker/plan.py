@@ -1,0 +1,93 @@
+"""How the GPU engine spends its memory budget (`--gpu-mem`): every figure computed
+from the config, so the plan can be printed, tested and checked before anything is
+allocated.
+
+    budget = resident weights (all but the routed experts, LM head included)
+           + the recurrent state of one sequence (S and conv of every GDN layer)
+           + the workspace of one pass of up to `pass_tokens` tokens
+           + the attention KV of the positions a pass reaches
+           + a ring of `ring_slots` expert-layer slots (when some layer streams)
+           + resident expert layers: as many as the rest holds
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import ModelConfig
+from shared.errors import FermoeError
+from shared.model import Model
+
+from .weights import ExpertLayout, resident_nbytes
+from .workspace import workspace_nbytes
+
+F32 = 4
+MARGIN = 64 << 20        # what allocation rounding and the CUDA context's own use may take
+
+
+def state_nbytes(cfg: ModelConfig) -> int:
+    return cfg.recurrent_state_bytes
+
+
+def kv_nbytes(cfg: ModelConfig, positions: int) -> int:
+    """fp32 K and V of every attention layer for `positions` positions (the cache is
+    kept in fp32 on the device, values rounded as the state's dtype rounds them)."""
+    return F32 * 2 * len(cfg.attention_layers) * positions * cfg.n_head_kv * cfg.head_dim
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int
+    resident_weights: int
+    state: int
+    workspace: int
+    kv: int
+    layer_bytes: int
+    ring_slots: int
+    resident_layers: int
+    n_layers: int
+    pass_tokens: int
+
+    @property
+    def streamed_layers(self) -> int:
+        return self.n_layers - self.resident_layers
+
+    @property
+    def ring(self) -> int:
+        return self.ring_slots * self.layer_bytes if self.streamed_layers else 0
+
+    @property
+    def total(self) -> int:
+        return (self.resident_weights + self.state + self.workspace + self.kv + self.ring
+                + self.resident_layers * self.layer_bytes)
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (f"GPU memory {self.total / mib:.0f} of {self.budget / mib:.0f} MiB: weights {self.resident_weights / mib:.0f}, "
+                f"{self.resident_layers}/{self.n_layers} expert layers resident ({self.layer_bytes / mib:.1f} MiB each), "
+                f"ring {self.ring_slots if self.streamed_layers else 0} slots, workspace {self.workspace / mib:.0f} "
+                f"({self.pass_tokens}-token passes), KV {self.kv / mib:.0f}, state {self.state / mib:.0f}")
+
+
+def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
+              max_resident: int | None = None) -> MemoryPlan:
+    """The plan for `budget` bytes, or a FermoeError saying what does not fit."""
+    cfg = model.config
+    if ring_slots < 1:
+        raise FermoeError(f"ring of {ring_slots} slots: needs 1 at least")
+    layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
+    fixed = dict(resident_weights=resident_nbytes(model), state=state_nbytes(cfg),
+                 workspace=workspace_nbytes(cfg, pass_tokens), kv=kv_nbytes(cfg, pass_tokens))
+    base = sum(fixed.values()) + MARGIN
+    n = cfg.n_layer
+    limit = n if max_resident is None else min(max_resident, n)
+    if base + n * layer_bytes <= budget and limit == n:
+        resident = n                                  # everything fits: no ring
+    else:
+        resident = max(0, min(limit, (budget - base - ring_slots * layer_bytes) // layer_bytes))
+    plan = MemoryPlan(budget=budget, layer_bytes=layer_bytes, ring_slots=ring_slots, resident_layers=resident,
+                      n_layers=n, pass_tokens=pass_tokens, **fixed)
+    if plan.total + MARGIN > budget:
+        mib = 1 << 20
+        raise FermoeError(f"--gpu-mem {budget / mib:.0f} MiB is too small: the resident weights, a ring of "
+                          f"{ring_slots} expert layers and {pass_tokens}-token passes need {(plan.total + MARGIN) / mib:.0f} MiB")
+    return plan

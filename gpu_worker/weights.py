@@ -1,0 +1,109 @@
+"""The model's weights on the GPU side: every non-expert tensor resident in VRAM in
+the type the kernels read (F32, F16, Q4_0, Q8_0; vectors and BF16 become F32), and
+the routed experts laid out per layer for streaming: expert e of a layer is
+[gate_e | up_e | down_e], experts one after the other, so a layer crosses PCIe as
+one copy and one expert as one copy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.errors import FermoeError
+from shared.ggml_types import GGMLType, tensor_nbytes
+from shared.model import Layer, Model, Weight
+
+from .buffers import DeviceArray
+
+KERNEL_TYPES = {GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.Q4_0: "q4_0", GGMLType.Q8_0: "q8_0"}
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+F32_ONLY = ("ssm_conv1d",)          # read element by element by gdn_conv
+
+
+@dataclass
+class GpuWeight:
+    data: DeviceArray        # raw rows in `wtype`
+    wtype: str               # f32, f16, q4_0, q8_0
+    shape: tuple             # numpy order: [rows, cols] or [n]
+
+    def __int__(self):
+        return int(self.data)
+
+
+def kernel_form(w: Weight) -> tuple[np.ndarray, str]:
+    """The bytes and type a weight is kept in on the GPU."""
+    if _as_f32(w):
+        return np.ascontiguousarray(w.f32(), np.float32).view(np.uint8).reshape(-1), "f32"
+    return w.raw, KERNEL_TYPES[w.qtype]
+
+
+def _as_f32(w: Weight) -> bool:
+    return len(w.shape) == 1 or w.qtype not in KERNEL_TYPES or w.name.split(".")[-2] in F32_ONLY
+
+
+def kernel_nbytes(w: Weight) -> int:
+    return 4 * int(np.prod(w.shape)) if _as_f32(w) else tensor_nbytes(w.qtype, w.shape)
+
+
+def upload_weight(device, w: Weight) -> GpuWeight:
+    raw, wtype = kernel_form(w)
+    host = raw.view(np.float32).reshape(w.shape) if wtype == "f32" else raw
+    return GpuWeight(DeviceArray.of(device, host), wtype, w.shape)
+
+
+def resident_tensors(layer: Layer) -> dict[str, Weight]:
+    """The tensors of a block that stay in VRAM: all but the routed experts."""
+    return {name: w for name, w in vars(layer).items() if isinstance(w, Weight) and name not in EXPERT_TENSORS}
+
+
+def resident_nbytes(model: Model) -> int:
+    """VRAM the resident weights take (the LM head and final norm included; the
+    embedding table stays on the host: a prompt's rows are gathered there)."""
+    total = kernel_nbytes(model.output) + kernel_nbytes(model.output_norm)
+    for layer in model.layers:
+        total += sum(kernel_nbytes(w) for w in resident_tensors(layer).values())
+    return total
+
+
+class ResidentWeights:
+    """Every non-expert tensor of the model in VRAM: `layers[i][gguf name]`, `output`, `output_norm`."""
+
+    def __init__(self, device, model: Model):
+        self.output = upload_weight(device, model.output)
+        self.output_norm = upload_weight(device, model.output_norm)
+        self.layers = [{name: upload_weight(device, w) for name, w in resident_tensors(layer).items()}
+                       for layer in model.layers]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where an expert's matrices sit in its [gate | up | down] record."""
+    gate_up_type: str
+    down_type: str
+    expert_bytes: int
+    up_offset: int
+    down_offset: int
+
+    @classmethod
+    def of(cls, layer: Layer) -> "ExpertLayout":
+        gate, up, down = (getattr(layer, name) for name in EXPERT_TENSORS)
+        types = [KERNEL_TYPES.get(w.qtype) for w in (gate, up, down)]
+        if None in types or types[0] != types[1]:
+            raise FermoeError(f"blk.{layer.index}: experts in {gate.qtype.name}/{up.qtype.name}/{down.qtype.name}; "
+                              "the GPU engine streams F32, F16, Q4_0 or Q8_0 experts, gate and up alike")
+        g, u, d = (tensor_nbytes(w.qtype, w.shape[1:]) for w in (gate, up, down))
+        return cls(types[0], types[2], g + u + d, g, g + u)
+
+
+def pack_experts(layer: Layer, out: np.ndarray, experts=None) -> None:
+    """Write a layer's experts (all, or the ids given, in that order) into `out` as
+    consecutive [gate | up | down] records."""
+    lay = ExpertLayout.of(layer)
+    mats = [getattr(layer, name) for name in EXPERT_TENSORS]
+    ids = range(mats[0].shape[0]) if experts is None else experts
+    for slot, e in enumerate(ids):
+        at = slot * lay.expert_bytes
+        for w in mats:
+            per = len(w.raw) // w.shape[0]
+            out[at:at + per] = w.raw[e * per:(e + 1) * per]
+            at += per

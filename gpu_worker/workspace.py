@@ -1,0 +1,71 @@
+"""The activations of one pass of up to T tokens, allocated once per engine. The
+Gated DeltaNet and attention layers never run at once, so their projections share
+buffers (`proj`, `mix`, `mid`); the plan (plan.py) counts bytes from the same spec."""
+from __future__ import annotations
+
+import numpy as np
+
+from shared.config import ModelConfig
+
+from .buffers import DeviceArray
+from .ops import CHUNK, ChunkWork, MoeGroups
+
+LOGIT_ROWS = 64          # LM head rows a launch computes (and a download brings back)
+MAX_BOUNDARIES = 16      # snapshot positions one pass may cut chunks at
+
+
+def max_chunks(T: int) -> int:
+    return -(-T // CHUNK) + MAX_BOUNDARIES
+
+
+def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
+    """Buffer name -> shape (float32 unless the name says int), for passes of up to T tokens."""
+    d, C, Di = cfg.n_embd, cfg.conv_channels, cfg.ssm_d_inner
+    hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+    nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    k, ff = cfg.n_expert_used, cfg.n_ff_exp
+    return {
+        "h": (T, d), "x": (T, d),
+        "proj": (T, max(C, 2 * nh * hd)),      # qkv | attention's query+gate
+        "mix": (T, max(C, nh * hd)),           # conv output | attention's rotated queries
+        "mid": (T, max(Di, nh * hd)),          # z | attention output
+        "o": (T, hv * dv),
+        "b": (T, hv), "a": (T, hv), "beta": (T, hv), "g": (T, hv),
+        "q": (T, hk * dk), "k": (T, hk * dk),
+        "kv_k": (T, nkv * hd), "kv_v": (T, nkv * hd),
+        "router": (T, cfg.n_expert),
+        "act": (T * k, ff), "moe_out": (T * k, d),
+        "shared_act": (T, max(cfg.n_ff_shexp, 1)), "shared_out": (T, d),
+        "lm_rows": (LOGIT_ROWS, d), "logits": (LOGIT_ROWS, cfg.n_vocab),
+        "conv_snap": (cfg.ssm_conv_kernel - 1, C),
+        "rope_cos": (T, max(cfg.rope_dim // 2, 1)), "rope_sin": (T, max(cfg.rope_dim // 2, 1)),
+        "embed_raw": (T, d),                   # the prompt's embedding rows, in the table's type (<= f32)
+        "tokens int": (T,),
+    }
+
+
+def chunk_spec(cfg: ModelConfig, n_chunks: int) -> dict[str, tuple]:
+    hv, dk, dv = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+    f = (n_chunks, hv)
+    return {"W": f + (CHUNK, dk), "U": f + (CHUNK, dv), "Vn": f + (CHUNK, dv), "P": f + (CHUNK, CHUNK),
+            "Gc": f + (CHUNK,), "S0": f + (dk, dv), "chunk_start int": (n_chunks,), "chunk_len int": (n_chunks,)}
+
+
+def routing_nbytes(cfg: ModelConfig, T: int) -> int:
+    E, k = cfg.n_expert, cfg.n_expert_used
+    return 4 * (2 * T * k + 3 * E + 1 + 3 * (-(-T * k // 64) + E) + 1 + 2 * T * k)
+
+
+def workspace_nbytes(cfg: ModelConfig, T: int) -> int:
+    spec = {**workspace_spec(cfg, T), **chunk_spec(cfg, max_chunks(T))}
+    return sum(4 * int(np.prod(shape)) for shape in spec.values()) + routing_nbytes(cfg, T)
+
+
+class Workspace:
+    def __init__(self, device, cfg: ModelConfig, T: int):
+        self.T = T
+        for name, shape in workspace_spec(cfg, T).items():
+            key, _, kind = name.partition(" ")
+            setattr(self, key, DeviceArray(device, shape, np.int32 if kind == "int" else np.float32))
+        self.chunks = ChunkWork(device, max_chunks(T), cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim)
+        self.groups = MoeGroups(device, T, cfg.n_expert, cfg.n_expert_used)
