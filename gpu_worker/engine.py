@@ -27,7 +27,7 @@ from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
 from .ops import CHUNK, Ops
-from .plan import kv_nbytes, make_plan
+from .plan import make_plan
 from .weights import KERNEL_TYPES, ResidentWeights
 from .workspace import LOGIT_ROWS, MAX_BOUNDARIES, Workspace
 
@@ -61,21 +61,22 @@ class GPUEngine:
         budget = free if gpu_mem is None else gpu_mem
         if budget > free:
             raise FermoeError(f"--gpu-mem {budget >> 20} MiB: {self.device.name} has {free >> 20} MiB free")
-        self.plan = make_plan(model, budget, pass_tokens, ring_slots, None if resident else 0)
+        self.budget, self.pass_tokens, self.ring_slots = budget, pass_tokens, ring_slots
+        self.max_resident = None if resident else 0
+        self.plan = make_plan(model, budget, pass_tokens, ring_slots, self.max_resident)
         log.info("%s: %s", self.device.name, self.plan.describe())
         self.ops = Ops(self.device)
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
         self.w = ResidentWeights(self.device, model)
-        self.experts = ExpertStore(self.device, model, spread_resident(self.cfg.n_layer, self.plan.resident_layers),
-                                   ring_slots, pinned)
+        self.experts = ExpertStore(self.device, model, ring_slots, pinned)
         self.ws = Workspace(self.device, self.cfg, pass_tokens)
         cfg = self.cfg
         self.S = {L: DeviceArray(self.device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
                   for L in cfg.gdn_layers}
         self.conv = {L: DeviceArray(self.device, (cfg.ssm_conv_kernel - 1, cfg.conv_channels)) for L in cfg.gdn_layers}
-        self.kv_positions = 0
-        self._grow_kv(pass_tokens)
-        self._cpu_head = None
+        self.kv_positions, self.Kc, self.Vc = 0, [], []
+        self._fit(pass_tokens)
+        self.profile = None                     # a PhaseTimer, for bench prefill
 
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -102,7 +103,7 @@ class GPUEngine:
         T, start = len(tokens), state.position
         state.check_room(T)
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
-        self._grow_kv(start + T)
+        self._fit(start + T)
         self._upload_state(state)
         snaps = {p: self._pinned_state(state, p) for p in boundaries}
         out, snap_logits = [], {}
@@ -123,6 +124,10 @@ class GPUEngine:
         result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
         return result, snaps
 
+    def _mark(self, phase: str) -> None:
+        if self.profile is not None:
+            self.profile.mark(phase)
+
     def _check_tokens(self, tokens) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if len(tokens) == 0:
@@ -138,16 +143,21 @@ class GPUEngine:
         self._upload_inputs(tokens, p0, cuts)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
+        self._mark("embed")
         self._embed(tokens)
         for L in range(cfg.n_layer):
             w = self.w.layers[L]
+            self._mark("norms")
             ops.rmsnorm(ws.x, ws.h, w["attn_norm"].data, n, cfg.n_embd, cfg.rms_eps)
             if cfg.is_attention(L):
                 self._attention(L, n, p0)
             else:
                 self._gdn(L, n, p0, cuts, snaps)
             self._moe(L, n)
-        return self._lm_head(n, rows)
+        self._mark("lm_head")
+        logits = self._lm_head(n, rows)
+        self._mark("end")
+        return logits
 
     # ---- inputs -------------------------------------------------------------------------
     def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> None:
@@ -179,14 +189,17 @@ class GPUEngine:
         nh, nkv, hd, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
         qg, q, attn = ws.proj.view((n, 2 * nh * hd)), ws.mix.view((n, nh * hd)), ws.mid.view((n, nh * hd))
         kk, vv = ws.kv_k.rows(0, n), ws.kv_v.rows(0, n)
+        self._mark("dense")
         for out, name, width in ((qg, "attn_q", 2 * nh * hd), (kk, "attn_k", nkv * hd), (vv, "attn_v", nkv * hd)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
         a = cfg.attention_layers.index(L)
         Kc, Vc = self.Kc[a], self.Vc[a]
+        self._mark("attention")
         ops.attn_qk_norm_rope(q, Kc, Vc, qg, kk, vv, w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos,
                               ws.rope_sin, p0, n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
                               self.kv_cache_dtype == "f16")
         ops.attn_prompt(attn, q, Kc, Vc, qg, p0, n, nh, nkv, hd)
+        self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
     def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps) -> None:
@@ -195,9 +208,11 @@ class GPUEngine:
         hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
         qkv, conv, z = ws.proj.view((n, C)), ws.mix.view((n, C)), ws.mid.view((n, Di))
         b, a = ws.b.rows(0, n), ws.a.rows(0, n)
+        self._mark("dense")
         for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (b, "ssm_beta", hv), (a, "ssm_alpha", hv)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
         state, g_slot = self.conv[L], cfg.gdn_layers.index(L)
+        self._mark("gdn")
         ops.gdn_conv(conv, qkv, state, w["ssm_conv1d"].data, n, C, K)
         for c in cuts:                      # the conv state at each snapshot position, then at the end
             ops.gdn_conv_history(ws.conv_snap, state, qkv, c, n, C, K)
@@ -222,6 +237,7 @@ class GPUEngine:
                 src = S if c == n else ws.chunks.S0.rows(self.chunk_at[c], self.chunk_at[c] + 1)
                 self._to_host(snaps[p0 + c].ssm[g_slot], src)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
+        self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
 
     # ---- mixture of experts ------------------------------------------------------------------
@@ -230,11 +246,15 @@ class GPUEngine:
         d, E, k, ff = cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp
         ops.rmsnorm(ws.x, ws.h, w["post_attention_norm"].data, n, d, cfg.rms_eps)
         g = ws.groups
+        self._mark("dense")
         ops.gemm(ws.router, ws.x, w["ffn_gate_inp"].data, n, E, d, w["ffn_gate_inp"].wtype)
+        self._mark("experts")
         g.reset(ops.stream)
         ops.moe_route(g.topk_ids, g.topk_w, g.counts, ws.router, n, E, k)
         ops.moe_group(g, n, E, k)
+        self._mark("copy_wait")
         slot, slot_map = self.experts.experts_for(L, g.counts)
+        self._mark("experts")
         lay = self.experts.layouts[L]
         ops.moe_gateup(ws.act, ws.x, slot, slot_map, lay.expert_bytes, lay.up_offset, g, ff, d, lay.gate_up_type)
         ops.moe_down(ws.moe_out, ws.act, slot, slot_map, lay.expert_bytes, lay.down_offset, g, d, ff, lay.down_type)
@@ -244,10 +264,12 @@ class GPUEngine:
             fs, gate, up, down = cfg.n_ff_shexp, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"]
             if gate.wtype != up.wtype:
                 raise FermoeError(f"blk.{L}: shared expert gate {gate.wtype} and up {up.wtype} differ")
+            self._mark("dense")
             ops.gemm_gated(ws.shared_act, ws.x, gate.data, up.data, n, fs, d, gate.wtype)
             ops.gemm(ws.shared_out, ws.shared_act, down.data, n, d, fs, down.wtype)
             shared = ws.shared_out
         gate_vec = w["ffn_gate_inp_shexp"].data if shared is not None else None
+        self._mark("experts")
         ops.moe_combine(ws.h, ws.moe_out, g, shared, ws.x, gate_vec, n, d, k)
 
     # ---- logits ----------------------------------------------------------------------------------
@@ -279,19 +301,23 @@ class GPUEngine:
         return x @ w.f32().T
 
     # ---- state in and out --------------------------------------------------------------------------
-    def _grow_kv(self, positions: int) -> None:
-        """Device KV of every attention layer for `positions` positions (fp32)."""
-        if positions <= self.kv_positions:
-            return
-        cfg = self.cfg
-        extra = kv_nbytes(cfg, positions) - self.plan.kv
-        if extra > 0 and self.plan.total + extra > self.plan.budget:
-            raise FermoeError(f"a sequence of {positions} positions needs {extra >> 20} MiB more GPU memory "
-                              f"for its attention cache than --gpu-mem {self.plan.budget >> 20} MiB leaves")
-        shape = (positions, cfg.n_head_kv, cfg.head_dim)
-        self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
-        self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
-        self.kv_positions = positions
+    def _fit(self, positions: int) -> None:
+        """Room for the KV of `positions` positions (one pass at least): the expert
+        layers kept resident are what the budget leaves beside it, fewer for a long
+        prompt and more again after. VRAM is freed before it is taken."""
+        cfg, n = self.cfg, max(positions, self.pass_tokens)
+        plan = make_plan(self.model, self.budget, self.pass_tokens, self.ring_slots, self.max_resident, kv_positions=n)
+        if n != self.kv_positions:
+            if plan.resident_layers < len(self.experts.resident):
+                self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+            for buf in self.Kc + self.Vc:
+                buf.free()
+            shape = (n, cfg.n_head_kv, cfg.head_dim)
+            self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
+            self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
+            self.kv_positions = n
+        self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+        self.plan = plan
 
     def _upload_state(self, state: SequenceState) -> None:
         cfg = self.cfg

@@ -56,30 +56,47 @@ def _interleaved_memory():
 
 
 class ExpertStore:
-    def __init__(self, device, model: Model, resident: list[int], ring_slots: int, pinned: bool = True):
+    def __init__(self, device, model: Model, ring_slots: int, pinned: bool = True):
         cfg = model.config
-        self.device, self.model = device, model
+        self.device, self.model, self.pinned, self.ring_slots = device, model, pinned, ring_slots
         self.layouts = [ExpertLayout.of(layer) for layer in model.layers]
         self.layer_bytes = cfg.n_expert * self.layouts[0].expert_bytes
         if any(lay.expert_bytes != self.layouts[0].expert_bytes for lay in self.layouts):
             raise FermoeError("the GPU engine needs every layer's experts in one layout (types and sizes)")
-        self.n_expert = cfg.n_expert
+        self.n_layers = cfg.n_layer
         self.identity = DeviceArray.of(device, np.arange(cfg.n_expert, dtype=np.int32))
         self.resident: dict[int, DeviceArray] = {}
-        self.host: dict[int, np.ndarray] = {}
-        self.pinned = pinned
-        for L in range(cfg.n_layer):
-            if L in resident:
-                self.resident[L] = self._upload_layer(L)
-            else:
-                self.host[L] = self._host_layer(L)
-        self.ring = [DeviceArray(device, (self.layer_bytes,), np.uint8) for _ in range(ring_slots)] if self.host else []
-        self.loaded = [device.event() for _ in self.ring]
-        self.free = [device.event() for _ in self.ring]
+        self.host: dict[int, np.ndarray] = {}        # streamed layers' experts in host memory
+        self.ring: list[DeviceArray] = []
+        self.loaded, self.free = [], []
         self.compact_map = DeviceArray(device, (cfg.n_expert,), np.int32)
         self.staging = device.pagelocked_empty((cfg.n_expert,), np.int32)
+        self.copied_bytes = 0                  # host-to-device expert bytes since creation
+
+    def set_resident(self, layers: list[int]) -> None:
+        """Keep exactly `layers` in VRAM; every other layer streams from host memory
+        (packed there the first time it streams). VRAM is freed before it is taken."""
+        keep = set(layers)
+        for L in [L for L in self.resident if L not in keep]:
+            self.resident.pop(L).free()
+        streamed = [L for L in range(self.n_layers) if L not in keep]
+        if not streamed and self.ring:
+            for slot in self.ring:
+                slot.free()
+            self.ring, self.loaded, self.free = [], [], []
+        for L in streamed:
+            if L not in self.host:
+                self.host[L] = self._host_layer(L)
+        if streamed and not self.ring:
+            self.ring = [DeviceArray(self.device, (self.layer_bytes,), np.uint8) for _ in range(self.ring_slots)]
+            self.loaded = [self.device.event() for _ in self.ring]
+            self.free = [self.device.event() for _ in self.ring]
+        for L in sorted(keep - set(self.resident)):
+            self.resident[L] = self._upload_layer(L)
 
     def _upload_layer(self, L: int) -> DeviceArray:
+        if L in self.host:
+            return DeviceArray.of(self.device, self.host[L])
         buf = np.empty(self.layer_bytes, np.uint8)
         pack_experts(self.model.layers[L], buf)
         return DeviceArray.of(self.device, buf)
@@ -93,13 +110,14 @@ class ExpertStore:
 
     @property
     def host_bytes(self) -> int:
+        """Host memory holding experts (page-locked unless pinned=False)."""
         return len(self.host) * self.layer_bytes
 
     # ---- one pass ------------------------------------------------------------------
     def begin_pass(self, copy_stream, compute_stream, used_only: bool) -> None:
         """Start streaming a pass: the first ring's worth of streamed layers (whole-layer mode)."""
         self.copy, self.compute, self.used_only = copy_stream, compute_stream, used_only
-        self.order = [L for L in range(len(self.layouts)) if L in self.host]
+        self.order = [L for L in range(self.n_layers) if L not in self.resident]
         self.next_copy = 0
         if not used_only:
             while self.next_copy < min(len(self.ring), len(self.order)):
@@ -115,6 +133,7 @@ class ExpertStore:
         self.device.memcpy_htod_async(int(self.ring[s]), self.host[L], self.copy)
         self.loaded[s].record(self.copy)
         self.next_copy += 1
+        self.copied_bytes += self.layer_bytes
 
     def experts_for(self, L: int, counts=None) -> tuple[DeviceArray, DeviceArray]:
         """The buffer holding layer L's experts and the map expert -> slot in it, ready
@@ -140,6 +159,7 @@ class ExpertStore:
         for i, e in enumerate(used):         # one copy an expert, packed at the slot's start
             src = host[e * lay.expert_bytes:(e + 1) * lay.expert_bytes]
             self.device.memcpy_htod_async(dst + i * lay.expert_bytes, src, self.copy)
+        self.copied_bytes += len(used) * lay.expert_bytes
         self.loaded[s].record(self.copy)
         self.compute.wait_for_event(self.loaded[s])
         return self.ring[s], self.compact_map

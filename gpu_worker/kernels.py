@@ -27,6 +27,7 @@ SIGNATURES = {
     "gdn_chunk_prep": "PPPPPPPPPPPiiiiii",
     "gdn_chunk_state": "PPPPPPPPPiiiiii",
     "gdn_chunk_output": "PPPPPPPPiiiii",
+    "fma_peak": "Pif",
 }
 for _t in WEIGHT_TYPES:
     SIGNATURES.update({

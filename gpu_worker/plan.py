@@ -69,14 +69,15 @@ class MemoryPlan:
 
 
 def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
-              max_resident: int | None = None) -> MemoryPlan:
-    """The plan for `budget` bytes, or a FermoeError saying what does not fit."""
+              max_resident: int | None = None, kv_positions: int | None = None) -> MemoryPlan:
+    """The plan for `budget` bytes with room for the attention KV of `kv_positions`
+    positions (default: one pass), or a FermoeError saying what does not fit."""
     cfg = model.config
     if ring_slots < 1:
         raise FermoeError(f"ring of {ring_slots} slots: needs 1 at least")
     layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
     fixed = dict(resident_weights=resident_nbytes(model), state=state_nbytes(cfg),
-                 workspace=workspace_nbytes(cfg, pass_tokens), kv=kv_nbytes(cfg, pass_tokens))
+                 workspace=workspace_nbytes(cfg, pass_tokens), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
     base = sum(fixed.values()) + MARGIN
     n = cfg.n_layer
     limit = n if max_resident is None else min(max_resident, n)
@@ -89,5 +90,6 @@ def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
     if plan.total + MARGIN > budget:
         mib = 1 << 20
         raise FermoeError(f"--gpu-mem {budget / mib:.0f} MiB is too small: the resident weights, a ring of "
-                          f"{ring_slots} expert layers and {pass_tokens}-token passes need {(plan.total + MARGIN) / mib:.0f} MiB")
+                          f"{ring_slots} expert layers, {pass_tokens}-token passes and the KV of "
+                          f"{kv_positions or pass_tokens} positions need {(plan.total + MARGIN) / mib:.0f} MiB")
     return plan

@@ -270,3 +270,23 @@ def test_engine_gpu_without_pycuda_says_so_in_one_line(tiny_q4_path, tmp_path):
                          env=env, timeout=120)
     assert run.returncode == 1 and run.stderr.count("\n") == 1
     assert "--engine gpu needs pycuda" in run.stderr and "FERMOE_GPU=emulate" in run.stderr
+
+
+def test_a_long_prompt_takes_the_memory_of_resident_layers_and_gives_it_back(tiny):
+    """Resident expert layers are a cache: a prompt whose attention KV needs their VRAM
+    evicts them (they stream instead), a short one after it takes them back."""
+    from gpu_worker.plan import kv_nbytes
+    budget = _budget_for(tiny, 1, pass_tokens=16) + kv_nbytes(tiny.config, 16)
+    engine = gpu(tiny, "emulate", gpu_mem=budget, pass_tokens=16)
+    assert engine.plan.resident_layers == 1
+    long_prompt = np.random.default_rng(1).integers(3, 500, 120).tolist()   # its KV: about a layer more
+    ref = ReferenceEngine(tiny)
+    close(engine.forward(long_prompt, engine.new_state()), ref.forward(long_prompt, ref.new_state()))
+    assert engine.plan.resident_layers == 0 and len(engine.experts.resident) == 0
+    close(engine.forward(PROMPT[:10], engine.new_state()), reference_logits_of(tiny, PROMPT[:10]))
+    assert len(engine.experts.resident) == 1
+
+
+def reference_logits_of(model, tokens):
+    ref = ReferenceEngine(model)
+    return ref.forward(tokens, ref.new_state())
