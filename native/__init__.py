@@ -6,7 +6,8 @@ that shared.quants produces (Q4_0: 18 B, Q8_0: 34 B per 32 elements), float32 or
 float16 otherwise. Calls release the GIL, so threads can split the rows of a matrix.
 
 ISA: the best one the CPU supports, unless FERMOE_ISA=scalar|ssse3|avx2|avx512vnni
-or set_isa()/use_isa() choose another.
+or set_isa()/use_isa() choose another. FERMOE_MAX_ISA=NAME hides the levels above
+NAME, so this machine behaves as an older CPU would (tests of its skips and refusals).
 """
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def get_isa() -> str:
 def _isa_problem(name: str, source: str) -> str:
     if name not in ISAS:
         return f"{source}={name!r} is not one of {', '.join(ISAS)}"
-    return f"{source}={name}: this CPU lacks {name} (it supports {', '.join(supported_isas())})"
+    cap = os.environ.get("FERMOE_MAX_ISA")
+    hidden = f"; FERMOE_MAX_ISA={cap} hides the rest" if cap else ""
+    return f"{source}={name}: this CPU lacks {name} (it supports {', '.join(supported_isas())}{hidden})"
 
 
 def set_isa(name: str) -> None:
@@ -70,7 +73,10 @@ def use_isa(name: str):
 
 
 def _init() -> None:
-    if lib.fm_init_dispatch() != 0:
+    status = lib.fm_init_dispatch()
+    if status == -3:
+        raise ISAError(_isa_problem(os.environ.get("FERMOE_MAX_ISA", ""), "FERMOE_MAX_ISA"))
+    if status != 0:
         raise ISAError(_isa_problem(os.environ.get("FERMOE_ISA", ""), "FERMOE_ISA"))
 
 

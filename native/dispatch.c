@@ -4,6 +4,9 @@
  * enabled in XCR0, read with xgetbv, or AVX instructions fault even when CPUID
  * lists them). FERMOE_ISA=scalar|ssse3|avx2|avx512vnni or fm_set_isa() pick
  * another one; asking for a level the CPU lacks is refused, never emulated.
+ * FERMOE_MAX_ISA=name makes the library behave as on a CPU without the levels
+ * above `name`: so an AVX-512 machine runs what an AVX2-only one runs (its tests'
+ * skips, its refusals of the levels it lacks), which nothing else can show there.
  * AMX is never used: it is advertised on some of our machines and faults.
  */
 #include <stdlib.h>
@@ -112,7 +115,11 @@ static int active_isa = FM_ISA_SCALAR;
 
 int fm_best_isa(void)
 {
-    if (best_isa < 0) best_isa = detect_best();  /* idempotent: a race just repeats the work */
+    if (best_isa < 0) {                          /* idempotent: a race just repeats the work */
+        int best = detect_best();
+        const int cap = fm_isa_from_name(getenv("FERMOE_MAX_ISA"));
+        best_isa = cap >= 0 && cap < best ? cap : best;
+    }
     return best_isa;
 }
 
@@ -128,9 +135,10 @@ int fm_set_isa(int isa)
 
 int fm_init_dispatch(void)
 {
-    const char *env = getenv("FERMOE_ISA");
+    const char *env = getenv("FERMOE_ISA"), *cap = getenv("FERMOE_MAX_ISA");
     int status = 0, isa = fm_best_isa();
-    if (env && *env) {
+    if (cap && *cap && fm_isa_from_name(cap) < 0) status = -3;
+    else if (env && *env) {
         const int want = fm_isa_from_name(env);
         if (want < 0) status = -1;
         else if (!fm_isa_supported(want)) status = -2;

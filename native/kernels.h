@@ -51,8 +51,9 @@ void fm_matmul_q8_0(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols
 void fm_matmul_f32(const float *W, const float *X, float *Y, int cols, int B, int ldy, int row_begin, int row_end);
 
 /* ---- ISA selection (dispatch.c) ---- */
-int fm_init_dispatch(void);        /* apply FERMOE_ISA; 0 ok, -1 unknown name, -2 CPU lacks it */
-int fm_best_isa(void);             /* the best ISA this CPU and OS support */
+int fm_init_dispatch(void);        /* apply FERMOE_ISA; 0 ok, -1 unknown name, -2 CPU lacks it,
+                                    * -3 FERMOE_MAX_ISA names no ISA */
+int fm_best_isa(void);             /* the best ISA this CPU and OS support (at most FERMOE_MAX_ISA) */
 int fm_isa_supported(int isa);     /* 1 if this CPU and OS can run it */
 int fm_set_isa(int isa);           /* returns isa, or -1 if unknown or unsupported (nothing changes) */
 int fm_get_isa(void);

@@ -1,4 +1,5 @@
-"""The native CPU kernels (native/*.c) against the numpy spec, on every ISA this CPU runs.
+"""The native CPU kernels (native/*.c) against the numpy spec, on every ISA (the
+`isa` fixture of conftest.py: one this CPU lacks is a reported skip).
 
 Reference: dequantise with shared.quants (exact: d * q fits a float32) and multiply
 in float64. Each kernel's per-block integer dot is exact; only the float scaling
@@ -24,15 +25,9 @@ SUM_RTOL = 1e-5
 # Two ISAs each within SUM_RTOL of the truth are within 2 * SUM_RTOL of each other.
 ISA_RTOL = 2 * SUM_RTOL
 
-ISAS = native.supported_isas()
+SUPPORTED = native.supported_isas()
 RNG = np.random.default_rng(20260)
 QK = 32
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    with native.use_isa(request.param):
-        yield request.param
 
 
 # ---------------------------------------------------------------- helpers
@@ -102,11 +97,11 @@ def make_acts(kind, cols, B=None):
 
 def test_isa_selection():
     assert native.ISAS == ("scalar", "ssse3", "avx2", "avx512vnni")
-    assert "scalar" in ISAS and native.best_isa() == ISAS[-1]
+    assert "scalar" in SUPPORTED and native.best_isa() == SUPPORTED[-1]
     assert native.get_isa() == (os.environ.get("FERMOE_ISA") or native.best_isa())
     with pytest.raises(native.ISAError, match="not one of"):
         native.set_isa("sse9")
-    for name in set(native.ISAS) - set(ISAS):
+    for name in set(native.ISAS) - set(SUPPORTED):
         with pytest.raises(native.ISAError, match=f"lacks {name}"):
             native.set_isa(name)
         assert native.lib.fm_set_isa(native.ISAS.index(name)) == -1
@@ -114,21 +109,81 @@ def test_isa_selection():
         assert native.get_isa() == "scalar"
 
 
-def run_python(code: str, isa_env: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, FERMOE_ISA=isa_env)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str, isa_env: str, **env) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FERMOE_ISA=isa_env, **env)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
 
 
 def test_fermoe_isa_env_override():
-    for name in ISAS:
+    for name in SUPPORTED:
         r = run_python("import native; print(native.get_isa())", name)
         assert r.returncode == 0 and r.stdout.strip() == name, r.stderr
     r = run_python("import native", "sse9")
     assert r.returncode != 0 and "FERMOE_ISA='sse9' is not one of" in r.stderr
-    for name in set(native.ISAS) - set(ISAS):  # an ISA this CPU lacks: refused by name
+    for name in set(native.ISAS) - set(SUPPORTED):  # an ISA this CPU lacks: refused by name
         r = run_python("import native", name)
         assert r.returncode != 0 and f"FERMOE_ISA={name}: this CPU lacks {name}" in r.stderr
+    r = run_python("import native", "", FERMOE_MAX_ISA="sse9")
+    assert r.returncode != 0 and "FERMOE_MAX_ISA='sse9' is not one of" in r.stderr
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_best_isa_follows_the_cpu_flags():
+    """Detection (CPUID, and the OS saving the AVX state) against what the kernel
+    says of the CPU in /proc/cpuinfo (Linux drops the AVX flags where it does not
+    save that state), each level needing the features its kernels use."""
+    flags = _cpu_flags()
+    if "fpu" not in flags:
+        pytest.skip("no x86 flags in /proc/cpuinfo")
+    want = "scalar"
+    if "ssse3" in flags:
+        want = "ssse3"
+        if {"avx2", "fma", "f16c"} <= flags:
+            want = "avx2"
+            if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+                want = "avx512vnni"
+    cap = os.environ.get("FERMOE_MAX_ISA")
+    if cap:
+        want = native.ISAS[min(native.ISAS.index(want), native.ISAS.index(cap))]
+    assert native.best_isa() == want and SUPPORTED == list(native.ISAS[:native.ISAS.index(want) + 1])
+
+
+def test_an_isa_this_cpu_lacks_is_a_reported_skip():
+    """What an AVX2-only machine runs, shown here with FERMOE_MAX_ISA=avx2 hiding the
+    levels above it: each of their cases is a skip whose reason names the ISA, the
+    refusals of those ISAs (set_isa, FERMOE_ISA) hold, and the summary's last line
+    says which ISAs ran and which were skipped, and why."""
+    cap = "avx2"
+    if cap not in SUPPORTED:
+        pytest.skip(f"this CPU lacks {cap}: nothing to hide above it")
+    ran = list(native.ISAS[:native.ISAS.index(cap) + 1])
+    hidden = [n for n in native.ISAS if n not in ran]
+    me = os.path.relpath(os.path.abspath(__file__), ROOT)
+    tests = [f"{me}::{t}" for t in ("test_isa_selection", "test_fermoe_isa_env_override",
+                                    "test_best_isa_follows_the_cpu_flags", "test_all_zero_blocks")]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests],
+                       env=dict(os.environ, FERMOE_MAX_ISA=cap), capture_output=True, text=True, cwd=ROOT)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert f"{3 + len(ran)} passed, {len(hidden)} skipped" in out, out
+    skips = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    for name in hidden:
+        assert sum(f"this CPU lacks {name}" in line for line in skips) == 1, out
+    summary = [line for line in out.splitlines() if line.startswith("ISAs: ")]
+    assert len(summary) == 1, out
+    assert summary[0].startswith("ISAs: ran " + ", ".join(f"{n} (1 test)" for n in ran) + "; skipped "), summary
+    for name in hidden:
+        assert f"{name} (1 test: isa={name}: this CPU lacks {name}" in summary[0], summary
 
 
 # ---------------------------------------------------------------- fp16 and quantisation
@@ -371,6 +426,8 @@ def test_bench_pairs_alternate_read_and_product_passes():
 
 def test_bench_kernels_reports_each_isa_against_bandwidth():
     from bench.kernels import run
+    if "ssse3" not in SUPPORTED:
+        pytest.skip("this CPU lacks ssse3")
     out = run(matrix_mb=2, threads=2, reps=1, isas=["scalar", "ssse3"], batch_sizes=(4,),
               small_rows=64, pairs=3)
     assert out["setup"]["cpus"] and set(out["q4_0"]) == {"scalar", "ssse3"}
@@ -497,24 +554,21 @@ def test_extreme_values(isa, nb):
 
 # ---------------------------------------------------------------- ISAs against the scalar reference
 
+@pytest.mark.parametrize("isa", native.ISAS[1:], indirect=True)
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f32", "f16"])
-def test_isas_agree_with_scalar(kind):
+def test_isas_agree_with_scalar(isa, kind):
     rows, cols, B = 29, 8192 + 9 * QK, 4
     W = make_weights(kind, rows, cols)
     x, xd = make_acts(kind, cols)
+    X, Xd = make_acts(kind, cols, B)
     _, scale = reference(weights_as_float(W, kind), xd)
+    _, scale_b = reference(weights_as_float(W, kind), Xd)
     with native.use_isa("scalar"):
         want = native.matvec(W, x, kind)
-        if kind != "f16":
-            X, Xd = make_acts(kind, cols, B)
-            want_b = native.matmul(W, X, kind)
-            _, scale_b = reference(weights_as_float(W, kind), Xd)
-    for name in ISAS[1:]:
-        with native.use_isa(name):
-            assert_close(native.matvec(W, x, kind), want, scale, ISA_RTOL, f"{name} vs scalar {kind}")
-            if kind != "f16":
-                assert_close(native.matmul(W, X, kind), want_b, scale_b, ISA_RTOL,
-                             f"{name} vs scalar {kind} batched")
+        want_b = native.matmul(W, X, kind) if kind != "f16" else None
+    assert_close(native.matvec(W, x, kind), want, scale, ISA_RTOL, f"{isa} vs scalar {kind}")
+    if kind != "f16":
+        assert_close(native.matmul(W, X, kind), want_b, scale_b, ISA_RTOL, f"{isa} vs scalar {kind} batched")
 
 
 def test_bench_matrix_outgrows_the_last_level_cache(tmp_path):
