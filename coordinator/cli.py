@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=32)
     p.add_argument("--addr", default="tcp://127.0.0.1:5557")
 
-    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL.gguf | serve MODEL.gguf")
-    p.add_argument("what", choices=["kernels", "decode", "serve"])
+    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -217,6 +217,8 @@ def cmd_bench(args) -> None:
         from bench.kernels import main as bench_main
     elif args.what == "decode":
         from bench.decode import main as bench_main
+    elif args.what == "prefill":
+        from bench.prefill import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"

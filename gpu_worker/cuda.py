@@ -31,8 +31,9 @@ class CudaDevice:
         self.drv = drv
         self.dev = drv.Device(index)
         self.name = self.dev.name()
+        self.multiprocessors = self.dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         self.ctx = self.dev.make_context()
-        self.debug = bool(os.environ.get("FERMOE_GPU_DEBUG"))
+        self._module = None
         for name in ("mem_alloc", "mem_get_info", "memcpy_htod", "memcpy_htod_async", "memcpy_dtoh",
                      "memcpy_dtoh_async", "memcpy_dtod", "memcpy_dtod_async", "memset_d8", "memset_d8_async",
                      "pagelocked_empty", "register_host_memory"):
@@ -48,10 +49,12 @@ class CudaDevice:
         self.ctx.synchronize()
 
     def module(self, signatures: dict[str, str]):
-        from pycuda.compiler import SourceModule
-        source = compose("nvcc")
-        # -lineinfo: profilers map time to source lines; no fast-math (the prelude picks intrinsics)
-        return SourceModule(source, no_extern_c=True, options=["-lineinfo"])
+        """The kernels, compiled once a process (pycuda also caches the binary on disk)."""
+        if self._module is None:
+            from pycuda.compiler import SourceModule
+            # -lineinfo: profilers map time to source lines; no fast-math (the prelude picks intrinsics)
+            self._module = SourceModule(compose("nvcc"), no_extern_c=True, options=["-lineinfo", "-std=c++17"])
+        return self._module
 
     def close(self):
         if getattr(self, "ctx", None) is not None:

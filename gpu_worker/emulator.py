@@ -226,6 +226,7 @@ class EmulatedDevice:
         self.order = order
         self.total_memory = total_memory
         self.threads = threads or int(os.environ.get("FERMOE_GPU_EMULATE_THREADS", 0)) or os.cpu_count() or 1
+        self.multiprocessors = self.threads         # the host threads that run blocks
         self._starts: list[int] = []
         self._allocs: dict[int, EmuAllocation] = {}
         self.allocated = 0

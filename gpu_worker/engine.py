@@ -29,10 +29,10 @@ from .experts import ExpertStore, spread_resident
 from .ops import CHUNK, Ops
 from .plan import make_plan
 from .weights import KERNEL_TYPES, ResidentWeights
-from .workspace import LOGIT_ROWS, MAX_BOUNDARIES, Workspace
+from .workspace import LOGIT_ROWS, Workspace, chunks_of
 
 log = logging.getLogger("fermoe.gpu")
-DEFAULT_PASS_TOKENS = 1024
+PLAN_TOKENS = 64         # the pass the first plan is made for, before any prompt is seen
 RECURRENT_BELOW = 32     # passes this short run the token-sequential GDN kernel ("auto")
 GDN_MODES = ("auto", "chunked", "recurrent")
 
@@ -46,13 +46,13 @@ class GPUEngine:
     name = "gpu"
 
     def __init__(self, model: Model, gpu_mem: int | None = None, gpu: int = 0,
-                 kv_cache_dtype: str = DEFAULT_KV_DTYPE, pass_tokens: int = DEFAULT_PASS_TOKENS,
+                 kv_cache_dtype: str = DEFAULT_KV_DTYPE, max_pass_tokens: int | None = None,
                  ring_slots: int = 2, resident: bool = True, pinned: bool = True, overlap: bool = True,
                  lm_head: str = "gpu", gdn: str = "auto", used_experts: float = 0.8, device=None):
         kv_dtype(kv_cache_dtype)
-        if lm_head not in ("gpu", "cpu") or gdn not in GDN_MODES or pass_tokens < 1:
+        if lm_head not in ("gpu", "cpu") or gdn not in GDN_MODES or (max_pass_tokens or 1) < 1:
             raise FermoeError(f"lm_head {lm_head!r} (gpu or cpu), gdn {gdn!r} ({', '.join(GDN_MODES)}), "
-                              f"pass_tokens {pass_tokens} (>= 1)")
+                              f"max_pass_tokens {max_pass_tokens} (>= 1)")
         self.model, self.cfg = model, model.config
         self.kv_cache_dtype, self.lm_head, self.gdn_mode, self.used_experts = kv_cache_dtype, lm_head, gdn, used_experts
         self._owns_device = device is None
@@ -61,21 +61,20 @@ class GPUEngine:
         budget = free if gpu_mem is None else gpu_mem
         if budget > free:
             raise FermoeError(f"--gpu-mem {budget >> 20} MiB: {self.device.name} has {free >> 20} MiB free")
-        self.budget, self.pass_tokens, self.ring_slots = budget, pass_tokens, ring_slots
+        self.budget, self.max_pass_tokens, self.ring_slots = budget, max_pass_tokens, ring_slots
         self.max_resident = None if resident else 0
-        self.plan = make_plan(model, budget, pass_tokens, ring_slots, self.max_resident)
-        log.info("%s: %s", self.device.name, self.plan.describe())
         self.ops = Ops(self.device)
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
         self.w = ResidentWeights(self.device, model)
         self.experts = ExpertStore(self.device, model, ring_slots, pinned)
-        self.ws = Workspace(self.device, self.cfg, pass_tokens)
+        self.ws, self.kv_positions, self.Kc, self.Vc = None, 0, [], []
         cfg = self.cfg
         self.S = {L: DeviceArray(self.device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
                   for L in cfg.gdn_layers}
         self.conv = {L: DeviceArray(self.device, (cfg.ssm_conv_kernel - 1, cfg.conv_channels)) for L in cfg.gdn_layers}
-        self.kv_positions, self.Kc, self.Vc = 0, [], []
-        self._fit(pass_tokens)
+        n = min(PLAN_TOKENS, max_pass_tokens or PLAN_TOKENS)
+        self._fit(n, n)
+        log.info("%s: %s", self.device.name, self.plan.describe())
         self.profile = None                     # a PhaseTimer, for bench prefill
 
     # ---- the Engine interface ------------------------------------------------------
@@ -103,12 +102,12 @@ class GPUEngine:
         T, start = len(tokens), state.position
         state.check_room(T)
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
-        self._fit(start + T)
+        self._fit(T, start + T, [p - start for p in boundaries])
         self._upload_state(state)
         snaps = {p: self._pinned_state(state, p) for p in boundaries}
         out, snap_logits = [], {}
-        for a in range(0, T, self.ws.T):
-            b = min(T, a + self.ws.T)
+        for a in range(0, T, self.pass_n):
+            b = min(T, a + self.pass_n)
             cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
             rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))
             logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps)
@@ -138,8 +137,6 @@ class GPUEngine:
 
     def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps) -> np.ndarray:
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
-        if len(cuts) > MAX_BOUNDARIES:
-            raise FermoeError(f"{len(cuts)} snapshot positions in one pass of {n} tokens: at most {MAX_BOUNDARIES}")
         self._upload_inputs(tokens, p0, cuts)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
@@ -167,9 +164,9 @@ class GPUEngine:
         angle = (np.arange(p0, p0 + n, dtype=np.float64)[:, None] * inv[None, :]).astype(np.float32)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
-        edges = sorted({0, n, *cuts, *range(CHUNK, n, CHUNK)})
-        self.n_chunks = ws.chunks.set_chunks(edges[:-1], np.diff(edges))
-        self.chunk_at = {e: i for i, e in enumerate(edges[:-1])}
+        starts, lengths = chunks_of(n, cuts)
+        self.n_chunks = ws.chunks.set_chunks(starts, lengths)
+        self.chunk_at = {e: i for i, e in enumerate(starts)}
 
     def _embed(self, tokens: np.ndarray) -> None:
         """The prompt's rows of the embedding table, gathered here and dequantised there."""
@@ -301,21 +298,45 @@ class GPUEngine:
         return x @ w.f32().T
 
     # ---- state in and out --------------------------------------------------------------------------
-    def _fit(self, positions: int) -> None:
-        """Room for the KV of `positions` positions (one pass at least): the expert
-        layers kept resident are what the budget leaves beside it, fewer for a long
-        prompt and more again after. VRAM is freed before it is taken."""
-        cfg, n = self.cfg, max(positions, self.pass_tokens)
-        plan = make_plan(self.model, self.budget, self.pass_tokens, self.ring_slots, self.max_resident, kv_positions=n)
-        if n != self.kv_positions:
-            if plan.resident_layers < len(self.experts.resident):
-                self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+    def _fit(self, T: int, positions: int, boundaries=()) -> None:
+        """Memory for a prompt of T tokens reaching `positions` positions: the fewest
+        passes whose activations fit beside the resident weights and the KV of every
+        position (a single pass when it fits, so each expert crosses PCIe once); the
+        expert layers kept resident are what the budget leaves, fewer for a long prompt
+        and more again after. VRAM is freed before it is taken."""
+        cfg, error = self.cfg, None
+        cap = min(T, self.max_pass_tokens or T)
+        for n in sorted({-(-T // c) for c in range(-(-T // cap), T + 1)}, reverse=True):
+            ws_tokens = -(-n // CHUNK) * CHUNK          # buffers in steps of a chunk: less churn
+            n_chunks = max(len(chunks_of(min(n, T - a), [b - a for b in boundaries if a < b < a + n])[0])
+                           for a in range(0, T, n))
+            n_chunks = max(n_chunks, ws_tokens // CHUNK)
+            try:
+                plan = make_plan(self.model, self.budget, ws_tokens, self.ring_slots, self.max_resident,
+                                 kv_positions=positions, n_chunks=n_chunks)
+            except FermoeError as e:
+                error = error or e
+                continue
+            self._apply(plan, ws_tokens, n_chunks, positions)
+            self.pass_n = n
+            return
+        raise error
+
+    def _apply(self, plan, ws_tokens: int, n_chunks: int, positions: int) -> None:
+        cfg = self.cfg
+        if plan.resident_layers < len(self.experts.resident):
+            self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+        if self.ws is None or (self.ws.T, self.ws.n_chunks) != (ws_tokens, n_chunks):
+            if self.ws is not None:
+                self.ws.free()
+            self.ws = Workspace(self.device, cfg, ws_tokens, n_chunks)
+        if positions != self.kv_positions:
             for buf in self.Kc + self.Vc:
                 buf.free()
-            shape = (n, cfg.n_head_kv, cfg.head_dim)
+            shape = (positions, cfg.n_head_kv, cfg.head_dim)
             self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
             self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
-            self.kv_positions = n
+            self.kv_positions = positions
         self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
         self.plan = plan
 

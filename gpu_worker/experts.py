@@ -25,16 +25,26 @@ from .buffers import DeviceArray
 from .weights import ExpertLayout, pack_experts
 
 
+def resident_order(n_layers: int) -> list[int]:
+    """Layers in the order they are kept resident: the van der Corput sequence over the
+    layers (0, 1/2, 1/4, 3/4, ... of the way down), so every prefix is spread evenly
+    and a budget one layer smaller drops one layer, not a new set."""
+    order, i = [], 0
+    while len(order) < n_layers:
+        v, f, k = 0.0, 0.5, i
+        while k:
+            v, k, f = v + f * (k & 1), k >> 1, f / 2
+        layer = int(v * n_layers)
+        if layer not in order:
+            order.append(layer)
+        i += 1
+    return order
+
+
 def spread_resident(n_layers: int, n_resident: int) -> list[int]:
-    """Which layers stay resident: spread evenly, so every streamed layer's copy has
-    resident layers' compute around it to hide under."""
-    if n_resident <= 0:
-        return []
-    if n_resident >= n_layers:
-        return list(range(n_layers))
-    streamed = n_layers - n_resident
-    stream = {int((i + 0.5) * n_layers / streamed) for i in range(streamed)}
-    return [L for L in range(n_layers) if L not in stream]
+    """Which layers stay resident when n_resident of them can: spread between the
+    streamed ones, so a streamed layer's copy has resident layers' compute to hide under."""
+    return sorted(resident_order(n_layers)[:max(0, n_resident)])
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ SIGNATURES = {
 for _t in WEIGHT_TYPES:
     SIGNATURES.update({
         f"gemm_{_t}": "PPPiiiiii",
+        f"gemm_wide_{_t}": "PPPiiiiii",
         f"gemm_gated_{_t}": "PPPPiiiii",
         f"moe_gateup_{_t}": "PPPPqqPPPPPiii",
         f"moe_down_{_t}": "PPPPqqPPPPii",

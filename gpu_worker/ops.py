@@ -8,6 +8,7 @@ from .buffers import DeviceArray
 from .kernels import Kernels, LaunchError
 
 GEMM_TILE = 64          # gemm.cu's BM = BN
+WIDE_BELOW_ROWS = 256   # from this many rows the dense GEMM takes 128 x 128 tiles
 CHUNK = 64              # gdn_chunk.cu's chunk
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
 MAX_HEAD_DIM = 256      # attention.cu
@@ -49,8 +50,11 @@ class Ops:
         lda, ldc = lda or K, ldc or N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
-        grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE))
-        self.k.gemm(wtype)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, int(accumulate))
+        if M >= WIDE_BELOW_ROWS:            # long prompts: 128 x 128 tiles, twice the FMAs a shared load
+            grid, kind = (_cdiv(N, 2 * GEMM_TILE), _cdiv(M, 2 * GEMM_TILE)), "gemm_wide"
+        else:
+            grid, kind = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE)), "gemm"
+        self.k.gemm(wtype, kind)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, int(accumulate))
 
     def gemm_gated(self, C, A, Wg, Wu, M: int, N: int, K: int, wtype: str):
         grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE))

@@ -34,6 +34,16 @@ def kv_nbytes(cfg: ModelConfig, positions: int) -> int:
     return F32 * 2 * len(cfg.attention_layers) * positions * cfg.n_head_kv * cfg.head_dim
 
 
+_RESIDENT = {}
+
+
+def _resident_nbytes(model: Model) -> int:
+    """resident_nbytes, once per model (the engine plans every prefill)."""
+    if id(model) not in _RESIDENT:
+        _RESIDENT[id(model)] = resident_nbytes(model)
+    return _RESIDENT[id(model)]
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     budget: int
@@ -69,15 +79,17 @@ class MemoryPlan:
 
 
 def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
-              max_resident: int | None = None, kv_positions: int | None = None) -> MemoryPlan:
-    """The plan for `budget` bytes with room for the attention KV of `kv_positions`
-    positions (default: one pass), or a FermoeError saying what does not fit."""
+              max_resident: int | None = None, kv_positions: int | None = None,
+              n_chunks: int | None = None) -> MemoryPlan:
+    """The plan for `budget` bytes with passes of up to `pass_tokens` tokens in up to
+    `n_chunks` GDN chunks and room for the attention KV of `kv_positions` positions
+    (default: one pass), or a FermoeError saying what does not fit."""
     cfg = model.config
     if ring_slots < 1:
         raise FermoeError(f"ring of {ring_slots} slots: needs 1 at least")
     layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
-    fixed = dict(resident_weights=resident_nbytes(model), state=state_nbytes(cfg),
-                 workspace=workspace_nbytes(cfg, pass_tokens), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
+    fixed = dict(resident_weights=_resident_nbytes(model), state=state_nbytes(cfg),
+                 workspace=workspace_nbytes(cfg, pass_tokens, n_chunks), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
     base = sum(fixed.values()) + MARGIN
     n = cfg.n_layer
     limit = n if max_resident is None else min(max_resident, n)

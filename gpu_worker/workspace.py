@@ -11,11 +11,13 @@ from .buffers import DeviceArray
 from .ops import CHUNK, ChunkWork, MoeGroups
 
 LOGIT_ROWS = 64          # LM head rows a launch computes (and a download brings back)
-MAX_BOUNDARIES = 16      # snapshot positions one pass may cut chunks at
 
 
-def max_chunks(T: int) -> int:
-    return -(-T // CHUNK) + MAX_BOUNDARIES
+def chunks_of(n: int, cuts=()) -> tuple[list[int], list[int]]:
+    """A pass of n tokens in GDN chunks: at most 64 tokens each, also cut at `cuts`
+    (snapshot positions inside the pass). Returns (starts, lengths)."""
+    edges = sorted({0, n, *cuts, *range(CHUNK, n, CHUNK)})
+    return edges[:-1], [b - a for a, b in zip(edges, edges[1:])]
 
 
 def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
@@ -56,16 +58,27 @@ def routing_nbytes(cfg: ModelConfig, T: int) -> int:
     return 4 * (2 * T * k + 3 * E + 1 + 3 * (-(-T * k // 64) + E) + 1 + 2 * T * k)
 
 
-def workspace_nbytes(cfg: ModelConfig, T: int) -> int:
-    spec = {**workspace_spec(cfg, T), **chunk_spec(cfg, max_chunks(T))}
+def workspace_nbytes(cfg: ModelConfig, T: int, n_chunks: int | None = None) -> int:
+    n_chunks = n_chunks or -(-T // CHUNK)
+    spec = {**workspace_spec(cfg, T), **chunk_spec(cfg, n_chunks)}
     return sum(4 * int(np.prod(shape)) for shape in spec.values()) + routing_nbytes(cfg, T)
 
 
 class Workspace:
-    def __init__(self, device, cfg: ModelConfig, T: int):
-        self.T = T
+    """Buffers for passes of up to T tokens cut into up to n_chunks GDN chunks."""
+
+    def __init__(self, device, cfg: ModelConfig, T: int, n_chunks: int | None = None):
+        self.T, self.n_chunks = T, n_chunks or -(-T // CHUNK)
+        self.arrays = []
         for name, shape in workspace_spec(cfg, T).items():
             key, _, kind = name.partition(" ")
             setattr(self, key, DeviceArray(device, shape, np.int32 if kind == "int" else np.float32))
-        self.chunks = ChunkWork(device, max_chunks(T), cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim)
+            self.arrays.append(getattr(self, key))
+        self.chunks = ChunkWork(device, self.n_chunks, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim)
         self.groups = MoeGroups(device, T, cfg.n_expert, cfg.n_expert_used)
+        self.arrays += [a for part in (self.chunks, self.groups) for a in vars(part).values()
+                        if isinstance(a, DeviceArray)]
+
+    def free(self) -> None:
+        for a in self.arrays:
+            a.free()

@@ -124,12 +124,12 @@ def _reference_state(model, tokens, kv="f16"):
 
 
 @pytest.mark.parametrize("pass_tokens, boundaries, gdn", [(24, [8, 16, 40, 64, 80], "auto"),
-                                                          (1024, [5, 33, 70], "chunked"),
-                                                          (1024, [5, 33, 70], "recurrent")])
+                                                          (None, [5, 33, 70], "chunked"),
+                                                          (None, [5, 33, 70], "recurrent")])
 def test_passes_and_snapshot_boundaries(tiny, reference_logits, device_kind, pass_tokens, boundaries, gdn):
     """A prompt in passes of a few tokens gives the logits of one pass, and the states at
     the snapshot boundaries are the reference's states at those positions."""
-    engine = gpu(tiny, device_kind, pass_tokens=pass_tokens, gdn=gdn)
+    engine = gpu(tiny, device_kind, max_pass_tokens=pass_tokens, gdn=gdn)
     state = engine.new_state()
     logits, snaps = engine.prefill(PROMPT, state, snapshot_at=boundaries + [0, 500], all_logits=True)
     close(logits, reference_logits)
@@ -145,8 +145,10 @@ def test_passes_and_snapshot_boundaries(tiny, reference_logits, device_kind, pas
             close(snap.kv.view(a)[0], want.kv.view(a)[0], 2e-3, floor=0.1)
 
 
-def _budget_for(model, resident_layers, ring_slots=2, pass_tokens=1024):
-    full = make_plan(model, 1 << 40, pass_tokens, ring_slots)
+def _budget_for(model, resident_layers, ring_slots=2, tokens=len(PROMPT)):
+    """A budget that keeps `resident_layers` expert layers resident for a `tokens` prompt."""
+    ws = -(-tokens // 64) * 64
+    full = make_plan(model, 1 << 40, ws, ring_slots, kv_positions=tokens, n_chunks=ws // 64)
     fixed = full.resident_weights + full.state + full.workspace + full.kv
     return fixed + MARGIN + (ring_slots + resident_layers) * full.layer_bytes + full.layer_bytes // 2
 
@@ -155,7 +157,7 @@ def _budget_for(model, resident_layers, ring_slots=2, pass_tokens=1024):
 @pytest.mark.parametrize("options", [dict(resident=False), dict(resident=False, ring_slots=1),
                                      dict(resident=False, ring_slots=3), dict(resident=False, pinned=False),
                                      dict(resident=False, overlap=False), dict(resident=False, used_experts=1.01),
-                                     dict(gpu_mem="one resident layer"), dict(resident=False, pass_tokens=24)])
+                                     dict(gpu_mem="one resident layer"), dict(resident=False, max_pass_tokens=24)])
 def test_streamed_experts_give_the_logits_of_resident_ones(tiny, order, options):
     """A budget too small for every expert layer streams them through the ring: under the
     most hostile schedules of the host emulation (copies run as early, or compute as
@@ -168,9 +170,9 @@ def test_streamed_experts_give_the_logits_of_resident_ones(tiny, order, options)
     want = resident.forward(PROMPT, resident.new_state())
     assert resident.plan.streamed_layers == 0
     engine = gpu(tiny, "emulate", order=order, **options)
-    assert engine.plan.streamed_layers == (3 if "gpu_mem" in options else 4)
     got = engine.forward(PROMPT, engine.new_state())
-    if "pass_tokens" in options:
+    assert engine.plan.streamed_layers == (3 if "gpu_mem" in options else 4)
+    if "max_pass_tokens" in options:
         close(got, want)
     else:
         np.testing.assert_array_equal(got, want)
@@ -181,7 +183,7 @@ def test_streaming_on_the_device(tiny, device_kind):
     resident = gpu(tiny, device_kind)
     want = resident.forward(PROMPT, resident.new_state())
     for options in (dict(resident=False), dict(resident=False, pinned=False), dict(resident=False, overlap=False),
-                    dict(resident=False, pass_tokens=24)):
+                    dict(resident=False, max_pass_tokens=24)):
         engine = gpu(tiny, device_kind, **options)
         close(engine.forward(PROMPT, engine.new_state()), want)
 
@@ -276,17 +278,32 @@ def test_a_long_prompt_takes_the_memory_of_resident_layers_and_gives_it_back(tin
     """Resident expert layers are a cache: a prompt whose attention KV needs their VRAM
     evicts them (they stream instead), a short one after it takes them back."""
     from gpu_worker.plan import kv_nbytes
-    budget = _budget_for(tiny, 1, pass_tokens=16) + kv_nbytes(tiny.config, 16)
-    engine = gpu(tiny, "emulate", gpu_mem=budget, pass_tokens=16)
+    budget = _budget_for(tiny, 1, tokens=16)
+    engine = gpu(tiny, "emulate", gpu_mem=budget, max_pass_tokens=16)
+    engine.forward(PROMPT[:16], engine.new_state())
     assert engine.plan.resident_layers == 1
-    long_prompt = np.random.default_rng(1).integers(3, 500, 120).tolist()   # its KV: about a layer more
+    long_prompt = np.random.default_rng(1).integers(3, 500, 110).tolist()   # its KV: about a layer more
     ref = ReferenceEngine(tiny)
     close(engine.forward(long_prompt, engine.new_state()), ref.forward(long_prompt, ref.new_state()))
     assert engine.plan.resident_layers == 0 and len(engine.experts.resident) == 0
-    close(engine.forward(PROMPT[:10], engine.new_state()), reference_logits_of(tiny, PROMPT[:10]))
+    close(engine.forward(PROMPT[:16], engine.new_state()), reference_logits_of(tiny, PROMPT[:16]))
     assert len(engine.experts.resident) == 1
 
 
 def reference_logits_of(model, tokens):
     ref = ReferenceEngine(model)
     return ref.forward(tokens, ref.new_state())
+
+
+def test_bench_prefill_reports_its_floor_and_phases(tiny_q4_path, monkeypatch):
+    """`fermoe bench prefill`, on the host emulation: each expert layer streamed once a
+    pass, the floor the larger of copy and compute, the phases' time accounted."""
+    from bench.prefill import run
+    monkeypatch.setenv("FERMOE_GPU", "emulate")
+    out = run(str(tiny_q4_path), prompt_tokens=80, reps=1, chunk=32, resident=False)
+    layer = out["memory"]["layer_mib"] * 2**20
+    assert out["passes"] == 3 and out["memory"]["streamed_expert_layers"] == 4
+    assert abs(out["streamed_gb"] * 1e9 - 3 * 4 * layer) <= 1e6       # 4 layers, each pass
+    assert out["floor"]["floor_s"] == max(out["floor"]["copy_s"], out["floor"]["compute_s"]) > 0
+    assert set(out["phases_ms"]) >= {"dense", "experts", "attention", "gdn", "copy_wait", "lm_head"}
+    assert out["gflop_by_part"]["experts"] > 0 and out["prefill_s"] > 0

@@ -73,7 +73,7 @@ def test_rmsnorm_gated(ops):
 
 # ---- products ----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("M, N, K", [(70, 97, 96), (1, 64, 32), (130, 5, 320)])
+@pytest.mark.parametrize("M, N, K", [(70, 97, 96), (1, 64, 32), (130, 5, 320), (300, 200, 64)])   # 300: 128-wide tiles
 def test_gemm(ops, kind, M, N, K):
     rng = np.random.default_rng(M + N)
     raw, W = quantized(rng, (N, K), kind)

@@ -5,16 +5,17 @@
  *   C  [M, N] fp32, row stride ldc
  *
  * One block computes a BM x BN tile of C with 256 threads (16 x 16), each thread a
- * TM x TN micro-tile of rows ty + 16 i and columns tx + 16 j, from registers. The
- * K loop takes one 32-element block at a time:
+ * TM x TN micro-tile from registers (rows and columns in groups of four, fm_row).
+ * The K loop takes one 32-element block at a time, the next fetched meanwhile:
  *
  *   As [32][BM + 4]   A tile, transposed (k-major), so a thread's rows are a stride apart
  *   Ws [32][BN + 4]   W tile dequantised to fp32, k-major
  *
- * (BM=BN=64: 17 KB of shared memory.) Entry points, for each weight type T in
+ * (BM=BN=64: 17 KB of shared memory; 128: 34 KB.) Entry points, for each weight type T in
  * f32, f16, q4_0, q8_0:
  *
  *   gemm_T        C (+)= A W^T                 (accumulate != 0 adds: the residual)
+ *   gemm_wide_T   the same in 128 x 128 tiles (8 x 8 a thread): long prompts
  *   gemm_gated_T  C = silu(A Wg^T) * (A Wu^T)  (the shared expert's gate and up)
  *   moe_gateup_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of
  *                 each expert e, x gathered by token (pair_token[p])
@@ -31,35 +32,64 @@
 #define FM_BK 32
 #define FM_GEMM_THREADS 256
 
-/* A rows [m0, m0 + rows) (through rows_map when given), columns [k0, k0 + 32). */
+/* The next K block of the A and W tiles is fetched into registers while the current
+ * one is multiplied from shared memory (the global loads' latency hides under the
+ * FMAs), then stored. A thread fetches rows (tid >> 3) + 32 i of A, four columns
+ * each, and quarter tid & 3 of W rows (tid >> 2) + 64 i, dequantised. */
+template <int BM, int BN>
+struct fm_tile_regs {
+    float a[BM / 32][4];
+    float w[BN / 64][8];
+};
+
 template <int BM>
-FM_DEVICE void fm_load_a(float (*As)[BM + 4], const float *A, int lda, const int *rows_map, int m0, int rows,
-                         int k0, int K)
+FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
+                          int K)
 {
     int c = (threadIdx.x & 7) * 4;
-    for (int m = threadIdx.x >> 3; m < BM; m += FM_GEMM_THREADS / 8) {
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < BM / 32; i++) {
+        int m = (threadIdx.x >> 3) + 32 * i;
+        for (int j = 0; j < 4; j++) a[i][j] = 0.0f;
         if (m < rows) {
             int src = rows_map ? rows_map[m0 + m] : m0 + m;
-            const float *a = A + (long long)src * lda + k0 + c;
+            const float *p = A + (long long)src * lda + k0 + c;
             for (int j = 0; j < 4; j++)
-                if (k0 + c + j < K) v[j] = a[j];
+                if (k0 + c + j < K) a[i][j] = p[j];
         }
-        for (int j = 0; j < 4; j++) As[c + j][m] = v[j];
     }
 }
 
-/* W rows [n0, n0 + BN), block kb, dequantised: thread t loads quarter t & 3 of rows t >> 2 (+ 64 i). */
+template <int BM>
+FM_DEVICE void fm_store_a(float (*As)[BM + 4], float a[BM / 32][4])
+{
+    int c = (threadIdx.x & 7) * 4;
+    for (int i = 0; i < BM / 32; i++)
+        for (int j = 0; j < 4; j++) As[c + j][(threadIdx.x >> 3) + 32 * i] = a[i][j];
+}
+
 template <int WT, int BN>
-FM_DEVICE void fm_load_w(float (*Ws)[BN + 4], const uint8_t *W, long long row_bytes, int n0, int N, int kb, int K)
+FM_DEVICE void fm_fetch_w(float w[BN / 64][8], const uint8_t *W, long long row_bytes, int n0, int N, int kb, int K)
 {
     int q = threadIdx.x & 3;
-    for (int r = threadIdx.x >> 2; r < BN; r += FM_GEMM_THREADS / 4) {
-        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (n0 + r < N) fm_quarter<WT>(W + (long long)(n0 + r) * row_bytes, kb, q, K, v);
-        for (int i = 0; i < 8; i++) Ws[fm_quarter_k<WT>(q, i)][r] = v[i];
+    for (int i = 0; i < BN / 64; i++) {
+        int r = (threadIdx.x >> 2) + 64 * i;
+        for (int j = 0; j < 8; j++) w[i][j] = 0.0f;
+        if (n0 + r < N) fm_quarter<WT>(W + (long long)(n0 + r) * row_bytes, kb, q, K, w[i]);
     }
 }
+
+template <int WT, int BN>
+FM_DEVICE void fm_store_w(float (*Ws)[BN + 4], float w[BN / 64][8])
+{
+    int q = threadIdx.x & 3;
+    for (int i = 0; i < BN / 64; i++)
+        for (int j = 0; j < 8; j++) Ws[fm_quarter_k<WT>(q, j)][(threadIdx.x >> 2) + 64 * i] = w[i][j];
+}
+
+/* Thread (ty, tx) of the 16 x 16 owns rows fm_row(ty, i) and columns fm_row(tx, j):
+ * groups of four, 64 apart, so a quarter warp's 128-bit shared loads of a k row are
+ * 128 contiguous bytes (no bank conflict). */
+FM_DEVICE int fm_row(int t, int i) { return (i / 4) * 64 + t * 4 + (i % 4); }
 
 template <int TM, int TN, int BM, int BN>
 FM_DEVICE void fm_mma(float acc[TM][TN], float (*As)[BM + 4], float (*Ws)[BN + 4])
@@ -67,23 +97,29 @@ FM_DEVICE void fm_mma(float acc[TM][TN], float (*As)[BM + 4], float (*Ws)[BN + 4
     int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     for (int k = 0; k < FM_BK; k++) {
         float a[TM], b[TN];
-        for (int i = 0; i < TM; i++) a[i] = As[k][ty + 16 * i];
-        for (int j = 0; j < TN; j++) b[j] = Ws[k][tx + 16 * j];
+        for (int i = 0; i < TM; i += 4) {
+            fm_f4 v = *(const fm_f4 *)&As[k][fm_row(ty, i)];
+            a[i] = v.x, a[i + 1] = v.y, a[i + 2] = v.z, a[i + 3] = v.w;
+        }
+        for (int j = 0; j < TN; j += 4) {
+            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_row(tx, j)];
+            b[j] = v.x, b[j + 1] = v.y, b[j + 2] = v.z, b[j + 3] = v.w;
+        }
         for (int i = 0; i < TM; i++)
             for (int j = 0; j < TN; j++) acc[i][j] = fm_fma(a[i], b[j], acc[i][j]);
     }
 }
 
 /* One BM x BN tile of rows [m0, m0 + rows) of A (or its gathered rows) against W
- * (and Wu when GATED). The result rows go to C rows c0 + m. */
+ * (and Wu when GATED). The result rows go to C rows c0 + m. BM, BN: 64 or 128. */
 template <int WT, int BM, int BN, bool GATED>
 FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const float *A, int lda, const int *rows_map,
                             int m0, int rows, const uint8_t *W, const uint8_t *Wu, int n0, int N, int K)
 {
     const int TM = BM / 16, TN = BN / 16;
-    __shared__ float As[FM_BK][BM + 4];
-    __shared__ float Ws[FM_BK][BN + 4];
-    __shared__ float Us[GATED ? FM_BK : 1][GATED ? BN + 4 : 1];
+    __shared__ FM_ALIGN16 float As[FM_BK][BM + 4];
+    __shared__ FM_ALIGN16 float Ws[FM_BK][BN + 4];
+    __shared__ FM_ALIGN16 float Us[GATED ? FM_BK : 1][GATED ? BN + 4 : 4];
     float acc[TM][TN], accu[GATED ? TM : 1][GATED ? TN : 1];
     for (int i = 0; i < TM; i++)
         for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
@@ -91,22 +127,32 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const flo
         for (int i = 0; i < TM; i++)
             for (int j = 0; j < TN; j++) accu[i][j] = 0.0f;
     long long row_bytes = fm_row_bytes(WT, K);
-    for (int kb = 0; kb * FM_BK < K; kb++) {
-        fm_load_a<BM>(As, A, lda, rows_map, m0, rows, kb * FM_BK, K);
-        fm_load_w<WT, BN>(Ws, W, row_bytes, n0, N, kb, K);
-        if constexpr (GATED) fm_load_w<WT, BN>(Us, Wu, row_bytes, n0, N, kb, K);
+    int nkb = (K + FM_BK - 1) / FM_BK;
+    float ra[BM / 32][4], rw[BN / 64][8], ru[GATED ? BN / 64 : 1][8];
+    fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, 0, K);
+    fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, 0, K);
+    if constexpr (GATED) fm_fetch_w<WT, BN>(ru, Wu, row_bytes, n0, N, 0, K);
+    for (int kb = 0; kb < nkb; kb++) {
+        fm_store_a<BM>(As, ra);
+        fm_store_w<WT, BN>(Ws, rw);
+        if constexpr (GATED) fm_store_w<WT, BN>(Us, ru);
         __syncthreads();
+        if (kb + 1 < nkb) {                  /* the next block's loads fly while this one multiplies */
+            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, (kb + 1) * FM_BK, K);
+            fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, kb + 1, K);
+            if constexpr (GATED) fm_fetch_w<WT, BN>(ru, Wu, row_bytes, n0, N, kb + 1, K);
+        }
         fm_mma<TM, TN, BM, BN>(acc, As, Ws);
         if constexpr (GATED) fm_mma<TM, TN, BM, BN>(accu, As, Us);
         __syncthreads();
     }
     int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     for (int i = 0; i < TM; i++) {
-        int m = ty + 16 * i;
+        int m = fm_row(ty, i);
         if (m >= rows) continue;
         float *c = C + (long long)(c0 + m) * ldc;
         for (int j = 0; j < TN; j++) {
-            int n = n0 + tx + 16 * j;
+            int n = n0 + fm_row(tx, j);
             if (n >= N) continue;
             float v = acc[i][j];
             if constexpr (GATED) v = fm_siluf(v) * accu[i][j];
@@ -134,6 +180,13 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int m0 = blockIdx.y * 64;                                                                                  \
         fm_gemm_tile<WT, 64, 64, false>(C, ldc, m0, accumulate, A, lda, 0, m0, fm_mini(64, M - m0), W, 0,              \
                                         blockIdx.x * 64, N, K);                                                    \
+    }                                                                                                              \
+    FM_KERNEL void gemm_wide_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
+                                 int ldc, int accumulate)                                                          \
+    {                                                                                                              \
+        int m0 = blockIdx.y * 128;                                                                                 \
+        fm_gemm_tile<WT, 128, 128, false>(C, ldc, m0, accumulate, A, lda, 0, m0, fm_mini(128, M - m0), W, 0,       \
+                                          blockIdx.x * 128, N, K);                                                 \
     }                                                                                                              \
     FM_KERNEL void gemm_gated_##T(float *C, const float *A, const uint8_t *Wg, const uint8_t *Wu, int M, int N,    \
                                   int K, int lda, int ldc)                                                         \

@@ -74,6 +74,12 @@ typedef long int64_t;
 
 #define FM_KERNEL extern "C" __global__
 
+/* 16-byte aligned shared arrays and a four-float load (128-bit where the GPU has it) */
+#define FM_ALIGN16 __attribute__((aligned(16)))
+typedef struct FM_ALIGN16 {
+    float x, y, z, w;
+} fm_f4;
+
 #define FM_LN2 0.6931471805599453f
 
 FM_DEVICE float fm_neg_inf(void)

@@ -1,0 +1,174 @@
+"""`fermoe bench prefill MODEL`: the GPU engine's prefill of a prompt, next to its
+floor measured in the same run, as JSON.
+
+The floor of a prefill is the larger of two: the expert bytes it streams over the
+page-locked host-to-device bandwidth (measured here, with the same copy calls), and
+its fp32 FLOPs over the FMA rate of this GPU (a kernel of independent FMA chains,
+measured here). Time by phase comes from events on the compute stream
+(`copy_wait`: the compute stream stalled for an expert layer's copy).
+
+Switches for the paper's ablations: --pageable (expert memory not page-locked),
+--chunk N (passes of at most N tokens instead of one), --no-overlap (copies on the
+compute stream), --no-resident (no expert layer kept in VRAM), --lm-head cpu."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from shared.errors import FermoeError
+from shared.model import Model
+
+
+def dense_macs_per_token(model: Model) -> int:
+    """Multiply-adds one token costs in every matrix but the routed experts (LM head apart)."""
+    cfg, total = model.config, 0
+    for layer in model.layers:
+        for name, w in vars(layer).items():
+            if hasattr(w, "shape") and len(w.shape) == 2 and not name.endswith("_exps") and name != "ssm_conv1d":
+                total += w.shape[0] * w.shape[1]
+    return total
+
+
+def prefill_flops(model: Model, T: int, start: int = 0, logit_rows: int = 1) -> dict[str, float]:
+    """fp32 FLOPs (2 a multiply-add) of a T-token prefill after `start` positions, by part."""
+    cfg = model.config
+    attn_keys = sum(start + t + 1 for t in range(T))              # causal: keys each query sees
+    hv, dk, dv, n = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, min(T, 64)
+    gdn_per_head = n * dk + n / 2 * (dk + dv) + 3 * dk * dv + n / 2 * dv   # chunked form, per token
+    return {
+        "dense": 2.0 * T * dense_macs_per_token(model),
+        "experts": 2.0 * T * cfg.n_expert_used * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_layer,
+        "attention": 2.0 * 2 * len(cfg.attention_layers) * cfg.n_head * cfg.head_dim * attn_keys,
+        "gdn": 2.0 * T * hv * len(cfg.gdn_layers) * gdn_per_head,
+        "lm_head": 2.0 * logit_rows * cfg.n_vocab * cfg.n_embd,
+    }
+
+
+def copy_gbps(device, nbytes: int, pinned: bool, reps: int = 5) -> float:
+    """Host-to-device GB/s of `nbytes` copies from page-locked (or ordinary) memory."""
+    from gpu_worker.buffers import DeviceArray
+    host = device.pagelocked_empty((nbytes,), np.uint8) if pinned else np.empty(nbytes, np.uint8)
+    host[:] = 1
+    dst, stream = DeviceArray(device, (nbytes,), np.uint8), device.stream("copy")
+    best = float("inf")
+    for _ in range(reps):
+        a, b = device.event(), device.event()
+        a.record(stream)
+        device.memcpy_htod_async(int(dst), host, stream)
+        b.record(stream)
+        b.synchronize()
+        best = min(best, b.time_since(a) / 1000)
+    dst.free()
+    return nbytes / best / 1e9
+
+
+def fma_tflops(engine, ms_target: float = 200.0) -> float:
+    """The fp32 FMA rate of the fma_peak kernel over the whole GPU."""
+    from gpu_worker.buffers import DeviceArray
+    device, k, stream = engine.device, engine.ops.k, engine.ops.stream
+    blocks, threads = device.multiprocessors * 16, 256
+    out = DeviceArray(device, (blocks * threads,))
+    iters = 64
+    while True:
+        a, b = device.event(), device.event()
+        a.record(stream)
+        k.fma_peak((blocks,), (threads,), stream, out, iters, 1.0)
+        b.record(stream)
+        b.synchronize()
+        ms = b.time_since(a)
+        if ms >= ms_target or iters >= 1 << 20:
+            return blocks * threads * iters * 128 / (ms / 1000) / 1e12
+        iters *= max(2, int(ms_target / max(ms, 1e-3)))
+
+
+def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, gpu: int = 0, reps: int = 3,
+        chunk: int | None = None, pinned: bool = True, overlap: bool = True, resident: bool = True,
+        lm_head: str = "gpu", ring_slots: int = 2, seed: int = 0, probe_mb: int = 1024) -> dict:
+    from gpu_worker.engine import GPUEngine
+    from gpu_worker.profile import PhaseTimer
+    from shared.builtin import resolve_model
+
+    model = Model(resolve_model(model_path))
+    t0 = time.perf_counter()
+    engine = GPUEngine(model, gpu_mem=gpu_mem, gpu=gpu, max_pass_tokens=chunk, pinned=pinned, overlap=overlap, resident=resident, lm_head=lm_head, ring_slots=ring_slots)
+    setup_s = time.perf_counter() - t0
+    tokens = np.random.default_rng(seed).integers(0, model.config.n_vocab, prompt_tokens).tolist()
+    engine.prefill(tokens, engine.new_state())                       # warm: module, caches, first copies
+    times, copied = [], []
+    for _ in range(reps):
+        before = engine.experts.copied_bytes
+        state = engine.new_state()
+        t = time.perf_counter()
+        engine.prefill(tokens, state)
+        times.append(time.perf_counter() - t)
+        copied.append(engine.experts.copied_bytes - before)
+    engine.profile = PhaseTimer(engine.device, engine.ops.stream)
+    engine.prefill(tokens, engine.new_state())
+    phases = engine.profile.milliseconds()
+    engine.profile = None
+    pinned_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), True)
+    pageable_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), False)
+    tflops = fma_tflops(engine)
+    flops = prefill_flops(model, prompt_tokens)
+    prefill_s, streamed = float(np.median(times)), int(np.median(copied))
+    floor = {"copy_s": streamed / (pinned_gbps * 1e9), "compute_s": sum(flops.values()) / (tflops * 1e12)}
+    floor["floor_s"] = max(floor.values())
+    plan = engine.plan
+    out = {
+        "model": model_path, "device": engine.device.name, "prompt_tokens": prompt_tokens,
+        "switches": {"pinned": pinned, "overlap": overlap, "resident": resident, "lm_head": lm_head,
+                     "chunk": chunk, "ring_slots": ring_slots},
+        "prefill_s": round(prefill_s, 4), "prefill_s_min": round(min(times), 4),
+        "tok_s": round(prompt_tokens / prefill_s, 1), "passes": -(-prompt_tokens // engine.pass_n),
+        "pass_tokens": engine.pass_n,
+        "setup_s": round(setup_s, 2),
+        "streamed_gb": round(streamed / 1e9, 3),
+        "h2d_gbps_during_prefill": round(streamed / prefill_s / 1e9, 1),
+        "pinned_h2d_gbps": round(pinned_gbps, 1), "pageable_h2d_gbps": round(pageable_gbps, 1),
+        "fp32_fma_tflops": round(tflops, 2), "gflop": round(sum(flops.values()) / 1e9, 3),
+        "gflop_by_part": {k: round(v / 1e9, 3) for k, v in flops.items()},
+        "achieved_tflops": round(sum(flops.values()) / prefill_s / 1e12, 2),
+        "floor": {k: round(v, 4) for k, v in floor.items()},
+        "fraction_of_floor": round(floor["floor_s"] / prefill_s, 3),
+        "phases_ms": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+        "memory": {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
+                   "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
+                   "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1)},
+    }
+    engine.close()
+    return out
+
+
+def main(argv=None) -> None:
+    from coordinator.options import parse_size
+    p = argparse.ArgumentParser(prog="fermoe bench prefill", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="GGUF file or built-in model name")
+    p.add_argument("--prompt", default="947", help="prompt tokens; several comma-separated (947,8192) run in turn")
+    p.add_argument("--gpu-mem", default=None, help="GPU memory budget, e.g. 6GiB (default: all that is free)")
+    p.add_argument("--gpu", type=int, default=0)
+    p.add_argument("--reps", type=int, default=3, help="timed prefills (after one warm-up); the median is reported")
+    p.add_argument("--chunk", type=int, default=None, help="passes of at most N tokens (default: one pass)")
+    p.add_argument("--pageable", action="store_true", help="expert memory not page-locked")
+    p.add_argument("--no-overlap", action="store_true", help="expert copies on the compute stream (serial)")
+    p.add_argument("--no-resident", action="store_true", help="keep no expert layer in VRAM")
+    p.add_argument("--lm-head", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--ring", type=int, default=2, help="expert-layer slots of the copy ring (default 2)")
+    args = p.parse_args(argv)
+    try:
+        prompts = [int(x) for x in args.prompt.split(",")]
+        if min(prompts) < 1 or args.reps < 1 or (args.chunk is not None and args.chunk < 1):
+            raise FermoeError("--prompt, --reps and --chunk must be at least 1")
+        mem = parse_size(args.gpu_mem) if args.gpu_mem else None
+        results = [run(args.model, n, mem, args.gpu, args.reps, args.chunk, not args.pageable, not args.no_overlap,
+                       not args.no_resident, args.lm_head, args.ring) for n in prompts]
+    except ValueError:
+        print(f"{p.prog}: error: --prompt {args.prompt!r}: expected comma-separated integers", file=sys.stderr)
+        sys.exit(1)
+    except FermoeError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
