@@ -137,7 +137,8 @@ class Coordinator:
         try:
             tokens = self._prompt_tokens(msg)
             SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
-                           repeat_penalty=msg.repeat_penalty, seed=msg.seed).validate()
+                           repeat_penalty=msg.repeat_penalty, seed=msg.seed, frequency_penalty=msg.frequency_penalty,
+                           presence_penalty=msg.presence_penalty).validate()
             if msg.max_tokens < 0:
                 raise FermoeError(f"max_tokens must be >= 0, got {msg.max_tokens}")
             if msg.request_id in self.requests:
@@ -308,7 +309,7 @@ class Coordinator:
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), temperature=m.temperature,
             top_k=m.top_k, top_p=m.top_p, min_p=m.min_p, repeat_penalty=m.repeat_penalty, seed=req.seed,
-            ignore_eos=m.ignore_eos), data)
+            ignore_eos=m.ignore_eos, frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
             notify: bool = True) -> None:

@@ -150,7 +150,8 @@ class CPUWorker:
         else:
             state = self.engine.new_state()
         params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
-                                repeat_penalty=msg.repeat_penalty, seed=msg.seed)
+                                repeat_penalty=msg.repeat_penalty, seed=msg.seed,
+                                frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty)
         params.validate()
         return Sequence(msg, state, params, sorted(msg.snapshots, key=lambda s: s.position))
 

@@ -45,6 +45,8 @@ class Generate(_Msg, tag="generate"):
     top_p: float = _Defaults.top_p
     min_p: float = _Defaults.min_p
     repeat_penalty: float = _Defaults.repeat_penalty
+    frequency_penalty: float = _Defaults.frequency_penalty    # as llama.cpp's penalty_freq
+    presence_penalty: float = _Defaults.presence_penalty      # as llama.cpp's penalty_present
     seed: int | None = None
     stop: list[str] = []
     ignore_eos: bool = False            # as vLLM's ignore_eos: end-of-generation tokens are streamed, not obeyed
@@ -151,6 +153,8 @@ class Assign(_Msg, tag="assign"):
     repeat_penalty: float
     seed: int | None
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 class Stop(_Msg, tag="stop"):

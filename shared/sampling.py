@@ -1,7 +1,9 @@
 """Token sampling as llama.cpp and vLLM users know it: temperature, top-k, top-p,
-min-p and a repeat penalty; temperature 0 is greedy. Seeded, so runs repeat."""
+min-p and llama.cpp's penalties (repeat, frequency, presence); temperature 0 is
+greedy. Seeded, so runs repeat."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +20,10 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    # OpenAI's names, applied as llama.cpp's penalties sampler applies penalty_freq and
+    # penalty_present: over the same last repeat_last_n tokens, after the repeat penalty
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def validate(self) -> None:
         checks = [
@@ -27,6 +33,8 @@ class SamplingParams:
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
             (self.repeat_penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}"),
             (self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2**64), got {self.seed}"),
+            (math.isfinite(self.frequency_penalty), f"frequency_penalty must be finite, got {self.frequency_penalty}"),
+            (math.isfinite(self.presence_penalty), f"presence_penalty must be finite, got {self.presence_penalty}"),
         ]
         for ok, problem in checks:
             if not ok:
@@ -63,11 +71,12 @@ class Sampler:
         # exactly from the logits as given (a float64 copy of the whole vocabulary was
         # 3 of a token's 5 ms at 248k)
         logits = np.asarray(logits)
-        if p.repeat_penalty != 1.0 and len(history):
+        if (p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) and len(history):
             logits = logits.astype(np.float64)
-            recent = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
+            recent, counts = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64), return_counts=True)
             vals = logits[recent]
-            logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            logits[recent] = vals - counts * p.frequency_penalty - p.presence_penalty
         if p.temperature == 0:
             return int(np.argmax(logits))
         if p.top_k and p.top_k < len(logits):
