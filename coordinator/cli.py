@@ -85,8 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=32)
     p.add_argument("--addr", default="tcp://127.0.0.1:5557")
 
-    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve"])
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API for a running coordinator")
+    from coordinator.http.options import add_http_options
+    add_http_options(p, standalone=True)
+
+    p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
+                                     "| http [MODEL]")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -219,14 +224,21 @@ def cmd_bench(args) -> None:
         from bench.decode import main as bench_main
     elif args.what == "prefill":
         from bench.prefill import main as bench_main
+    elif args.what == "http":
+        from bench.http import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"
     bench_main(args.rest)
 
 
+def cmd_serve(args) -> None:
+    from coordinator.http.server import run
+    run(args)
+
+
 COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth,
-            "submit": cmd_submit, "demo": cmd_demo, "bench": cmd_bench}
+            "submit": cmd_submit, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

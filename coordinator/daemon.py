@@ -53,6 +53,10 @@ class Coordinator:
         self.clients = self._socket(opts.bind, mandatory=True)
         self.workers_sock = self._socket(opts.worker_bind)
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.http = None
+        if opts.http:                           # the HTTP front end: a client process of ours
+            from .http.process import FrontEnd, client_endpoint
+            self.http = FrontEnd(opts, client_endpoint(self.clients))
         self._make_snapshot_store()
         self.workers: dict[str, WorkerView] = {}
         self.last_seen: dict[str, float] = {}
@@ -87,6 +91,8 @@ class Coordinator:
     # ---- the loop -----------------------------------------------------------
     def event_loop(self) -> None:
         self.supervisor.start_all()
+        if self.http:
+            self.http.start()
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.workers_sock, zmq.POLLIN)
@@ -351,6 +357,8 @@ class Coordinator:
         dead |= {w for w, seen in self.last_seen.items() if now - seen > WORKER_TIMEOUT_S and w in self.workers}
         for wid in dead:
             self.worker_died(wid)
+        if self.http:
+            self.http.poll()
 
     def worker_died(self, wid: str) -> None:
         log.error("worker %s died", wid)
@@ -377,6 +385,8 @@ class Coordinator:
     def shutdown(self) -> None:
         for rid in list(self.requests):
             self.end(self.requests[rid], "error", error="the coordinator is shutting down")
+        if self.http:
+            self.http.stop()
         for wid in list(self.workers):
             self.send_worker(wid, P.Shutdown())
         self.supervisor.stop_all()

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")
     add_kv_cache_dtype(p)
+    from .http.options import add_http_options
+    add_http_options(p)                          # --http, --api-key, --max-queue: the HTTP front end
     return p
 
 
@@ -84,6 +86,8 @@ def parse_options(argv=None):
     for ok, problem in checks:
         if not ok:
             raise FermoeError(problem)
+    from .http.options import check_http_options
+    check_http_options(opts)
     from cpu_worker.topology import numa_nodes, physical_cores
     for node, cpus in numa_nodes().items():
         cores = len(physical_cores(cpus))

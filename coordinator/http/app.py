@@ -1,0 +1,277 @@
+"""The Starlette application: routes, the API key, request limits.
+
+    GET  /                      the chat page (static/chat.html)
+    GET  /health                200 once the coordinator has a ready worker, else 503 (never needs the key)
+    GET  /metrics               Prometheus text format (metrics.py)
+    GET  /v1/models[/{id}]      the one model the coordinator serves
+    POST /v1/chat/completions   messages rendered with the model's chat template (by the coordinator)
+    POST /v1/completions        a prompt string or token ids
+    POST /tokenize, /detokenize llama-server's, with the model's tokenizer loaded here
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from shared import protocol as P
+from shared.errors import FermoeError, ProtocolError
+
+from . import params
+from .metrics import Metrics
+from .schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                      decode_body)
+from .streaming import ChatFormat, GenerationResponse, TextFormat, send_json
+from .upstream import Upstream
+
+log = logging.getLogger("fermoe.http")
+# A body this large is no request we could serve (the coordinator takes messages up to 1 MiB)
+MAX_BODY_BYTES = 4 * P.MAX_MESSAGE_BYTES
+OPEN_PATHS = frozenset({"/health", "/"})     # the page is static; it asks for the key itself
+KNOWN_PATHS = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+                         "/tokenize", "/detokenize"})
+RETRY_AFTER_S = 1
+CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
+
+
+@dataclass
+class Settings:
+    connect: str
+    api_key: str | None = None
+    max_queue: int | None = None
+
+
+class Server:
+    """What the routes share: the upstream connection, metrics, the model's name and tokenizer."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.upstream: Upstream | None = None
+        self.metrics: Metrics | None = None
+        self.model_path: str | None = None
+        self.started = int(time.time())
+        self._tokenizer = None
+        self._tokenizer_lock = asyncio.Lock()
+
+    async def status(self) -> P.StatusReply:
+        try:
+            st = await self.upstream.status()
+        except (asyncio.TimeoutError, ProtocolError) as e:
+            raise APIError(503, f"the coordinator at {self.settings.connect} does not answer"
+                                f"{': ' + str(e) if str(e) else ''}", headers={"Retry-After": RETRY_AFTER_S}) from None
+        self.model_path = st.model
+        return st
+
+    async def model_id(self) -> str:
+        if self.model_path is None:
+            await self.status()
+        return os.path.basename(self.model_path)
+
+    async def check_model(self, name: str | None) -> str:
+        model = await self.model_id()
+        if name is not None and name not in (model, self.model_path, Path(model).stem):
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return model
+
+    async def tokenizer(self):
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                await self.model_id()
+                self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.model_path)
+        return self._tokenizer
+
+
+def _load_tokenizer(path: str):
+    from shared.gguf_file import GGUFFile
+    from shared.tokenizer import Tokenizer
+    try:
+        f = GGUFFile(path)
+    except (OSError, FermoeError) as e:
+        raise APIError(501, f"the tokenizer is not available on this host: {e}") from None
+    try:
+        return Tokenizer.from_metadata(f.metadata)
+    except FermoeError as e:
+        raise APIError(501, f"the tokenizer is not available: {e}") from None
+    finally:
+        f.close()
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+# ---- generation ------------------------------------------------------------------------
+async def chat_completions(request: Request):
+    server: Server = request.app.state.server
+    body = decode_body(await read_body(request), ChatCompletionRequest)
+    return await _generate(server, body, params.chat_generate(body), ChatFormat())
+
+
+async def completions(request: Request):
+    server: Server = request.app.state.server
+    body = decode_body(await read_body(request), CompletionRequest)
+    return await _generate(server, body, params.completion_generate(body), TextFormat())
+
+
+async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationResponse:
+    model = await server.check_model(body.model)
+    size = len(P.encode(msg))
+    if size > P.MAX_MESSAGE_BYTES:
+        raise APIError(400, f"the request is {size} bytes as a coordinator message, over its limit of "
+                            f"{P.MAX_MESSAGE_BYTES}")
+    limit, upstream = server.settings.max_queue, server.upstream
+    if limit is not None and upstream.waiting >= limit:
+        raise APIError(503, f"{upstream.waiting} requests are already waiting (--max-queue {limit}); "
+                            f"retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return GenerationResponse(upstream, upstream.submit(msg), fmt, model, body.stream, include_usage,
+                              server.metrics)
+
+
+# ---- the rest ------------------------------------------------------------------------
+async def health(request: Request):
+    st = await request.app.state.server.status()
+    ready = sum(w.alive for w in st.workers)
+    if not ready:
+        raise APIError(503, "no worker is ready yet", headers={"Retry-After": RETRY_AFTER_S})
+    return JSONResponse({"status": "ok", "workers_ready": ready})
+
+
+async def metrics(request: Request):
+    server: Server = request.app.state.server
+    try:
+        st = await server.status()
+    except APIError:
+        st = None                              # fermoe:coordinator_up 0 says it
+    return Response(server.metrics.render(st), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def list_models(request: Request):
+    return JSONResponse({"object": "list", "data": [await _model_card(request.app.state.server)]})
+
+
+async def get_model(request: Request):
+    server: Server = request.app.state.server
+    await server.check_model(request.path_params["model"])
+    return JSONResponse(await _model_card(server))
+
+
+async def _model_card(server: Server) -> dict:
+    return {"id": await server.model_id(), "object": "model", "created": server.started, "owned_by": "fermoe"}
+
+
+async def tokenize(request: Request):
+    body = decode_body(await read_body(request), TokenizeRequest)
+    tok = await request.app.state.server.tokenizer()
+    ids = tok.encode(body.content, add_bos=body.add_special)
+    if not body.with_pieces:
+        return JSONResponse({"tokens": ids})
+    return JSONResponse({"tokens": [{"id": i, "piece": tok.piece_bytes(i).decode("utf-8", errors="replace")}
+                                    for i in ids]})
+
+
+async def detokenize(request: Request):
+    body = decode_body(await read_body(request), DetokenizeRequest)
+    tok = await request.app.state.server.tokenizer()
+    bad = [t for t in body.tokens if t >= tok.n_vocab]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {tok.n_vocab}); got {bad[:8]}", param="tokens")
+    return JSONResponse({"content": tok.decode(body.tokens)})
+
+
+async def chat_page(request: Request):
+    return HTMLResponse(CHAT_PAGE.read_text())
+
+
+# ---- errors, the key, accounting -------------------------------------------------------
+async def api_error(request: Request, exc: APIError):
+    return JSONResponse(exc.body(), exc.status, headers={k: str(v) for k, v in exc.headers.items()})
+
+
+async def http_error(request: Request, exc: HTTPException):
+    message = {404: f"no such endpoint: {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return await api_error(request, APIError(exc.status_code, message))
+
+
+async def server_error(request: Request, exc: Exception):
+    log.exception("request %s %s failed", request.method, request.url.path)
+    return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class Gate:
+    """ASGI middleware: the Bearer key on every path but the open ones, and per-endpoint counts."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+        key = server.settings.api_key
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                self.server.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        problem = self._refusal(scope)
+        if problem is not None:
+            return await send_json(counted_send, 401, problem.body(), {"WWW-Authenticate": "Bearer"})
+        await self.app(scope, receive, counted_send)
+
+    def _refusal(self, scope) -> APIError | None:
+        if self.key is None or scope["path"] in OPEN_PATHS:
+            return None
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if not token or scheme.lower() != b"bearer":
+            return APIError(401, "You didn't provide an API key. Provide it in an Authorization header using "
+                                 "Bearer auth (Authorization: Bearer YOUR_KEY).", code="missing_api_key")
+        if not hmac.compare_digest(token.strip(), self.key):
+            return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return None
+
+
+def build_app(settings: Settings) -> Starlette:
+    server = Server(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.upstream = Upstream(settings.connect)
+        server.upstream.start()
+        yield
+        await server.upstream.close()
+
+    server.metrics = Metrics(waiting=lambda: server.upstream.waiting if server.upstream else 0)
+    routes = [Route("/", chat_page), Route("/health", health), Route("/metrics", metrics),
+              Route("/v1/models", list_models), Route("/v1/models/{model:path}", get_model),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.state.server = server
+    app.add_middleware(Gate, server=server)
+    return app

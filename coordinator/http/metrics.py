@@ -1,0 +1,119 @@
+"""/metrics in the Prometheus text format, named as vLLM names its metrics (`fermoe:`
+for `vllm:`) where vLLM has one.
+
+Two sources: the HTTP process's own accounting of the requests it served (tokens,
+prefix-cache queries and hits in tokens from Done.cached_prompt_tokens, time to
+first token, inter-token and end-to-end latency), and the coordinator's StatusReply,
+fetched at each scrape (requests running and waiting, the snapshot store, each
+worker).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared import protocol as P
+
+# vLLM's buckets, with finer ones below 10 ms for small models on fast paths
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# StatusReply.snapshots entries that are levels; the others count events since start
+SNAPSHOT_LEVELS = {"slots": "snapshot slots in the store", "free_slots": "snapshot slots holding nothing",
+                   "entries": "cached prefix snapshots", "pinned": "snapshots in use by running requests",
+                   "writing": "snapshot slots being written", "block": "prompt tokens between snapshots"}
+
+
+class Metrics:
+    def __init__(self, waiting=lambda: 0):
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("fermoe:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("fermoe:generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.prefix_cache_queries = Counter("fermoe:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix snapshot cache", registry=r)
+        self.prefix_cache_hits = Counter("fermoe:prefix_cache_hits",
+                                         "Prompt tokens served from the prefix snapshot cache", registry=r)
+        self.request_success = Counter("fermoe:request_success", "Finished requests by finish reason",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram("fermoe:time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("fermoe:inter_token_latency_seconds", "Time between successive tokens of a request",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("fermoe:e2e_request_latency_seconds", "Time from arrival to the end of a request",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.http_requests = Counter("fermoe:http_requests", "HTTP requests answered, by endpoint and status",
+                                     ["endpoint", "status"], registry=r)
+        Gauge("fermoe:http_requests_waiting", "Requests of this HTTP server without a first reply yet "
+              "(what --max-queue counts)", registry=r).set_function(waiting)
+        self.status = StatusCollector()
+        r.register(self.status)
+
+    def finished(self, done: P.Done, e2e_s: float) -> None:
+        self.prompt_tokens.inc(done.prompt_tokens)
+        self.generation_tokens.inc(done.completion_tokens)
+        self.prefix_cache_queries.inc(done.prompt_tokens)
+        self.prefix_cache_hits.inc(done.cached_prompt_tokens)
+        self.request_success.labels(finished_reason=done.finish_reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def render(self, status: P.StatusReply | None) -> bytes:
+        self.status.latest = status
+        return generate_latest(self.registry)
+
+
+class StatusCollector:
+    """The coordinator's state as of the StatusReply taken for this scrape."""
+
+    def __init__(self):
+        self.latest: P.StatusReply | None = None
+
+    def describe(self):
+        return []                          # collected only at scrape time, never at registration
+
+    def collect(self):
+        st = self.latest
+        up = GaugeMetricFamily("fermoe:coordinator_up", "1 when the coordinator answered this scrape's status")
+        up.add_metric([], 0 if st is None else 1)
+        yield up
+        if st is None:
+            return
+        yield _gauge("fermoe:num_requests_running", "Requests in prefill or decode on the workers", st.running)
+        yield _gauge("fermoe:num_requests_waiting", "Requests queued in the coordinator", st.queued)
+        yield from _snapshot_metrics(st.snapshots)
+        yield from _worker_metrics(st.workers)
+
+
+def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+def _snapshot_metrics(stats: dict[str, int]):
+    for key, value in sorted(stats.items()):
+        if key in SNAPSHOT_LEVELS:
+            yield _gauge(f"fermoe:snapshot_{key}", SNAPSHOT_LEVELS[key].capitalize(), value)
+        else:
+            yield CounterMetricFamily(f"fermoe:snapshot_{key}", f"Snapshot store {key.replace('_', ' ')}",
+                                      value=value)
+    slots = stats.get("slots", 0)
+    # as vllm:kv_cache_usage_perc, a fraction: the slots holding or being given a snapshot
+    yield _gauge("fermoe:snapshot_usage_perc", "Fraction of the snapshot store in use",
+                 (slots - stats.get("free_slots", 0)) / slots if slots else 0.0)
+
+
+def _worker_metrics(workers: list[P.WorkerInfo]):
+    alive = GaugeMetricFamily("fermoe:worker_alive", "1 when the worker is up and ready", labels=["worker_id"])
+    running = GaugeMetricFamily("fermoe:worker_num_requests_running", "Sequences the worker runs",
+                                labels=["worker_id"])
+    threads = GaugeMetricFamily("fermoe:worker_threads", "Engine threads of the worker", labels=["worker_id"])
+    for w in workers:
+        alive.add_metric([w.worker_id], int(w.alive))
+        running.add_metric([w.worker_id], w.running)
+        threads.add_metric([w.worker_id], w.threads)
+    yield from (_gauge("fermoe:num_workers", "Workers known to the coordinator", len(workers)), alive, running,
+                threads)

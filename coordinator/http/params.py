@@ -1,0 +1,103 @@
+"""OpenAI request bodies -> the coordinator's Generate message.
+
+Sampling fields the request leaves out take the coordinator's defaults (llama.cpp's:
+temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Penalties map as llama-server
+maps them: `repeat_penalty` is llama.cpp's multiplicative penalty_repeat,
+`frequency_penalty` and `presence_penalty` its additive penalty_freq and
+penalty_present, all three over the last 64 tokens. Features we cannot honour are
+refused by name rather than silently ignored.
+"""
+from __future__ import annotations
+
+import uuid
+
+from shared import protocol as P
+
+from .schemas import APIError, ChatCompletionRequest, CompletionRequest
+
+# max_tokens left out: until the end of generation or of the context (the coordinator
+# cuts every request at its --max-model-len), as vLLM and llama-server do
+UNLIMITED_TOKENS = 1 << 30
+_SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
+
+
+def _refuse(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def _check_common(body) -> None:
+    if body.n not in (None, 1):
+        raise _refuse("n", f"n = {body.n}: only one choice per request is supported")
+    if body.logprobs not in (None, False, 0) or body.top_logprobs:
+        raise _refuse("logprobs", "logprobs are not supported")
+    if body.logit_bias:
+        raise _refuse("logit_bias", "logit_bias is not supported")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options", code="invalid_value")
+
+
+def _sampling(body, max_tokens: int | None) -> dict:
+    fields = {name: getattr(body, name) for name in _SAMPLING if getattr(body, name) is not None}
+    if body.top_k is not None:
+        fields["top_k"] = max(body.top_k, 0)
+    if body.seed is not None and body.seed != -1:
+        fields["seed"] = body.seed
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    return dict(max_tokens=max_tokens or UNLIMITED_TOKENS, stop=stop, ignore_eos=body.ignore_eos, **fields)
+
+
+def _message_text(i: int, message) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise _refuse(f"messages[{i}].content[{j}]",
+                          f"content parts of type {part.type!r} are not supported (text only)")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_generate(body: ChatCompletionRequest) -> P.Generate:
+    _check_common(body)
+    if body.tools:
+        raise _refuse("tools", "tools are not supported")
+    if body.response_format and body.response_format.get("type") != "text":
+        raise _refuse("response_format", f"response_format {body.response_format.get('type')!r} is not supported "
+                                         "(text only)")
+    messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m))
+                for i, m in enumerate(body.messages)]
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return P.Generate(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages, **_sampling(body, max_tokens))
+
+
+def completion_generate(body: CompletionRequest) -> P.Generate:
+    _check_common(body)
+    if body.echo:
+        raise _refuse("echo", "echo is not supported")
+    if body.suffix:
+        raise _refuse("suffix", "suffix is not supported")
+    if body.best_of not in (None, 1):
+        raise _refuse("best_of", f"best_of = {body.best_of}: only one choice per request is supported")
+    prompt = _prompt(body.prompt)
+    kind = "prompt" if isinstance(prompt, str) else "tokens"
+    return P.Generate(request_id=f"cmpl-{uuid.uuid4().hex}", **{kind: prompt}, **_sampling(body, body.max_tokens))
+
+
+def _prompt(prompt) -> str | list[int]:
+    """A string, a list of token ids, or a batch of one of either (OpenAI's four forms)."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+    elif prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _refuse("prompt", f"a batch of {len(prompt)} prompts: only one prompt per request is supported")
+    if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and abs(t) < 2**63 for t in prompt):
+        raise APIError(400, "Invalid 'prompt': expected a string or a non-empty list of token ids",
+                       param="prompt", code="invalid_value")
+    return prompt

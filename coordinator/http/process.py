@@ -1,0 +1,73 @@
+"""`coordinator --http HOST:PORT`: the HTTP front end as a child process of the daemon.
+
+The coordinator binds the listening socket itself (a port in use fails its start
+with one clear error) and hands it to the child, which connects back to the
+coordinator's client endpoint like any other client. A child that exits is
+restarted on the same socket, within limits; the API key travels in the
+environment, never on a command line other users can read.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import zmq
+
+from .options import API_KEY_ENV, bind_listener, listen_url
+
+log = logging.getLogger("fermoe.coordinator")
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0     # as the workers': past that it is failing to start
+
+
+def client_endpoint(sock) -> str:
+    """Where a local client reaches a ROUTER bound to a wildcard or a fixed address."""
+    ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return ep.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://[::1]:")
+
+
+class FrontEnd:
+    def __init__(self, opts, connect: str):
+        self.opts, self.connect = opts, connect
+        self.listener = bind_listener(opts.http, bool(opts.api_key))
+        self.proc: subprocess.Popen | None = None
+        self.restarts: list[float] = []
+        self.given_up = False
+
+    def start(self) -> None:
+        fd = self.listener.fileno()
+        cmd = [sys.executable, "-m", "coordinator.http", "--connect", self.connect, "--listen-fd", str(fd)]
+        if self.opts.max_queue is not None:
+            cmd += ["--max-queue", str(self.opts.max_queue)]
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.opts.api_key:
+            env[API_KEY_ENV] = self.opts.api_key
+        # own session, as the workers: a Ctrl-C for the coordinator stops it in order
+        self.proc = subprocess.Popen(cmd, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.info("started the HTTP front end (pid %d) on %s", self.proc.pid, listen_url(self.listener))
+
+    def poll(self) -> None:
+        if self.proc is None or self.proc.poll() is None or self.given_up:
+            return
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+        log.error("the HTTP front end exited with status %d", self.proc.returncode)
+        if len(self.restarts) > MAX_RESTARTS:
+            log.error("the HTTP front end failed %d times within %.0f s; not restarting it", len(self.restarts),
+                      RESTART_WINDOW_S)
+            self.given_up = True
+            return
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.listener.close()

@@ -1,0 +1,184 @@
+"""One generation's HTTP response: the coordinator's replies -> OpenAI's JSON or SSE.
+
+The response is an ASGI callable of its own so that it owns the whole exchange:
+it waits for the first reply before sending headers (a refused prompt, one longer
+than the context say, is then a 400, not an error inside a 200 stream), and it
+watches the connection the whole time: a client that goes away, whether before
+its first token or mid-stream, has its request cancelled in the coordinator.
+
+Streams are framed as OpenAI frames them: for chat a first chunk carrying the
+role, a chunk per piece of text, one chunk with `finish_reason`, the usage chunk
+with empty `choices` when `stream_options.include_usage` asks for it, then
+`data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from shared import protocol as P
+
+from .schemas import APIError
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+_json = msgspec.json.Encoder()
+
+
+def usage(done: P.Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens}}
+
+
+class ChatFormat:
+    """/v1/chat/completions."""
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def opening(self) -> list[dict]:
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+
+    def delta(self, text: str) -> dict:
+        return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+
+    def final(self, reason: str) -> dict:
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def whole(self, text: str, reason: str) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+
+
+class TextFormat:
+    """/v1/completions."""
+    object = chunk_object = "text_completion"
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def delta(self, text: str) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+
+    def final(self, reason: str) -> dict:
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+
+    def whole(self, text: str, reason: str) -> dict:
+        return self.delta(text) | {"finish_reason": reason}
+
+
+async def send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
+    raw = [(b"content-type", b"application/json")] + [(k.lower().encode(), str(v).encode())
+                                                      for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": _json.encode(body)})
+
+
+class GenerationResponse:
+    def __init__(self, upstream, stream, fmt, model: str, streaming: bool, include_usage: bool, metrics):
+        self.upstream, self.stream, self.fmt, self.model = upstream, stream, fmt, model
+        self.streaming, self.include_usage, self.metrics = streaming, include_usage, metrics
+        self.rid = stream.request_id
+        self.created = int(time.time())
+        self.arrived = time.perf_counter()
+        self.last_token: float | None = None
+        self.gone = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.create_task(self._watch(receive))
+        try:
+            first = await self._next()
+            if self.gone:
+                return
+            if isinstance(first, P.Error):           # refused: bad input the coordinator names
+                await send_json(send, 400, APIError(400, first.message).body())
+            elif isinstance(first, P.Done) and first.finish_reason == "error":
+                self.metrics.finished(first, time.perf_counter() - self.arrived)
+                await send_json(send, 500, APIError(500, first.error or "the request failed").body())
+            elif self.streaming:
+                await self._stream_events(first, send)
+            else:
+                await self._whole(first, send)
+        finally:
+            watcher.cancel()
+            self.upstream.cancel(self.rid)           # nothing to do unless it is still open
+
+    async def _watch(self, receive) -> None:
+        """The request body has been read: what receive() gives now is the disconnect."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.upstream.cancel(self.rid)
+        self.stream.fail("the client disconnected")
+
+    async def _next(self):
+        msg = await self.stream.get()
+        if isinstance(msg, P.Token) and msg.token >= 0:     # token -1: the text held back at the end
+            now = time.perf_counter()
+            if self.last_token is None:
+                self.metrics.ttft.observe(now - self.arrived)
+            else:
+                self.metrics.itl.observe(now - self.last_token)
+            self.last_token = now
+        elif isinstance(msg, P.Done) and not self.gone:
+            self.metrics.finished(msg, time.perf_counter() - self.arrived)
+        return msg
+
+    # ---- one JSON body ----------------------------------------------------------
+    async def _whole(self, msg, send) -> None:
+        texts = []
+        while not isinstance(msg, P.Done):
+            texts.append(msg.text)
+            msg = await self._next()
+            if self.gone:
+                return
+        if msg.finish_reason == "error":
+            await send_json(send, 500, APIError(500, msg.error or "the request failed").body())
+            return
+        await send_json(send, 200, self._envelope(self.fmt.object, [self.fmt.whole("".join(texts), _reason(msg))],
+                                                  usage=usage(msg)), {"x-request-id": self.rid})
+
+    # ---- server-sent events -------------------------------------------------------
+    async def _stream_events(self, msg, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                (b"x-request-id", self.rid.encode())]})
+        events = [self._chunk([choice]) for choice in self.fmt.opening()]
+        while True:
+            if isinstance(msg, P.Done):
+                break
+            if msg.text:
+                events.append(self._chunk([self.fmt.delta(msg.text)]))
+            if self.stream.queue.empty() and events:        # write what has come in one send
+                await self._send_events(send, events)
+                events = []
+            msg = await self._next()
+            if self.gone:
+                return
+        events += self._closing(msg)
+        await self._send_events(send, events, more=False)
+
+    def _closing(self, done: P.Done) -> list[bytes]:
+        if done.finish_reason == "error":                   # OpenAI's error object, as vLLM sends it
+            events = [b"data: " + _json.encode(APIError(500, done.error or "the request failed").body()) + b"\n\n"]
+        else:
+            events = [self._chunk([self.fmt.final(_reason(done))])]
+            if self.include_usage:
+                events.append(self._chunk([], usage=usage(done)))
+        return events + [b"data: [DONE]\n\n"]
+
+    def _chunk(self, choices: list, **extra) -> bytes:
+        if self.include_usage:
+            extra.setdefault("usage", None)
+        return b"data: " + _json.encode(self._envelope(self.fmt.chunk_object, choices, **extra)) + b"\n\n"
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    async def _send_events(self, send, events: list[bytes], more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": b"".join(events), "more_body": more})
+
+
+def _reason(done: P.Done) -> str:
+    return FINISH_REASONS.get(done.finish_reason, done.finish_reason)

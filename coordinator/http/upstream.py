@@ -1,0 +1,178 @@
+"""The HTTP process's one connection to the coordinator (a zmq.asyncio DEALER).
+
+One reader task receives every reply and routes it by request_id to that request's
+bounded queue (a RequestStream); status replies go to the callers of status() in
+the order they asked (the coordinator answers one client's messages in order). A
+request whose client reads too slowly to keep its queue below the bound is
+cancelled upstream and ends with an error, so one slow client never stalls the
+reader. A watchdog fails every open request when the coordinator stops answering.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from shared import protocol as P
+from shared.errors import ProtocolError
+
+log = logging.getLogger("fermoe.http")
+
+# Replies a request may have waiting for its HTTP client: far more than a client that
+# keeps reading falls behind by, far less memory than a runaway buffer.
+QUEUE_BOUND = 1024
+# The coordinator answers a Status within its 200 ms poll even while it decodes; this
+# long without any reply while requests are open means it is gone.
+COORDINATOR_TIMEOUT_S = 30.0
+WATCH_INTERVAL_S = 2.0
+
+
+class RequestStream:
+    """The replies of one request in arrival order: Token..., then one Done, or one Error."""
+
+    def __init__(self, request_id: str, bound: int = QUEUE_BOUND):
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue(bound)
+        self.failure: str | None = None     # set when the request ends without a Done of its own
+        self.answered = False               # a first reply came (it no longer waits)
+        self.closed = False                 # its Done or Error came, or it was cancelled
+
+    def push(self, msg) -> bool:
+        """From the reader; False when the queue is full (the client is not reading)."""
+        self.answered = True
+        try:
+            self.queue.put_nowait(msg)
+            return True
+        except asyncio.QueueFull:
+            return False
+
+    def fail(self, reason: str) -> None:
+        """End the stream with an error Done (a waiting get() wakes up)."""
+        if self.failure is None:
+            self.failure = reason
+            try:
+                self.queue.put_nowait(None)
+            except asyncio.QueueFull:
+                pass                        # get() sees the failure once the queue is drained
+
+    async def get(self):
+        if self.failure is not None and self.queue.empty():
+            return self._failed()
+        msg = await self.queue.get()
+        return self._failed() if msg is None else msg
+
+    def _failed(self) -> P.Done:
+        return P.Done(request_id=self.request_id, finish_reason="error", error=self.failure)
+
+
+class Upstream:
+    def __init__(self, addr: str, bound: int = QUEUE_BOUND, timeout_s: float = COORDINATOR_TIMEOUT_S,
+                 watch_s: float = WATCH_INTERVAL_S):
+        self.addr, self.bound, self.timeout_s, self.watch_s = addr, bound, timeout_s, watch_s
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.streams: dict[str, RequestStream] = {}
+        self.status_waiters: deque[asyncio.Future] = deque()
+        self.last_reply = time.monotonic()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch_loop())]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for stream in list(self.streams.values()):
+            stream.fail("the HTTP server is shutting down")
+        self.sock.close()
+
+    @property
+    def waiting(self) -> int:
+        """Requests sent that have had no reply yet (queued or in prefill upstream)."""
+        return sum(not s.answered for s in self.streams.values())
+
+    # ---- requests -----------------------------------------------------------
+    def submit(self, msg: P.Generate) -> RequestStream:
+        stream = self.streams[msg.request_id] = RequestStream(msg.request_id, self.bound)
+        self.sock.send(P.encode(msg))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request that is still open upstream (its Done is then dropped)."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and not stream.closed:
+            stream.closed = True
+            self.sock.send(P.encode(P.Cancel(request_id=request_id)))
+
+    async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
+        """The coordinator's StatusReply; TimeoutError when it does not answer in time."""
+        waiter = asyncio.get_running_loop().create_future()
+        self.status_waiters.append(waiter)
+        self.sock.send(P.encode(P.Status()))
+        return await asyncio.wait_for(waiter, timeout_s)
+
+    # ---- the reader -----------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            self.last_reply = time.monotonic()
+            try:
+                msg = P.decode(data, P.CLIENT_REPLIES)
+            except ProtocolError as e:
+                log.error("the coordinator sent a bad reply: %s", e)
+                continue
+            self.route(msg)
+
+    def route(self, msg) -> None:
+        if isinstance(msg, P.StatusReply) or (isinstance(msg, P.Error) and msg.request_id is None):
+            self._answer_status(msg)
+            return
+        stream = self.streams.get(msg.request_id)
+        if stream is None:
+            return                          # cancelled meanwhile: its late replies are dropped
+        if isinstance(msg, (P.Done, P.Error)):
+            stream.closed = True
+            self.streams.pop(msg.request_id, None)
+        if not stream.push(msg):
+            log.warning("request %s: its client fell %d replies behind; cancelling it", stream.request_id, self.bound)
+            self.cancel(stream.request_id)
+            stream.fail(f"the client read the stream too slowly ({self.bound} replies behind)")
+
+    def _answer_status(self, msg) -> None:
+        while self.status_waiters:
+            waiter = self.status_waiters.popleft()
+            if waiter.done():               # its caller timed out; the next caller takes this reply
+                continue
+            if isinstance(msg, P.Error):
+                waiter.set_exception(ProtocolError(msg.message))
+            else:
+                waiter.set_result(msg)
+            return
+        if isinstance(msg, P.Error):
+            log.error("the coordinator refused a message: %s", msg.message)
+
+    # ---- the watchdog -----------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.watch_s)
+            if not self.streams:
+                continue
+            silent = time.monotonic() - self.last_reply
+            if silent > self.timeout_s:
+                self.fail_all(f"the coordinator at {self.addr} did not answer for {silent:.0f} s")
+            elif silent > self.watch_s:
+                try:                        # quiet while requests are open: is it still there?
+                    await self.status(timeout_s=self.watch_s)
+                except (asyncio.TimeoutError, ProtocolError):
+                    pass
+
+    def fail_all(self, reason: str) -> None:
+        for rid, stream in list(self.streams.items()):
+            self.cancel(rid)                # should it come back, it need not finish them
+            stream.fail(reason)

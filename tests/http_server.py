@@ -1,0 +1,117 @@
+"""What the HTTP tests share: a coordinator started with --http (the real processes:
+daemon, worker, uvicorn front end on a free loopback port), a standalone
+`fermoe serve`, an SSE reader, and the served text computed independently in
+this process with the same engine and sampler."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from coordinator.engines import load_engine
+from shared.generate import generate
+from shared.model import Model
+from shared.sampling import SamplingParams
+from shared.tokenizer import StreamDecoder
+
+BLOCK = 8                   # small snapshot blocks: short prompts cross several boundaries
+START_TIMEOUT_S = 120       # a loaded 2-core machine starts four Python processes slowly
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A child process whose stderr is kept (for failure messages) and that is stopped by its id."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+
+    def wait_http(self, url: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited with {self.proc.returncode}: {''.join(self.log[-20:])}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{url} not healthy within {timeout_s} s: {''.join(self.log[-20:])}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+class HttpDaemon(Process):
+    """`coordinator --model M --http 127.0.0.1:PORT`: the daemon starts the front end itself."""
+
+    def __init__(self, model, *extra):
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
+        super().__init__([sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
+                          "--snapshot-mem", "32MiB", "--block", str(BLOCK), "--threads-per-worker", "1",
+                          "--http", self.url.removeprefix("http://"), *extra])
+        self.wait_http(self.url)
+
+
+class Serve(Process):
+    """`fermoe serve --connect ADDR --http 127.0.0.1:PORT [options]`: a front end of its own."""
+
+    def __init__(self, connect: str, *extra):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        super().__init__([sys.executable, "-m", "coordinator.cli", "serve", "--connect", connect,
+                          "--http", self.url.removeprefix("http://"), *extra])
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The data of each server-sent event, checking the framing: 'data: ...' lines, a blank line after each."""
+    raw = "".join(response.iter_text())
+    assert raw.endswith("\n\n"), raw[-200:]
+    events = raw[:-2].split("\n\n")
+    for e in events:
+        assert e.startswith("data: ") and "\n" not in e, e
+    return [e[len("data: "):] for e in events]
+
+
+class LocalEngine:
+    """The served text, computed here: the same tokenizer, chat template, engine and sampler."""
+
+    def __init__(self, model_path):
+        self.model = Model(model_path)
+        self.tok = self.model.tokenizer
+        self.engine = load_engine("cpu", self.model, threads=1)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.tok.encode(self.tok.apply_chat_template(messages))
+
+    def text(self, ids: list[int], max_tokens: int, ignore_eos: bool = False, **sampling) -> tuple[str, int]:
+        """(text, completion tokens) as the coordinator streams them: end-of-generation tokens end it, unsent."""
+        pieces, n = self.pieces(ids, max_tokens, ignore_eos, **sampling)
+        return "".join(pieces), n
+
+    def pieces(self, ids: list[int], max_tokens: int, ignore_eos: bool = False, **sampling) -> tuple[list[str], int]:
+        """The non-empty pieces of text the stream carries, and the completion tokens."""
+        eos = self.tok.eos_ids
+        stream, n, out = StreamDecoder(self.tok), 0, []
+        for token in generate(self.engine, ids, max_tokens, SamplingParams(**sampling),
+                              stop_ids=() if ignore_eos else eos):
+            if token in eos and not ignore_eos:
+                break
+            out.append(stream.feed(token))
+            n += 1
+        out.append(stream.flush())
+        return [p for p in out if p], n
