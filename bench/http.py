@@ -1,0 +1,174 @@
+"""`fermoe bench http [MODEL]`: the HTTP front end measured end to end, as JSON.
+
+A coordinator started with --http on free loopback ports serves streamed
+/v1/completions of cold prompts to 1, 8 and 32 concurrent clients (each a keep-alive connection
+sending its share of the requests one after another): requests/s, generated tokens/s and the
+time to first token's percentiles. Then the HTTP path's added latency against the
+ZeroMQ client in the same run: one-token requests on a cached prompt, the two
+paths alternated pair by pair, each timed from sending to the first token.
+Clients, server, coordinator and worker share this machine's cores."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from coordinator.client import Client
+from shared.errors import FermoeError
+
+try:
+    import httpx
+except ImportError:                  # a test extra: the server itself does not need it
+    httpx = None
+
+CONCURRENCY = (1, 8, 32)
+ADDED_LATENCY_TARGET_MS = 5.0        # the issue's target for the median
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentiles(values_s: list[float]) -> dict:
+    ms = np.asarray(values_s) * 1000
+    return {f"p{q}": round(float(np.percentile(ms, q)), 2) for q in (50, 90, 99)}
+
+
+async def _stream(http, body: dict) -> tuple[float, int]:
+    """(time to the first token, generated tokens from the usage chunk) of one streamed completion."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    t0, first, tokens = time.perf_counter(), None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise FermoeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"]:
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first, tokens
+
+
+async def _load(url: str, clients: int, requests: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    ttfts, tokens = [], [0]
+    per_client = -(-requests // clients)
+
+    async def client(i, http):
+        for j in range(per_client):
+            body = {"prompt": prompts[(i * per_client + j) % len(prompts)], "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0.8, "seed": j}
+            first, n = await _stream(http, body)
+            ttfts.append(first)
+            tokens[0] += n
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(i, http) for i in range(clients)))
+        wall = time.perf_counter() - t0
+    n = clients * per_client
+    return {"requests": n, "requests_per_s": round(n / wall, 2), "tokens_per_s": round(tokens[0] / wall, 1),
+            "ttft_ms": _percentiles(ttfts)}
+
+
+def _added_latency(url: str, addr: str, prompt: list[int], pairs: int) -> dict:
+    """HTTP and ZeroMQ one-token requests on the same cached prompt, alternated."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+    async def http_side(http):
+        return (await _stream(http, body))[0]
+
+    def zmq_side(c):
+        t0 = time.perf_counter()
+        for _ in c.generate(tokens=prompt, max_tokens=1, temperature=0.0, ignore_eos=True):
+            return time.perf_counter() - t0
+
+    async def run():
+        out = []
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            with Client(addr) as c:
+                for _ in range(8):                                  # warm both paths and the cache
+                    await http_side(http), zmq_side(c)
+                for i in range(pairs):
+                    if i % 2:
+                        h, z = await http_side(http), zmq_side(c)
+                    else:
+                        z, h = zmq_side(c), await http_side(http)
+                    out.append((h, z))
+        return out
+
+    measured = np.asarray(asyncio.run(run())) * 1000
+    added = float(np.median(measured[:, 0] - measured[:, 1]))
+    return {"pairs": pairs, "http_ttft_median_ms": round(float(np.median(measured[:, 0])), 3),
+            "zmq_ttft_median_ms": round(float(np.median(measured[:, 1])), 3),
+            "added_median_ms": round(added, 3), "target_ms": ADDED_LATENCY_TARGET_MS,
+            "within_target": added <= ADDED_LATENCY_TARGET_MS}
+
+
+def _start(model: str, extra: list[str], log) -> tuple[subprocess.Popen, str, str]:
+    addr, url = f"tcp://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr,
+                               "--http", url.removeprefix("http://"), *extra], stderr=log)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and daemon.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return daemon, addr, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    log.seek(0)
+    last = [line for line in log.read().splitlines() if line.strip()][-1:]
+    daemon.kill()
+    raise FermoeError("the coordinator's HTTP front end did not come up" + (f": {last[0]}" if last else ""))
+
+
+def run(model: str, prompt_tokens: int, max_tokens: int, requests: int, pairs: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryFile("w+") as log:
+        daemon, addr, url = _start(model, extra, log)
+        try:
+            def cold(seed):                   # prompts no earlier request has cached
+                rng = np.random.default_rng(seed)
+                return [rng.integers(10, 500, prompt_tokens).tolist() for _ in range(requests)]
+            asyncio.run(_load(url, 4, 8, cold(0), max_tokens))               # warm up every process
+            load = {str(c): asyncio.run(_load(url, c, requests, cold(c), max_tokens)) for c in CONCURRENCY}
+            prompt = cold(1000)[0]
+            added = _added_latency(url, addr, prompt, pairs)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=60)
+    return {"model": model, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "concurrency": load, "added_latency_vs_zmq": added}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fermoe bench http")
+    p.add_argument("model", nargs="?", default="tiny", help="GGUF file or built-in model (default: tiny)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens of each request (default 32)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens generated by each request (default 16)")
+    p.add_argument("--requests", type=int, default=64,
+                   help="requests at each concurrency, shared out among the clients (default 64)")
+    p.add_argument("--pairs", type=int, default=200, help="alternated HTTP/ZeroMQ pairs for the added latency")
+    args, daemon_options = p.parse_known_args(argv)          # the rest goes to the coordinator
+    if httpx is None:
+        raise FermoeError("fermoe bench http needs httpx: pip install -e '.[test]'")
+    if min(args.prompt, args.tokens, args.requests, args.pairs) < 1:
+        p.error("--prompt, --tokens, --requests and --pairs must be at least 1")
+    print(json.dumps(run(args.model, args.prompt, args.tokens, args.requests, args.pairs, daemon_options), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
