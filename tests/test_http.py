@@ -161,6 +161,15 @@ def test_repeated_prompt_is_cached_and_counted(daemon, client):
     assert 0 < after["fermoe:snapshot_usage_perc"] <= 1
 
 
+def test_tokenize_and_detokenize_use_the_models_tokenizer(daemon, local):
+    text = "Hello world, the old GPU said."
+    ids = local.tok.encode(text)
+    assert post(daemon, "/tokenize", {"content": text}).json() == {"tokens": ids}
+    pieces = post(daemon, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces) == text
+    assert post(daemon, "/detokenize", {"tokens": ids}).json() == {"content": text}
+
+
 LONG = {"prompt": [1] * 262145}         # one token past the tiny model's context of 262144
 ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {}, 400, "messages", "messages"),
