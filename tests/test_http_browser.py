@@ -1,7 +1,8 @@
 """The chat page in a real browser: Debian's headless chromium, driven through
 chromedriver with the W3C WebDriver protocol (plain HTTP, no client library).
 The page loads, a typed message gets a streamed reply (the same text the engine
-gives in this process), and its line shows tokens/s and the cached prompt tokens."""
+gives in this process), and its line shows tokens/s and the cached prompt tokens.
+The daemon runs with --api-key, which the page sends once it is typed in."""
 from __future__ import annotations
 
 import shutil
@@ -20,6 +21,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"     # the W3C key of an element reference
 PAGE_TIMEOUT_S = 60                                  # chromium starts slowly on 2 busy cores
 MESSAGE, MAX_TOKENS = "Hello there", 12
+KEY = "sk-page-key"         # the daemon hands it to its front end; the page sends what is typed in
 
 if not (shutil.which("chromium") and shutil.which("chromedriver")):
     pytest.skip("chromium and chromedriver are not installed (.ci/run installs Debian's chromium and "
@@ -91,7 +93,7 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def daemon(tiny_q4_path):
-    d = HttpDaemon(tiny_q4_path)
+    d = HttpDaemon(tiny_q4_path, "--api-key", KEY)
     yield d
     d.stop()
 
@@ -129,8 +131,10 @@ def test_a_typed_message_gets_a_streamed_reply(daemon, browser, tiny_q4_path):
     ids = local.chat_ids([{"role": "user", "content": MESSAGE}])
     pieces, n = local.pieces(ids, MAX_TOKENS, temperature=0.0)
     expected = "".join(pieces)
-    browser.cmd("POST", "/url", {"url": daemon.url + "/"})
-    model = httpx.get(f"{daemon.url}/v1/models").json()["data"][0]["id"]
+    browser.cmd("POST", "/url", {"url": daemon.url + "/"})                     # the page itself is open
+    browser.wait_js("return document.getElementById('model').textContent.includes('API key')", "the 401")
+    browser.type("#api-key", KEY + "\ue004")                                     # Tab: the field's change event
+    model = httpx.get(f"{daemon.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
     browser.wait_js(f"return document.getElementById('model').textContent === {model!r}", "the model's name")
     browser.type("#max-tokens", str(MAX_TOKENS))
     browser.type("#temperature", "0")
