@@ -22,6 +22,8 @@ import numpy as np
 from shared.errors import FermoeError
 from shared.model import Model
 
+KERNELS_SHOWN = 16       # kernels_ms: the costliest (each: from its launch to the next, on the compute stream)
+
 
 def dense_macs_per_token(model: Model) -> int:
     """Multiply-adds one token costs in every matrix but the routed experts (LM head apart)."""
@@ -110,6 +112,11 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
     engine.prefill(tokens, engine.new_state())
     phases = engine.profile.milliseconds()
     engine.profile = None
+    engine.ops.k.timer = PhaseTimer(engine.device, engine.ops.stream)     # then kernel by kernel
+    engine.prefill(tokens, engine.new_state())
+    engine.ops.k.timer.mark("end")
+    by_kernel = engine.ops.k.timer.milliseconds()
+    engine.ops.k.timer = None
     pinned_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), True)
     pageable_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), False)
     tflops = fma_tflops(engine)
@@ -135,6 +142,7 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         "floor": {k: round(v, 4) for k, v in floor.items()},
         "fraction_of_floor": round(floor["floor_s"] / prefill_s, 3),
         "phases_ms": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+        "kernels_ms": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_SHOWN]},
         "memory": {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
                    "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
                    "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1)},

@@ -46,9 +46,9 @@ class LaunchError(FermoeError):
 class Kernel:
     """One entry point: `k(grid, block, stream, *args)`."""
 
-    def __init__(self, function, name: str, signature: str, device, debug: bool):
+    def __init__(self, function, name: str, signature: str, device, debug: bool, owner: "Kernels"):
         self.fn = function.prepare(signature)
-        self.name, self.signature, self.device, self.debug = name, signature, device, debug
+        self.name, self.signature, self.device, self.debug, self.owner = name, signature, device, debug, owner
 
     def __call__(self, grid, block, stream, *args):
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
@@ -59,6 +59,8 @@ class Kernel:
         if min(grid) < 1 or min(block) < 1 or block[0] * block[1] * block[2] > 1024:
             raise LaunchError(f"{self.name}: grid {grid} and block {block} (1 to 1024 threads a block)")
         values = [int(a) if k == "P" else a for k, a in zip(self.signature, args)]
+        if self.owner is not None and self.owner.timer is not None:
+            self.owner.timer.mark(self.name)
         try:
             self.fn.prepared_async_call(grid, block, stream, *values)
             if self.debug:
@@ -75,8 +77,9 @@ class Kernels:
     def __init__(self, device):
         module = device.module(SIGNATURES)
         debug = bool(os.environ.get("FERMOE_GPU_DEBUG"))
+        self.timer = None           # a PhaseTimer: every launch marks its kernel's name (bench prefill --kernels)
         for name, signature in SIGNATURES.items():
-            setattr(self, name, Kernel(module.get_function(name), name, signature, device, debug))
+            setattr(self, name, Kernel(module.get_function(name), name, signature, device, debug, self))
 
     def gemm(self, wtype: str, kind: str = "gemm"):
         """The GEMM entry of `kind` (gemm, gemm_gated, moe_gateup, moe_down) for a weight type."""

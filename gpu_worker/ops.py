@@ -8,7 +8,7 @@ from .buffers import DeviceArray
 from .kernels import Kernels, LaunchError
 
 GEMM_TILE = 64          # gemm.cu's BM = BN
-WIDE_BELOW_ROWS = 256   # from this many rows the dense GEMM takes 128 x 128 tiles
+WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
 CHUNK = 64              # gdn_chunk.cu's chunk
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
 MAX_HEAD_DIM = 256      # attention.cu
@@ -50,7 +50,7 @@ class Ops:
         lda, ldc = lda or K, ldc or N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
-        if M >= WIDE_BELOW_ROWS:            # long prompts: 128 x 128 tiles, twice the FMAs a shared load
+        if M >= WIDE_FROM_ROWS and N >= WIDE_FROM_COLS:     # 128 x 128 tiles: twice the FMAs a shared load
             grid, kind = (_cdiv(N, 2 * GEMM_TILE), _cdiv(M, 2 * GEMM_TILE)), "gemm_wide"
         else:
             grid, kind = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE)), "gemm"
@@ -74,12 +74,12 @@ class Ops:
                            g.topk_ids, P, k)
 
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, up_offset: int, g, N: int, K: int, wtype: str):
-        self.k.gemm(wtype, "moe_gateup")((_cdiv(N, GEMM_TILE), g.max_tiles), (256,), self.stream, act, x, slot,
+        self.k.gemm(wtype, "moe_gateup")((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, act, x, slot,
                                          slot_map, expert_bytes, up_offset, g.tile_expert, g.tile_row0,
                                          g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
-        self.k.gemm(wtype, "moe_down")((_cdiv(N, GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,
+        self.k.gemm(wtype, "moe_down")((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,
                                        slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                        g.tile_rows, g.n_tiles, N, K)
 

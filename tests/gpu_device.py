@@ -3,6 +3,7 @@ device where there is one (marked `gpu`: `pytest -m gpu` on the GPU machine; a
 reported skip elsewhere)."""
 from __future__ import annotations
 
+import atexit
 import functools
 
 import pytest
@@ -15,7 +16,9 @@ DEVICES = ["emulate", pytest.param("cuda", marks=pytest.mark.gpu)]
 @functools.cache
 def cuda_device():
     from gpu_worker.cuda import CudaDevice
-    return CudaDevice(0)
+    device = CudaDevice(0)
+    atexit.register(device.close)       # pycuda aborts the process if a context is left pushed
+    return device
 
 
 def open_test_device(kind: str):

@@ -64,7 +64,7 @@ def _module(tmp_path, body: str, signatures: dict[str, str]):
 
 
 def _launch(device, module, name, sig, grid, block, *args):
-    kernel = Kernel(module.get_function(name), name, sig, device, debug=False)
+    kernel = Kernel(module.get_function(name), name, sig, device, debug=False, owner=None)
     stream = device.stream("compute")
     kernel(grid, block, stream, *args)
     stream.synchronize()

@@ -17,7 +17,7 @@
  *   gemm_T        C (+)= A W^T                 (accumulate != 0 adds: the residual)
  *   gemm_wide_T   the same in 128 x 128 tiles (8 x 8 a thread): long prompts
  *   gemm_gated_T  C = silu(A Wg^T) * (A Wu^T)  (the shared expert's gate and up)
- *   moe_gateup_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of
+ *   moe_gateup_T  (64 x 128 tiles) act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of
  *                 each expert e, x gathered by token (pair_token[p])
  *   moe_down_T    y[p] = act[p] Wd_e^T
  *
@@ -181,7 +181,7 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         fm_gemm_tile<WT, 64, 64, false>(C, ldc, m0, accumulate, A, lda, 0, m0, fm_mini(64, M - m0), W, 0,              \
                                         blockIdx.x * 64, N, K);                                                    \
     }                                                                                                              \
-    FM_KERNEL void gemm_wide_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
+    FM_KERNEL FM_BOUNDS(256, 2) void gemm_wide_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
                                  int ldc, int accumulate)                                                          \
     {                                                                                                              \
         int m0 = blockIdx.y * 128;                                                                                 \
@@ -203,8 +203,8 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                         \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                      \
-        fm_gemm_tile<WT, 64, 64, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, w + up_offset,          \
-                                       blockIdx.x * 64, N, K);                                                     \
+        fm_gemm_tile<WT, 64, 128, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, w + up_offset,         \
+                                        blockIdx.x * 128, N, K);                                                   \
     }                                                                                                              \
     FM_KERNEL void moe_down_##T(float *y, const float *act, const uint8_t *slot, const int *slot_map,              \
                                 long long expert_bytes, long long down_offset, const int *tile_expert,             \
@@ -213,7 +213,7 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                         \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
-        fm_gemm_tile<WT, 64, 64, false>(y, N, row0, 0, act, K, 0, row0, rows, w, 0, blockIdx.x * 64, N, K);        \
+        fm_gemm_tile<WT, 64, 128, false>(y, N, row0, 0, act, K, 0, row0, rows, w, 0, blockIdx.x * 128, N, K);      \
     }
 
 FM_GEMM_ENTRIES(f32, FM_W_F32)

@@ -38,6 +38,7 @@
 #define __shared__ __attribute__((shared))
 #define __forceinline__ __attribute__((always_inline))
 #define __restrict__ __restrict
+#define __launch_bounds__(...) __attribute__((launch_bounds(__VA_ARGS__)))
 #define FM_DEVICE static __device__ __forceinline__
 #define fm_fma(a, b, c) __nvvm_fma_rn_f((a), (b), (c))
 #define fm_expf(x) __nvvm_ex2_approx_f((x) * 1.4426950408889634f)
@@ -73,6 +74,13 @@ typedef long int64_t;
 #endif
 
 #define FM_KERNEL extern "C" __global__
+
+/* Occupancy a kernel asks for: threads a block, blocks an SM (caps its registers) */
+#if defined(FM_EMULATE)
+#define FM_BOUNDS(threads, blocks)
+#else
+#define FM_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
+#endif
 
 /* 16-byte aligned shared arrays and a four-float load (128-bit where the GPU has it) */
 #define FM_ALIGN16 __attribute__((aligned(16)))
