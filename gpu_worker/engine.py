@@ -139,9 +139,9 @@ class GPUEngine:
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
         self._upload_inputs(tokens, p0, cuts)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
-        self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
         self._mark("embed")
-        self._embed(tokens)
+        self._embed(tokens)        # its upload waits for the device: before the first expert copies, not behind them
+        self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
         for L in range(cfg.n_layer):
             w = self.w.layers[L]
             self._mark("norms")
@@ -253,7 +253,7 @@ class GPUEngine:
         slot, slot_map = self.experts.experts_for(L, g.counts)
         self._mark("experts")
         lay = self.experts.layouts[L]
-        ops.moe_gateup(ws.act, ws.x, slot, slot_map, lay.expert_bytes, lay.up_offset, g, ff, d, lay.gate_up_type)
+        ops.moe_gateup(ws.act, ws.x, slot, slot_map, lay.expert_bytes, g, ff, d, lay.gate_up_type)
         ops.moe_down(ws.moe_out, ws.act, slot, slot_map, lay.expert_bytes, lay.down_offset, g, d, ff, lay.down_type)
         self.experts.release(L)
         shared = None

@@ -34,7 +34,8 @@ for _t in WEIGHT_TYPES:
         f"gemm_{_t}": "PPPiiiiii",
         f"gemm_wide_{_t}": "PPPiiiiii",
         f"gemm_gated_{_t}": "PPPPiiiii",
-        f"moe_gateup_{_t}": "PPPPqqPPPPPiii",
+        f"moe_gateup_{_t}": "PPPPqPPPPPiii",
+        f"gemm_narrow_{_t}": "PPPiiiiii",
         f"moe_down_{_t}": "PPPPqqPPPPii",
     })
 

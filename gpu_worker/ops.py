@@ -9,9 +9,11 @@ from .kernels import Kernels, LaunchError
 
 GEMM_TILE = 64          # gemm.cu's BM = BN
 WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
+NARROW_COLS = 64                             # up to this many columns, the narrow kernel
 CHUNK = 64              # gdn_chunk.cu's chunk
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
 MAX_HEAD_DIM = 256      # attention.cu
+MAX_EXPERTS = 1024      # moe.cu's moe_route keeps a token's router logits in shared memory
 GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 
 
@@ -52,6 +54,8 @@ class Ops:
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         if M >= WIDE_FROM_ROWS and N >= WIDE_FROM_COLS:     # 128 x 128 tiles: twice the FMAs a shared load
             grid, kind = (_cdiv(N, 2 * GEMM_TILE), _cdiv(M, 2 * GEMM_TILE)), "gemm_wide"
+        elif N <= NARROW_COLS:                              # a few columns: 8-row tiles, every SM busy
+            grid, kind = (_cdiv(M, 8), _cdiv(N, 32)), "gemm_narrow"
         else:
             grid, kind = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE)), "gemm"
         self.k.gemm(wtype, kind)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, int(accumulate))
@@ -62,8 +66,9 @@ class Ops:
 
     # ---- MoE -------------------------------------------------------------------
     def moe_route(self, topk_ids, topk_w, counts: DeviceArray, logits, T: int, E: int, k: int):
-        _need(counts.shape == (E,), f"moe_route: counts {counts.shape} for {E} experts")
-        self.k.moe_route((_cdiv(T, 128),), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
+        _need(counts.shape == (E,) and E <= MAX_EXPERTS, f"moe_route: counts {counts.shape} for {E} experts "
+                                                          f"(the GPU kernels take up to {MAX_EXPERTS})")
+        self.k.moe_route((T,), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
 
     def moe_group(self, g, T: int, E: int, k: int):
         """Offsets, the tile table and the grouped order from g.counts (a MoeGroups)."""
@@ -73,10 +78,12 @@ class Ops:
         self.k.moe_scatter((_cdiv(P, 256),), (256,), self.stream, g.pair_token, g.pair_pos, g.cursor, g.offsets,
                            g.topk_ids, P, k)
 
-    def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, up_offset: int, g, N: int, K: int, wtype: str):
-        self.k.gemm(wtype, "moe_gateup")((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, act, x, slot,
-                                         slot_map, expert_bytes, up_offset, g.tile_expert, g.tile_row0,
-                                         g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
+    def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
+        """act [P, 2N]: each grouped row's gate (N) then up (N) outputs."""
+        _need(act.shape[-1] == 2 * N, f"moe_gateup: act {act.shape} for [gate | up] of {N} each")
+        self.k.gemm(wtype, "moe_gateup")((_cdiv(2 * N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, act, x,
+                                         slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0, g.tile_rows,
+                                         g.n_tiles, g.pair_token, 2 * N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
         self.k.gemm(wtype, "moe_down")((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,

@@ -73,7 +73,8 @@ def test_rmsnorm_gated(ops):
 
 # ---- products ----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("M, N, K", [(70, 97, 96), (1, 64, 32), (130, 5, 320), (300, 200, 64)])   # 300: 128-wide tiles
+@pytest.mark.parametrize("M, N, K", [(70, 97, 96), (1, 64, 32), (130, 5, 320), (300, 1100, 64), (70, 40, 608)])
+# 300 x 1100: 128-wide tiles; N <= 64: the narrow kernel (K past several 256-steps)
 def test_gemm(ops, kind, M, N, K):
     rng = np.random.default_rng(M + N)
     raw, W = quantized(rng, (N, K), kind)
@@ -170,9 +171,9 @@ def test_moe_experts_and_combine(ops, kind):
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
     ops.moe_group(g, T, E, k)
-    act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
+    act, y, h = empty(ops, (T * k, 2 * ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
-    ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, gate_b, g, ff, d, kind)
+    ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)
     ops.moe_down(y, act, dslot, dmap, expert_bytes, 2 * gate_b, g, d, ff, kind)
     ops.moe_combine(h, y, g, dev(ops, shared_out), dx, dev(ops, shared), T, d, k)
 

@@ -148,13 +148,23 @@ FM_KERNEL void gdn_chunk_state(float *S, float *S0, float *Vn, const float *W, c
         int t0 = chunk_start[ci], n = chunk_len[ci];
         if (has_col)
             for (int r = row; r < dk; r += FM_CHUNK_THREADS / FM_SLAB) S0[(ch * dk + r) * dv + c0 + col] = Ss[r][col];
-        /* Vn = U - W S0: thread owns (i, c) = (idx / 32, idx % 32) */
-        for (int u = 0; u < FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS; u++) {
+        /* Vn = U - W S0, W in slabs of 32 key dims through shared memory: thread owns
+         * (i, c) = (idx / 32, idx % 32) */
+        const int per = FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS;
+        float acc[per];
+        for (int u = 0; u < per; u++) acc[u] = 0.0f;
+        for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {
+            fm_load_slab(Ks, W + ch * FM_CHUNK * dk, dk, 0, 0, FM_CHUNK, r0, dk, 0);
+            __syncthreads();
+            for (int u = 0; u < per; u++) {
+                int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
+                for (int r = 0; r < FM_SLAB; r++) acc[u] = fm_fma(Ks[i][r], Ss[r0 + r][c], acc[u]);
+            }
+            __syncthreads();
+        }
+        for (int u = 0; u < per; u++) {
             int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
-            const float *w = W + (ch * FM_CHUNK + i) * dk;
-            float acc = 0.0f;
-            for (int r = 0; r < dk; r++) acc = fm_fma(w[r], Ss[r][c], acc);
-            float vn = i < n && c0 + c < dv ? U[(ch * FM_CHUNK + i) * dv + c0 + c] - acc : 0.0f;
+            float vn = i < n && c0 + c < dv ? U[(ch * FM_CHUNK + i) * dv + c0 + c] - acc[u] : 0.0f;
             Vs[i][c] = vn;
             if (c0 + c < dv) Vn[(ch * FM_CHUNK + i) * dv + c0 + c] = vn;
         }

@@ -17,9 +17,14 @@
  *   gemm_T        C (+)= A W^T                 (accumulate != 0 adds: the residual)
  *   gemm_wide_T   the same in 128 x 128 tiles (8 x 8 a thread): long prompts
  *   gemm_gated_T  C = silu(A Wg^T) * (A Wu^T)  (the shared expert's gate and up)
- *   moe_gateup_T  (64 x 128 tiles) act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of
- *                 each expert e, x gathered by token (pair_token[p])
- *   moe_down_T    y[p] = act[p] Wd_e^T
+ *   gemm_narrow_T the same for outputs of a few columns (the GDN's beta and alpha): a
+ *                 block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
+ *                 long prompt still spreads over every SM
+ *   moe_gateup_T  act[p] = x [Wg_e; Wu_e]^T (64 x 128 tiles) for the grouped rows p of
+ *                 each expert e, x gathered by token (pair_token[p]): an expert's gate
+ *                 and up rows are contiguous, so they are one matrix of N = 2 ff rows
+ *   moe_down_T    y[p] = (silu(act_gate[p]) * act_up[p]) Wd_e^T, SiLU * up fused into
+ *                 the load of A
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to
  * 64 of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
@@ -42,7 +47,7 @@ struct fm_tile_regs {
     float w[BN / 64][8];
 };
 
-template <int BM>
+template <int BM, bool SWIGLU>
 FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
                           int K)
 {
@@ -54,7 +59,7 @@ FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const in
             int src = rows_map ? rows_map[m0 + m] : m0 + m;
             const float *p = A + (long long)src * lda + k0 + c;
             for (int j = 0; j < 4; j++)
-                if (k0 + c + j < K) a[i][j] = p[j];
+                if (k0 + c + j < K) a[i][j] = SWIGLU ? fm_siluf(p[j]) * p[K + j] : p[j];
         }
     }
 }
@@ -111,8 +116,9 @@ FM_DEVICE void fm_mma(float acc[TM][TN], float (*As)[BM + 4], float (*Ws)[BN + 4
 }
 
 /* One BM x BN tile of rows [m0, m0 + rows) of A (or its gathered rows) against W
- * (and Wu when GATED). The result rows go to C rows c0 + m. BM, BN: 64 or 128. */
-template <int WT, int BM, int BN, bool GATED>
+ * (and Wu when GATED). The result rows go to C rows c0 + m. BM, BN: 64 or 128.
+ * SWIGLU: A's rows are [gate | up], K each, and the product takes silu(gate) * up. */
+template <int WT, int BM, int BN, bool GATED, bool SWIGLU = false>
 FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const float *A, int lda, const int *rows_map,
                             int m0, int rows, const uint8_t *W, const uint8_t *Wu, int n0, int N, int K)
 {
@@ -129,7 +135,7 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const flo
     long long row_bytes = fm_row_bytes(WT, K);
     int nkb = (K + FM_BK - 1) / FM_BK;
     float ra[BM / 32][4], rw[BN / 64][8], ru[GATED ? BN / 64 : 1][8];
-    fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, 0, K);
+    fm_fetch_a<BM, SWIGLU>(ra, A, lda, rows_map, m0, rows, 0, K);
     fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, 0, K);
     if constexpr (GATED) fm_fetch_w<WT, BN>(ru, Wu, row_bytes, n0, N, 0, K);
     for (int kb = 0; kb < nkb; kb++) {
@@ -138,7 +144,7 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const flo
         if constexpr (GATED) fm_store_w<WT, BN>(Us, ru);
         __syncthreads();
         if (kb + 1 < nkb) {                  /* the next block's loads fly while this one multiplies */
-            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, (kb + 1) * FM_BK, K);
+            fm_fetch_a<BM, SWIGLU>(ra, A, lda, rows_map, m0, rows, (kb + 1) * FM_BK, K);
             fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, kb + 1, K);
             if constexpr (GATED) fm_fetch_w<WT, BN>(ru, Wu, row_bytes, n0, N, kb + 1, K);
         }
@@ -158,6 +164,41 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const flo
             if constexpr (GATED) v = fm_siluf(v) * accu[i][j];
             c[n] = accumulate ? c[n] + v : v;
         }
+    }
+}
+
+/* C[m0 .. m0 + 8, n0 .. n0 + 32) = A W^T for a narrow W: thread (r, c) = (tid / 32,
+ * tid % 32) sums one output over K; each step stages 256 of K: W's 32 rows x 8
+ * blocks dequantised (a block a thread) and A's 8 rows, in shared memory. */
+#define FM_NARROW_K 256
+template <int WT>
+FM_DEVICE void fm_gemm_narrow(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda, int ldc,
+                              int accumulate)
+{
+    __shared__ float Ws[FM_NARROW_K][33];
+    __shared__ float As[8][FM_NARROW_K];
+    int tid = threadIdx.x, r = tid / 32, c = tid % 32, m0 = blockIdx.x * 8, n0 = blockIdx.y * 32;
+    long long row_bytes = fm_row_bytes(WT, K);
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += FM_NARROW_K) {
+        int wc = tid % 32, wb = tid / 32;                      /* column wc, block k0 / 32 + wb */
+        for (int q = 0; q < 4; q++) {
+            float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (n0 + wc < N && k0 + wb * FM_QK < K)
+                fm_quarter<WT>(W + (long long)(n0 + wc) * row_bytes, k0 / FM_QK + wb, q, K, v);
+            for (int i = 0; i < 8; i++) Ws[wb * FM_QK + fm_quarter_k<WT>(q, i)][wc] = v[i];
+        }
+        for (int idx = tid; idx < 8 * FM_NARROW_K; idx += blockDim.x) {
+            int rr = idx / FM_NARROW_K, k = idx % FM_NARROW_K;
+            As[rr][k] = m0 + rr < M && k0 + k < K ? A[(long long)(m0 + rr) * lda + k0 + k] : 0.0f;
+        }
+        __syncthreads();
+        for (int k = 0; k < FM_NARROW_K; k++) acc = fm_fma(As[r][k], Ws[k][c], acc);
+        __syncthreads();
+    }
+    if (m0 + r < M && n0 + c < N) {
+        float *out = C + (long long)(m0 + r) * ldc + n0 + c;
+        *out = accumulate ? *out + acc : acc;
     }
 }
 
@@ -196,15 +237,15 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
                                        K);                                                                         \
     }                                                                                                              \
     FM_KERNEL void moe_gateup_##T(float *act, const float *x, const uint8_t *slot, const int *slot_map,            \
-                                  long long expert_bytes, long long up_offset, const int *tile_expert,             \
-                                  const int *tile_row0, const int *tile_rows, const int *n_tiles,                  \
-                                  const int *pair_token, int N, int K, int lda)                                    \
+                                  long long expert_bytes, const int *tile_expert, const int *tile_row0,            \
+                                  const int *tile_rows, const int *n_tiles, const int *pair_token, int N, int K,   \
+                                  int lda)                                                                         \
     {                                                                                                              \
         int e, row0, rows;                                                                                         \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                      \
-        fm_gemm_tile<WT, 64, 128, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, w + up_offset,         \
-                                        blockIdx.x * 128, N, K);                                                   \
+        fm_gemm_tile<WT, 64, 128, false>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, 0, blockIdx.x * 128,  \
+                                         N, K);                                                                    \
     }                                                                                                              \
     FM_KERNEL void moe_down_##T(float *y, const float *act, const uint8_t *slot, const int *slot_map,              \
                                 long long expert_bytes, long long down_offset, const int *tile_expert,             \
@@ -213,7 +254,13 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                         \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
-        fm_gemm_tile<WT, 64, 128, false>(y, N, row0, 0, act, K, 0, row0, rows, w, 0, blockIdx.x * 128, N, K);      \
+        fm_gemm_tile<WT, 64, 128, false, true>(y, N, row0, 0, act, 2 * K, 0, row0, rows, w, 0, blockIdx.x * 128,   \
+                                               N, K);                                                              \
+    }                                                                                                              \
+    FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
+                                   int ldc, int accumulate)                                                        \
+    {                                                                                                              \
+        fm_gemm_narrow<WT>(C, A, W, M, N, K, lda, ldc, accumulate);                                                \
     }
 
 FM_GEMM_ENTRIES(f32, FM_W_F32)

@@ -5,7 +5,8 @@
  *   moe_route    logits [T, E] -> softmax over all E experts, the top k (largest
  *                first, ties to the lower index), renormalised to sum 1:
  *                topk_ids, topk_w [T, k]; counts[e] += tokens routed to e
- *                (grid: ceil(T / 128), block 128: a thread a token)
+ *                (grid: T, block 128: a token's experts in shared memory, k block-wide
+ *                argmaxes; E <= 1024)
  *   moe_tiles    counts -> offsets [E + 1] (exclusive sums), and the tile table:
  *                tile i = (tile_expert, tile_row0, tile_rows), up to bm grouped rows
  *                of one expert; *n_tiles tiles (grid 1, block 1: E steps)
@@ -20,31 +21,65 @@
 #include "prelude.cuh"
 #include "reduce.cuh"
 
+#define FM_ROUTE_THREADS 128
+#define FM_MAX_EXPERTS 1024
+
+/* The larger of two (value, index) pairs; equal values: the lower index. */
+FM_DEVICE bool fm_better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
 FM_KERNEL void moe_route(int *topk_ids, float *topk_w, int *counts, const float *logits, int T, int E, int k)
 {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
-    const float *l = logits + (long long)t * E;
-    float mx = l[0];
-    for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
-    float sum = 0.0f;
-    for (int e = 0; e < E; e++) sum += fm_expf(l[e] - mx);
-    int *ids = topk_ids + (long long)t * k;
-    float *w = topk_w + (long long)t * k;
-    float kept = 0.0f;
-    for (int s = 0; s < k; s++) {          /* the s-th largest: strictly below the last one taken */
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            bool taken = false;
-            for (int r = 0; r < s; r++) taken |= ids[r] == e;
-            if (!taken && (best < 0 || l[e] > l[best])) best = e;
-        }
-        ids[s] = best;
-        w[s] = fm_expf(l[best] - mx) / sum;
-        kept += w[s];
-        atomicAdd(&counts[best], 1);
+    __shared__ float l[FM_MAX_EXPERTS];
+    __shared__ float rv[FM_ROUTE_THREADS];
+    __shared__ int ri[FM_ROUTE_THREADS];
+    __shared__ float scratch[FM_ROUTE_THREADS];
+    int t = blockIdx.x, tid = threadIdx.x;
+    const float *lt = logits + (long long)t * E;
+    float mx = fm_neg_inf();
+    for (int e = tid; e < E; e += blockDim.x) {
+        l[e] = lt[e];
+        mx = fmaxf(mx, l[e]);
     }
-    for (int s = 0; s < k; s++) w[s] /= kept;
+    rv[tid] = mx;
+    __syncthreads();
+    for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (tid < h) rv[tid] = fmaxf(rv[tid], rv[tid + h]);
+        __syncthreads();
+    }
+    mx = rv[0];
+    __syncthreads();
+    float part = 0.0f;
+    for (int e = tid; e < E; e += blockDim.x) part += fm_expf(l[e] - mx);
+    float sum = fm_block_sum(part, scratch);
+    float kept = 0.0f;
+    for (int s = 0; s < k; s++) {           /* the s-th largest: a block-wide argmax, ties to the lower index */
+        float bv = fm_neg_inf();
+        int bi = E;
+        for (int e = tid; e < E; e += blockDim.x)
+            if (fm_better(l[e], e, bv, bi)) bv = l[e], bi = e;
+        rv[tid] = bv;
+        ri[tid] = bi;
+        __syncthreads();
+        for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (tid < h && fm_better(rv[tid + h], ri[tid + h], rv[tid], ri[tid])) {
+                rv[tid] = rv[tid + h];
+                ri[tid] = ri[tid + h];
+            }
+            __syncthreads();
+        }
+        if (tid == 0) {
+            int best = ri[0];
+            float p = fm_expf(l[best] - mx) / sum;
+            topk_ids[(long long)t * k + s] = best;
+            topk_w[(long long)t * k + s] = p;
+            kept += p;
+            atomicAdd(&counts[best], 1);
+            l[best] = fm_neg_inf();          /* taken */
+        }
+        __syncthreads();
+    }
+    if (tid == 0)
+        for (int s = 0; s < k; s++) topk_w[(long long)t * k + s] /= kept;
 }
 
 FM_KERNEL void moe_tiles(int *offsets, int *tile_expert, int *tile_row0, int *tile_rows, int *n_tiles,
