@@ -258,12 +258,10 @@ class GPUEngine:
         self.experts.release(L)
         shared = None
         if cfg.n_ff_shexp:
-            fs, gate, up, down = cfg.n_ff_shexp, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"]
-            if gate.wtype != up.wtype:
-                raise FermoeError(f"blk.{L}: shared expert gate {gate.wtype} and up {up.wtype} differ")
+            fs, gate_up, down = cfg.n_ff_shexp, w["ffn_gate_up_shexp"], w["ffn_down_shexp"]
             self._mark("dense")
-            ops.gemm_gated(ws.shared_act, ws.x, gate.data, up.data, n, fs, d, gate.wtype)
-            ops.gemm(ws.shared_out, ws.shared_act, down.data, n, d, fs, down.wtype)
+            ops.gemm(ws.shared_act, ws.x, gate_up.data, n, 2 * fs, d, gate_up.wtype)
+            ops.gemm(ws.shared_out, ws.shared_act, down.data, n, d, fs, down.wtype, swiglu=True)
             shared = ws.shared_out
         gate_vec = w["ffn_gate_inp_shexp"].data if shared is not None else None
         self._mark("experts")

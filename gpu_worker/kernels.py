@@ -33,7 +33,6 @@ for _t in WEIGHT_TYPES:
     SIGNATURES.update({
         f"gemm_{_t}": "PPPiiiiii",
         f"gemm_wide_{_t}": "PPPiiiiii",
-        f"gemm_gated_{_t}": "PPPPiiiii",
         f"moe_gateup_{_t}": "PPPPqPPPPPiii",
         f"gemm_narrow_{_t}": "PPPiiiiii",
         f"moe_down_{_t}": "PPPPqqPPPPii",
@@ -83,5 +82,5 @@ class Kernels:
             setattr(self, name, Kernel(module.get_function(name), name, signature, device, debug, self))
 
     def gemm(self, wtype: str, kind: str = "gemm"):
-        """The GEMM entry of `kind` (gemm, gemm_gated, moe_gateup, moe_down) for a weight type."""
+        """The GEMM entry of `kind` (gemm, gemm_wide, gemm_narrow, moe_gateup, moe_down) for a weight type."""
         return getattr(self, f"{kind}_{wtype}")

@@ -10,7 +10,9 @@ from .kernels import Kernels, LaunchError
 GEMM_TILE = 64          # gemm.cu's BM = BN
 WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
 NARROW_COLS = 64                             # up to this many columns, the narrow kernel
+ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
 CHUNK = 64              # gdn_chunk.cu's chunk
+STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
 MAX_HEAD_DIM = 256      # attention.cu
 MAX_EXPERTS = 1024      # moe.cu's moe_route keeps a token's router logits in shared memory
@@ -48,21 +50,20 @@ class Ops:
 
     # ---- products ------------------------------------------------------------
     def gemm(self, C: DeviceArray, A: DeviceArray, W, M: int, N: int, K: int, wtype: str, accumulate: bool = False,
-             lda: int | None = None, ldc: int | None = None):
-        lda, ldc = lda or K, ldc or N
+             swiglu: bool = False, lda: int | None = None, ldc: int | None = None):
+        """C (+)= A W^T; with `swiglu` A's rows are [gate | up] of K each and the product
+        takes silu(gate) * up (an FFN's down projection, its activation fused)."""
+        lda, ldc = lda or (2 * K if swiglu else K), ldc or N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
+        flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
         if M >= WIDE_FROM_ROWS and N >= WIDE_FROM_COLS:     # 128 x 128 tiles: twice the FMAs a shared load
             grid, kind = (_cdiv(N, 2 * GEMM_TILE), _cdiv(M, 2 * GEMM_TILE)), "gemm_wide"
-        elif N <= NARROW_COLS:                              # a few columns: 8-row tiles, every SM busy
+        elif N <= NARROW_COLS and not swiglu:               # a few columns: 8-row tiles, every SM busy
             grid, kind = (_cdiv(M, 8), _cdiv(N, 32)), "gemm_narrow"
         else:
             grid, kind = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE)), "gemm"
-        self.k.gemm(wtype, kind)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, int(accumulate))
-
-    def gemm_gated(self, C, A, Wg, Wu, M: int, N: int, K: int, wtype: str):
-        grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE))
-        self.k.gemm(wtype, "gemm_gated")(grid, (256,), self.stream, C, A, Wg, Wu, M, N, K, K, N)
+        self.k.gemm(wtype, kind)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, flags)
 
     # ---- MoE -------------------------------------------------------------------
     def moe_route(self, topk_ids, topk_w, counts: DeviceArray, logits, T: int, E: int, k: int):
@@ -131,7 +132,7 @@ class Ops:
         s = self.stream
         self.k.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g, w.chunk_start,
                               w.chunk_len, hk, hv, dk, dv, ldv, int(tiled))
-        self.k.gdn_chunk_state((hv, _cdiv(dv, 32)), (256,), s, S, w.S0, w.Vn, w.W, w.U, w.Gc, k, w.chunk_start,
+        self.k.gdn_chunk_state((hv, _cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W, w.U, w.Gc, k, w.chunk_start,
                                w.chunk_len, nc, hk, hv, dk, dv, int(tiled))
         self.k.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P, w.Gc, w.chunk_start,
                                 w.chunk_len, hk, hv, dk, dv, int(tiled))

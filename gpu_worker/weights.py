@@ -52,8 +52,23 @@ def upload_weight(device, w: Weight) -> GpuWeight:
 
 
 def resident_tensors(layer: Layer) -> dict[str, Weight]:
-    """The tensors of a block that stay in VRAM: all but the routed experts."""
-    return {name: w for name, w in vars(layer).items() if isinstance(w, Weight) and name not in EXPERT_TENSORS}
+    """The tensors of a block that stay in VRAM: all but the routed experts; the shared
+    expert's gate and up as one matrix of their rows, ffn_gate_up_shexp (one GEMM, its
+    SwiGLU fused into the down projection's load)."""
+    out = {name: w for name, w in vars(layer).items() if isinstance(w, Weight) and name not in EXPERT_TENSORS}
+    if "ffn_gate_shexp" in out:
+        out["ffn_gate_up_shexp"] = _stack_rows(out.pop("ffn_gate_shexp"), out.pop("ffn_up_shexp"))
+    return out
+
+
+def _stack_rows(a: Weight, b: Weight) -> Weight:
+    """[a; b]: b's rows after a's, in their type when they share one (F32 otherwise)."""
+    name = a.name.replace("ffn_gate_shexp", "ffn_gate_up_shexp")
+    shape = (a.shape[0] + b.shape[0], a.shape[1])
+    if a.qtype == b.qtype and not _as_f32(a):
+        return Weight(name, a.qtype, shape, np.concatenate([a.raw, b.raw]))
+    values = np.concatenate([a.f32(), b.f32()]).astype(np.float32)
+    return Weight(name, GGMLType.F32, shape, values.view(np.uint8).reshape(-1))
 
 
 def resident_nbytes(model: Model) -> int:

@@ -101,14 +101,16 @@ def test_gemm_rows_not_whole_blocks(ops, kind):
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "f32"])
-def test_gemm_gated(ops, kind):
+@pytest.mark.parametrize("M", [67, 300])
+def test_gemm_swiglu_and_accumulate(ops, kind, M):
+    """An FFN's down projection: A's rows are [gate | up], the product reads silu(gate) * up."""
     rng = np.random.default_rng(5)
-    graw, Wg = quantized(rng, (40, 64), kind)
-    uraw, Wu = quantized(rng, (40, 64), kind)
-    A = rng.standard_normal((67, 64)).astype(np.float32)
-    C = empty(ops, (67, 40))
-    ops.gemm_gated(C, dev(ops, A), dev(ops, graw), dev(ops, uraw), 67, 40, 64, kind)
-    close(C.download(), R.silu(A @ Wg.T) * (A @ Wu.T))
+    raw, W = quantized(rng, (1100, 64), kind)
+    A = rng.standard_normal((M, 128)).astype(np.float32)
+    C0 = rng.standard_normal((M, 1100)).astype(np.float32)
+    C = dev(ops, C0)
+    ops.gemm(C, dev(ops, A), dev(ops, raw), M, 1100, 64, kind, accumulate=True, swiglu=True)
+    close(C.download(), C0 + (R.silu(A[:, :64]) * A[:, 64:]) @ W.T)
 
 
 # ---- MoE -------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@
  *                     grid (nc, hv), block 256; shared: A/T [64][65], K and Q slabs
  *                     [64][33] (dk in slabs of 32)
  *   gdn_chunk_state   the only sequential part: chunk after chunk, Vn and S1 from S0;
- *                     a block holds 32 value columns of a head's state in shared
- *                     memory [dk][33]. grid (hv, ceil(dv / 32)), block 256
+ *                     a block holds 16 value columns of a head's state in shared
+ *                     memory [dk][17] (many small blocks: the chain of chunks is
+ *                     short work a step). grid (hv, ceil(dv / 16)), block 256
  *   gdn_chunk_output  O from S0, P, Vn: every chunk in parallel
  *                     grid (nc, hv, ceil(dv / 32)), block 256 */
 #include "prelude.cuh"
@@ -130,40 +131,43 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
     }
 }
 
+#define FM_STATE_COLS 16     /* value columns of a head's state a block of the state pass holds */
+
 FM_KERNEL void gdn_chunk_state(float *S, float *S0, float *Vn, const float *W, const float *U, const float *Gc,
                                const float *k, const int *chunk_start, const int *chunk_len, int nc, int hk, int hv,
                                int dk, int dv, int tiled)
 {
-    __shared__ float Ss[FM_GDN_MAX_DK][FM_SLAB + 1];
-    __shared__ float Vs[FM_CHUNK][FM_SLAB + 1], Ks[FM_CHUNK][FM_SLAB + 1];
+    const int C = FM_STATE_COLS, ROWS = FM_CHUNK_THREADS / C;   /* a thread: column tid % C, rows tid / C + ROWS u */
+    __shared__ float Ss[FM_GDN_MAX_DK][FM_STATE_COLS + 1];
+    __shared__ float Vs[FM_CHUNK][FM_STATE_COLS + 1], Ks[FM_CHUNK][FM_SLAB + 1];
     __shared__ float scale[FM_CHUNK];
-    int h = blockIdx.x, c0 = blockIdx.y * FM_SLAB, tid = threadIdx.x, kh = fm_chunk_key_head(h, hk, hv, tiled);
-    int col = tid % FM_SLAB, row = tid / FM_SLAB;         /* S entries (row + 8 u, col) are this thread's */
+    int h = blockIdx.x, c0 = blockIdx.y * C, tid = threadIdx.x, kh = fm_chunk_key_head(h, hk, hv, tiled);
+    int col = tid % C, row = tid / C;
     bool has_col = c0 + col < dv;
     float *Sh = S + (long long)h * dk * dv;
-    for (int r = row; r < dk; r += FM_CHUNK_THREADS / FM_SLAB) Ss[r][col] = has_col ? Sh[(long long)r * dv + c0 + col] : 0.0f;
+    for (int r = row; r < dk; r += ROWS) Ss[r][col] = has_col ? Sh[(long long)r * dv + c0 + col] : 0.0f;
     __syncthreads();
     for (int ci = 0; ci < nc; ci++) {
         long long ch = (long long)ci * hv + h;
         int t0 = chunk_start[ci], n = chunk_len[ci];
         if (has_col)
-            for (int r = row; r < dk; r += FM_CHUNK_THREADS / FM_SLAB) S0[(ch * dk + r) * dv + c0 + col] = Ss[r][col];
+            for (int r = row; r < dk; r += ROWS) S0[(ch * dk + r) * dv + c0 + col] = Ss[r][col];
         /* Vn = U - W S0, W in slabs of 32 key dims through shared memory: thread owns
-         * (i, c) = (idx / 32, idx % 32) */
-        const int per = FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS;
+         * the outputs (i, c) = (idx / C, idx % C), idx = tid + 256 u */
+        const int per = FM_CHUNK * C / FM_CHUNK_THREADS;
         float acc[per];
         for (int u = 0; u < per; u++) acc[u] = 0.0f;
         for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {
             fm_load_slab(Ks, W + ch * FM_CHUNK * dk, dk, 0, 0, FM_CHUNK, r0, dk, 0);
             __syncthreads();
             for (int u = 0; u < per; u++) {
-                int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
+                int idx = tid + FM_CHUNK_THREADS * u, i = idx / C, c = idx % C;
                 for (int r = 0; r < FM_SLAB; r++) acc[u] = fm_fma(Ks[i][r], Ss[r0 + r][c], acc[u]);
             }
             __syncthreads();
         }
         for (int u = 0; u < per; u++) {
-            int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
+            int idx = tid + FM_CHUNK_THREADS * u, i = idx / C, c = idx % C;
             float vn = i < n && c0 + c < dv ? U[(ch * FM_CHUNK + i) * dv + c0 + c] - acc[u] : 0.0f;
             Vs[i][c] = vn;
             if (c0 + c < dv) Vn[(ch * FM_CHUNK + i) * dv + c0 + c] = vn;
@@ -176,16 +180,16 @@ FM_KERNEL void gdn_chunk_state(float *S, float *S0, float *Vn, const float *W, c
         for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {
             fm_load_slab(Ks, k, (long long)hk * dk, kh * dk, t0, n, r0, dk, scale);
             __syncthreads();
-            for (int r = r0 + row; r < r0 + FM_SLAB && r < dk; r += FM_CHUNK_THREADS / FM_SLAB) {
-                float acc = Ss[r][col] * decay;
-                for (int i = 0; i < n; i++) acc = fm_fma(Ks[i][r - r0], Vs[i][col], acc);
-                Ss[r][col] = acc;
+            for (int r = r0 + row; r < r0 + FM_SLAB && r < dk; r += ROWS) {
+                float a = Ss[r][col] * decay;
+                for (int i = 0; i < n; i++) a = fm_fma(Ks[i][r - r0], Vs[i][col], a);
+                Ss[r][col] = a;
             }
             __syncthreads();
         }
     }
     if (has_col)
-        for (int r = row; r < dk; r += FM_CHUNK_THREADS / FM_SLAB) Sh[(long long)r * dv + c0 + col] = Ss[r][col];
+        for (int r = row; r < dk; r += ROWS) Sh[(long long)r * dv + c0 + col] = Ss[r][col];
 }
 
 FM_KERNEL void gdn_chunk_output(float *O, const float *q, const float *S0, const float *Vn, const float *P,

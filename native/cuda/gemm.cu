@@ -4,6 +4,10 @@
  *   W  [N, K] in type WT, rows of fm_row_bytes(WT, K) bytes (one row an output)
  *   C  [M, N] fp32, row stride ldc
  *
+ * flags: FM_ACCUMULATE adds to C (the residual); FM_SWIGLU reads A's rows as
+ * [gate | up], K each, and multiplies silu(gate) * up (the SwiGLU of an FFN, fused
+ * into the load of its down projection).
+ *
  * One block computes a BM x BN tile of C with 256 threads (16 x 16), each thread a
  * TM x TN micro-tile from registers (rows and columns in groups of four, fm_row).
  * The K loop takes one 32-element block at a time, the next fetched meanwhile:
@@ -14,23 +18,22 @@
  * (BM=BN=64: 17 KB of shared memory; 128: 34 KB.) Entry points, for each weight type T in
  * f32, f16, q4_0, q8_0:
  *
- *   gemm_T        C (+)= A W^T                 (accumulate != 0 adds: the residual)
- *   gemm_wide_T   the same in 128 x 128 tiles (8 x 8 a thread): long prompts
- *   gemm_gated_T  C = silu(A Wg^T) * (A Wu^T)  (the shared expert's gate and up)
+ *   gemm_T        C (+)= A W^T in 64 x 64 tiles
+ *   gemm_wide_T   the same in 128 x 128 tiles (8 x 8 a thread): long prompts, wide outputs
  *   gemm_narrow_T the same for outputs of a few columns (the GDN's beta and alpha): a
  *                 block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
- *                 long prompt still spreads over every SM
+ *                 long prompt still spreads over every SM (no FM_SWIGLU)
  *   moe_gateup_T  act[p] = x [Wg_e; Wu_e]^T (64 x 128 tiles) for the grouped rows p of
  *                 each expert e, x gathered by token (pair_token[p]): an expert's gate
  *                 and up rows are contiguous, so they are one matrix of N = 2 ff rows
- *   moe_down_T    y[p] = (silu(act_gate[p]) * act_up[p]) Wd_e^T, SiLU * up fused into
- *                 the load of A
+ *   moe_down_T    y[p] = (silu(act_gate[p]) * act_up[p]) Wd_e^T
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to
  * 64 of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
- * matrices in its slot of a layer buffer: slot + slot_map[e] * expert_bytes, the
- * gate at offset 0, up at up_offset, down at down_offset.
- * grid: (ceil(N / BN), ceil(M / BM)) dense, (ceil(N / BN), max tiles) MoE. */
+ * matrices in its slot of a layer buffer: slot + slot_map[e] * expert_bytes, gate
+ * and up at offset 0, down at down_offset.
+ * grid: (ceil(N / BN), ceil(M / BM)) dense, (ceil(M / 8), ceil(N / 32)) narrow,
+ * (ceil(N / 128), max tiles) MoE. */
 #include "prelude.cuh"
 #include "weights.cuh"
 
@@ -47,9 +50,12 @@ struct fm_tile_regs {
     float w[BN / 64][8];
 };
 
-template <int BM, bool SWIGLU>
+#define FM_ACCUMULATE 1
+#define FM_SWIGLU 2
+
+template <int BM>
 FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
-                          int K)
+                          int K, bool swiglu)
 {
     int c = (threadIdx.x & 7) * 4;
     for (int i = 0; i < BM / 32; i++) {
@@ -59,7 +65,7 @@ FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const in
             int src = rows_map ? rows_map[m0 + m] : m0 + m;
             const float *p = A + (long long)src * lda + k0 + c;
             for (int j = 0; j < 4; j++)
-                if (k0 + c + j < K) a[i][j] = SWIGLU ? fm_siluf(p[j]) * p[K + j] : p[j];
+                if (k0 + c + j < K) a[i][j] = swiglu ? fm_siluf(p[j]) * p[K + j] : p[j];
         }
     }
 }
@@ -115,41 +121,33 @@ FM_DEVICE void fm_mma(float acc[TM][TN], float (*As)[BM + 4], float (*Ws)[BN + 4
     }
 }
 
-/* One BM x BN tile of rows [m0, m0 + rows) of A (or its gathered rows) against W
- * (and Wu when GATED). The result rows go to C rows c0 + m. BM, BN: 64 or 128.
- * SWIGLU: A's rows are [gate | up], K each, and the product takes silu(gate) * up. */
-template <int WT, int BM, int BN, bool GATED, bool SWIGLU = false>
-FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const float *A, int lda, const int *rows_map,
-                            int m0, int rows, const uint8_t *W, const uint8_t *Wu, int n0, int N, int K)
+/* One BM x BN tile of rows [m0, m0 + rows) of A (or its gathered rows) against W.
+ * The result rows go to C rows c0 + m. BM, BN: 64 or 128. */
+template <int WT, int BM, int BN>
+FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A, int lda, const int *rows_map,
+                            int m0, int rows, const uint8_t *W, int n0, int N, int K)
 {
     const int TM = BM / 16, TN = BN / 16;
     __shared__ FM_ALIGN16 float As[FM_BK][BM + 4];
     __shared__ FM_ALIGN16 float Ws[FM_BK][BN + 4];
-    __shared__ FM_ALIGN16 float Us[GATED ? FM_BK : 1][GATED ? BN + 4 : 4];
-    float acc[TM][TN], accu[GATED ? TM : 1][GATED ? TN : 1];
+    float acc[TM][TN];
     for (int i = 0; i < TM; i++)
         for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
-    if constexpr (GATED)
-        for (int i = 0; i < TM; i++)
-            for (int j = 0; j < TN; j++) accu[i][j] = 0.0f;
+    bool swiglu = flags & FM_SWIGLU;
     long long row_bytes = fm_row_bytes(WT, K);
     int nkb = (K + FM_BK - 1) / FM_BK;
-    float ra[BM / 32][4], rw[BN / 64][8], ru[GATED ? BN / 64 : 1][8];
-    fm_fetch_a<BM, SWIGLU>(ra, A, lda, rows_map, m0, rows, 0, K);
+    float ra[BM / 32][4], rw[BN / 64][8];
+    fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, 0, K, swiglu);
     fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, 0, K);
-    if constexpr (GATED) fm_fetch_w<WT, BN>(ru, Wu, row_bytes, n0, N, 0, K);
     for (int kb = 0; kb < nkb; kb++) {
         fm_store_a<BM>(As, ra);
         fm_store_w<WT, BN>(Ws, rw);
-        if constexpr (GATED) fm_store_w<WT, BN>(Us, ru);
         __syncthreads();
         if (kb + 1 < nkb) {                  /* the next block's loads fly while this one multiplies */
-            fm_fetch_a<BM, SWIGLU>(ra, A, lda, rows_map, m0, rows, (kb + 1) * FM_BK, K);
+            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, (kb + 1) * FM_BK, K, swiglu);
             fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, kb + 1, K);
-            if constexpr (GATED) fm_fetch_w<WT, BN>(ru, Wu, row_bytes, n0, N, kb + 1, K);
         }
         fm_mma<TM, TN, BM, BN>(acc, As, Ws);
-        if constexpr (GATED) fm_mma<TM, TN, BM, BN>(accu, As, Us);
         __syncthreads();
     }
     int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
@@ -159,10 +157,7 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const flo
         float *c = C + (long long)(c0 + m) * ldc;
         for (int j = 0; j < TN; j++) {
             int n = n0 + fm_row(tx, j);
-            if (n >= N) continue;
-            float v = acc[i][j];
-            if constexpr (GATED) v = fm_siluf(v) * accu[i][j];
-            c[n] = accumulate ? c[n] + v : v;
+            if (n < N) c[n] = flags & FM_ACCUMULATE ? c[n] + acc[i][j] : acc[i][j];
         }
     }
 }
@@ -173,7 +168,7 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int accumulate, const flo
 #define FM_NARROW_K 256
 template <int WT>
 FM_DEVICE void fm_gemm_narrow(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda, int ldc,
-                              int accumulate)
+                              int flags)
 {
     __shared__ float Ws[FM_NARROW_K][33];
     __shared__ float As[8][FM_NARROW_K];
@@ -198,7 +193,7 @@ FM_DEVICE void fm_gemm_narrow(float *C, const float *A, const uint8_t *W, int M,
     }
     if (m0 + r < M && n0 + c < N) {
         float *out = C + (long long)(m0 + r) * ldc + n0 + c;
-        *out = accumulate ? *out + acc : acc;
+        *out = flags & FM_ACCUMULATE ? *out + acc : acc;
     }
 }
 
@@ -216,25 +211,22 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
 
 #define FM_GEMM_ENTRIES(T, WT)                                                                                     \
     FM_KERNEL void gemm_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda, int ldc,     \
-                            int accumulate)                                                                        \
+                            int flags)                                                                             \
     {                                                                                                              \
         int m0 = blockIdx.y * 64;                                                                                  \
-        fm_gemm_tile<WT, 64, 64, false>(C, ldc, m0, accumulate, A, lda, 0, m0, fm_mini(64, M - m0), W, 0,              \
-                                        blockIdx.x * 64, N, K);                                                    \
+        fm_gemm_tile<WT, 64, 64>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(64, M - m0), W, blockIdx.x * 64, N, K); \
     }                                                                                                              \
-    FM_KERNEL FM_BOUNDS(256, 2) void gemm_wide_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
-                                 int ldc, int accumulate)                                                          \
+    FM_KERNEL FM_BOUNDS(256, 2) void gemm_wide_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, \
+                                                   int lda, int ldc, int flags)                                    \
     {                                                                                                              \
         int m0 = blockIdx.y * 128;                                                                                 \
-        fm_gemm_tile<WT, 128, 128, false>(C, ldc, m0, accumulate, A, lda, 0, m0, fm_mini(128, M - m0), W, 0,       \
-                                          blockIdx.x * 128, N, K);                                                 \
+        fm_gemm_tile<WT, 128, 128>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(128, M - m0), W, blockIdx.x * 128, N, \
+                                   K);                                                                             \
     }                                                                                                              \
-    FM_KERNEL void gemm_gated_##T(float *C, const float *A, const uint8_t *Wg, const uint8_t *Wu, int M, int N,    \
-                                  int K, int lda, int ldc)                                                         \
+    FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
+                                   int ldc, int flags)                                                             \
     {                                                                                                              \
-        int m0 = blockIdx.y * 64;                                                                                  \
-        fm_gemm_tile<WT, 64, 64, true>(C, ldc, m0, 0, A, lda, 0, m0, fm_mini(64, M - m0), Wg, Wu, blockIdx.x * 64, N,  \
-                                       K);                                                                         \
+        fm_gemm_narrow<WT>(C, A, W, M, N, K, lda, ldc, flags);                                                     \
     }                                                                                                              \
     FM_KERNEL void moe_gateup_##T(float *act, const float *x, const uint8_t *slot, const int *slot_map,            \
                                   long long expert_bytes, const int *tile_expert, const int *tile_row0,            \
@@ -244,8 +236,7 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                         \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                      \
-        fm_gemm_tile<WT, 64, 128, false>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, 0, blockIdx.x * 128,  \
-                                         N, K);                                                                    \
+        fm_gemm_tile<WT, 64, 128>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * 128, N, K);     \
     }                                                                                                              \
     FM_KERNEL void moe_down_##T(float *y, const float *act, const uint8_t *slot, const int *slot_map,              \
                                 long long expert_bytes, long long down_offset, const int *tile_expert,             \
@@ -254,13 +245,7 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                         \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
-        fm_gemm_tile<WT, 64, 128, false, true>(y, N, row0, 0, act, 2 * K, 0, row0, rows, w, 0, blockIdx.x * 128,   \
-                                               N, K);                                                              \
-    }                                                                                                              \
-    FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
-                                   int ldc, int accumulate)                                                        \
-    {                                                                                                              \
-        fm_gemm_narrow<WT>(C, A, W, M, N, K, lda, ldc, accumulate);                                                \
+        fm_gemm_tile<WT, 64, 128>(y, N, row0, FM_SWIGLU, act, 2 * K, 0, row0, rows, w, blockIdx.x * 128, N, K);    \
     }
 
 FM_GEMM_ENTRIES(f32, FM_W_F32)
