@@ -16,6 +16,7 @@ out of the chunked recurrence as it passes; their conv states, KV and logits too
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numpy as np
 
@@ -76,10 +77,15 @@ class GPUEngine:
         self._fit(n, n)
         log.info("%s: %s", self.device.name, self.plan.describe())
         self.profile = None                     # a PhaseTimer, for bench prefill
+        self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer (new_state's)
+        self._staging = None                    # page-locked landing place for other states' results
+        self._kv_host: list[tuple[np.ndarray, np.ndarray]] = []
 
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
-        return SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype)
+        """An empty sequence whose recurrent buffer is page-locked: a prefill's state lands
+        in it by asynchronous copies while later layers compute."""
+        return self._pinned_state(SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype), 0)
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on."""
@@ -105,18 +111,22 @@ class GPUEngine:
         self._fit(T, start + T, [p - start for p in boundaries])
         self._upload_state(state)
         snaps = {p: self._pinned_state(state, p) for p in boundaries}
+        pinned = self._pinned.get(id(state.buffer)) is state.buffer
+        self._land = state if pinned else self._staging_state()
+        self._start, self._kv_land = start, self._kv_staging(T)
         out, snap_logits = [], {}
         for a in range(0, T, self.pass_n):
             b = min(T, a + self.pass_n)
             cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
             rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))
+            self._last_pass = b == T
             logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps)
             for r, row in zip(rows, logits):
                 snap_logits[start + a + r + 1] = row
             if all_logits:
                 out.append(logits)
-        self._download_state(state, start, T)
-        self.device.synchronize()              # the snapshots' asynchronous copies too
+        self.device.synchronize()              # the state's and the snapshots' asynchronous copies
+        self._finish_state(state, start, T)
         state.set_logits(snap_logits[start + T])
         for p, snap in snaps.items():
             self._finish_snapshot(snap, state, p, snap_logits[p])
@@ -195,6 +205,9 @@ class GPUEngine:
         ops.attn_qk_norm_rope(q, Kc, Vc, qg, kk, vv, w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos,
                               ws.rope_sin, p0, n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
                               self.kv_cache_dtype == "f16")
+        keys, values = self._kv_land[a]
+        self._to_host(keys[p0 - self._start:p0 - self._start + n], Kc.rows(p0, p0 + n))
+        self._to_host(values[p0 - self._start:p0 - self._start + n], Vc.rows(p0, p0 + n))
         ops.attn_prompt(attn, q, Kc, Vc, qg, p0, n, nh, nkv, hd)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
@@ -215,6 +228,8 @@ class GPUEngine:
             ops.gdn_conv_history(ws.conv_snap, state, qkv, c, n, C, K)
             self._to_host(snaps[p0 + c].conv[g_slot], ws.conv_snap)
         ops.gdn_conv_history(state, state, qkv, n, n, C, K)
+        if self._last_pass:
+            self._to_host(self._land.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
         v = conv.at(4 * 2 * cfg.ssm_key_dim, (n, hv * dv))
@@ -233,6 +248,8 @@ class GPUEngine:
             for c in cuts:
                 src = S if c == n else ws.chunks.S0.rows(self.chunk_at[c], self.chunk_at[c] + 1)
                 self._to_host(snaps[p0 + c].ssm[g_slot], src)
+        if self._last_pass:
+            self._to_host(self._land.ssm[g_slot], S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
@@ -344,21 +361,39 @@ class GPUEngine:
             raise FermoeError(f"the state keeps its KV in {state.kv.dtype_name}; this engine runs "
                               f"--kv-cache-dtype {self.kv_cache_dtype}")
         for g, L in enumerate(cfg.gdn_layers):
-            self.S[L].upload(state.ssm[g])
-            self.conv[L].upload(state.conv[g])
+            if state.position == 0:            # nothing consumed: the recurrent state is zero
+                self.S[L].zero(self.ops.stream)
+                self.conv[L].zero(self.ops.stream)
+            else:
+                self.S[L].upload(state.ssm[g])
+                self.conv[L].upload(state.conv[g])
         for a in range(len(cfg.attention_layers)):
             keys, values = state.kv.view(a)
             if len(keys):
                 self.Kc[a].rows(0, len(keys)).upload(keys)
                 self.Vc[a].rows(0, len(values)).upload(values)
 
-    def _download_state(self, state: SequenceState, start: int, T: int) -> None:
+    def _staging_state(self) -> SequenceState:
+        if self._staging is None:
+            self._staging = self._pinned_state(SequenceState(self.cfg, self.model.fingerprint), 0)
+        return self._staging
+
+    def _kv_staging(self, T: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Page-locked K and V rows of the prompt of every attention layer (grown as needed)."""
         cfg = self.cfg
-        for g, L in enumerate(cfg.gdn_layers):
-            state.ssm[g] = self.S[L].download()
-            state.conv[g] = self.conv[L].download()
-        for a in range(len(cfg.attention_layers)):
-            state.kv.append(a, self.Kc[a].rows(start, start + T).download(), self.Vc[a].rows(start, start + T).download())
+        if not self._kv_host or len(self._kv_host[0][0]) < T:
+            shape = (max(T, 2 * len(self._kv_host[0][0]) if self._kv_host else T), cfg.n_head_kv, cfg.head_dim)
+            self._kv_host = [(self.device.pagelocked_empty(shape, np.float32),
+                              self.device.pagelocked_empty(shape, np.float32)) for _ in cfg.attention_layers]
+        return self._kv_host
+
+    def _finish_state(self, state: SequenceState, start: int, T: int) -> None:
+        """The copies have landed (the caller synchronised): into the state, if they landed elsewhere."""
+        if self._land is not state:
+            state.ssm[:] = self._land.ssm
+            state.conv[:] = self._land.conv
+        for a, (keys, values) in enumerate(self._kv_land):
+            state.kv.append(a, keys[:T], values[:T])
         state.position = start + T
 
     def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
@@ -370,6 +405,7 @@ class GPUEngine:
         """A state whose recurrent buffer is page-locked, for the snapshot at `position`."""
         buf = self.device.pagelocked_empty((len(memoryview(state.buffer).cast("B")),), np.uint8)
         buf[:] = np.frombuffer(state.buffer, np.uint8)
+        self._pinned[id(buf)] = buf
         return SequenceState(self.cfg, self.model.fingerprint, buffer=buf, kv_block=state.kv.block,
                              kv_dtype=state.kv.dtype_name)
 

@@ -77,17 +77,21 @@ class KVCache:
         self._tables = None
 
     def append(self, slot: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store K, V [T, n_head_kv, head_dim] of the next T positions of layer `slot`."""
-        for t in range(k.shape[0]):
+        """Store K, V [T, n_head_kv, head_dim] of the next T positions of layer `slot`,
+        a page's run of rows at a time."""
+        t, T = 0, k.shape[0]
+        while t < T:
             pos = self.length[slot]
             page, row = divmod(pos, self.block)
             if page == len(self.k_pages[slot]):
                 self.k_pages[slot].append(np.zeros(self.page_shape, self.dtype))
                 self.v_pages[slot].append(np.zeros(self.page_shape, self.dtype))
                 self._tables = None
-            self.k_pages[slot][page][row] = k[t]
-            self.v_pages[slot][page][row] = v[t]
-            self.length[slot] = pos + 1
+            n = min(T - t, self.block - row)
+            self.k_pages[slot][page][row:row + n] = k[t:t + n]
+            self.v_pages[slot][page][row:row + n] = v[t:t + n]
+            self.length[slot] = pos + n
+            t += n
 
     def reserve(self, n_positions: int) -> None:
         """Pages for positions [0, n_positions) in every layer, for a native engine to fill."""
