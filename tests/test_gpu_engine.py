@@ -307,3 +307,33 @@ def test_bench_prefill_reports_its_floor_and_phases(tiny_q4_path, monkeypatch):
     assert out["floor"]["floor_s"] == max(out["floor"]["copy_s"], out["floor"]["compute_s"]) > 0
     assert set(out["phases_ms"]) >= {"dense", "experts", "attention", "gdn", "copy_wait", "lm_head"}
     assert out["gflop_by_part"]["experts"] > 0 and out["prefill_s"] > 0
+
+
+def test_host_expert_memory_is_interleaved_over_numa_nodes(tiny, monkeypatch):
+    """Where there are several NUMA nodes, the streamed layers' page-locked copies are
+    allocated and first touched under an interleave policy over all of them, and the
+    policy is put back after (a recorded py-libnuma: this machine has one node)."""
+    import sys
+    import types
+    calls = []
+    info = types.SimpleNamespace(get_max_node=lambda: 1)
+    memory = types.SimpleNamespace(set_interleave_nodes=lambda *n: calls.append(("interleave", n)),
+                                   set_local_alloc=lambda: calls.append(("local",)))
+    monkeypatch.setitem(sys.modules, "numa", types.SimpleNamespace(info=info, memory=memory))
+    engine = gpu(tiny, "emulate", resident=False)
+    engine.forward(PROMPT[:8], engine.new_state())
+    assert engine.experts.host_bytes == 4 * engine.experts.layer_bytes
+    assert calls == [("interleave", (0, 1)), ("local",)] * 4       # one streamed layer at a time
+
+
+@pytest.mark.parametrize("order", ["copy-first", "compute-first"])
+def test_a_short_prompt_copies_only_the_experts_it_uses(tiny, order):
+    """Three tokens route to at most six of the eight experts a layer: only those cross
+    (one copy each, packed in the slot), and the logits are those of all resident."""
+    resident = gpu(tiny, "emulate")
+    want = resident.forward(PROMPT[:3], resident.new_state())
+    engine = gpu(tiny, "emulate", order=order, resident=False)
+    got = engine.forward(PROMPT[:3], engine.new_state())
+    np.testing.assert_array_equal(got, want)
+    full = 4 * engine.experts.layer_bytes
+    assert 0 < engine.experts.copied_bytes <= full * 6 // 8
