@@ -34,6 +34,8 @@ for _t in WEIGHT_TYPES:
         f"gemm_{_t}": "PPPiiiiii",
         f"gemm_wide_{_t}": "PPPiiiiii",
         f"moe_gateup_{_t}": "PPPPqPPPPPiii",
+        f"moe_gateup_wide_{_t}": "PPPPqPPPPPiii",
+        f"moe_down_wide_{_t}": "PPPPqqPPPPii",
         f"gemm_narrow_{_t}": "PPPiiiiii",
         f"moe_down_{_t}": "PPPPqqPPPPii",
     })

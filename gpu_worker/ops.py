@@ -11,6 +11,7 @@ GEMM_TILE = 64          # gemm.cu's BM = BN
 WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
 NARROW_COLS = 64                             # up to this many columns, the narrow kernel
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
+WIDE_TILE_ROWS_PER_EXPERT = 192              # tokens an expert from which its tiles take 128 rows
 CHUNK = 64              # gdn_chunk.cu's chunk
 STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
@@ -72,9 +73,11 @@ class Ops:
         self.k.moe_route((T,), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
 
     def moe_group(self, g, T: int, E: int, k: int):
-        """Offsets, the tile table and the grouped order from g.counts (a MoeGroups)."""
+        """Offsets, the tile table and the grouped order from g.counts (a MoeGroups). With
+        many tokens an expert (uniform routing), tiles of 128 rows (the wide kernels)."""
+        g.wide = T * k >= WIDE_TILE_ROWS_PER_EXPERT * E
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
-                         g.counts, E, GEMM_TILE, g.max_tiles)
+                         g.counts, E, 2 * GEMM_TILE if g.wide else GEMM_TILE, g.max_tiles)
         P = T * k
         self.k.moe_scatter((_cdiv(P, 256),), (256,), self.stream, g.pair_token, g.pair_pos, g.cursor, g.offsets,
                            g.topk_ids, P, k)
@@ -82,12 +85,14 @@ class Ops:
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
         """act [P, 2N]: each grouped row's gate (N) then up (N) outputs."""
         _need(act.shape[-1] == 2 * N, f"moe_gateup: act {act.shape} for [gate | up] of {N} each")
-        self.k.gemm(wtype, "moe_gateup")((_cdiv(2 * N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, act, x,
+        kind = "moe_gateup_wide" if g.wide else "moe_gateup"
+        self.k.gemm(wtype, kind)((_cdiv(2 * N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, act, x,
                                          slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0, g.tile_rows,
                                          g.n_tiles, g.pair_token, 2 * N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
-        self.k.gemm(wtype, "moe_down")((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,
+        kind = "moe_down_wide" if g.wide else "moe_down"
+        self.k.gemm(wtype, kind)((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,
                                        slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                        g.tile_rows, g.n_tiles, N, K)
 
@@ -151,6 +156,7 @@ class MoeGroups:
         self.tile_expert, self.tile_row0, self.tile_rows = (DeviceArray(device, (self.max_tiles,), i32)
                                                             for _ in range(3))
         self.n_tiles = DeviceArray(device, (1,), i32)
+        self.wide = False            # tiles of 128 rows (set by Ops.moe_group)
         self.pair_token, self.pair_pos = DeviceArray(device, (P,), i32), DeviceArray(device, (P,), i32)
 
     def reset(self, stream):

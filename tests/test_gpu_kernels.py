@@ -148,13 +148,13 @@ def test_moe_route_and_group(ops):
     assert all(offsets[e] <= r0 and r0 + r <= offsets[e + 1] for e, r0, r in tiles)
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "f16"])
-def test_moe_experts_and_combine(ops, kind):
+@pytest.mark.parametrize("kind, T", [("q4_0", 90), ("q8_0", 90), ("f16", 90), ("q4_0", 700)])
+def test_moe_experts_and_combine(ops, kind, T):
     """The whole routed block from device routing: grouped gate/up and down products
     over every expert in one launch each, weighted combine with the shared expert,
-    against the reference's loop over experts."""
+    against the reference's loop over experts (T = 700: 233 rows an expert, 128-row tiles)."""
     rng = np.random.default_rng(7)
-    T, E, k, d, ff = 90, 6, 2, 64, 32
+    E, k, d, ff = 6, 2, 64, 32
     x = rng.standard_normal((T, d)).astype(np.float32)
     h0 = rng.standard_normal((T, d)).astype(np.float32)
     logits = (3 * rng.standard_normal((T, E))).astype(np.float32)
@@ -173,6 +173,7 @@ def test_moe_experts_and_combine(ops, kind):
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
     ops.moe_group(g, T, E, k)
+    assert g.wide == (T == 700)
     act, y, h = empty(ops, (T * k, 2 * ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)

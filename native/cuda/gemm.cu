@@ -27,9 +27,10 @@
  *                 each expert e, x gathered by token (pair_token[p]): an expert's gate
  *                 and up rows are contiguous, so they are one matrix of N = 2 ff rows
  *   moe_down_T    y[p] = (silu(act_gate[p]) * act_up[p]) Wd_e^T
+ *   moe_*_wide_T  the same with tiles of 128 of an expert's rows (many tokens an expert)
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to
- * 64 of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
+ * 64 (wide: 128) of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
  * matrices in its slot of a layer buffer: slot + slot_map[e] * expert_bytes, gate
  * and up at offset 0, down at down_offset.
  * grid: (ceil(N / BN), ceil(M / BM)) dense, (ceil(M / 8), ceil(N / 32)) narrow,
@@ -247,6 +248,28 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
         const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
         fm_gemm_tile<WT, 64, 128>(y, N, row0, FM_SWIGLU, act, 2 * K, 0, row0, rows, w, blockIdx.x * 128, N, K);    \
+    }                                                                                                              \
+    FM_KERNEL FM_BOUNDS(256, 2) void moe_gateup_wide_##T(float *act, const float *x, const uint8_t *slot,          \
+                                                         const int *slot_map, long long expert_bytes,              \
+                                                         const int *tile_expert, const int *tile_row0,             \
+                                                         const int *tile_rows, const int *n_tiles,                 \
+                                                         const int *pair_token, int N, int K, int lda)             \
+    {                                                                                                              \
+        int e, row0, rows;                                                                                         \
+        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
+        const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                      \
+        fm_gemm_tile<WT, 128, 128>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * 128, N, K);    \
+    }                                                                                                              \
+    FM_KERNEL FM_BOUNDS(256, 2) void moe_down_wide_##T(float *y, const float *act, const uint8_t *slot,            \
+                                                       const int *slot_map, long long expert_bytes,                \
+                                                       long long down_offset, const int *tile_expert,              \
+                                                       const int *tile_row0, const int *tile_rows,                 \
+                                                       const int *n_tiles, int N, int K)                           \
+    {                                                                                                              \
+        int e, row0, rows;                                                                                         \
+        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
+        const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
+        fm_gemm_tile<WT, 128, 128>(y, N, row0, FM_SWIGLU, act, 2 * K, 0, row0, rows, w, blockIdx.x * 128, N, K);   \
     }
 
 FM_GEMM_ENTRIES(f32, FM_W_F32)
