@@ -17,6 +17,7 @@ STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
 MAX_HEAD_DIM = 256      # attention.cu
 MAX_EXPERTS = 1024      # moe.cu's moe_route keeps a token's router logits in shared memory
+ATTN_ROWS = 64          # attention.cu's query rows a block (FM_AQ)
 GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 
 
@@ -109,8 +110,14 @@ class Ops:
                                  cos, sin, start, T, nh, nkv, hd, rope_dim, eps, int(kv_f16))
 
     def attn_prompt(self, out, q, Kc, Vc, qg, start: int, T: int, nh: int, nkv: int, hd: int):
-        self.k.attn_prompt((_cdiv(T, 16), nh), (128,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv, hd,
-                           float(hd) ** -0.5)
+        _need(hd <= MAX_HEAD_DIM and hd % 4 == 0,
+              f"attention head_dim {hd}: the GPU kernels take multiples of 4 up to {MAX_HEAD_DIM}")
+        _need(all(int(a) % 16 == 0 for a in (q, Kc, Vc)), "attn_prompt: q, K and V must be 16-byte aligned")
+        _need(T * nh * hd < 2 ** 31 and (start + T) * nkv * hd < 2 ** 31,
+              f"attn_prompt: {start} + {T} positions overflow the kernel's 32-bit offsets")
+        # one block a head and 64 query rows, the block of the last rows (most keys) first
+        self.k.attn_prompt((nh, _cdiv(T, ATTN_ROWS)), (256,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv,
+                           hd, float(hd) ** -0.5)
 
     # ---- Gated DeltaNet -------------------------------------------------------------
     def gdn_conv(self, out, x, state, w, T: int, C: int, Kk: int):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.buffers import DeviceArray
+from gpu_worker.kernels import LaunchError
 from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups
 from shared import reference as R
 from shared.ggml_types import GGMLType
@@ -234,6 +235,52 @@ def test_attention_over_a_prompt_after_a_cached_prefix(ops, hd, rope_dim, kv_f16
     attn = np.einsum("htp,hpd->thd", R.softmax(scores), np.repeat(values, group, axis=1).transpose(1, 0, 2))
     close(out.download(), (attn * R.sigmoid(qg[..., hd:])).reshape(T, nh * hd))
 
+
+
+def _prompt_attention(q, keys, values, gate, start):
+    """softmax(q K^T / sqrt(hd), causal) V * sigmoid(gate) in float64, over keys [0, start + T)."""
+    T, nh, hd = q.shape
+    n, group = start + T, nh // keys.shape[1]
+    k = np.repeat(keys[:n], group, axis=1).astype(np.float64)
+    v = np.repeat(values[:n], group, axis=1).astype(np.float64)
+    scores = np.einsum("thd,phd->htp", q.astype(np.float64), k) * hd ** -0.5
+    scores = np.where(np.arange(n)[None, None, :] > (start + np.arange(T))[None, :, None], -np.inf, scores)
+    attn = np.einsum("htp,phd->thd", R.softmax(scores), v)
+    return (attn / (1 + np.exp(-gate.astype(np.float64)))).reshape(T, nh * hd)
+
+
+# attn_prompt's tiles: 64 query rows a block, 64-key tiles, Q / K in 32-dim chunks, V in
+# 16-key chunks, each thread 4 rows x (4 of every 64) dims of the output
+@pytest.mark.parametrize("hd, nh, nkv, start, T", [
+    (32, 4, 2, 0, 1),          # one query, one key
+    (32, 4, 1, 150, 1),        # one query after three key tiles (one KV head for four)
+    (96, 4, 2, 70, 150),       # start and T off the tiles; dims 96..127 of the second group unused
+    (256, 4, 2, 64, 64),       # edges on the tiles
+    (256, 2, 2, 37, 200),      # four query blocks, up to four key tiles, the model's head size
+    (160, 6, 2, 5, 70),        # a third dim group and a partial last Q / K chunk; three heads a KV head
+])
+def test_attention_prompt_tiles(ops, hd, nh, nkv, start, T):
+    rng = np.random.default_rng(hd + start + T)
+    q = 3 * rng.standard_normal((T, nh, hd)).astype(np.float32)     # sharp rows: the rescales matter
+    qg = rng.standard_normal((T, nh, 2 * hd)).astype(np.float32)
+    spare = 5                       # cache rows past the prompt hold NaN: no key past a row's position is read
+    keys, values = rng.standard_normal((2, start + T + spare, nkv, hd)).astype(np.float32)
+    keys[start + T:] = values[start + T:] = np.nan
+    out = dev(ops, np.full((T + 2, nh * hd), 7.0, np.float32))      # rows past T stay as they were
+    ops.attn_prompt(out, dev(ops, q), dev(ops, keys), dev(ops, values), dev(ops, qg), start, T, nh, nkv, hd)
+    got = out.download()
+    close(got[:T], _prompt_attention(q, keys, values, qg[..., hd:], start))
+    np.testing.assert_array_equal(got[T:], 7.0)
+
+
+def test_attention_prompt_refuses_what_it_cannot_tile(ops):
+    buf = empty(ops, (4, 2, 512))
+    with pytest.raises(LaunchError, match="head_dim 288"):
+        ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, 2, 1, 288)
+    with pytest.raises(LaunchError, match="head_dim 30"):
+        ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, 2, 1, 30)
+    with pytest.raises(LaunchError, match="16-byte aligned"):
+        ops.attn_prompt(buf, buf.at(4, (1, 2, 32)), buf, buf, buf, 0, 1, 2, 1, 32)
 
 # ---- Gated DeltaNet ----------------------------------------------------------------------------------
 def test_gdn_conv_and_history(ops):
