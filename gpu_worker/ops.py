@@ -112,6 +112,8 @@ class Ops:
     def attn_prompt(self, out, q, Kc, Vc, qg, start: int, T: int, nh: int, nkv: int, hd: int):
         _need(hd <= MAX_HEAD_DIM and hd % 4 == 0,
               f"attention head_dim {hd}: the GPU kernels take multiples of 4 up to {MAX_HEAD_DIM}")
+        _need(Kc.shape[0] >= start + T and Vc.shape[0] >= start + T,
+              f"attention cache of {Kc.shape[0]} positions for {start} + {T}")
         _need(all(int(a) % 16 == 0 for a in (q, Kc, Vc)), "attn_prompt: q, K and V must be 16-byte aligned")
         _need(T * nh * hd < 2 ** 31 and (start + T) * nkv * hd < 2 ** 31,
               f"attn_prompt: {start} + {T} positions overflow the kernel's 32-bit offsets")

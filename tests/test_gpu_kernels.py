@@ -257,7 +257,7 @@ def _prompt_attention(q, keys, values, gate, start):
     (96, 4, 2, 70, 150),       # start and T off the tiles; dims 96..127 of the second group unused
     (256, 4, 2, 64, 64),       # edges on the tiles
     (256, 2, 2, 37, 200),      # four query blocks, up to four key tiles, the model's head size
-    (160, 6, 2, 5, 70),        # a third dim group and a partial last Q / K chunk; three heads a KV head
+    (140, 6, 2, 5, 70),        # a partial third dim group and last Q / K chunk; three heads a KV head
 ])
 def test_attention_prompt_tiles(ops, hd, nh, nkv, start, T):
     rng = np.random.default_rng(hd + start + T)
@@ -266,7 +266,7 @@ def test_attention_prompt_tiles(ops, hd, nh, nkv, start, T):
     spare = 5                       # cache rows past the prompt hold NaN: no key past a row's position is read
     keys, values = rng.standard_normal((2, start + T + spare, nkv, hd)).astype(np.float32)
     keys[start + T:] = values[start + T:] = np.nan
-    out = dev(ops, np.full((T + 2, nh * hd), 7.0, np.float32))      # rows past T stay as they were
+    out = dev(ops, np.full((T + 64, nh * hd), 7.0, np.float32))     # rows past T (to the block's end) stay
     ops.attn_prompt(out, dev(ops, q), dev(ops, keys), dev(ops, values), dev(ops, qg), start, T, nh, nkv, hd)
     got = out.download()
     close(got[:T], _prompt_attention(q, keys, values, qg[..., hd:], start))
@@ -279,6 +279,8 @@ def test_attention_prompt_refuses_what_it_cannot_tile(ops):
         ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, 2, 1, 288)
     with pytest.raises(LaunchError, match="head_dim 30"):
         ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, 2, 1, 30)
+    with pytest.raises(LaunchError, match="cache of 4 positions for 3 \\+ 2"):
+        ops.attn_prompt(buf, buf, buf, buf, buf, 3, 2, 2, 1, 32)
     with pytest.raises(LaunchError, match="16-byte aligned"):
         ops.attn_prompt(buf, buf.at(4, (1, 2, 32)), buf, buf, buf, 0, 1, 2, 1, 32)
 

@@ -10,21 +10,30 @@
  *                      grid (T, nh + nkv), block 128.
  *   attn_prompt        out[t, h] = softmax(q_t K^T * scale, causal) V * sigmoid(gate_t,h)
  *                      for query rows t of head h against every cached key up to its
- *                      position start + t (KV head h / (nh / nkv)); an online softmax
- *                      in fp32 over key tiles of 16 (flash style):
- *                        Qs  [16][hd]       the block's 16 queries
- *                        KVs [16][hd + 1]   a key tile, then its value tile
- *                        S   [16][17]       scores, then probabilities
- *                      each thread keeps dims d = tid, tid + 128 of the 16 output rows.
- *                      grid (ceil(T / 16), nh), block 128. */
+ *                      position start + t (KV head h / (nh / nkv)); gate is the second
+ *                      half of qg's [query | gate]; q [T, nh, hd], out [T, nh hd]; hd a
+ *                      multiple of 4 up to 256, q, Kc, Vc 16-byte aligned (ops.py checks).
+ *                      A block takes 64 query rows of one head through the 64-key tiles up
+ *                      to its last row's position, flash style (online softmax in fp32):
+ *                        S = Q K^T         from 32-dim chunks of Q and K in shared memory,
+ *                                          4 x 4 scores a thread (rows ty + 16 i, keys
+ *                                          tx + 16 j of its 16 x 16 place)
+ *                        P                 masked before any exp, scaled; the row max, exp
+ *                                          and sums by four threads a row (16 keys each)
+ *                        O = alpha O + P V V in 16-key chunks; a thread keeps rows 4 ty + i,
+ *                                          dims 64 g + 4 tx + e of O in registers (hd = 256:
+ *                                          64 accumulators)
+ *                      shared (37 KB): one buffer for the Q | K chunks [64][36] each or a V
+ *                      chunk [16][64 ceil(hd / 64)], P^T [64][68], the row partials. The
+ *                      next chunk is fetched into registers while the current multiplies.
+ *                      grid (nh, ceil(T / 64)), block 256; blockIdx.y = 0 is the last 64
+ *                      rows (the most keys): the longest blocks start first. */
 #include "prelude.cuh"
 #include "reduce.cuh"
 #include "../fermoe_blocks.h"
 
 #define FM_ATTN_MAX_HD 256
 #define FM_ATTN_THREADS 128
-#define FM_BQ 16
-#define FM_BKEY 16
 
 FM_DEVICE float fm_round_f16(float v) { return fm_fp16_to_fp32(fm_fp32_to_fp16(v)); }
 
