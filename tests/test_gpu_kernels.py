@@ -262,14 +262,14 @@ def _prompt_attention(q, keys, values, gate, start):
 def test_attention_prompt_tiles(ops, hd, nh, nkv, start, T):
     rng = np.random.default_rng(hd + start + T)
     q = 3 * rng.standard_normal((T, nh, hd)).astype(np.float32)     # sharp rows: the rescales matter
-    qg = rng.standard_normal((T, nh, 2 * hd)).astype(np.float32)
+    qg = rng.standard_normal((T + 64, nh, 2 * hd)).astype(np.float32)   # rows past T: never used
     spare = 5                       # cache rows past the prompt hold NaN: no key past a row's position is read
     keys, values = rng.standard_normal((2, start + T + spare, nkv, hd)).astype(np.float32)
     keys[start + T:] = values[start + T:] = np.nan
     out = dev(ops, np.full((T + 64, nh * hd), 7.0, np.float32))     # rows past T (to the block's end) stay
     ops.attn_prompt(out, dev(ops, q), dev(ops, keys), dev(ops, values), dev(ops, qg), start, T, nh, nkv, hd)
     got = out.download()
-    close(got[:T], _prompt_attention(q, keys, values, qg[..., hd:], start))
+    close(got[:T], _prompt_attention(q, keys, values, qg[:T, :, hd:], start))
     np.testing.assert_array_equal(got[T:], 7.0)
 
 
