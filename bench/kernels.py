@@ -4,14 +4,13 @@
     python -m bench.kernels --matmul-sweep [--threads 2] [--reps 5] [--isa avx2]
 
 prints JSON. Measured in the same process (these machines are noisy: their clock and
-memory bandwidth drift by 20-30% within minutes, so only ratios measured together
-mean much):
+memory bandwidth drift within minutes, so only ratios measured together mean much):
   - for each ISA the CPU runs, with 1 and with N threads: --pairs passes of a plain C
     read loop (fm_read_sum) over a Q4_0 matrix far larger than the caches, alternated
     with as many Q4_0 x Q8_0 matrix-vector products over that same matrix (read first
-    in even pairs, the product first in odd ones). The same pages on both sides: on a
-    VM a buffer in 4 KB pages reads ~12% slower than one in huge pages, and which a
-    buffer gets depends on the memory free at the time. Reported: the median
+    in even pairs, the product first in odd ones). The same pages on both sides: a
+    buffer in 4 KB pages can read slower than one in huge pages, and which a buffer
+    gets depends on the memory free at the time. Reported: the median
     read GB/s, the median product GB/s (weight bytes / time) and the fraction of the
     read bandwidth, the median of the pairs' ratios with their range. A pair shares
     the machine's state of the moment; the best of each side, taken apart, would not.

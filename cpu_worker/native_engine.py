@@ -20,7 +20,7 @@ from .topology import default_cpus
 
 COMPUTE_TYPES = {GGMLType.F32, GGMLType.Q4_0, GGMLType.Q8_0}
 MAX_BATCH = 256         # tokens per native call: scratch grows with it (~60 MB at 256 for the
-                        # full-size model); a 512-token prompt prefills 1.2-1.3x faster than at 64
+                        # full-size model); longer passes read each weight once for more tokens
 _KV_TYPES = {"f16": GGMLType.F16, "f32": GGMLType.F32}   # fm_seq.kv_type
 
 
@@ -90,7 +90,7 @@ class NativeEngine:
         """Bytes/s this engine's pinned threads read from a fresh buffer far larger than
         the caches, or with `weights` from the first `megabytes` of the mapped weights
         themselves: a file's 4 KB pages can read slower than an anonymous buffer's huge
-        ones (on the 2-core VM by 6-12% in alternated passes, by 2-4% at best)."""
+        ones."""
         buf = self.model.file.data(megabytes << 20) if weights else np.ones(megabytes << 20, np.uint8)
         gbps = self.lib.fm_pool_read_gbps(self._pool, self.ffi.from_buffer(buf), buf.nbytes, reps)
         return gbps * 1e9

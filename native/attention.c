@@ -17,8 +17,7 @@ typedef struct {
 } attn_ctx;
 
 /* The rotations of NeoX RoPE at one position, pair i = (i, i + rope_dim/2): computed
- * once a token for all its heads (pow, cos and sin per pair per head were ~80 us a
- * layer on one thread). */
+ * once a token for all its heads, not per head: pow, cos and sin are costly calls. */
 static void rope_angles(int64_t pos, int rope_dim, float theta, float *cs, float *sn) {
     for (int i = 0; i < rope_dim / 2; i++) {
         double inv_freq = 1.0 / pow(theta, (double)(2 * i) / rope_dim);

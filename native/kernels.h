@@ -246,12 +246,13 @@ ATTR void NAME(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int
 /* The batched product for 2 to FM_FEW_TOKENS tokens (a decode round of a few
  * sequences; an expert's gate and up for its ~4 tokens of a 64-token prompt): the
  * loop of FM_GROUP_MATVEC, each weight group unpacked once and multiplied by every
- * token's activations, where the tiled product's layout costs a third of its time
- * at so few tokens. ROWT(w, g, gs, ng, T, s) sums T tokens over ng <= KC groups of
- * one row (g: T rows of gs prepared groups) into s[T], each as ROW sums it, so every
- * (row, token) rounds as the matrix-vector product rounds it. 40 KB of stack. */
+ * token's activations, where unpacking into the tiled product's layout is a large
+ * share of its time at so few tokens. ROWT(w, g, gs, ng, T, s) sums T tokens over
+ * ng <= KC groups of one row (g: T rows of gs prepared groups) into s[T], each as
+ * ROW sums it, so every (row, token) rounds as the matrix-vector product rounds it.
+ * 40 KB of stack. */
 #define FM_FEW_TOKENS 4
-#define FM_FEW_MIN_COLS 1024  /* shorter rows stay tiled (an expert's down projection: 0.84-0.91x in cache) */
+#define FM_FEW_MIN_COLS 1024  /* shorter rows stay tiled: on an expert's down projection it is as fast or faster */
 #define FM_FEW_MATMUL(NAME, XG, GB, KC, CHUNK, PREP, ROWT, DOT, ATTR)                                       \
 ATTR void NAME(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1) \
 {                                                                                                        \

@@ -30,8 +30,8 @@ typedef struct {
 
 static const int lane_block8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
-/* Out of line: inlined into fm_matvec_q4_0_avx2 it changed gcc's schedule of the
- * row loop there, which then ran 5% slower in cache. */
+/* Out of line: inlined into fm_matvec_q4_0_avx2 it changes gcc's schedule of the
+ * row loop there, which then runs slower in cache. */
 FM_AVX2 __attribute__((noinline)) static void prepare_x_avx2(const block_q8_0 *x, int ngroups, xgroup_avx2 *g)
 {
     for (int k = 0; k < ngroups; k++, x += 8) {
@@ -81,9 +81,9 @@ FM_INLINE FM_AVX2 __m256 dw8_avx2(const block_q4_0 *w)
 
 /* int16 pair sums of 4 pairs of blocks -> one int32 per block, lanes 0,2,4,6,1,3,5,7.
  * Two pairs' halves are added as int16 first (the bounds above: 15360, then 30720
- * packed: exact), so 3 vpmaddwd do what 7 did, on the multiply pipes vpmaddubsw needs.
- * The few-token product 1.08x (B = 4, in cache and from memory), a decode round of
- * 4 sequences 0.937x the time; one sequence alike (0.998x). */
+ * packed: exact), so the fold takes 3 vpmaddwd where folding each pair apart takes
+ * 7: they run on the multiply pipes vpmaddubsw needs, which the few-token product
+ * keeps busiest. */
 FM_INLINE FM_AVX2 __m256i fold8_avx2(__m256i p0, __m256i p1, __m256i p2, __m256i p3)
 {
     const __m256i one = _mm256_set1_epi16(1);
@@ -161,8 +161,8 @@ FM_AVX2 float fm_vec_dot_q4_0_q8_0_avx2(int n, const block_q4_0 *w, const block_
 
 /* One row straight from memory over ng >= 1 groups, software-pipelined: group k's
  * loads and products are issued beside group k-1's fold and scaling, so the long
- * dependency chain of one group overlaps the next (+7% in cache on Zen 3; the
- * out-of-order window alone did not). The sum runs in group order, as before. */
+ * dependency chain of one group overlaps the next (the out-of-order window alone
+ * does not overlap them). The sum still runs in group order. */
 FM_INLINE FM_AVX2 float row_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int ng)
 {
     __m256 acc = _mm256_setzero_ps();
@@ -178,10 +178,10 @@ FM_INLINE FM_AVX2 float row_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g,
     return hsum_ps_avx(group_sum_avx2(w + 8 * (ng - 1), g + ng - 1, p, acc));
 }
 
-/* One row at a time: two interleaved rows were slower here (short rows of 2048
- * columns: 11 vs 16 GB/s on one core), the memory streams matter more than ILP,
- * and a group already has 4 independent chains. On an expert's down projection
- * (2 groups a row) the old empty tail call cost a fifth of the time. */
+/* One row at a time: two interleaved rows read slower (two memory streams a thread
+ * matter more than the extra ILP, and a group already has 4 independent chains).
+ * Rows without tail blocks make no tail call: an expert's down projection has only
+ * 2 groups a row, so an empty call would be a large share of its time. */
 #define AVX2_Q4_KC 16           /* groups per k-chunk of fm_matmul_q4_0_avx2 */
 #define AVX2_Q8_KC 8
 FM_GROUP_MATVEC(fm_matvec_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 8, prepare_x_avx2, row_q4_0_avx2,
@@ -195,9 +195,8 @@ FM_GROUP_MATVEC(fm_matvec_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 
  * blocks where the per-pair fold of the matvec needs 15. Per 8 blocks of one row
  * and one token: 8 vpmaddubsw, 7 vpaddw, 1 vpmaddwd, 1 vpaddd, 1 convert, 1 mul,
  * 1 FMA. Q8_0: the sign trick, each product widened at once.
- * Measured on the 2-core Zen 3 VM: ~95 GMAC/s a core at B = 64 (the old per-pair
- * fold: ~55), bound by the number of vector ops (wider register blocks, 3x2 to
- * 4x4, measured no faster); B = 4: ~62 (unpacking is ~1/3 of the time). */
+ * Bound by the number of vector ops, so wider register blocks (3x2 to 4x4) are no
+ * faster; at a few tokens the unpacking is a large share (hence FM_FEW_MATMUL). */
 typedef struct {
     __m256i v[8];  /* v[m]: x[4m..4m+3] of the 8 blocks; v[4+m]: x[16+4m..16+4m+3] */
     __m256i corr;  /* -8 * sum(x_b), int32 per lane */
@@ -385,11 +384,9 @@ FM_TILED_MATMUL(matmul_tiled_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, AVX2_
              kernel_q4_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_matvec_q4_0_avx2, static FM_AVX2)
 
 /* ---------------------------------------------------------------- a few tokens (AVX2)
- * FM_FEW_MATMUL (kernels.h) on rows of at least FM_FEW_MIN_COLS columns. Measured (2
- * threads, Zen 3, in one process): a decode round of 2 / 4 sequences 0.86x / 0.946x
- * the time of the tiled product; from memory an expert's gate and up at B = 2-4
- * 1.13-1.16x (in cache alike since the 3-vpmaddwd fold), but its down projection
- * (512 columns) 0.94-1.06x from memory and 0.84-0.91x in cache: short rows stay tiled. */
+ * FM_FEW_MATMUL (kernels.h) on rows of at least FM_FEW_MIN_COLS columns: faster than
+ * the tiled product for a decode round of 2 to 4 sequences and an expert's gate and
+ * up, not on an expert's down projection (512 columns), whose short rows stay tiled. */
 FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int gs, int ng, const int T,
                                             float *s)
 {
@@ -461,7 +458,7 @@ FM_INLINE FM_AVX2 __m256i q8_group_totals_avx2(const block_q8_0 *w, const block_
 }
 
 /* As the batched product computes a row for one token (see fm_matvec_q4_0_avx2), by
- * hand: FM_KERNEL_MATVEC's unpacking per row was 25% slower here.
+ * hand: FM_KERNEL_MATVEC's unpacking of each row is slower here.
  * acc += float(block totals) * (d_w * d_x) per group of 8 blocks, one horizontal
  * sum per AVX2_Q8_KC groups, the tail blocks last. */
 FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)

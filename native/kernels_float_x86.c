@@ -88,7 +88,7 @@ ROWWISE_MATVEC(fm_matvec_f16_avx2, uint16_t, dot_f16_avx2, FM_AVX2)
 /* Batched F32 is row by row with the same dot product as the matrix-vector one:
  * each (row, token) then rounds identically whatever the batch, which keeps the
  * forward bitwise independent of prompt chunking. F32 matrices are small here
- * (routers), so the register-blocked version did not pay for that. */
+ * (routers), so a register-blocked version would not pay for that. */
 ROWWISE_MATMUL(fm_matmul_f32_avx2, dot_f32_avx2, FM_AVX2)
 
 /* fp16 <-> fp32 rows with F16C, 8 at a time: exact one way, round to nearest even
@@ -115,7 +115,8 @@ FM_AVX2 void fm_fp32_to_fp16_row_avx2(const float *x, uint16_t *y, int n)
  * stay in registers over all n positions, 8 floats of the head dimension at a time, so
  * nothing is stored per position. Needs hd % 8 == 0, else the generic kernels run.
  * The scores prefetch the K row SCORE_PF_ROWS positions ahead: rows are a page stride
- * apart, beyond the hardware prefetcher (decode at 32K positions: 0.8-0.9x the time). */
+ * apart, beyond the hardware prefetcher, so at long contexts the scores would wait
+ * on memory. */
 #define SCORE_PF_ROWS 4
 
 FM_INLINE FM_AVX2 __m256 kv8(const void *row, int f16, int i)

@@ -36,7 +36,7 @@ void *fm_kernel_scratch(size_t n)
 
 /* An empty asm that pins a vector in a register at this point: without it GCC
  * reassociates the sums of a group into a tree, hoists all the products and
- * spills them (1.6x slower). */
+ * spills them. */
 #define FM_KEEP(v) __asm__("" : "+x"(v))
 
 /* ================================================================ SSSE3
@@ -294,11 +294,11 @@ FM_INLINE FM_SSSE3 void kernel_q8_ssse3(const wq8t4_ssse3 *w, int wstride, const
  * Q4_0 straight from the GGUF layout, as on AVX2: a group is 4 blocks, each
  * block's nibbles multiplied by its own activation bytes, then the 8 int16 sums of
  * each block folded as fold8_avx2 folds them (halves added as int16, pmaddwd,
- * packssdw, pmaddwd: <= 30480 before the last, no saturation; 1.02-1.04x three
- * phaddw) to one int32 in lane p = block p. That is the batched kernel's integer,
- * scaled and summed in its order, so every row rounds as in the batched product;
- * it skips the batched layout's transposes and tile stores: 1.25x from memory on
- * Zen 3 (1 and 2 threads), where SSSE3 is compute-bound. */
+ * packssdw, pmaddwd: <= 30480 before the last, no saturation; a little faster than
+ * three phaddw) to one int32 in lane p = block p. That is the batched kernel's
+ * integer, scaled and summed in its order, so every row rounds as in the batched
+ * product; it skips the batched layout's transposes and tile stores, which counts
+ * because SSSE3 is compute-bound even from memory. */
 typedef struct {
     __m128i xlo[4], xhi[4]; /* block p's x[0..15] and x[16..31] */
     __m128i corr;           /* -8 * sum(x_p) */
@@ -330,7 +330,7 @@ FM_INLINE FM_SSSE3 void row_tokens_q4_0_ssse3(const block_q4_0 *w, const xgroup_
     __m128 acc[FM_FEW_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
     for (int k = 0; k < ng; k++, w += 4) {
-        __builtin_prefetch((const char *)w + FM_PF_DIST, 0, 3);  /* a line a 72-byte group: 1.03-1.06x fm_prefetch's 3 */
+        __builtin_prefetch((const char *)w + FM_PF_DIST, 0, 3);  /* a line a 72-byte group: faster here than fm_prefetch's 3 */
         __m128i lo[4], hi[4];
         for (int b = 0; b < 4; b++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)w[b].qs);
@@ -365,8 +365,8 @@ FM_GROUP_MATVEC(fm_matvec_q4_0_ssse3, xgroup_ssse3, 4, SSSE3_Q4_KC, CHUNK_BLOCKS
 
 /* Q8_0 by hand too, as on AVX2 (fm_matvec_q8_0_avx2): 4 blocks' exact int32 totals
  * (the sign trick, two rounds of phaddd) in lane p = block p, then the batched
- * kernel's scaling and sums: 1.15-1.27x unpacking each row into the tile layout
- * (FM_KERNEL_MATVEC) did, 1 thread from memory on Zen 3. */
+ * kernel's scaling and sums: faster than unpacking each row into the tile layout
+ * (FM_KERNEL_MATVEC). */
 FM_INLINE FM_SSSE3 __m128i q8_group_totals_ssse3(const block_q8_0 *w, const block_q8_0 *x)
 {
     __m128i v[4];
@@ -411,8 +411,7 @@ FM_TILED_MATMUL(matmul_tiled_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SS
 FM_FEW_MATMUL(matmul_few_q4_0_ssse3, xgroup_ssse3, 4, SSSE3_Q4_KC, CHUNK_BLOCKS / 4, prepare_x_ssse3, row_tokens_q4_0_ssse3,
               fm_vec_dot_q4_0_q8_0_ssse3, static FM_SSSE3)
 
-/* A few tokens: a decode round of 2 / 3 / 4 sequences 0.924 / 0.946 / 1.010x the time
- * of the tiled product here (FERMOE_ISA=ssse3, 2 threads, Zen 3): up to 3. */
+/* A few tokens: up to 3 here; at 4 the tiled product is no slower on SSSE3. */
 FM_FEW_OR_TILED(fm_matmul_q4_0_ssse3, matmul_few_q4_0_ssse3, matmul_tiled_q4_0_ssse3, 3, FM_SSSE3)
 FM_TILED_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, 2, prepare_xt4_ssse3,
              unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, fm_matvec_q8_0_ssse3, FM_SSSE3)

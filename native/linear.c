@@ -10,9 +10,9 @@
  * the front, a quarter of what is left at a time, and a thread whose share is done
  * steals the back half of the largest share still left (which it then owns, so
  * that can be split again). Owners read long runs of consecutive rows, and the
- * region ends within about a unit's time of its first idle thread: with fixed
- * tasks from one counter it ended a whole task later (~17 us of 16 idle threads a
- * region on a 16-core Xeon), and every thread's claims contended on one line.
+ * region ends within about a unit's time of its first idle thread, where fixed
+ * tasks from one counter end a whole task later (with every idle thread waiting)
+ * and every thread's claims contend on one line.
  * Units are UNIT_BYTES (a multiple of MIN_ROWS rows, whole 64-byte output lines,
  * unless fewer rows make a unit) for one token; batched products re-prepare
  * their activations per call, so their units are BATCH_UNIT_BYTES. */

@@ -10,7 +10,7 @@
 #include "model.h"
 
 /* e^x for the elementwise ops, branch-free so loops over it vectorise (libm's
- * expf is a call per element: it was 5% of a prefill). Cody-Waite reduction
+ * expf is a call per element, a visible share of a prefill). Cody-Waite reduction
  * x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-7 polynomial for e^r and 2^n
  * through the exponent bits: within 2 ulp of e^x. Inputs are clamped to
  * [-87.3, 88], where 2^n stays a normal float; e^x underflows to ~1e-38 and
@@ -38,8 +38,8 @@ static inline float fm_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)
 
 /* Eight running sums, added up in a fixed order at the end: the loop vectorises
  * and no add waits on the one before it. One running sum is a chain of dependent
- * adds, ~4 cycles an element: ~2.5 us for a 2048-wide norm, 81 of them a token,
- * on the caller between parallel regions. */
+ * adds (an add's latency per element), and a token runs 81 norms on the caller
+ * between parallel regions. */
 static inline float fm_dot(const float *a, const float *b, int n) {
     float s[8] = {0};
     int i = 0;

@@ -48,7 +48,7 @@ def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest logits, largest first; equal logits by index (the k
     smallest of (-logit, index)). A threshold from a strided sample of the logits
     bounds the candidates, so one comparison over the vocabulary replaces most of a
-    partition of it (1.2 of 1.5 ms a token at 248k); if fewer than k reach the
+    partition of it, the costly part at a 248k vocabulary; if fewer than k reach the
     threshold, the whole vocabulary is the candidate set."""
     sample = logits[::SAMPLE_STRIDE]
     rank = min(len(sample), 4 * -(-k // SAMPLE_STRIDE) + 8)     # ~4x the k expected above it
@@ -68,8 +68,8 @@ class Sampler:
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.params
         # float64 only where it counts: the penalty, and the k survivors of top-k, widened
-        # exactly from the logits as given (a float64 copy of the whole vocabulary was
-        # 3 of a token's 5 ms at 248k)
+        # exactly from the logits as given (a float64 copy of a 248k vocabulary would
+        # cost more than the rest of the sampling)
         logits = np.asarray(logits)
         if (p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) and len(history):
             logits = logits.astype(np.float64)
@@ -80,7 +80,7 @@ class Sampler:
         if p.temperature == 0:
             return int(np.argmax(logits))
         if p.top_k and p.top_k < len(logits):
-            order = top_k_order(logits, p.top_k)    # a full sort of a 248k vocabulary costs ~20 ms a token
+            order = top_k_order(logits, p.top_k)    # a full sort of a 248k vocabulary would dominate a token
         else:
             order = np.argsort(-logits, kind="stable")
         top_logits = logits[order].astype(np.float64)

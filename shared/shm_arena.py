@@ -116,7 +116,7 @@ class SnapshotArena:
         Pages are allocated as slots are first written, so an unused budget costs no
         RAM; a /dev/shm with less free space than the whole arena is refused here
         (a write into a page tmpfs cannot back is a SIGBUS, not an exception).
-        reserve=True allocates every page now (posix_fallocate; ~0.35 s a GiB)."""
+        reserve=True allocates every page now (posix_fallocate: time in proportion to the size)."""
         _check_geometry(slot_bytes, n_slots)
         if not re.fullmatch(r"[A-Za-z0-9_.]+", prefix):
             raise ArenaError(f"arena prefix {prefix!r}: use letters, digits, '_' or '.'")
