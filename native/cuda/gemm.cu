@@ -43,9 +43,8 @@
 
 /* The next K block of the A and W tiles is fetched into registers while the current
  * one is multiplied from shared memory (the global loads' latency hides under the
- * FMAs), then stored. A thread fetches rows (tid & 31) + 32 i of A, columns
- * 4 (tid >> 5) .. + 3 (a warp stores one k row of As: consecutive, no bank conflict),
- * and quarter tid & 3 of W rows (tid >> 2) + 64 i, dequantised. */
+ * FMAs), then stored. A thread fetches rows (tid >> 3) + 32 i of A, four columns
+ * each, and quarter tid & 3 of W rows (tid >> 2) + 64 i, dequantised. */
 template <int BM, int BN>
 struct fm_tile_regs {
     float a[BM / 32][4];
@@ -59,9 +58,9 @@ template <int BM>
 FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
                           int K, bool swiglu)
 {
-    int c = (threadIdx.x >> 5) * 4;
+    int c = (threadIdx.x & 7) * 4;
     for (int i = 0; i < BM / 32; i++) {
-        int m = (threadIdx.x & 31) + 32 * i;
+        int m = (threadIdx.x >> 3) + 32 * i;
         for (int j = 0; j < 4; j++) a[i][j] = 0.0f;
         if (m < rows) {
             int src = rows_map ? rows_map[m0 + m] : m0 + m;
@@ -75,9 +74,9 @@ FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const in
 template <int BM>
 FM_DEVICE void fm_store_a(float (*As)[BM + 4], float a[BM / 32][4])
 {
-    int c = (threadIdx.x >> 5) * 4;
+    int c = (threadIdx.x & 7) * 4;
     for (int i = 0; i < BM / 32; i++)
-        for (int j = 0; j < 4; j++) As[c + j][(threadIdx.x & 31) + 32 * i] = a[i][j];
+        for (int j = 0; j < 4; j++) As[c + j][(threadIdx.x >> 3) + 32 * i] = a[i][j];
 }
 
 template <int WT, int BN>
