@@ -108,6 +108,7 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         engine.prefill(tokens, state)
         times.append(time.perf_counter() - t)
         copied.append(engine.experts.copied_bytes - before)
+        host = engine.last_timing
     engine.profile = PhaseTimer(engine.device, engine.ops.stream)
     engine.prefill(tokens, engine.new_state())
     phases = engine.profile.milliseconds()
@@ -133,6 +134,7 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         "tok_s": round(prompt_tokens / prefill_s, 1), "passes": -(-prompt_tokens // engine.pass_n),
         "pass_tokens": engine.pass_n,
         "setup_s": round(setup_s, 2),
+        "host_s": {k: round(v, 4) for k, v in host.items()},
         "streamed_gb": round(streamed / 1e9, 3),
         "h2d_gbps_during_prefill": round(streamed / prefill_s / 1e9, 1),
         "pinned_h2d_gbps": round(pinned_gbps, 1), "pageable_h2d_gbps": round(pageable_gbps, 1),

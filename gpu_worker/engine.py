@@ -16,6 +16,7 @@ out of the chunked recurrence as it passes; their conv states, KV and logits too
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 import numpy as np
@@ -104,6 +105,7 @@ class GPUEngine:
     def prefill(self, tokens, state: SequenceState, snapshot_at=(), all_logits: bool = False):
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
         the snapshot positions in (state.position, state.position + len(tokens)]."""
+        t0 = time.perf_counter()
         tokens = self._check_tokens(tokens)
         T, start = len(tokens), state.position
         state.check_room(T)
@@ -125,12 +127,16 @@ class GPUEngine:
                 snap_logits[start + a + r + 1] = row
             if all_logits:
                 out.append(logits)
+        t1 = time.perf_counter()
         self.device.synchronize()              # the state's and the snapshots' asynchronous copies
+        t2 = time.perf_counter()
         self._finish_state(state, start, T)
         state.set_logits(snap_logits[start + T])
         for p, snap in snaps.items():
             self._finish_snapshot(snap, state, p, snap_logits[p])
         result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
+        # host-side seconds: enqueueing (with the passes' own waits), waiting for the device, finishing
+        self.last_timing = {"enqueue_s": t1 - t0, "wait_s": t2 - t1, "finish_s": time.perf_counter() - t2}
         return result, snaps
 
     def _mark(self, phase: str) -> None:
