@@ -212,8 +212,14 @@ class GPUEngine:
                               ws.rope_sin, p0, n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
                               self.kv_cache_dtype == "f16")
         keys, values = self._kv_land[a]
-        self._to_host(keys[p0 - self._start:p0 - self._start + n], Kc.rows(p0, p0 + n))
-        self._to_host(values[p0 - self._start:p0 - self._start + n], Vc.rows(p0, p0 + n))
+        rows = slice(p0 - self._start, p0 - self._start + n)
+        if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
+            for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
+                ops.to_f16(half.rows(0, n), src.rows(p0, p0 + n))
+                self._to_host(dst[rows], half.rows(0, n))
+        else:
+            self._to_host(keys[rows], Kc.rows(p0, p0 + n))
+            self._to_host(values[rows], Vc.rows(p0, p0 + n))
         ops.attn_prompt(attn, q, Kc, Vc, qg, p0, n, nh, nkv, hd)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
@@ -389,8 +395,9 @@ class GPUEngine:
         cfg = self.cfg
         if not self._kv_host or len(self._kv_host[0][0]) < T:
             shape = (max(T, 2 * len(self._kv_host[0][0]) if self._kv_host else T), cfg.n_head_kv, cfg.head_dim)
-            self._kv_host = [(self.device.pagelocked_empty(shape, np.float32),
-                              self.device.pagelocked_empty(shape, np.float32)) for _ in cfg.attention_layers]
+            dtype = np.uint16 if self.kv_cache_dtype == "f16" else np.float32
+            self._kv_host = [(self.device.pagelocked_empty(shape, dtype),
+                              self.device.pagelocked_empty(shape, dtype)) for _ in cfg.attention_layers]
         return self._kv_host
 
     def _finish_state(self, state: SequenceState, start: int, T: int) -> None:
@@ -399,6 +406,8 @@ class GPUEngine:
             state.ssm[:] = self._land.ssm
             state.conv[:] = self._land.conv
         for a, (keys, values) in enumerate(self._kv_land):
+            if keys.dtype == np.uint16:
+                keys, values = keys.view(np.float16), values.view(np.float16)
             state.kv.append(a, keys[:T], values[:T])
         state.position = start + T
 

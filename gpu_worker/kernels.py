@@ -28,6 +28,7 @@ SIGNATURES = {
     "gdn_chunk_state": "PPPPPPPPPiiiiii",
     "gdn_chunk_output": "PPPPPPPPiiiii",
     "fma_peak": "Pif",
+    "to_f16": "PPi",
 }
 for _t in WEIGHT_TYPES:
     SIGNATURES.update({

@@ -121,6 +121,11 @@ class Ops:
         self.k.attn_prompt((nh, _cdiv(T, ATTN_ROWS)), (256,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv,
                            hd, float(hd) ** -0.5)
 
+    def to_f16(self, dst: DeviceArray, src: DeviceArray):
+        n = int(np.prod(src.shape))
+        _need(dst.dtype == np.uint16 and dst.nbytes >= 2 * n, f"to_f16: {dst.shape} {dst.dtype} for {src.shape}")
+        self.k.to_f16((_cdiv(n, 256),), (256,), self.stream, dst, src, n)
+
     # ---- Gated DeltaNet -------------------------------------------------------------
     def gdn_conv(self, out, x, state, w, T: int, C: int, Kk: int):
         self.k.gdn_conv((_cdiv(C, 256), T), (256,), self.stream, out, x, state, w, T, C, Kk)

@@ -43,6 +43,7 @@ def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
         "rope_cos": (T, max(cfg.rope_dim // 2, 1)), "rope_sin": (T, max(cfg.rope_dim // 2, 1)),
         "embed_raw": (T, d),                   # the prompt's embedding rows, in the table's type (<= f32)
         "tokens int": (T,),
+        "kv16_k half": (T, nkv * hd), "kv16_v half": (T, nkv * hd),   # a layer's new K, V as fp16 bits
     }
 
 
@@ -61,7 +62,14 @@ def routing_nbytes(cfg: ModelConfig, T: int) -> int:
 def workspace_nbytes(cfg: ModelConfig, T: int, n_chunks: int | None = None) -> int:
     n_chunks = n_chunks or -(-T // CHUNK)
     spec = {**workspace_spec(cfg, T), **chunk_spec(cfg, n_chunks)}
-    return sum(4 * int(np.prod(shape)) for shape in spec.values()) + routing_nbytes(cfg, T)
+    return sum(_itemsize(name) * int(np.prod(shape)) for name, shape in spec.items()) + routing_nbytes(cfg, T)
+
+
+_KINDS = {"int": np.int32, "half": np.uint16, "": np.float32}
+
+
+def _itemsize(name: str) -> int:
+    return np.dtype(_KINDS[name.partition(" ")[2]]).itemsize
 
 
 class Workspace:
@@ -72,7 +80,7 @@ class Workspace:
         self.arrays = []
         for name, shape in workspace_spec(cfg, T).items():
             key, _, kind = name.partition(" ")
-            setattr(self, key, DeviceArray(device, shape, np.int32 if kind == "int" else np.float32))
+            setattr(self, key, DeviceArray(device, shape, _KINDS[kind]))
             self.arrays.append(getattr(self, key))
         self.chunks = ChunkWork(device, self.n_chunks, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim)
         self.groups = MoeGroups(device, T, cfg.n_expert, cfg.n_expert_used)

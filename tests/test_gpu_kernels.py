@@ -382,3 +382,14 @@ def test_gdn_chunked_equals_the_token_recurrence(ops, T, dk, dv, cuts, tiled):
     close(o.download(), np.concatenate(want), CHUNK_RTOL)
     close(S.download(), S_ref, CHUNK_RTOL)
     close(work.S0.download()[:nc], np.stack(starts_ref), CHUNK_RTOL)   # the states at the chunk starts
+
+
+def test_to_f16_rounds_as_numpy(ops):
+    """fp32 -> fp16 bits on the device, bit for bit numpy's (ties to even, subnormals, overflow)."""
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-9, 6, 1000),
+                        [0.0, -0.0, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 2.0 ** -25, 1 + 2.0 ** -11]])
+    x = x.astype(np.float32)
+    out = empty(ops, x.shape, np.uint16)
+    ops.to_f16(out, dev(ops, x))
+    np.testing.assert_array_equal(out.download(), x.astype(np.float16).view(np.uint16))
