@@ -392,4 +392,6 @@ def test_to_f16_rounds_as_numpy(ops):
     x = x.astype(np.float32)
     out = empty(ops, x.shape, np.uint16)
     ops.to_f16(out, dev(ops, x))
-    np.testing.assert_array_equal(out.download(), x.astype(np.float16).view(np.uint16))
+    with np.errstate(over="ignore"):                   # 65520 and 1e6 overflow to inf, as they should
+        want = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(out.download(), want)
