@@ -17,7 +17,6 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "native" / "cuda"
 TARGETS = ("nvcc", "clang", "emulate")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _ANY_INCLUDE = re.compile(r"^\s*#\s*include\b.*$", re.M)
-_KERNEL = re.compile(r"\bFM_KERNEL\s+void\s+(\w+)\s*\(")
 
 
 def kernel_files() -> list[Path]:
@@ -49,8 +48,3 @@ def compose(target: str, files: list[Path] | None = None) -> str:
     elif target == "clang":
         source = re.sub(r"^\s*#\s*include\s+<stdint\.h>\s*$", "", source, flags=re.M)   # the prelude's typedefs
     return source
-
-
-def kernel_names(source: str) -> list[str]:
-    """Entry points (FM_KERNEL functions) of a composed source, in order."""
-    return _KERNEL.findall(source)

@@ -198,6 +198,3 @@ class ChunkWork:
         self.chunk_len.rows(0, n).upload(np.asarray(lengths, np.int32), stream)
         return n
 
-
-def upload(device, host: np.ndarray, stream=None) -> DeviceArray:
-    return DeviceArray.of(device, host, stream)

@@ -98,7 +98,6 @@ FM_DEVICE float fm_neg_inf(void)
 }
 
 FM_DEVICE int fm_mini(int a, int b) { return a < b ? a : b; }
-FM_DEVICE int fm_maxi(int a, int b) { return a > b ? a : b; }
 
 FM_DEVICE float fm_sigmoidf(float x) { return 1.0f / (1.0f + fm_expf(-x)); }
 FM_DEVICE float fm_siluf(float x) { return x / (1.0f + fm_expf(-x)); }
