@@ -15,7 +15,8 @@ def place(node: int, cpus: list[int], interleave: bool = False) -> str:
     os.sched_setaffinity(0, cpus)
     try:
         from numa import info, memory
-    except (ImportError, OSError) as e:           # no libnuma on this machine
+    except (ImportError, OSError, AttributeError) as e:   # no libnuma (py-libnuma without libnuma.so
+        # fails its import with AttributeError on the missing symbol)
         return f"CPUs {cpus}; memory policy unchanged (libnuma unavailable: {e})"
     nodes = list(range(info.get_max_node() + 1))
     if interleave:

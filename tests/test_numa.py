@@ -282,3 +282,17 @@ def test_the_engine_defaults_to_the_first_nodes_physical_cores(monkeypatch, tmp_
         assert cpu.cpus == want and cpu.threads == len(want)
     finally:
         cpu.close()
+
+
+def test_py_libnuma_without_libnuma_still_pins_the_cpus(monkeypatch, tmp_path):
+    """py-libnuma installed but libnuma.so missing: its import fails with AttributeError
+    (a symbol ctypes cannot find). The worker pins its CPUs and says so; it does not die."""
+    package = tmp_path / "numa"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise AttributeError('/lib/libnuma.so.1: undefined symbol: numa_available')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "numa", raising=False)
+    pinned = []
+    monkeypatch.setattr(numa_placement.os, "sched_setaffinity", lambda pid, cpus: pinned.append(list(cpus)))
+    line = numa_placement.place(0, [0, 1])
+    assert pinned == [[0, 1]] and "libnuma unavailable" in line and "numa_available" in line
