@@ -69,7 +69,7 @@ def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
     worker.handle_assign(_assign(model, *REQUESTS[2]))
     while worker.sequences:
         worker.work_round()
-    assert [m for m in worker.sent if isinstance(m, P.Finished)][-1].finish_reason == "length"
+    _assert_served_as_alone(worker, REQUESTS[2:])
 
 
 def test_a_long_prompt_does_not_stall_running_generations(worker):
@@ -138,6 +138,21 @@ def test_a_model_without_batching_still_serves(tiny_q4_path):
             w.handle_assign(_assign(Model(str(tiny_q4_path)), *req))
         while w.sequences:
             w.work_round()
-        assert sorted(m.request_id for m in w.sent if isinstance(m, P.Finished)) == ["a", "b"]
+        _assert_served_as_alone(w, REQUESTS[:2])
     finally:
         w.close()
+
+
+def _assert_served_as_alone(worker, requests):
+    """Each request ended once, at its length, without an error, having sampled (the
+    tokens its text is made of) exactly what the same engine samples for it alone."""
+    encode = worker.model.tokenizer.encode
+    for rid, prompt, max_tokens, temperature, seed in requests:
+        finished = [m for m in worker.sent if isinstance(m, P.Finished) and m.request_id == rid]
+        assert len(finished) == 1, rid
+        assert (finished[0].finish_reason, finished[0].error) == ("length", None), finished[0]
+        assert finished[0].completion_tokens == max_tokens
+        sampled = [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == rid]
+        params = SamplingParams(temperature=temperature, seed=seed)
+        alone = list(generate(worker.engine, encode(prompt), max_tokens, params))
+        assert sampled == alone, rid
