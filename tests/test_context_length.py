@@ -128,7 +128,7 @@ def test_the_fitted_max_model_len_fits_and_is_the_longest_that_does():
 
 def test_a_coordinator_caps_its_sequences_at_max_model_len(tiny_q4_path):
     from coordinator.client import Client
-    from tests.test_serving import Daemon
+    from tests.serving_harness import Daemon
     d = Daemon(tiny_q4_path, "--max-model-len", "24")
     try:
         with Client(d.addr, timeout_s=120) as c:

@@ -26,7 +26,7 @@ from shared.engine import load_engine
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
-from tests.test_serving import _free_port
+from tests.serving_harness import free_port
 
 TIMEOUT_S = 1.0           # the patched heartbeat timeout: long enough that a beating worker beats within it
 BEAT_S = 0.1              # how often the test's live fake workers beat
@@ -57,7 +57,7 @@ class FakeSupervisor:
 def running_coordinator(model_path, *extra, fake_supervisor=True, worker_model=None):
     """The daemon for model_path; its real workers (fake_supervisor False) are started
     on worker_model if given (the path each start reads)."""
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     coord = daemon.Coordinator(parse_options(["--model", str(model_path), "--bind", addr, "--threads-per-worker",
                                               "1", "--snapshot-mem", "0", *extra]))
     coord.addr = addr
@@ -132,7 +132,8 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
     """A worker that stops talking (hung, its host gone) counts as dead once WORKER_TIMEOUT_S
     pass without a message, not before; a worker that beats stays however long it idles.
     The silent one's request is replayed on the other with the same seed and tokens, and
-    the client gets each token once: the replay's re-sampled ones are not sent again."""
+    the client gets each token once: the replay's re-sampled ones are not sent again, and
+    what the dropped one says late is ignored."""
     monkeypatch.setattr(daemon, "WORKER_TIMEOUT_S", TIMEOUT_S)
     caplog.set_level(logging.INFO, logger="fermoe.coordinator")
     with running_coordinator(tiny_q4_path) as coord, Client(coord.addr, timeout_s=30) as client:
@@ -156,6 +157,12 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
             assert waited >= TIMEOUT_S, f"dropped after {waited:.2f} s of silence"
             assert coord.supervisor.restarted == ["a-silent"]
             assert _listed(client) == {"b-beating"}          # idle far longer than the timeout, but beating
+            # what the dropped worker still says is ignored: no token, no end for its request
+            silent.send(P.Sampled(request_id=rid, token=99))
+            silent.send(P.Finished(request_id=rid, finish_reason="error", prefill_ms=0.0, decode_ms=0.0,
+                                   completion_tokens=4, error="late"))
+            silent.send(P.Attached(arena=False))
+            time.sleep(0.2)                  # heard before the replay's tokens, as when it was only slow
             for token in (40, 41, 42, 43, 44):       # the replay samples the same tokens again, then new ones
                 beating.send(P.Sampled(request_id=rid, token=token))
             beating.send(P.Finished(request_id=rid, finish_reason="length", prefill_ms=5.0, decode_ms=10.0,
@@ -171,6 +178,40 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
     assert (done.prefill_ms, done.decode_tok_s) == (5.0, 5 / 10.0 * 1000)
     assert done.prompt_tokens == len(first.tokens)
     assert any("worker a-silent died" in r.getMessage() for r in caplog.records)
+
+
+def test_a_late_reply_for_a_cancelled_request_is_not_taken_for_its_successor(tiny_q4_path):
+    """A request cancelled on one worker and sent again under the same id runs on
+    another; what the first worker still sends for the old one (it had not seen the
+    Stop yet) reaches neither the client nor the new request."""
+    with running_coordinator(tiny_q4_path) as coord, Client(coord.addr, timeout_s=30) as client:
+        first, second = FakeWorker(coord, "a-first"), FakeWorker(coord, "b-second")
+        try:
+            while not sum(w.alive for w in client.status().workers) == 2:
+                time.sleep(0.05)
+            client.submit("The old GPU said", request_id="r", max_tokens=5, seed=1)
+            assert first.recv().request_id == "r"
+            client.cancel("r")
+            assert list(client.stream("r"))[-1].finish_reason == "cancelled"
+            assert isinstance(first.recv(), P.Stop)
+            client.submit("Keeps a-first busy", request_id="other", max_tokens=5, seed=1)
+            assert first.recv().request_id == "other"
+            client.submit("The old GPU said", request_id="r", max_tokens=2, seed=1)
+            assert second.recv().request_id == "r"
+            first.send(P.Sampled(request_id="r", token=99))          # sent before it read the Stop
+            first.send(P.Finished(request_id="r", finish_reason="cancelled", prefill_ms=0.0, decode_ms=0.0,
+                                  completion_tokens=1))
+            time.sleep(0.2)                  # heard before the new run's replies
+            for token in (40, 41):
+                second.send(P.Sampled(request_id="r", token=token))
+            second.send(P.Finished(request_id="r", finish_reason="length", prefill_ms=1.0, decode_ms=1.0,
+                                   completion_tokens=2))
+            msgs = list(client.stream("r"))
+        finally:
+            first.close()
+            second.close()
+    assert [m.token for m in msgs[:-1] if m.token >= 0] == [40, 41]
+    assert (msgs[-1].finish_reason, msgs[-1].completion_tokens) == ("length", 2)
 
 
 def test_a_request_whose_workers_keep_dying_fails_after_max_attempts(tiny_q4_path):

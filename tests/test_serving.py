@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,37 +19,9 @@ from coordinator.client import Client
 from shared import protocol as P
 from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
+from tests.serving_harness import BLOCK, Daemon, local, run, shm_names
 
-BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("fermoe")}
-
-
-class Daemon:
-    def __init__(self, model, *extra):
-        self.addr = f"tcp://127.0.0.1:{_free_port()}"
-        self.shm_before = _shm_names()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
-             "--snapshot-mem", "32MiB", "--block", str(BLOCK), "--threads-per-worker", "1", *extra],
-            stderr=subprocess.PIPE, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        with Client(self.addr) as c:
-            self.workers = c.wait_ready(120).workers
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +30,6 @@ def daemon(tiny_q4_path):
     yield d
     if d.proc.poll() is None:
         d.stop()
-
-
-def run(addr, prompt=None, **params):
-    with Client(addr, timeout_s=120) as c:
-        msgs = list(c.generate(prompt, **params))
-    return "".join(m.text for m in msgs[:-1]), msgs[-1]
-
-
-def local(model, prompt, n, seed, temp=0.8, kv="f16"):
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
-                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
-                          "--kv-cache-dtype", kv], capture_output=True, check=True)
-    return out.stdout.decode()[:-1]   # generate ends with a newline; bytes, so a "\r" stays one
 
 
 def test_stream_equals_local_generate(daemon, tiny_q4_path):
@@ -208,24 +166,6 @@ def test_client_that_vanishes_does_not_leak(daemon):
         assert c.status().running == 0
 
 
-def test_worker_killed_mid_generation_is_replaced(tiny_q4_path):
-    d = Daemon(tiny_q4_path)
-    try:
-        expected = local(tiny_q4_path, LONG_PROMPT, 400, seed=5)
-        with Client(d.addr, timeout_s=120) as c:
-            rid = c.submit(LONG_PROMPT, max_tokens=400, seed=5, temperature=0.8)
-            stream = c.stream(rid)
-            text = next(stream).text
-            os.kill(c.status().workers[0].pid, signal.SIGKILL)
-            msgs = list(stream)
-            text += "".join(m.text for m in msgs[:-1])
-            assert msgs[-1].finish_reason in ("length", "stop")
-            assert text == expected
-            assert c.status().workers[0].pid != d.workers[0].pid
-    finally:
-        assert d.stop() == 0
-
-
 def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
     """--kv-cache-dtype f32: the arena's slots hold f32 KV, a repeated prompt resumes
     from them, and both answers are what a local f32 run samples."""
@@ -240,23 +180,27 @@ def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
         assert d.stop() == 0
 
 
-def test_shutdown_leaves_nothing_behind(tiny_q4_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_leaves_nothing_behind(tiny_q4_path, sig):
+    """`kill` or Ctrl-C: status 0, every worker process gone, the arena unlinked."""
     d = Daemon(tiny_q4_path)
     pids = [w.pid for w in d.workers]
-    assert _shm_names() - d.shm_before, "the snapshot arena should exist while running"
-    assert d.stop() == 0
-    assert _shm_names() == d.shm_before
+    assert shm_names(d.proc.pid), "the snapshot arena should exist while running"
+    assert d.stop(sig) == 0
+    assert not shm_names(d.proc.pid)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert any("stopped" in line for line in d.log[-3:])
 
 
 def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
-    """cpu_worker --connect: the coordinator tells it where to connect in its log."""
+    """cpu_worker --connect: the coordinator tells it where to connect in its log (on
+    loopback unless told otherwise); stopped with Ctrl-C it says goodbye."""
     with Client(daemon.addr) as c:
         before = len(c.status().workers)
-    endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint,
+    assert daemon.worker_endpoint.startswith("tcp://127.0.0.1:")
+    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", daemon.worker_endpoint,
                               "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "by-hand"])
     try:
         with Client(daemon.addr) as c:
@@ -270,115 +214,13 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
             for rid in rids:
                 assert list(c.stream(rid))[-1].finish_reason in ("length", "stop")
     finally:
-        extra.terminate()                   # says goodbye: the daemon forgets it at once
+        extra.send_signal(signal.SIGINT)    # Ctrl-C: says goodbye, the daemon forgets it at once
         assert extra.wait(timeout=30) == 0
     with Client(daemon.addr) as c:
         deadline = time.monotonic() + 10    # well inside the 60 s heartbeat timeout
         while any(w.worker_id == "by-hand" for w in c.status().workers):
             assert time.monotonic() < deadline, "the stopped worker is still listed"
             time.sleep(0.1)
-
-
-def test_a_worker_stopped_mid_generation_hands_its_request_on(tiny_q4_path):
-    """A hand-started worker stopped with SIGTERM while it generates says goodbye: its
-    request is replayed on the daemon's own worker at once, and the client's stream
-    goes on to what one uninterrupted run samples."""
-    daemon, extra = Daemon(tiny_q4_path), None
-    try:
-        expected = local(tiny_q4_path, LONG_PROMPT, 400, seed=6)
-        endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-        extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint,
-                                  "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "a-by-hand"])
-        with Client(daemon.addr, timeout_s=120) as c:
-            deadline = time.monotonic() + 60
-            while not any(w.worker_id == "a-by-hand" and w.alive for w in c.status().workers):
-                assert time.monotonic() < deadline, "the worker never became ready"
-                time.sleep(0.2)
-            rid = c.submit(LONG_PROMPT, max_tokens=400, seed=6, temperature=0.8)   # idle: picked by id
-            stream = c.stream(rid)
-            text = next(stream).text
-            assert [w.running for w in c.status().workers if w.worker_id == "a-by-hand"] == [1]
-            extra.terminate()
-            t0 = time.monotonic()
-            msgs = list(stream)
-            assert time.monotonic() - t0 < 30, "the request waited for the heartbeat timeout"
-            text += "".join(m.text for m in msgs[:-1])
-            assert msgs[-1].finish_reason in ("length", "stop")
-            assert text == expected
-        assert extra.wait(timeout=30) == 0
-        assert any("worker a-by-hand left" in line for line in daemon.log)
-    finally:
-        if extra is not None and extra.poll() is None:
-            extra.kill()
-        assert daemon.stop() == 0
-
-
-def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
-    """cpu_worker --no-shared-memory (as on another host): it resumes from snapshots
-    sent as message frames and sends back the ones it writes, which the daemon's own
-    worker then resumes from. Idle workers are picked by id, so with the daemon's
-    worker busy the second of two concurrent requests goes to "remote" (a daemon of its
-    own: no other test's hand-started worker may take them)."""
-    daemon, extra = Daemon(tiny_q4_path), None
-    try:
-        cached_prompt = "A prompt long enough to cross a few snapshot blocks of eight tokens."
-        expected, _ = run(daemon.addr, cached_prompt, max_tokens=8, seed=9)
-        endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-        extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint, "--model",
-                                  str(tiny_q4_path), "--threads", "1", "--worker-id", "remote",
-                                  "--no-shared-memory"])
-        with Client(daemon.addr) as c:
-            deadline = time.monotonic() + 60
-            while not any(w.worker_id == "remote" and w.alive for w in c.status().workers):
-                assert time.monotonic() < deadline, "the worker never became ready"
-                time.sleep(0.2)
-            assert min(w.worker_id for w in c.status().workers) != "remote"
-            # both resume: the daemon's worker from shared memory, "remote" from frames
-            first, second = (c.submit(cached_prompt, max_tokens=8, seed=9) for _ in range(2))
-            for rid in (first, second):
-                msgs = list(c.stream(rid))
-                assert "".join(m.text for m in msgs[:-1]) == expected
-                assert msgs[-1].cached_prompt_tokens >= BLOCK
-            # "remote" prefills a new prompt and sends its snapshots; the other worker resumes from them
-            busy = c.submit(LONG_PROMPT, max_tokens=8, seed=1)
-            fresh = "Another prompt, new to the cache, that remote prefills and snapshots."
-            on_remote = c.submit(fresh, max_tokens=8, seed=2)
-            remote_text = "".join(m.text for m in list(c.stream(on_remote))[:-1])
-            list(c.stream(busy))
-        again_text, again = run(daemon.addr, fresh, max_tokens=8, seed=2)
-        assert again.cached_prompt_tokens >= BLOCK and again_text == remote_text
-        assert any("travel as message frames" in line for line in daemon.log)
-    finally:
-        if extra is not None:
-            extra.kill()
-            extra.wait()
-        assert daemon.stop() == 0
-
-
-def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
-    """On the worker endpoint: no frame, garbage, data frames on a message that takes
-    none, a snapshot of the wrong size for a request the sender does not run. (A
-    daemon of its own: the rogue stays registered until its heartbeats time out.)"""
-    d = Daemon(tiny_q4_path)
-    try:
-        endpoint = next(line.split("workers on ")[1].strip() for line in d.log if "workers on " in line)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, b"rogue")
-        sock.connect(endpoint)
-        fingerprint = Model(tiny_q4_path).fingerprint
-        sock.send(P.encode(P.Hello(worker_id="rogue", pid=1, threads=1, fingerprint=fingerprint)))
-        sock.send(P.encode(P.Attached(arena=False)))
-        sock.send(b"\x00\xc1garbage")
-        sock.send_multipart([P.encode(P.Heartbeat(running=0)), b"unexpected data"])
-        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0)), b"short"])
-        time.sleep(0.5)
-        sock.close()
-        assert d.proc.poll() is None
-        assert run(d.addr, "after the rogue", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
-        assert any("rogue sent a bad message" in line for line in d.log)
-    finally:
-        assert d.stop() == 0
 
 
 @pytest.mark.parametrize("args, problem", [
