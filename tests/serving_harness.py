@@ -139,3 +139,13 @@ class ThreadWorker:
     def stop(self) -> None:
         self.worker.running = False
         self.thread.join(30)
+
+
+def stop_string_at(text: str, start: int, length: int = 3) -> str:
+    """A printable piece of text first found at or after `start` (a stop string that
+    cuts the text exactly there)."""
+    for i in range(start, len(text) - length + 1):
+        piece = text[i:i + length]
+        if piece.isprintable() and text.find(piece) == i:
+            return piece
+    raise AssertionError(f"no piece of {text!r} first found after {start}")

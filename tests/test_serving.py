@@ -16,10 +16,12 @@ import pytest
 import zmq
 
 from coordinator.client import Client
+from shared.errors import FermoeError
 from shared import protocol as P
 from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
-from tests.serving_harness import BLOCK, Daemon, local, run, shm_names
+from tests.sampling_cases import option_cases
+from tests.serving_harness import BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at, streamed_ids
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
 
@@ -68,17 +70,52 @@ def test_concurrent_clients(daemon, tiny_q4_path):
 
 
 def test_cancel_and_stop_strings(daemon):
-    with Client(daemon.addr) as c:
+    """A client cancels its own request, not another's nor one that is not there."""
+    with Client(daemon.addr) as c, Client(daemon.addr, timeout_s=10) as other:
         rid = c.submit("Tell me everything", max_tokens=5000, temperature=0.8, seed=1, ignore_eos=True)
         stream = c.stream(rid)
         next(stream)
+        other.cancel(rid)
+        with pytest.raises(FermoeError, match=f"no running request '{rid}'"):
+            list(other.stream(rid))
+        c.cancel("nobody")
+        with pytest.raises(FermoeError, match="no running request 'nobody'"):
+            list(c.stream("nobody"))
         c.cancel(rid)
         done = [m for m in stream][-1]
-        assert done.finish_reason == "cancelled"
+        assert done.finish_reason == "cancelled" and done.completion_tokens < 5000
     full, _ = run(daemon.addr, "Stop strings", max_tokens=40, seed=2)
     stop = full[5:8]
     cut, done = run(daemon.addr, "Stop strings", max_tokens=40, seed=2, stop=[stop])
     assert done.finish_reason == "stop" and cut == full[:full.index(stop)]
+
+
+def test_several_stop_strings(daemon):
+    """Stop strings given together: the text ends before whichever shows first, wherever
+    it stands in the list; one that never shows changes nothing."""
+    params = dict(max_tokens=48, seed=12, ignore_eos=True)
+    full, _ = run(daemon.addr, "Several stop strings", **params)
+    early, late = stop_string_at(full, len(full) // 4), stop_string_at(full, len(full) // 2)
+    cut, done = run(daemon.addr, "Several stop strings", stop=[late, "never \x07 there", early], **params)
+    assert done.finish_reason == "stop" and cut == full[:full.index(early)]
+    cut, done = run(daemon.addr, "Several stop strings", stop=["never \x07 there", late], **params)
+    assert done.finish_reason == "stop" and cut == full[:full.index(late)] and len(cut) > full.index(early)
+
+
+def test_messages_are_rendered_with_the_chat_template(daemon, tiny_q4_path):
+    """`messages` become the model's chat template rendered: the very tokens of that text
+    sent as a plain prompt (which is then an exact cache hit of the first request), and
+    so the same answer with the same seed."""
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Why is the sky blue?"},
+                {"role": "assistant", "content": "Scattering."}, {"role": "user", "content": "Say more."}]
+    templated = Model(tiny_q4_path).tokenizer.apply_chat_template(messages)
+    with Client(daemon.addr, timeout_s=120) as c:
+        chat = list(c.generate(messages=messages, max_tokens=12, seed=8))
+        plain = list(c.generate(templated, max_tokens=12, seed=8))
+    n_prompt = len(Model(tiny_q4_path).tokenizer.encode(templated))
+    assert chat[-1].prompt_tokens == plain[-1].cached_prompt_tokens == plain[-1].prompt_tokens == n_prompt
+    assert streamed_ids(chat) == streamed_ids(plain) == local_ids(tiny_q4_path, templated, 12, eos=True,
+                                                                  temperature=0.8, seed=8)
 
 
 def test_ignore_eos_streams_past_end_of_generation(daemon, tiny_q4_path):
@@ -137,19 +174,27 @@ def test_fuzz_malformed_messages(daemon):
     assert run(daemon.addr, "after the storm", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
 
 
-def test_plain_msgpack_client_speaks_the_protocol(daemon):
-    """No fermoe code on the client side: a map per message, maps back."""
+def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
+    """No fermoe code on the client side: a map per message, maps back. What it leaves
+    out takes the README's defaults: 128 tokens, temperature 0.8, top-k 40, top-p 0.95,
+    min-p 0.05, no repeat penalty."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.addr)
-    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "max_tokens": 3,
-                             "seed": 1}))
+    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "seed": 1,
+                             "ignore_eos": True}))
     replies = []
     while not replies or replies[-1]["type"] != "done":
         assert sock.poll(30000)
         replies.append(msgpack.unpackb(sock.recv()))
     sock.close()
     assert {r["type"] for r in replies} <= {"token", "done"} and replies[-1]["request_id"] == "plain"
+    done, tokens = replies[-1], [r["token"] for r in replies[:-1] if r["token"] >= 0]
+    assert set(done) == {"type", "request_id", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens",
+                         "completion_tokens", "prefill_ms", "decode_tok_s"}
+    assert done["finish_reason"] == "length" and done["completion_tokens"] == len(tokens) == 128
+    assert tokens == local_ids(tiny_q4_path, "hello", 128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                               repeat_penalty=1.0, seed=1)
 
 
 def test_client_that_vanishes_does_not_leak(daemon):
@@ -164,6 +209,81 @@ def test_client_that_vanishes_does_not_leak(daemon):
         while c.status().running and time.monotonic() < deadline:
             time.sleep(0.2)
         assert c.status().running == 0
+
+
+def _snapshots_planned(n_tokens: int, start: int) -> int:
+    """What a prefill of tokens [start, n_tokens) writes, as the README says: a snapshot at
+    each block boundary past start, and one at the prompt's end if that is not one."""
+    return n_tokens // BLOCK - start // BLOCK + (n_tokens % BLOCK > 0 and n_tokens > start)
+
+
+def test_done_timings_and_snapshot_counters_make_sense(daemon, tiny_q4_path):
+    """A cold prompt, the same again (resumed whole: no prefill at all), then extended
+    (resumed at the end of the shorter one): Done's counts against what was streamed and
+    cached, its timings within what the client waited, and status's snapshot counters
+    moved by what each did. Nothing is queued, running or pinned afterwards."""
+    encode = Model(tiny_q4_path).tokenizer.encode
+    prompt = encode("Timing fields: a prompt new to this daemon's cache, some twenty tokens long.")
+    longer = prompt + encode(" Then longer by a few more words.")
+    n = 12
+    # (prompt, tokens resumed, snapshots written, hits, misses)
+    plan = [(prompt, 0, _snapshots_planned(len(prompt), 0), 0, 1), (prompt, len(prompt), 0, 1, 0),
+            (longer, len(prompt), _snapshots_planned(len(longer), len(prompt)), 1, 0)]
+    with Client(daemon.addr, timeout_s=120) as c:
+        counters = [c.status().snapshots]
+        for tokens, cached, written, hits, misses in plan:
+            t0 = time.monotonic()
+            msgs = list(c.generate(tokens=tokens, max_tokens=n, seed=1, ignore_eos=True))
+            wall = time.monotonic() - t0
+            counters.append(c.status().snapshots)
+            done, moved = msgs[-1], {k: counters[-1][k] - counters[-2][k] for k in counters[-1]}
+            assert (done.prompt_tokens, done.cached_prompt_tokens) == (len(tokens), cached)
+            assert done.completion_tokens == len(streamed_ids(msgs)) == n
+            if cached == len(tokens):
+                assert done.prefill_ms == 0.0                   # a repeated prompt needs no prefill
+            else:
+                assert 0 < done.prefill_ms <= wall * 1000
+            assert done.decode_tok_s >= n / wall                # its decode passes ran within the wait
+            assert (moved["hits"], moved["misses"], moved["hit_tokens"]) == (hits, misses, cached)
+            assert (moved["entries"] + moved["evictions"], moved["skipped"]) == (written, 0)
+        status = c.status()
+    assert status.queued == status.running == 0 and [w.running for w in status.workers] == [0]
+    assert counters[-1]["pinned"] == counters[-1]["writing"] == 0
+
+
+def _submit(addr, capsys, *args) -> tuple[str, str]:
+    """`fermoe submit` in this process: (stdout without its final newline, stderr)."""
+    from coordinator.cli import main
+    assert main(["submit", "--addr", addr, "--wait", "30", *map(str, args)]) == 0
+    out = capsys.readouterr()
+    return out.out[:-1], out.err
+
+
+def test_submit_chat_and_stop_strings(daemon, tiny_q4_path, capsys):
+    """`fermoe submit --chat` sends the prompt as a user message, answered as its chat
+    template rendered; `--stop` is repeatable and cuts at whichever shows first."""
+    tok = Model(tiny_q4_path).tokenizer
+    templated = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
+    out, err = _submit(daemon.addr, capsys, "--chat", "-p", "Hello", "-n", 12, "--seed", 3)
+    assert out == local_text(tiny_q4_path, templated, 12, eos=True, temperature=0.8, seed=3)
+    assert out != local_text(tiny_q4_path, "Hello", 12, eos=True, temperature=0.8, seed=3)   # it tells apart
+    assert f"prompt {len(tok.encode(templated))} tokens" in err
+    args = ("-p", "Stop strings from the command line", "-n", 48, "--seed", 4, "--ignore-eos")
+    full, _ = _submit(daemon.addr, capsys, *args)
+    early, late, later = (stop_string_at(full, len(full) * k // 8) for k in (2, 4, 6))
+    cut, err = _submit(daemon.addr, capsys, *args, "--stop", late, "--stop", early, "--stop", later)
+    assert cut == full[:full.index(early)] and err.startswith("[stop]")
+
+
+def test_submit_passes_each_sampling_option(daemon, tiny_q4_path, capsys):
+    """Each sampling option of `fermoe submit`, at a value where it matters, gives what
+    the sampler gives locally with it."""
+    prompt, n = "Sampling options from the command line", 16
+    decode = Model(tiny_q4_path).tokenizer.decode
+    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    for option, (args, ids) in cases.items():
+        out, _ = _submit(daemon.addr, capsys, "-p", prompt, "-n", n, "--ignore-eos", *args)
+        assert out == decode(ids), option
 
 
 def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
