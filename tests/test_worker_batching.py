@@ -4,6 +4,8 @@ samples. The worker runs in this process; its messages to the coordinator are
 collected instead of sent, and its passes recorded."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cpu_worker.worker import CPUWorker
@@ -49,6 +51,35 @@ def test_decoding_sequences_share_one_pass_and_sample_as_alone(worker, tiny_q4_p
         alone = list(generate(worker.engine, model.tokenizer.encode(prompt), max_tokens, params))
         assert sampled == alone
         assert finished[rid].finish_reason == "length" and finished[rid].completion_tokens == max_tokens
+
+
+def test_finished_reports_the_time_of_its_passes(worker):
+    """Finished's prefill_ms and decode_ms, in milliseconds: at least the time of the
+    passes the sequence was in (timed here around the engine's forward, inside the
+    worker's own timing), at most the time the worker ran; one decode pass a token
+    after the first (sampled from the prompt's logits)."""
+    timed, forward = [], worker.engine.forward_batch        # per pass: ({(state id, position)}, seconds)
+
+    def timing(segments):
+        before, t0 = {(id(state), state.position) for _, state in segments}, time.perf_counter()
+        out = forward(segments)
+        timed.append((before, time.perf_counter() - t0))
+        return out
+    worker.engine.forward_batch = timing
+    t0 = time.perf_counter()
+    for req in REQUESTS:
+        worker.handle_assign(_assign(worker.model, *req))
+    states = {rid: (id(seq.state), len(seq.msg.tokens)) for rid, seq in worker.sequences.items()}
+    while worker.sequences:
+        worker.work_round()
+    wall_ms = 1000 * (time.perf_counter() - t0)
+    finished = {m.request_id: m for m in worker.sent if isinstance(m, P.Finished)}
+    for rid, (state, n_prompt) in states.items():
+        prefill = [s for positions, s in timed for sid, pos in positions if sid == state and pos < n_prompt]
+        decode = [s for positions, s in timed for sid, pos in positions if sid == state and pos >= n_prompt]
+        f = finished[rid]
+        assert len(decode) == f.completion_tokens - 1
+        assert 1000 * sum(prefill) <= f.prefill_ms <= wall_ms and 1000 * sum(decode) <= f.decode_ms <= wall_ms
 
 
 def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
