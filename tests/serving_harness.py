@@ -10,9 +10,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+
+import zmq
 
 from coordinator.client import Client
 from cpu_worker.worker import CPUWorker
+from shared import protocol as P
 from shared.engine import load_engine
 from shared.generate import generate
 from shared.model import Model
@@ -149,3 +153,39 @@ def stop_string_at(text: str, start: int, length: int = 3) -> str:
         if piece.isprintable() and text.find(piece) == i:
             return piece
     raise AssertionError(f"no piece of {text!r} first found after {start}")
+
+
+class OrderedClient:
+    """One client socket, its replies read strictly in the order the coordinator sent
+    them (a Client would sort them by request)."""
+
+    def __init__(self, addr):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.replies = []
+
+    def send(self, msg):
+        self.sock.send(P.encode(msg))
+
+    def until(self, done, timeout_s=60.0):
+        """Read replies until done(reply); that reply. Fails after timeout_s in all (other
+        requests' tokens may keep coming meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000)), "not the awaited reply within the time"
+            msg = P.decode(self.sock.recv(), P.CLIENT_REPLIES)
+            self.replies.append(msg)
+            if done(msg):
+                return msg
+
+    def status(self) -> P.StatusReply:
+        self.send(P.Status())
+        return self.until(lambda m: isinstance(m, P.StatusReply))
+
+    def ids(self) -> list[int]:
+        return streamed_ids(r for r in self.replies if isinstance(r, P.Token))
+
+    def close(self):
+        self.sock.close()

@@ -16,46 +16,13 @@ import zmq
 from coordinator.client import Client
 from shared import protocol as P
 from shared.model import Model
-from tests.serving_harness import BLOCK, Daemon, ThreadWorker, local_ids, run, streamed_ids
+from tests.serving_harness import BLOCK, Daemon, OrderedClient, ThreadWorker, local_ids, run, streamed_ids
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
 # Tokens to generate that no test waits for (minutes at the tiny model's ~0.3 ms a
 # token): a generation that long is still running whenever its worker is stopped.
 ENDLESS = 100_000
 AFTER = 32                   # tokens read after a takeover before the test cancels
-
-
-class OrderedClient:
-    """One client socket, its replies read strictly in the order the coordinator sent
-    them (a Client would sort them by request)."""
-
-    def __init__(self, addr):
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self.replies = []
-
-    def send(self, msg):
-        self.sock.send(P.encode(msg))
-
-    def until(self, done, timeout_s=60.0):
-        """Read replies until done(reply); that reply."""
-        while True:
-            assert self.sock.poll(int(timeout_s * 1000)), "no reply from the coordinator"
-            msg = P.decode(self.sock.recv(), P.CLIENT_REPLIES)
-            self.replies.append(msg)
-            if done(msg):
-                return msg
-
-    def status(self) -> P.StatusReply:
-        self.send(P.Status())
-        return self.until(lambda m: isinstance(m, P.StatusReply))
-
-    def ids(self) -> list[int]:
-        return streamed_ids(r for r in self.replies if isinstance(r, P.Token))
-
-    def close(self):
-        self.sock.close()
 
 
 def follow_takeover(addr, prompt, seed, interrupt, takes_over):
