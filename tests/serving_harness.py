@@ -15,6 +15,7 @@ import time
 import zmq
 
 from coordinator.client import Client
+from cpu_worker.topology import allowed_cpus
 from cpu_worker.worker import CPUWorker
 from shared import protocol as P
 from shared.engine import load_engine
@@ -38,6 +39,13 @@ def shm_names(pid: int | None = None) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
+def unpinned():
+    """preexec_fn giving a child the CPUs this process started with: a NativeEngine made
+    in a test pins the thread that made it (often pytest's main thread) to its first
+    CPU, and a child would inherit that (a daemon would then see one core)."""
+    os.sched_setaffinity(0, allowed_cpus())
+
+
 class Daemon:
     """`coordinator` in a subprocess on a free port; its log (and its workers', which
     share its stderr) collected in `log`."""
@@ -47,11 +55,14 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
              "--snapshot-mem", "32MiB", "--block", str(block), "--threads-per-worker", "1", *extra],
-            stderr=subprocess.PIPE, text=True)
+            stderr=subprocess.PIPE, text=True, preexec_fn=unpinned)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
         with Client(self.addr) as c:
-            self.workers = c.wait_ready(120).workers
+            try:
+                self.workers = c.wait_ready(120, alive=lambda: self.proc.poll() is None).workers
+            except Exception as e:
+                raise AssertionError(f"{e}; its log:\n{''.join(self.log)}") from None
 
     @property
     def worker_endpoint(self) -> str:
@@ -79,7 +90,7 @@ def local(model, prompt, n, seed, temp=0.8, kv="f16"):
     """`fermoe generate --engine cpu` as a user runs it: its text."""
     out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
                           "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
-                          "--kv-cache-dtype", kv], capture_output=True, check=True)
+                          "--kv-cache-dtype", kv], capture_output=True, check=True, preexec_fn=unpinned)
     return out.stdout.decode()[:-1]   # generate ends with a newline; bytes, so a "\r" stays one
 
 

@@ -171,6 +171,11 @@ def test_generate_sampling_options_act_as_the_sampler_does(tiny_q4_path, capsys)
         assert out == decode(ids) + "\n", option
 
 
+def test_generate_makes_32_tokens_unless_told(tiny_q4_path, capsys):
+    out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", "How many", "--seed", 1, "--ignore-eos")
+    assert out == local_text(tiny_q4_path, "How many", 32, temperature=0.8, seed=1) + "\n"
+
+
 def test_generate_engine_reference(tiny_q4_path, capsys):
     expected = local_text(tiny_q4_path, "Once upon a time", 8, eos=True, engine="reference", temperature=0.8, seed=2)
     assert expected != local_text(tiny_q4_path, "Once upon a time", 8, eos=True, temperature=0.8, seed=2)

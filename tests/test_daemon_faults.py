@@ -1,4 +1,4 @@
-"""The daemon's fault handling, in this process: a real Coordinator (coordinator/daemon.py)
+"""The daemon's fault handling (and what needs no worker process), in this process: a real Coordinator (coordinator/daemon.py)
 runs its event loop in a thread; its workers are DEALER sockets of the test that say
 (or leave unsaid) what each case needs, or real worker processes. The timeouts are
 patched short: what is tested is what the daemon does when they run out, not their
@@ -90,7 +90,8 @@ class FakeWorker:
         self.send(P.Hello(worker_id=wid, pid=os.getpid(), threads=1, fingerprint=coord.model.fingerprint))
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        assert isinstance(self.recv(), P.Welcome)
+        self.welcome = self.recv()
+        assert isinstance(self.welcome, P.Welcome)
         self.send(P.Attached(arena=False))
 
     def _run(self):
@@ -287,3 +288,43 @@ def test_a_hung_worker_process_is_killed_replaced_and_its_request_resumed(tiny_q
     engine = load_engine("cpu", model, threads=1)
     sampling = SamplingParams(temperature=params["temperature"], seed=params["seed"])
     assert tokens == list(generate(engine, model.tokenizer.encode(prompt), len(tokens), sampling))
+
+
+def _serve_one(client, worker, prompt):
+    """A request the fake worker answers with one token: its Assign."""
+    rid = client.submit(prompt, max_tokens=1, seed=1)
+    assign = worker.recv()
+    worker.send(P.Sampled(request_id=rid, token=40))
+    worker.send(P.Finished(request_id=rid, finish_reason="length", prefill_ms=1.0, decode_ms=0.0,
+                           completion_tokens=1))
+    assert list(client.stream(rid))[-1].cached_prompt_tokens == 0
+    return assign
+
+
+@pytest.mark.parametrize("snapshot_mem", ["0", "1MiB"])
+def test_snapshot_mem_0_means_no_cache(tiny_q4_path, snapshot_mem):
+    """--snapshot-mem 0: no arena, and no request is told to resume or to write a
+    snapshot; with a budget, a prompt of several blocks plans its snapshots."""
+    prompt = "A prompt that spans a few blocks of eight tokens, or more than that."
+    with running_coordinator(tiny_q4_path, "--snapshot-mem", snapshot_mem, "--block", "8") as coord, \
+            Client(coord.addr, timeout_s=30) as client:
+        worker = FakeWorker(coord, "w")
+        try:
+            assigns = [_serve_one(client, worker, prompt) for _ in range(2)]
+        finally:
+            worker.close()
+    n_blocks = len(coord.tokenizer.encode(prompt)) // 8
+    if snapshot_mem == "0":
+        assert (worker.welcome.arena, worker.welcome.n_slots) == ("", 0)
+        assert all(a.resume == [] and a.snapshots == [] for a in assigns)
+    else:
+        assert worker.welcome.n_slots > 0 and len(assigns[0].snapshots) >= n_blocks > 1
+
+
+def test_the_daemon_binds_to_loopback_by_default(tiny_q4_path):
+    """Clients on 127.0.0.1:5557, workers on a free loopback port, unless told otherwise."""
+    opts = parse_options(["--model", str(tiny_q4_path)])
+    assert (opts.bind, opts.worker_bind) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:*")
+    from coordinator.cli import build_parser
+    from coordinator.client import DEFAULT_ADDR
+    assert build_parser().parse_args(["submit", "-p", "x"]).addr == DEFAULT_ADDR == opts.bind

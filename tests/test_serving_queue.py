@@ -30,8 +30,9 @@ def queue_daemon(tiny_q4_path):
     d.stop()
 
 
-def test_workers_per_socket_on_their_own_cores_at_the_given_endpoint(queue_daemon):
+def test_workers_per_socket_on_their_own_cores_at_the_given_endpoint(queue_daemon, tiny_q4_path):
     with Client(queue_daemon.addr) as c:
+        assert c.status().model == str(tiny_q4_path)
         workers = c.wait_ready(60).workers
         deadline = time.monotonic() + 60
         while len(workers) < PER_SOCKET * len(numa_nodes()) or not all(w.alive for w in workers):
