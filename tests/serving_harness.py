@@ -18,7 +18,7 @@ from coordinator.client import Client
 from cpu_worker.topology import allowed_cpus
 from cpu_worker.worker import CPUWorker
 from shared import protocol as P
-from shared.engine import load_engine
+from coordinator.engines import load_engine
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams

@@ -22,7 +22,7 @@ import coordinator.supervisor as supervisor
 from coordinator.client import Client
 from coordinator.options import parse_options
 from shared import protocol as P
-from shared.engine import load_engine
+from coordinator.engines import load_engine
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams

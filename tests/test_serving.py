@@ -20,7 +20,7 @@ from shared.errors import FermoeError
 from shared import protocol as P
 from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
-from tests.sampling_cases import option_cases
+from tests.sampling_cases import SEED, field_cases, option_cases
 from tests.serving_harness import BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at, streamed_ids
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
@@ -284,6 +284,18 @@ def test_submit_passes_each_sampling_option(daemon, tiny_q4_path, capsys):
     for option, (args, ids) in cases.items():
         out, _ = _submit(daemon.addr, capsys, "-p", prompt, "-n", n, "--ignore-eos", *args)
         assert out == decode(ids), option
+
+
+def test_each_sampling_field_of_a_request_reaches_the_sampler(daemon, tiny_q4_path):
+    """Every sampling field of `generate` (penalties included), at a value where it
+    matters, gives what the sampler gives locally with it: through coordinator, Assign
+    and worker, none dropped or taken for another."""
+    prompt, n = "Each sampling field over the wire", 16
+    cases = field_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    with Client(daemon.addr, timeout_s=120) as c:
+        for field, (value, ids) in cases.items():
+            params = dict(seed=SEED) if field == "defaults" else {"seed": SEED, field: value}
+            assert streamed_ids(list(c.generate(prompt, max_tokens=n, ignore_eos=True, **params))) == ids, field
 
 
 def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
