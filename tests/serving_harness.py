@@ -95,23 +95,27 @@ def local(model, prompt, n, seed, temp=0.8, kv="f16"):
 
 
 @functools.lru_cache(maxsize=4)
-def _engine(model_path: str, name: str = "cpu"):
-    model = Model(model_path)
-    return model, load_engine(name, model, threads=1)
+def _model(model_path: str) -> Model:
+    return Model(model_path)
 
 
 def local_ids(model_path, prompt_or_ids, n, eos=False, engine="cpu", **sampling) -> list[int]:
     """The token ids `fermoe generate` samples, in this process: all n (as ignore_eos), or
-    with eos=True up to an end-of-generation token, which is left out (never streamed)."""
-    model, eng = _engine(str(model_path), engine)
+    with eos=True up to an end-of-generation token, which is left out (never streamed).
+    The engine is closed at once: a live NativeEngine keeps the thread that made it
+    pinned to one CPU, and so everything that thread starts later (torch's threads too)."""
+    model = _model(str(model_path))
     ids = model.tokenizer.encode(prompt_or_ids) if isinstance(prompt_or_ids, str) else list(prompt_or_ids)
     stop = model.tokenizer.eos_ids if eos else ()
-    return [t for t in generate(eng, ids, n, SamplingParams(**sampling), stop_ids=stop) if t not in stop]
+    eng = load_engine(engine, model, threads=1)
+    try:
+        return [t for t in generate(eng, ids, n, SamplingParams(**sampling), stop_ids=stop) if t not in stop]
+    finally:
+        getattr(eng, "close", lambda: None)()
 
 
 def local_text(model_path, prompt_or_ids, n, eos=False, engine="cpu", **sampling) -> str:
-    model, _ = _engine(str(model_path), engine)
-    return model.tokenizer.decode(local_ids(model_path, prompt_or_ids, n, eos, engine, **sampling))
+    return _model(str(model_path)).tokenizer.decode(local_ids(model_path, prompt_or_ids, n, eos, engine, **sampling))
 
 
 class ThreadWorker:

@@ -22,11 +22,7 @@ import coordinator.supervisor as supervisor
 from coordinator.client import Client
 from coordinator.options import parse_options
 from shared import protocol as P
-from coordinator.engines import load_engine
-from shared.generate import generate
-from shared.model import Model
-from shared.sampling import SamplingParams
-from tests.serving_harness import free_port
+from tests.serving_harness import free_port, local_ids
 
 TIMEOUT_S = 1.0           # the patched heartbeat timeout: long enough that a beating worker beats within it
 BEAT_S = 0.1              # how often the test's live fake workers beat
@@ -284,10 +280,8 @@ def test_a_hung_worker_process_is_killed_replaced_and_its_request_resumed(tiny_q
         with pytest.raises(ProcessLookupError):      # killed, not left hanging
             os.kill(old, 0)
     assert done.finish_reason == "cancelled" and done.cached_prompt_tokens == done.prompt_tokens
-    model = Model(tiny_q4_path)
-    engine = load_engine("cpu", model, threads=1)
-    sampling = SamplingParams(temperature=params["temperature"], seed=params["seed"])
-    assert tokens == list(generate(engine, model.tokenizer.encode(prompt), len(tokens), sampling))
+    assert tokens == local_ids(tiny_q4_path, prompt, len(tokens), temperature=params["temperature"],
+                               seed=params["seed"])
 
 
 def _serve_one(client, worker, prompt):
