@@ -44,11 +44,11 @@ class TextStream:
     def feed(self, token: int) -> str:
         """The text that can be shown now; sets `stopped` when a stop string appeared."""
         self.pending += self.decoder.feed(token)
-        for s in self.stop:
-            cut = self.pending.find(s)
-            if cut >= 0:
-                out, self.pending, self.stopped = self.pending[:cut], "", True
-                return out
+        # the first place any stop string starts (one token's text may hold several)
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending, self.stopped = self.pending[:cut], "", True
+            return out
         keep = min(self.hold, len(self.pending))
         out = self.pending[:len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep:]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from shared.model import Model
 from shared.synth import _tensor_list, preset_config
 from shared.convert import tensor_type, OUT_TYPES
 from tests.eos_seed import seed_with_early_eos
+from tests.sampling_cases import option_cases
+from tests.serving_harness import local_ids, local_text
 from shared.ggml_types import tensor_nbytes
 
 
@@ -138,3 +141,118 @@ def test_cpu_engine_from_the_command_line(tiny_q4_path, tmp_path):
     text = fermoe("generate", tiny_q4_path, "--engine", "cpu", "-p", "Hello", "-n", 8, "--temp", 0).stdout
     assert text == fermoe("generate", tiny_q4_path, "--engine", "cpu", "-t", 1, "-p", "Hello", "-n", 8,
                           "--temp", 0).stdout
+
+
+# ---- the options as they should act, against the library run in this process -----------
+
+def _cli(capsys, *args) -> str:
+    """A `fermoe` command in this process (argparse to output): its stdout."""
+    from coordinator.cli import main
+    assert main([str(a) for a in args]) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_chat_wraps_the_prompt_in_the_chat_template(tiny_q4_path, capsys):
+    templated = Model(tiny_q4_path).tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+    expected = local_text(tiny_q4_path, templated, 12, eos=True, temperature=0.8, seed=3)
+    assert expected != local_text(tiny_q4_path, "Hello", 12, eos=True, temperature=0.8, seed=3)   # it tells apart
+    out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", "Hello", "-n", 12, "--seed", 3, "--chat")
+    assert out == expected + "\n"
+
+
+def test_generate_sampling_options_act_as_the_sampler_does(tiny_q4_path, capsys):
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty and --seed, each at a value
+    where it changes what is sampled: what shared.generate samples with it."""
+    prompt, n = "Sampling options", 16
+    decode = Model(tiny_q4_path).tokenizer.decode
+    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    for option, (args, ids) in cases.items():
+        out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", prompt, "-n", n, "--ignore-eos", *args)
+        assert out == decode(ids) + "\n", option
+
+
+def test_generate_makes_32_tokens_unless_told(tiny_q4_path, capsys):
+    out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", "How many", "--seed", 1, "--ignore-eos")
+    assert out == local_text(tiny_q4_path, "How many", 32, temperature=0.8, seed=1) + "\n"
+
+
+def test_generate_engine_reference(tiny_q4_path, capsys):
+    expected = local_text(tiny_q4_path, "Once upon a time", 8, eos=True, engine="reference", temperature=0.8, seed=2)
+    assert expected != local_text(tiny_q4_path, "Once upon a time", 8, eos=True, temperature=0.8, seed=2)
+    out = _cli(capsys, "generate", tiny_q4_path, "--engine", "reference", "-p", "Once upon a time", "-n", 8,
+               "--seed", 2)
+    assert out == expected + "\n"
+
+
+def _dead_arenas() -> set[str]:
+    """/dev/shm arenas whose creating process is gone (what a coordinator that did not
+    clean up leaves)."""
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        m = re.fullmatch(r"fermoe-(\d+)-[0-9a-f]{8}", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            names.add(name)
+    return names
+
+
+def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
+    """`fermoe demo` on the built-in model: a coordinator comes up, the prompt's greedy
+    continuation streams (what a local greedy run gives), and everything stops (status 0,
+    no arena left behind)."""
+    monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
+    leaked_before = _dead_arenas()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    run = fermoe("demo", "-p", "The old GPU said", "-n", 12, "--addr", addr)
+    from shared.builtin import resolve_model
+    expected = local_text(resolve_model("tiny"), "The old GPU said", 12, eos=True, temperature=0.0)
+    assert expected.strip() and run.stdout == expected + "\n"
+    assert re.search(r"^\[(length|stop)\] prompt \d+ tokens", run.stderr, re.M) and "ready: 1 worker(s)" in run.stderr
+    assert _dead_arenas() <= leaked_before
+
+
+def _expected_type(name: str, shape, matrices: str) -> str:
+    """The README's rule: routers and the conv kernel stay F32, as vectors do; every
+    other matrix takes the file's type."""
+    keep_f32 = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight"))
+    return "F32" if len(shape) < 2 or keep_f32 else matrices
+
+
+def _types(path) -> dict[str, tuple[str, tuple]]:
+    gguf = pytest.importorskip("gguf")
+    return {t.name: (t.tensor_type.name, tuple(t.shape)) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_convert_command_writes_f16(tmp_path):
+    """`fermoe convert --type f16` on a small Hugging Face checkpoint: the library's file
+    byte for byte, its matrices F16 (routers and conv F32), the embedding the checkpoint's
+    rounded to half precision."""
+    hf_oracle = pytest.importorskip("tests.hf_oracle")
+    from shared.convert import convert
+    from shared.safetensors_file import Checkpoint
+    ckpt = hf_oracle.save_checkpoint(hf_oracle.build_hf_model("qwen35moe-a"), tmp_path / "hf")
+    out = tmp_path / "cmd.gguf"
+    run = fermoe("convert", ckpt, out, "--type", "f16")
+    assert "wrote" in run.stderr and "f16" in run.stderr
+    convert(ckpt, tmp_path / "lib.gguf", "f16", progress=False)
+    assert out.read_bytes() == (tmp_path / "lib.gguf").read_bytes()
+    types = _types(out)
+    assert {n: t for n, (t, _) in types.items()} == {n: _expected_type(n, s, "F16") for n, (_, s) in types.items()}
+    assert {t for t, _ in types.values()} == {"F16", "F32"}
+    gguf = pytest.importorskip("gguf")
+    embd = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "token_embd.weight")
+    hf_embd = Checkpoint(ckpt).load("model.embed_tokens.weight")
+    np.testing.assert_array_equal(np.asarray(embd.data).reshape(hf_embd.shape), hf_embd.astype(np.float16))
+
+
+def test_synth_command_writes_f16_and_its_seed_decides_the_weights(tmp_path, capsys):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    fermoe("synth", a, "--experts", 4, "--layers", 2, "--type", "f16", "--seed", 3)
+    types = _types(a)
+    assert {n: t for n, (t, _) in types.items()} == {n: _expected_type(n, s, "F16") for n, (_, s) in types.items()}
+    assert {t for t, _ in types.values()} == {"F16", "F32"}
+    _cli(capsys, "synth", b, "--experts", 4, "--layers", 2, "--type", "f16", "--seed", 3)
+    _cli(capsys, "synth", c, "--experts", 4, "--layers", 2, "--type", "f16", "--seed", 4)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+    assert Model(c).config.n_layer == 2

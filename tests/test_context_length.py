@@ -126,9 +126,29 @@ def test_the_fitted_max_model_len_fits_and_is_the_longest_that_does():
     assert fitted_max_model_len(cfg, "f16", weights, sequences, 12 << 30) == 0
 
 
+def test_the_fitted_limit_is_logged_and_a_larger_one_taken_with_a_warning(monkeypatch, caplog):
+    """At start the coordinator logs the limit it fitted to the host; a --max-model-len
+    above it is taken as given, with a warning naming what would fit."""
+    import logging
+    from coordinator.memory import fitted_max_model_len, resolve_max_model_len
+    from shared.synth import preset_config
+    cfg = preset_config("qwen3.6-35b-a3b", experts=128)
+    weights, sequences, memory = 10_480_000_000, 8, 24 << 30
+    monkeypatch.setenv("FERMOE_HOST_MEMORY", str(memory))
+    caplog.set_level(logging.INFO, logger="fermoe.coordinator")
+    fitted = fitted_max_model_len(cfg, "f16", weights, sequences, memory)
+    assert resolve_max_model_len(None, cfg, "f16", weights, sequences) == fitted
+    assert f"max_model_len {fitted} positions" in caplog.records[-1].getMessage()
+    asked = fitted + 1000
+    assert resolve_max_model_len(asked, cfg, "f16", weights, sequences) == asked
+    warning = caplog.records[-1]
+    assert warning.levelname == "WARNING" and f"--max-model-len {asked}" in warning.getMessage()
+    assert f"about {fitted} would" in warning.getMessage()
+
+
 def test_a_coordinator_caps_its_sequences_at_max_model_len(tiny_q4_path):
     from coordinator.client import Client
-    from tests.test_serving import Daemon
+    from tests.serving_harness import Daemon
     d = Daemon(tiny_q4_path, "--max-model-len", "24")
     try:
         with Client(d.addr, timeout_s=120) as c:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,40 +16,14 @@ import pytest
 import zmq
 
 from coordinator.client import Client
+from shared.errors import FermoeError
 from shared import protocol as P
 from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
+from tests.sampling_cases import SEED, field_cases, option_cases
+from tests.serving_harness import BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at, streamed_ids
 
-BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("fermoe")}
-
-
-class Daemon:
-    def __init__(self, model, *extra):
-        self.addr = f"tcp://127.0.0.1:{_free_port()}"
-        self.shm_before = _shm_names()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
-             "--snapshot-mem", "32MiB", "--block", str(BLOCK), "--threads-per-worker", "1", *extra],
-            stderr=subprocess.PIPE, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        with Client(self.addr) as c:
-            self.workers = c.wait_ready(120).workers
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +32,6 @@ def daemon(tiny_q4_path):
     yield d
     if d.proc.poll() is None:
         d.stop()
-
-
-def run(addr, prompt=None, **params):
-    with Client(addr, timeout_s=120) as c:
-        msgs = list(c.generate(prompt, **params))
-    return "".join(m.text for m in msgs[:-1]), msgs[-1]
-
-
-def local(model, prompt, n, seed, temp=0.8, kv="f16"):
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
-                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
-                          "--kv-cache-dtype", kv], capture_output=True, check=True)
-    return out.stdout.decode()[:-1]   # generate ends with a newline; bytes, so a "\r" stays one
 
 
 def test_stream_equals_local_generate(daemon, tiny_q4_path):
@@ -110,17 +70,52 @@ def test_concurrent_clients(daemon, tiny_q4_path):
 
 
 def test_cancel_and_stop_strings(daemon):
-    with Client(daemon.addr) as c:
+    """A client cancels its own request, not another's nor one that is not there."""
+    with Client(daemon.addr) as c, Client(daemon.addr, timeout_s=10) as other:
         rid = c.submit("Tell me everything", max_tokens=5000, temperature=0.8, seed=1, ignore_eos=True)
         stream = c.stream(rid)
         next(stream)
+        other.cancel(rid)
+        with pytest.raises(FermoeError, match=f"no running request '{rid}'"):
+            list(other.stream(rid))
+        c.cancel("nobody")
+        with pytest.raises(FermoeError, match="no running request 'nobody'"):
+            list(c.stream("nobody"))
         c.cancel(rid)
         done = [m for m in stream][-1]
-        assert done.finish_reason == "cancelled"
+        assert done.finish_reason == "cancelled" and done.completion_tokens < 5000
     full, _ = run(daemon.addr, "Stop strings", max_tokens=40, seed=2)
     stop = full[5:8]
     cut, done = run(daemon.addr, "Stop strings", max_tokens=40, seed=2, stop=[stop])
     assert done.finish_reason == "stop" and cut == full[:full.index(stop)]
+
+
+def test_several_stop_strings(daemon):
+    """Stop strings given together: the text ends before whichever shows first, wherever
+    it stands in the list; one that never shows changes nothing."""
+    params = dict(max_tokens=48, seed=12, ignore_eos=True)
+    full, _ = run(daemon.addr, "Several stop strings", **params)
+    early, late = stop_string_at(full, len(full) // 4), stop_string_at(full, len(full) // 2)
+    cut, done = run(daemon.addr, "Several stop strings", stop=[late, "never \x07 there", early], **params)
+    assert done.finish_reason == "stop" and cut == full[:full.index(early)]
+    cut, done = run(daemon.addr, "Several stop strings", stop=["never \x07 there", late], **params)
+    assert done.finish_reason == "stop" and cut == full[:full.index(late)] and len(cut) > full.index(early)
+
+
+def test_messages_are_rendered_with_the_chat_template(daemon, tiny_q4_path):
+    """`messages` become the model's chat template rendered: the very tokens of that text
+    sent as a plain prompt (which is then an exact cache hit of the first request), and
+    so the same answer with the same seed."""
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Why is the sky blue?"},
+                {"role": "assistant", "content": "Scattering."}, {"role": "user", "content": "Say more."}]
+    templated = Model(tiny_q4_path).tokenizer.apply_chat_template(messages)
+    with Client(daemon.addr, timeout_s=120) as c:
+        chat = list(c.generate(messages=messages, max_tokens=12, seed=8))
+        plain = list(c.generate(templated, max_tokens=12, seed=8))
+    n_prompt = len(Model(tiny_q4_path).tokenizer.encode(templated))
+    assert chat[-1].prompt_tokens == plain[-1].cached_prompt_tokens == plain[-1].prompt_tokens == n_prompt
+    assert streamed_ids(chat) == streamed_ids(plain) == local_ids(tiny_q4_path, templated, 12, eos=True,
+                                                                  temperature=0.8, seed=8)
 
 
 def test_ignore_eos_streams_past_end_of_generation(daemon, tiny_q4_path):
@@ -179,19 +174,27 @@ def test_fuzz_malformed_messages(daemon):
     assert run(daemon.addr, "after the storm", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
 
 
-def test_plain_msgpack_client_speaks_the_protocol(daemon):
-    """No fermoe code on the client side: a map per message, maps back."""
+def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
+    """No fermoe code on the client side: a map per message, maps back. What it leaves
+    out takes the README's defaults: 128 tokens, temperature 0.8, top-k 40, top-p 0.95,
+    min-p 0.05, no repeat penalty."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.addr)
-    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "max_tokens": 3,
-                             "seed": 1}))
+    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "seed": 1,
+                             "ignore_eos": True}))
     replies = []
     while not replies or replies[-1]["type"] != "done":
         assert sock.poll(30000)
         replies.append(msgpack.unpackb(sock.recv()))
     sock.close()
     assert {r["type"] for r in replies} <= {"token", "done"} and replies[-1]["request_id"] == "plain"
+    done, tokens = replies[-1], [r["token"] for r in replies[:-1] if r["token"] >= 0]
+    assert set(done) == {"type", "request_id", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens",
+                         "completion_tokens", "prefill_ms", "decode_tok_s"}
+    assert done["finish_reason"] == "length" and done["completion_tokens"] == len(tokens) == 128
+    assert tokens == local_ids(tiny_q4_path, "hello", 128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                               repeat_penalty=1.0, seed=1)
 
 
 def test_client_that_vanishes_does_not_leak(daemon):
@@ -208,22 +211,91 @@ def test_client_that_vanishes_does_not_leak(daemon):
         assert c.status().running == 0
 
 
-def test_worker_killed_mid_generation_is_replaced(tiny_q4_path):
-    d = Daemon(tiny_q4_path)
-    try:
-        expected = local(tiny_q4_path, LONG_PROMPT, 400, seed=5)
-        with Client(d.addr, timeout_s=120) as c:
-            rid = c.submit(LONG_PROMPT, max_tokens=400, seed=5, temperature=0.8)
-            stream = c.stream(rid)
-            text = next(stream).text
-            os.kill(c.status().workers[0].pid, signal.SIGKILL)
-            msgs = list(stream)
-            text += "".join(m.text for m in msgs[:-1])
-            assert msgs[-1].finish_reason in ("length", "stop")
-            assert text == expected
-            assert c.status().workers[0].pid != d.workers[0].pid
-    finally:
-        assert d.stop() == 0
+def _snapshots_planned(n_tokens: int, start: int) -> int:
+    """What a prefill of tokens [start, n_tokens) writes, as the README says: a snapshot at
+    each block boundary past start, and one at the prompt's end if that is not one."""
+    return n_tokens // BLOCK - start // BLOCK + (n_tokens % BLOCK > 0 and n_tokens > start)
+
+
+def test_done_timings_and_snapshot_counters_make_sense(daemon, tiny_q4_path):
+    """A cold prompt, the same again (resumed whole: no prefill at all), then extended
+    (resumed at the end of the shorter one): Done's counts against what was streamed and
+    cached, its timings within what the client waited, and status's snapshot counters
+    moved by what each did. Nothing is queued, running or pinned afterwards."""
+    encode = Model(tiny_q4_path).tokenizer.encode
+    prompt = encode("Timing fields: a prompt new to this daemon's cache, some twenty tokens long.")
+    longer = prompt + encode(" Then longer by a few more words.")
+    n = 12
+    # (prompt, tokens resumed, snapshots written, hits, misses)
+    plan = [(prompt, 0, _snapshots_planned(len(prompt), 0), 0, 1), (prompt, len(prompt), 0, 1, 0),
+            (longer, len(prompt), _snapshots_planned(len(longer), len(prompt)), 1, 0)]
+    with Client(daemon.addr, timeout_s=120) as c:
+        counters = [c.status().snapshots]
+        for tokens, cached, written, hits, misses in plan:
+            t0 = time.monotonic()
+            msgs = list(c.generate(tokens=tokens, max_tokens=n, seed=1, ignore_eos=True))
+            wall = time.monotonic() - t0
+            counters.append(c.status().snapshots)
+            done, moved = msgs[-1], {k: counters[-1][k] - counters[-2][k] for k in counters[-1]}
+            assert (done.prompt_tokens, done.cached_prompt_tokens) == (len(tokens), cached)
+            assert done.completion_tokens == len(streamed_ids(msgs)) == n
+            if cached == len(tokens):
+                assert done.prefill_ms == 0.0                   # a repeated prompt needs no prefill
+            else:
+                assert 0 < done.prefill_ms <= wall * 1000
+            assert done.decode_tok_s >= n / wall                # its decode passes ran within the wait
+            assert (moved["hits"], moved["misses"], moved["hit_tokens"]) == (hits, misses, cached)
+            assert (moved["entries"] + moved["evictions"], moved["skipped"]) == (written, 0)
+        status = c.status()
+    assert status.queued == status.running == 0 and [w.running for w in status.workers] == [0]
+    assert counters[-1]["pinned"] == counters[-1]["writing"] == 0
+
+
+def _submit(addr, capsys, *args) -> tuple[str, str]:
+    """`fermoe submit` in this process: (stdout without its final newline, stderr)."""
+    from coordinator.cli import main
+    assert main(["submit", "--addr", addr, "--wait", "30", *map(str, args)]) == 0
+    out = capsys.readouterr()
+    return out.out[:-1], out.err
+
+
+def test_submit_chat_and_stop_strings(daemon, tiny_q4_path, capsys):
+    """`fermoe submit --chat` sends the prompt as a user message, answered as its chat
+    template rendered; `--stop` is repeatable and cuts at whichever shows first."""
+    tok = Model(tiny_q4_path).tokenizer
+    templated = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
+    out, err = _submit(daemon.addr, capsys, "--chat", "-p", "Hello", "-n", 12, "--seed", 3)
+    assert out == local_text(tiny_q4_path, templated, 12, eos=True, temperature=0.8, seed=3)
+    assert out != local_text(tiny_q4_path, "Hello", 12, eos=True, temperature=0.8, seed=3)   # it tells apart
+    assert f"prompt {len(tok.encode(templated))} tokens" in err
+    args = ("-p", "Stop strings from the command line", "-n", 48, "--seed", 4, "--ignore-eos")
+    full, _ = _submit(daemon.addr, capsys, *args)
+    early, late, later = (stop_string_at(full, len(full) * k // 8) for k in (2, 4, 6))
+    cut, err = _submit(daemon.addr, capsys, *args, "--stop", late, "--stop", early, "--stop", later)
+    assert cut == full[:full.index(early)] and err.startswith("[stop]")
+
+
+def test_submit_passes_each_sampling_option(daemon, tiny_q4_path, capsys):
+    """Each sampling option of `fermoe submit`, at a value where it matters, gives what
+    the sampler gives locally with it."""
+    prompt, n = "Sampling options from the command line", 16
+    decode = Model(tiny_q4_path).tokenizer.decode
+    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    for option, (args, ids) in cases.items():
+        out, _ = _submit(daemon.addr, capsys, "-p", prompt, "-n", n, "--ignore-eos", *args)
+        assert out == decode(ids), option
+
+
+def test_each_sampling_field_of_a_request_reaches_the_sampler(daemon, tiny_q4_path):
+    """Every sampling field of `generate` (penalties included), at a value where it
+    matters, gives what the sampler gives locally with it: through coordinator, Assign
+    and worker, none dropped or taken for another."""
+    prompt, n = "Each sampling field over the wire", 16
+    cases = field_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    with Client(daemon.addr, timeout_s=120) as c:
+        for field, (value, ids) in cases.items():
+            params = dict(seed=SEED) if field == "defaults" else {"seed": SEED, field: value}
+            assert streamed_ids(list(c.generate(prompt, max_tokens=n, ignore_eos=True, **params))) == ids, field
 
 
 def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
@@ -240,23 +312,27 @@ def test_f32_kv_cache_served_and_resumed_from_snapshots(tiny_q4_path):
         assert d.stop() == 0
 
 
-def test_shutdown_leaves_nothing_behind(tiny_q4_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_leaves_nothing_behind(tiny_q4_path, sig):
+    """`kill` or Ctrl-C: status 0, every worker process gone, the arena unlinked."""
     d = Daemon(tiny_q4_path)
     pids = [w.pid for w in d.workers]
-    assert _shm_names() - d.shm_before, "the snapshot arena should exist while running"
-    assert d.stop() == 0
-    assert _shm_names() == d.shm_before
+    assert shm_names(d.proc.pid), "the snapshot arena should exist while running"
+    assert d.stop(sig) == 0
+    assert not shm_names(d.proc.pid)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert any("stopped" in line for line in d.log[-3:])
 
 
 def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
-    """cpu_worker --connect: the coordinator tells it where to connect in its log."""
+    """cpu_worker --connect: the coordinator tells it where to connect in its log (on
+    loopback unless told otherwise); stopped with Ctrl-C it says goodbye."""
     with Client(daemon.addr) as c:
         before = len(c.status().workers)
-    endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint,
+    assert daemon.worker_endpoint.startswith("tcp://127.0.0.1:")
+    extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", daemon.worker_endpoint,
                               "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "by-hand"])
     try:
         with Client(daemon.addr) as c:
@@ -270,115 +346,13 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
             for rid in rids:
                 assert list(c.stream(rid))[-1].finish_reason in ("length", "stop")
     finally:
-        extra.terminate()                   # says goodbye: the daemon forgets it at once
+        extra.send_signal(signal.SIGINT)    # Ctrl-C: says goodbye, the daemon forgets it at once
         assert extra.wait(timeout=30) == 0
     with Client(daemon.addr) as c:
         deadline = time.monotonic() + 10    # well inside the 60 s heartbeat timeout
         while any(w.worker_id == "by-hand" for w in c.status().workers):
             assert time.monotonic() < deadline, "the stopped worker is still listed"
             time.sleep(0.1)
-
-
-def test_a_worker_stopped_mid_generation_hands_its_request_on(tiny_q4_path):
-    """A hand-started worker stopped with SIGTERM while it generates says goodbye: its
-    request is replayed on the daemon's own worker at once, and the client's stream
-    goes on to what one uninterrupted run samples."""
-    daemon, extra = Daemon(tiny_q4_path), None
-    try:
-        expected = local(tiny_q4_path, LONG_PROMPT, 400, seed=6)
-        endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-        extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint,
-                                  "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "a-by-hand"])
-        with Client(daemon.addr, timeout_s=120) as c:
-            deadline = time.monotonic() + 60
-            while not any(w.worker_id == "a-by-hand" and w.alive for w in c.status().workers):
-                assert time.monotonic() < deadline, "the worker never became ready"
-                time.sleep(0.2)
-            rid = c.submit(LONG_PROMPT, max_tokens=400, seed=6, temperature=0.8)   # idle: picked by id
-            stream = c.stream(rid)
-            text = next(stream).text
-            assert [w.running for w in c.status().workers if w.worker_id == "a-by-hand"] == [1]
-            extra.terminate()
-            t0 = time.monotonic()
-            msgs = list(stream)
-            assert time.monotonic() - t0 < 30, "the request waited for the heartbeat timeout"
-            text += "".join(m.text for m in msgs[:-1])
-            assert msgs[-1].finish_reason in ("length", "stop")
-            assert text == expected
-        assert extra.wait(timeout=30) == 0
-        assert any("worker a-by-hand left" in line for line in daemon.log)
-    finally:
-        if extra is not None and extra.poll() is None:
-            extra.kill()
-        assert daemon.stop() == 0
-
-
-def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
-    """cpu_worker --no-shared-memory (as on another host): it resumes from snapshots
-    sent as message frames and sends back the ones it writes, which the daemon's own
-    worker then resumes from. Idle workers are picked by id, so with the daemon's
-    worker busy the second of two concurrent requests goes to "remote" (a daemon of its
-    own: no other test's hand-started worker may take them)."""
-    daemon, extra = Daemon(tiny_q4_path), None
-    try:
-        cached_prompt = "A prompt long enough to cross a few snapshot blocks of eight tokens."
-        expected, _ = run(daemon.addr, cached_prompt, max_tokens=8, seed=9)
-        endpoint = next(line.split("workers on ")[1].strip() for line in daemon.log if "workers on " in line)
-        extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", endpoint, "--model",
-                                  str(tiny_q4_path), "--threads", "1", "--worker-id", "remote",
-                                  "--no-shared-memory"])
-        with Client(daemon.addr) as c:
-            deadline = time.monotonic() + 60
-            while not any(w.worker_id == "remote" and w.alive for w in c.status().workers):
-                assert time.monotonic() < deadline, "the worker never became ready"
-                time.sleep(0.2)
-            assert min(w.worker_id for w in c.status().workers) != "remote"
-            # both resume: the daemon's worker from shared memory, "remote" from frames
-            first, second = (c.submit(cached_prompt, max_tokens=8, seed=9) for _ in range(2))
-            for rid in (first, second):
-                msgs = list(c.stream(rid))
-                assert "".join(m.text for m in msgs[:-1]) == expected
-                assert msgs[-1].cached_prompt_tokens >= BLOCK
-            # "remote" prefills a new prompt and sends its snapshots; the other worker resumes from them
-            busy = c.submit(LONG_PROMPT, max_tokens=8, seed=1)
-            fresh = "Another prompt, new to the cache, that remote prefills and snapshots."
-            on_remote = c.submit(fresh, max_tokens=8, seed=2)
-            remote_text = "".join(m.text for m in list(c.stream(on_remote))[:-1])
-            list(c.stream(busy))
-        again_text, again = run(daemon.addr, fresh, max_tokens=8, seed=2)
-        assert again.cached_prompt_tokens >= BLOCK and again_text == remote_text
-        assert any("travel as message frames" in line for line in daemon.log)
-    finally:
-        if extra is not None:
-            extra.kill()
-            extra.wait()
-        assert daemon.stop() == 0
-
-
-def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
-    """On the worker endpoint: no frame, garbage, data frames on a message that takes
-    none, a snapshot of the wrong size for a request the sender does not run. (A
-    daemon of its own: the rogue stays registered until its heartbeats time out.)"""
-    d = Daemon(tiny_q4_path)
-    try:
-        endpoint = next(line.split("workers on ")[1].strip() for line in d.log if "workers on " in line)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, b"rogue")
-        sock.connect(endpoint)
-        fingerprint = Model(tiny_q4_path).fingerprint
-        sock.send(P.encode(P.Hello(worker_id="rogue", pid=1, threads=1, fingerprint=fingerprint)))
-        sock.send(P.encode(P.Attached(arena=False)))
-        sock.send(b"\x00\xc1garbage")
-        sock.send_multipart([P.encode(P.Heartbeat(running=0)), b"unexpected data"])
-        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0)), b"short"])
-        time.sleep(0.5)
-        sock.close()
-        assert d.proc.poll() is None
-        assert run(d.addr, "after the rogue", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
-        assert any("rogue sent a bad message" in line for line in d.log)
-    finally:
-        assert d.stop() == 0
 
 
 @pytest.mark.parametrize("args, problem", [
@@ -415,4 +389,5 @@ def test_bench_serve_on_the_tiny_model(tiny_q4_path):
     assert set(out["aggregate_decode_tok_s"]) == {1, 2, 4} and min(out["aggregate_decode_tok_s"].values()) > 0
     during = out["decode_during_prefill"]
     assert during["arriving_prompts"] == len(during["arriving_ttft_s"]) == 2
-    assert 0 < during["running_median_gap_s"] <= during["running_max_gap_s"]
+    # tokens read in a burst are microseconds apart: the median, rounded to 10 us, may be 0
+    assert 0 <= during["running_median_gap_s"] <= during["running_max_gap_s"] and during["running_max_gap_s"] > 0

@@ -4,6 +4,8 @@ samples. The worker runs in this process; its messages to the coordinator are
 collected instead of sent, and its passes recorded."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cpu_worker.worker import CPUWorker
@@ -51,6 +53,35 @@ def test_decoding_sequences_share_one_pass_and_sample_as_alone(worker, tiny_q4_p
         assert finished[rid].finish_reason == "length" and finished[rid].completion_tokens == max_tokens
 
 
+def test_finished_reports_the_time_of_its_passes(worker):
+    """Finished's prefill_ms and decode_ms, in milliseconds: at least the time of the
+    passes the sequence was in (timed here around the engine's forward, inside the
+    worker's own timing), at most the time the worker ran; one decode pass a token
+    after the first (sampled from the prompt's logits)."""
+    timed, forward = [], worker.engine.forward_batch        # per pass: ({(state id, position)}, seconds)
+
+    def timing(segments):
+        before, t0 = {(id(state), state.position) for _, state in segments}, time.perf_counter()
+        out = forward(segments)
+        timed.append((before, time.perf_counter() - t0))
+        return out
+    worker.engine.forward_batch = timing
+    t0 = time.perf_counter()
+    for req in REQUESTS:
+        worker.handle_assign(_assign(worker.model, *req))
+    states = {rid: (id(seq.state), len(seq.msg.tokens)) for rid, seq in worker.sequences.items()}
+    while worker.sequences:
+        worker.work_round()
+    wall_ms = 1000 * (time.perf_counter() - t0)
+    finished = {m.request_id: m for m in worker.sent if isinstance(m, P.Finished)}
+    for rid, (state, n_prompt) in states.items():
+        prefill = [s for positions, s in timed for sid, pos in positions if sid == state and pos < n_prompt]
+        decode = [s for positions, s in timed for sid, pos in positions if sid == state and pos >= n_prompt]
+        f = finished[rid]
+        assert len(decode) == f.completion_tokens - 1
+        assert 1000 * sum(prefill) <= f.prefill_ms <= wall_ms and 1000 * sum(decode) <= f.decode_ms <= wall_ms
+
+
 def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
     model = worker.model
     for req in REQUESTS[:2]:
@@ -69,7 +100,7 @@ def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
     worker.handle_assign(_assign(model, *REQUESTS[2]))
     while worker.sequences:
         worker.work_round()
-    assert [m for m in worker.sent if isinstance(m, P.Finished)][-1].finish_reason == "length"
+    _assert_served_as_alone(worker, REQUESTS[2:])
 
 
 def test_a_long_prompt_does_not_stall_running_generations(worker):
@@ -138,6 +169,21 @@ def test_a_model_without_batching_still_serves(tiny_q4_path):
             w.handle_assign(_assign(Model(str(tiny_q4_path)), *req))
         while w.sequences:
             w.work_round()
-        assert sorted(m.request_id for m in w.sent if isinstance(m, P.Finished)) == ["a", "b"]
+        _assert_served_as_alone(w, REQUESTS[:2])
     finally:
         w.close()
+
+
+def _assert_served_as_alone(worker, requests):
+    """Each request ended once, at its length, without an error, having sampled (the
+    tokens its text is made of) exactly what the same engine samples for it alone."""
+    encode = worker.model.tokenizer.encode
+    for rid, prompt, max_tokens, temperature, seed in requests:
+        finished = [m for m in worker.sent if isinstance(m, P.Finished) and m.request_id == rid]
+        assert len(finished) == 1, rid
+        assert (finished[0].finish_reason, finished[0].error) == ("length", None), finished[0]
+        assert finished[0].completion_tokens == max_tokens
+        sampled = [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == rid]
+        params = SamplingParams(temperature=temperature, seed=seed)
+        alone = list(generate(worker.engine, encode(prompt), max_tokens, params))
+        assert sampled == alone, rid

@@ -1,0 +1,206 @@
+"""What the serving tests share: a coordinator daemon in a subprocess, a CPU worker in
+a thread of the test (so a test sees what it ran), and the local runs a served
+request must equal."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import zmq
+
+from coordinator.client import Client
+from cpu_worker.topology import allowed_cpus
+from cpu_worker.worker import CPUWorker
+from shared import protocol as P
+from coordinator.engines import load_engine
+from shared.generate import generate
+from shared.model import Model
+from shared.sampling import SamplingParams
+
+BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_names(pid: int | None = None) -> set[str]:
+    """Our arenas in /dev/shm; with pid, only those that process created (other
+    agents' daemons may come and go meanwhile)."""
+    prefix = "fermoe" if pid is None else f"fermoe-{pid}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def unpinned():
+    """preexec_fn giving a child the CPUs this process started with: a NativeEngine made
+    in a test pins the thread that made it (often pytest's main thread) to its first
+    CPU, and a child would inherit that (a daemon would then see one core)."""
+    os.sched_setaffinity(0, allowed_cpus())
+
+
+class Daemon:
+    """`coordinator` in a subprocess on a free port; its log (and its workers', which
+    share its stderr) collected in `log`."""
+
+    def __init__(self, model, *extra, block: int = BLOCK):
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
+             "--snapshot-mem", "32MiB", "--block", str(block), "--threads-per-worker", "1", *extra],
+            stderr=subprocess.PIPE, text=True, preexec_fn=unpinned)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        with Client(self.addr) as c:
+            try:
+                self.workers = c.wait_ready(120, alive=lambda: self.proc.poll() is None).workers
+            except Exception as e:
+                raise AssertionError(f"{e}; its log:\n{''.join(self.log)}") from None
+
+    @property
+    def worker_endpoint(self) -> str:
+        """Where workers connect, from the daemon's "ready:" line."""
+        return next(line.split("workers on ")[1].strip() for line in self.log if "workers on " in line)
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+
+def run(addr, prompt=None, **params):
+    """One request: (its streamed text, its Done)."""
+    with Client(addr, timeout_s=120) as c:
+        msgs = list(c.generate(prompt, **params))
+    return "".join(m.text for m in msgs[:-1]), msgs[-1]
+
+
+def streamed_ids(msgs) -> list[int]:
+    """The token ids of a request's replies (the -1 of a final text-only piece left out)."""
+    return [m.token for m in msgs if hasattr(m, "token") and m.token >= 0]
+
+
+def local(model, prompt, n, seed, temp=0.8, kv="f16"):
+    """`fermoe generate --engine cpu` as a user runs it: its text."""
+    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
+                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
+                          "--kv-cache-dtype", kv], capture_output=True, check=True, preexec_fn=unpinned)
+    return out.stdout.decode()[:-1]   # generate ends with a newline; bytes, so a "\r" stays one
+
+
+@functools.lru_cache(maxsize=4)
+def _model(model_path: str) -> Model:
+    return Model(model_path)
+
+
+def local_ids(model_path, prompt_or_ids, n, eos=False, engine="cpu", **sampling) -> list[int]:
+    """The token ids `fermoe generate` samples, in this process: all n (as ignore_eos), or
+    with eos=True up to an end-of-generation token, which is left out (never streamed).
+    The engine is closed at once: a live NativeEngine keeps the thread that made it
+    pinned to one CPU, and so everything that thread starts later (torch's threads too)."""
+    model = _model(str(model_path))
+    ids = model.tokenizer.encode(prompt_or_ids) if isinstance(prompt_or_ids, str) else list(prompt_or_ids)
+    stop = model.tokenizer.eos_ids if eos else ()
+    eng = load_engine(engine, model, threads=1)
+    try:
+        return [t for t in generate(eng, ids, n, SamplingParams(**sampling), stop_ids=stop) if t not in stop]
+    finally:
+        getattr(eng, "close", lambda: None)()
+
+
+def local_text(model_path, prompt_or_ids, n, eos=False, engine="cpu", **sampling) -> str:
+    return _model(str(model_path)).tokenizer.decode(local_ids(model_path, prompt_or_ids, n, eos, engine, **sampling))
+
+
+class ThreadWorker:
+    """A CPUWorker connected to a daemon from a thread of this process, recording each
+    prompt chunk it runs ((request id, position it starts at, tokens)), each request it
+    decodes for, and each Assign with the number of data frames it came with. Like the
+    process, it says goodbye when its loop ends, however it ends (`crash` says why)."""
+
+    def __init__(self, endpoint, model_path, worker_id, **kwargs):
+        self.worker = CPUWorker(str(model_path), endpoint, worker_id, threads=1, **kwargs)
+        self.prefills, self.decoded, self.assigns, self.crash = [], set(), [], None
+        run_pass, handle_assign = self.worker.run_pass, self.worker.handle_assign
+
+        def recording_pass(batch):
+            for rid, seq, tokens in batch:
+                if seq.decoder is None:
+                    self.prefills.append((rid, seq.state.position, len(tokens)))
+                else:
+                    self.decoded.add(rid)
+            run_pass(batch)
+
+        def recording_assign(msg, data=()):
+            self.assigns.append((msg, len(data)))
+            handle_assign(msg, data)
+        self.worker.run_pass, self.worker.handle_assign = recording_pass, recording_assign
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.worker.event_loop()
+        except BaseException as e:          # a crash of the process it stands for
+            self.crash = e
+        finally:
+            self.worker.close()
+
+    def prefilled(self, rid) -> list[tuple[int, int]]:
+        return [(pos, n) for r, pos, n in self.prefills if r == rid]
+
+    def stop(self) -> None:
+        self.worker.running = False
+        self.thread.join(30)
+
+
+def stop_string_at(text: str, start: int, length: int = 3) -> str:
+    """A printable piece of text first found at or after `start` (a stop string that
+    cuts the text exactly there)."""
+    for i in range(start, len(text) - length + 1):
+        piece = text[i:i + length]
+        if piece.isprintable() and text.find(piece) == i:
+            return piece
+    raise AssertionError(f"no piece of {text!r} first found after {start}")
+
+
+class OrderedClient:
+    """One client socket, its replies read strictly in the order the coordinator sent
+    them (a Client would sort them by request)."""
+
+    def __init__(self, addr):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.replies = []
+
+    def send(self, msg):
+        self.sock.send(P.encode(msg))
+
+    def until(self, done, timeout_s=60.0):
+        """Read replies until done(reply); that reply. Fails after timeout_s in all (other
+        requests' tokens may keep coming meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000)), "not the awaited reply within the time"
+            msg = P.decode(self.sock.recv(), P.CLIENT_REPLIES)
+            self.replies.append(msg)
+            if done(msg):
+                return msg
+
+    def status(self) -> P.StatusReply:
+        self.send(P.Status())
+        return self.until(lambda m: isinstance(m, P.StatusReply))
+
+    def ids(self) -> list[int]:
+        return streamed_ids(r for r in self.replies if isinstance(r, P.Token))
+
+    def close(self):
+        self.sock.close()

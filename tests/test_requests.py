@@ -1,0 +1,38 @@
+"""The text side of a served request (coordinator/requests.py): stop strings as the
+stream is detokenised. The returned text never holds a stop string: it ends before
+the first place any of them starts, whichever comes first in the list."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.requests import TextStream
+from shared.model import Model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_q4_path):
+    return Model(tiny_q4_path).tokenizer
+
+
+def _long_piece(tokenizer) -> tuple[int, str]:
+    """A token whose text is at least 4 printable characters, all different."""
+    for t in range(len(tokenizer.tokens)):
+        piece = tokenizer.decode([t])
+        if len(piece) >= 4 and piece.isprintable() and len(set(piece)) == len(piece):
+            return t, piece
+    raise AssertionError("no token of 4 distinct printable characters")
+
+
+def test_two_stop_strings_in_one_token_cut_at_the_earlier(tokenizer):
+    token, piece = _long_piece(tokenizer)
+    stream = TextStream(tokenizer, [piece[2:], piece[1:2]])       # the later one listed first
+    assert stream.feed(token) == piece[:1] and stream.stopped
+    assert stream.flush() == ""
+
+
+def test_a_stop_string_across_tokens_is_held_back_then_cut(tokenizer):
+    token, piece = _long_piece(tokenizer)
+    stream = TextStream(tokenizer, [piece[-1] + piece[0]])         # the end of one, the start of the next
+    shown = stream.feed(token)
+    assert piece.startswith(shown) and not stream.stopped
+    assert shown + stream.feed(token) == piece[:-1] and stream.stopped
