@@ -5,6 +5,7 @@ summary's last line says which ISAs ran and which were skipped, and why (run wit
 FERMOE_MAX_ISA=avx2 to see what an AVX2-only machine reports)."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -20,6 +21,19 @@ except ImportError:          # not built: every `isa` case skips, saying so
 ALL_ISAS = native.ISAS if native is not None else ("scalar", "ssse3", "avx2", "avx512vnni")
 _isa_ran: Counter = Counter()
 _isa_skipped: dict[str, tuple[str, int]] = {}     # name -> (reason, tests)
+
+
+_START_CPUS = sorted(os.sched_getaffinity(0))
+
+
+@pytest.fixture(autouse=True)
+def _cpus_as_at_start():
+    """A native thread pool pins the thread that creates it to one CPU while it lives;
+    an engine a test left alive would pin every later test (and the daemons they start)
+    to that CPU. Each test starts on the CPUs the session started with."""
+    if sorted(os.sched_getaffinity(0)) != _START_CPUS:
+        os.sched_setaffinity(0, _START_CPUS)
+    yield
 
 
 @pytest.fixture(params=ALL_ISAS)
