@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
+from .landing import Landing
 from .ops import CHUNK, Ops
 from .plan import make_plan
 from .weights import KERNEL_TYPES, ResidentWeights
@@ -78,15 +78,13 @@ class GPUEngine:
         self._fit(n, n)
         log.info("%s: %s", self.device.name, self.plan.describe())
         self.profile = None                     # a PhaseTimer, for bench prefill
-        self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer (new_state's)
-        self._staging = None                    # page-locked landing place for other states' results
-        self._kv_host: list[tuple[np.ndarray, np.ndarray]] = []
+        self.land = Landing(self.device, cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
 
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
         """An empty sequence whose recurrent buffer is page-locked: a prefill's state lands
         in it by asynchronous copies while later layers compute."""
-        return self._pinned_state(SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype), 0)
+        return self.land.pinned_state(SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype))
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on."""
@@ -112,10 +110,8 @@ class GPUEngine:
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
         self._fit(T, start + T, [p - start for p in boundaries])
         self._upload_state(state)
-        snaps = {p: self._pinned_state(state, p) for p in boundaries}
-        pinned = self._pinned.get(id(state.buffer)) is state.buffer
-        self._land = state if pinned else self._staging_state()
-        self._start, self._kv_land = start, self._kv_staging(T)
+        snaps = {p: self.land.pinned_state(state) for p in boundaries}
+        self.land.begin(state, start, T)
         out, snap_logits = [], {}
         for a in range(0, T, self.pass_n):
             b = min(T, a + self.pass_n)
@@ -130,10 +126,10 @@ class GPUEngine:
         t1 = time.perf_counter()
         self.device.synchronize()              # the state's and the snapshots' asynchronous copies
         t2 = time.perf_counter()
-        self._finish_state(state, start, T)
+        self.land.finish(state, T)
         state.set_logits(snap_logits[start + T])
         for p, snap in snaps.items():
-            self._finish_snapshot(snap, state, p, snap_logits[p])
+            self.land.finish_snapshot(snap, state, p, snap_logits[p])
         result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
         # host-side seconds: enqueueing (with the passes' own waits), waiting for the device, finishing
         self.last_timing = {"enqueue_s": t1 - t0, "wait_s": t2 - t1, "finish_s": time.perf_counter() - t2}
@@ -211,8 +207,8 @@ class GPUEngine:
         ops.attn_qk_norm_rope(q, Kc, Vc, qg, kk, vv, w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos,
                               ws.rope_sin, p0, n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
                               self.kv_cache_dtype == "f16")
-        keys, values = self._kv_land[a]
-        rows = slice(p0 - self._start, p0 - self._start + n)
+        keys, values = self.land.kv[a]
+        rows = slice(p0 - self.land.start, p0 - self.land.start + n)
         if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
             for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
                 ops.to_f16(half.rows(0, n), src.rows(p0, p0 + n))
@@ -241,7 +237,7 @@ class GPUEngine:
             self._to_host(snaps[p0 + c].conv[g_slot], ws.conv_snap)
         ops.gdn_conv_history(state, state, qkv, n, n, C, K)
         if self._last_pass:
-            self._to_host(self._land.conv[g_slot], state)
+            self._to_host(self.land.out.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
         v = conv.at(4 * 2 * cfg.ssm_key_dim, (n, hv * dv))
@@ -261,7 +257,7 @@ class GPUEngine:
                 src = S if c == n else ws.chunks.S0.rows(self.chunk_at[c], self.chunk_at[c] + 1)
                 self._to_host(snaps[p0 + c].ssm[g_slot], src)
         if self._last_pass:
-            self._to_host(self._land.ssm[g_slot], S)
+            self._to_host(self.land.out.ssm[g_slot], S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
@@ -385,48 +381,7 @@ class GPUEngine:
                 self.Kc[a].rows(0, len(keys)).upload(keys)
                 self.Vc[a].rows(0, len(values)).upload(values)
 
-    def _staging_state(self) -> SequenceState:
-        if self._staging is None:
-            self._staging = self._pinned_state(SequenceState(self.cfg, self.model.fingerprint), 0)
-        return self._staging
-
-    def _kv_staging(self, T: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Page-locked K and V rows of the prompt of every attention layer (grown as needed)."""
-        cfg = self.cfg
-        if not self._kv_host or len(self._kv_host[0][0]) < T:
-            shape = (max(T, 2 * len(self._kv_host[0][0]) if self._kv_host else T), cfg.n_head_kv, cfg.head_dim)
-            dtype = np.uint16 if self.kv_cache_dtype == "f16" else np.float32
-            self._kv_host = [(self.device.pagelocked_empty(shape, dtype),
-                              self.device.pagelocked_empty(shape, dtype)) for _ in cfg.attention_layers]
-        return self._kv_host
-
-    def _finish_state(self, state: SequenceState, start: int, T: int) -> None:
-        """The copies have landed (the caller synchronised): into the state, if they landed elsewhere."""
-        if self._land is not state:
-            state.ssm[:] = self._land.ssm
-            state.conv[:] = self._land.conv
-        for a, (keys, values) in enumerate(self._kv_land):
-            if keys.dtype == np.uint16:
-                keys, values = keys.view(np.float16), values.view(np.float16)
-            state.kv.append(a, keys[:T], values[:T])
-        state.position = start + T
-
     def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
         """An asynchronous copy into page-locked host memory, in order on the compute stream."""
         assert dst.nbytes == src.nbytes, (dst.shape, src.shape)
         self.device.memcpy_dtoh_async(dst, int(src), self.ops.stream)
-
-    def _pinned_state(self, state: SequenceState, position: int) -> SequenceState:
-        """A state whose recurrent buffer is page-locked, for the snapshot at `position`."""
-        buf = self.device.pagelocked_empty((len(memoryview(state.buffer).cast("B")),), np.uint8)
-        buf[:] = np.frombuffer(state.buffer, np.uint8)
-        self._pinned[id(buf)] = buf
-        return SequenceState(self.cfg, self.model.fingerprint, buffer=buf, kv_block=state.kv.block,
-                             kv_dtype=state.kv.dtype_name)
-
-    def _finish_snapshot(self, snap: SequenceState, state: SequenceState, position: int, logits: np.ndarray) -> None:
-        for a in range(len(self.cfg.attention_layers)):
-            keys, values = state.kv.view(a)
-            snap.kv.append(a, keys[:position], values[:position])
-        snap.position = position
-        snap.set_logits(logits)
