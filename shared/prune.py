@@ -79,15 +79,16 @@ def kept_at_random(n_layer: int, n_expert: int, keep: int, seed: int) -> list[np
     return [np.sort(rng.choice(n_expert, keep, replace=False)) for _ in range(n_layer)]
 
 
-def _pruned(name: str, info, raw: np.ndarray, kept: dict[int, np.ndarray]):
-    """(shape, bytes) of one tensor in the pruned file."""
+def _expert_rows(name: str, kept: dict[int, np.ndarray]) -> np.ndarray | None:
+    """The kept experts of an expert tensor (its outermost rows), None for any other tensor."""
     parts = name.split(".")
-    if parts[0] != "blk" or parts[2] not in EXPERT_TENSORS:
-        return info.shape, raw
-    rows = kept[int(parts[1])]
-    per_expert = len(raw) // info.shape[0]
-    data = raw.reshape(info.shape[0], per_expert)[rows].reshape(-1)
-    return (len(rows),) + tuple(info.shape[1:]), data
+    return kept[int(parts[1])] if parts[0] == "blk" and parts[2] in EXPERT_TENSORS else None
+
+
+def _pruned_bytes(info, raw: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    if rows is None:
+        return raw
+    return raw.reshape(info.shape[0], -1)[rows].reshape(-1)     # one tensor's copy at a time
 
 
 def write_pruned(src: GGUFFile, out, kept: dict[int, np.ndarray], progress: bool = True) -> None:
@@ -108,12 +109,13 @@ def write_pruned(src: GGUFFile, out, kept: dict[int, np.ndarray], progress: bool
                 if key == f"{layout.arch}.expert_count":
                     value = n_keep.pop()
                 w.add(key, value, src.metadata_types[key])
-            plan = {name: _pruned(name, info, src.raw(name), kept) for name, info in src.tensors.items()}
-            for name, (shape, _) in plan.items():
-                w.add_tensor(name, shape, src.tensors[name].qtype)
-            for name, (_, data) in tqdm(plan.items(), desc=f"writing {out.name}", unit="tensor",
-                                        disable=not progress):
-                w.write_tensor(name, data)
+            rows = {name: _expert_rows(name, kept) for name in src.tensors}
+            for name, info in src.tensors.items():
+                shape = info.shape if rows[name] is None else (len(rows[name]),) + tuple(info.shape[1:])
+                w.add_tensor(name, shape, info.qtype)
+            for name, info in tqdm(src.tensors.items(), desc=f"writing {out.name}", unit="tensor",
+                                   disable=not progress):
+                w.write_tensor(name, _pruned_bytes(info, src.raw(name), rows[name]))
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
