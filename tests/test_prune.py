@@ -14,7 +14,7 @@ from shared import reference
 from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
 from shared.expert_saliency import expert_stats
-from shared.gguf_file import GGUFFile
+from shared.gguf_file import GGUFFile, GGUFValueType
 from shared.gguf_writer import GGUFWriter
 from shared.model import Model
 from shared.prune import EXPERT_TENSORS, check_seen, prune, write_pruned
@@ -51,9 +51,13 @@ def _fermoe(*args):
 
 
 def test_pruned_file_keeps_exactly_the_kept_experts(tiny_f32, tmp_path):
+    # keys of types a writer would not infer (llama.cpp's files have some) must keep theirs
+    model = tmp_path / "typed.gguf"
+    rewrite_gguf(tiny_f32, model, meta={"general.size_label": 7, "general.score": -1.5},
+                 types={"general.size_label": GGUFValueType.UINT8, "general.score": GGUFValueType.FLOAT64})
     out = tmp_path / "pruned.gguf"
-    kept, _ = prune(tiny_f32, out, 5, "random", seed=3, progress=False)
-    with GGUFFile(tiny_f32) as src, GGUFFile(out) as dst:
+    kept, _ = prune(model, out, 5, "random", seed=3, progress=False)
+    with GGUFFile(model) as src, GGUFFile(out) as dst:
         assert list(dst.tensors) == list(src.tensors)
         changed = {k for k in src.metadata if src.metadata[k] != dst.metadata.get(k)}
         assert changed == {"qwen35moe.expert_count"} and dst.metadata["qwen35moe.expert_count"] == 5
@@ -73,7 +77,7 @@ def test_pruned_file_keeps_exactly_the_kept_experts(tiny_f32, tmp_path):
                 want = raw
             assert np.array_equal(np.asarray(dst.raw(name)), want), name
     # each expert's bytes are a multiple of the alignment here: the file shrinks by exactly them
-    assert os.path.getsize(out) == os.path.getsize(tiny_f32) - removed
+    assert os.path.getsize(out) == os.path.getsize(model) - removed
 
 
 def test_pruned_model_runs_as_the_original_restricted_to_the_kept_experts(tiny_f32, tmp_path, monkeypatch):
@@ -144,6 +148,9 @@ def test_saliency_is_reaps_definition(tiny_f32):
     model = Model(tiny_f32)
     tokens = CALIB[:96]
     stats = expert_stats(model, tokens, ctx=40, progress=False)       # windows of 40, 40 and 16 tokens
+    # the pass keeps no layer's float32 weights once past it (its memory bound)
+    weights = [w for layer in model.layers for w in vars(layer).values() if hasattr(w, "_f32")]
+    assert weights and all(w._f32 is None for w in weights)
     want, count = _saliency_by_definition(model, tokens, ctx=40)
     assert stats.tokens == len(tokens) and np.array_equal(stats.count, count)
     seen = count > 0
@@ -188,8 +195,10 @@ def test_reap_removes_the_useless_experts_and_frequency_keeps_them(useless_exper
 
 
 def test_an_interrupted_write_leaves_no_file(tiny_f32, tmp_path, monkeypatch):
+    """Nothing new is left, and a file already at the output path is left as it was."""
     out = tmp_path / "out" / "pruned.gguf"
     out.parent.mkdir()
+    out.write_bytes(b"an earlier file")
     write = GGUFWriter.write_tensor
     calls = []
 
@@ -202,7 +211,7 @@ def test_an_interrupted_write_leaves_no_file(tiny_f32, tmp_path, monkeypatch):
     monkeypatch.setattr(GGUFWriter, "write_tensor", failing)
     with GGUFFile(tiny_f32) as src, pytest.raises(OSError):
         write_pruned(src, out, {i: np.arange(4) for i in range(4)}, progress=False)
-    assert len(calls) == 20 and list(out.parent.iterdir()) == []
+    assert len(calls) == 20 and list(out.parent.iterdir()) == [out] and out.read_bytes() == b"an earlier file"
 
 
 def _no_experts(tiny_f32, path):
