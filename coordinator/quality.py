@@ -41,6 +41,9 @@ def add_parsers(sub, add_model, add_engine) -> None:
     p.add_argument("--ctx", type=int, default=512, help="tokens a calibration window (default 512)")
     p.add_argument("--seed", type=int, default=0, help="the random method's seed (default 0)")
     p.add_argument("--scores", type=Path, help="write per-layer saliencies, frequencies and kept experts as JSON")
+    p.add_argument("--allow-unseen", action="store_true",
+                   help="experts the calibration text never routes a token to score 0 and go first, instead of "
+                        "an error (dead experts: ones the router never picks)")
 
 
 def _add_text(p) -> None:
@@ -96,7 +99,7 @@ def cmd_prune(args) -> None:
 
     text = read_text(args.calib) if args.calib is not None and args.method != "random" else None
     kept, stats = prune(resolve_model(args.model), args.out, args.keep, args.method, text, args.calib_tokens,
-                        args.ctx, args.seed, args.scores)
+                        args.ctx, args.seed, args.scores, allow_unseen=args.allow_unseen)
     how = f"{stats.tokens} calibration tokens" if stats is not None else f"seed {args.seed}"
     print(f"wrote {args.out}: {args.keep} experts in each of {len(kept)} layers ({args.method}, {how})",
           file=sys.stderr)

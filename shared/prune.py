@@ -66,7 +66,8 @@ def check_seen(stats) -> None:
     if unseen:
         where = "; ".join(f"layer {layer}: experts {', '.join(map(str, e))}" for layer, e in unseen.items())
         raise FermoeError(f"the calibration text ({stats.tokens} tokens) never routed a token to {where}: "
-                          "give a longer --calib text or more --calib-tokens")
+                          "give a longer --calib text or more --calib-tokens (or --allow-unseen, if they are "
+                          "experts the router never picks, to prune them first)")
 
 
 def kept_by_score(scores: np.ndarray, keep: int) -> list[np.ndarray]:
@@ -142,10 +143,18 @@ def write_scores(path, method: str, kept: list[np.ndarray], stats=None) -> None:
         raise
 
 
+def reap_scores(stats) -> np.ndarray:
+    """The saliencies to rank by: an expert no calibration token reached scores 0 (it
+    contributed nothing to that text), ranked below every expert that was seen."""
+    return np.nan_to_num(stats.saliency, nan=0.0)
+
+
 def prune(model_path, out, keep: int, method: str = "reap", calib_text: str | None = None,
-          calib_tokens: int | None = None, ctx: int = 512, seed: int = 0, scores_path=None, progress: bool = True):
+          calib_tokens: int | None = None, ctx: int = 512, seed: int = 0, scores_path=None, progress: bool = True,
+          allow_unseen: bool = False):
     """Choose `keep` experts a layer by `method` and write `out`; returns (kept, stats or None).
-    reap and frequency calibrate on the first `calib_tokens` tokens of `calib_text` (all by default)."""
+    reap and frequency calibrate on the first `calib_tokens` tokens of `calib_text` (all by
+    default); an expert that text never reaches is an error unless `allow_unseen`."""
     if method not in METHODS:
         raise FermoeError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
     if Path(out).resolve() == Path(model_path).resolve():
@@ -167,8 +176,9 @@ def prune(model_path, out, keep: int, method: str = "reap", calib_text: str | No
             tokens = model.tokenizer.encode(calib_text)[:calib_tokens]
             stats = expert_stats(model, tokens, ctx, progress)
             model.close()
-            check_seen(stats)
-            kept = kept_by_score(stats.saliency if method == "reap" else stats.count, keep)
+            if not allow_unseen:
+                check_seen(stats)
+            kept = kept_by_score(reap_scores(stats) if method == "reap" else stats.count, keep)
         write_pruned(src, out, dict(zip(layout.blocks, kept)), progress)
     if scores_path is not None:
         write_scores(scores_path, method, kept, stats)

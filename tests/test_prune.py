@@ -261,6 +261,20 @@ def test_unseen_experts_are_named(tiny_f32):
         assert f"layer {layer}: experts {', '.join(map(str, experts))}" in str(e.value)
 
 
+def test_allow_unseen_prunes_the_unseen_experts_first(tiny_f32, tmp_path):
+    model = Model(tiny_f32)
+    text = model.tokenizer.decode(CALIB)
+    few = 6                      # 6 tokens x top-2: some experts of some layer are never reached
+    stats = expert_stats(model, model.tokenizer.encode(text)[:few], progress=False)
+    unseen = stats.unseen()
+    assert unseen
+    keep = 8 - max(len(e) for e in unseen.values())
+    kept, _ = prune(tiny_f32, tmp_path / "p.gguf", keep, "reap", text, calib_tokens=few, progress=False,
+                    allow_unseen=True)
+    for layer, experts in unseen.items():
+        assert not set(experts) & set(kept[layer].tolist())
+
+
 def test_the_cli_writes_the_scores(tiny_f32, tmp_path):
     import json
     calib = tmp_path / "calib.txt"
