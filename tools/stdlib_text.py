@@ -15,8 +15,9 @@ Recipe, exactly:
      anything else for training.
 
 `python3 tools/stdlib_text.py OUT_DIR` writes train.txt, heldout.txt and calib.txt
-there; the held-out and calibration texts are committed as shared/data/stdlib_*.txt,
-so tests and figures do not depend on the local Python's patch release.
+there; the held-out and calibration texts are committed as shared/data/stdlib/*.txt
+(not in shared/data/ itself: its *.txt teach the synthetic vocabulary), so tests and
+figures do not depend on the local Python's patch release.
 """
 from __future__ import annotations
 

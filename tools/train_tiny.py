@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("text_dir", type=Path, help="the output of tools/stdlib_text.py")
     p.add_argument("out", type=Path, help="checkpoint directory to write")
     p.add_argument("--minutes", type=float, default=60.0, help="stop after this much training time")
-    p.add_argument("--steps", type=int, default=1800, help="the cosine schedule's length")
+    p.add_argument("--steps", type=int, default=600, help="the cosine schedule's length")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--experts", default="grouped_mm", help="transformers' experts_implementation")
     p.add_argument("--eval-tokens", type=int, default=8192, help="calibration-text tokens scored every EVAL_EVERY")
