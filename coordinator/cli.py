@@ -15,7 +15,11 @@ DEFAULT_MODEL = "tiny"
 
 def _add_model(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help="GGUF file, or the name of a built-in model (default: tiny, made on first use)")
+                   help="GGUF file, or the name of a built-in model (default: tiny)")
+    _add_engine(p)
+
+
+def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--engine", default="cpu",
                    help="cpu (native W4A8 kernels, the default), gpu (prefill on the GPU, decode on the cpu "
                         "engine) or reference (the numpy spec: slow)")
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.http.options import add_http_options
     add_http_options(p, standalone=True)
 
+    from coordinator.quality import add_parsers
+    add_parsers(sub, _add_model, _add_engine)
+
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
                                      "| http [MODEL]")
     p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http"])
@@ -96,11 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _open(args):
+def _open(args, name: str | None = None):
+    """The model `name` (default: args.model) and the engine the options ask for."""
     from shared.builtin import resolve_model
     from shared.model import Model
 
-    model = Model(resolve_model(args.model))
+    model = Model(resolve_model(name or args.model))
     return model, _engine(args, model, args.engine)
 
 
@@ -237,8 +245,24 @@ def cmd_serve(args) -> None:
     run(args)
 
 
+def cmd_ppl(args) -> None:
+    from coordinator.quality import cmd_ppl as run
+    run(args, _open)
+
+
+def cmd_compare(args) -> None:
+    from coordinator.quality import cmd_compare as run
+    run(args, _open)
+
+
+def cmd_prune(args) -> None:
+    from coordinator.quality import cmd_prune as run
+    run(args)
+
+
 COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth,
-            "submit": cmd_submit, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench}
+            "submit": cmd_submit, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench,
+            "ppl": cmd_ppl, "compare": cmd_compare, "prune": cmd_prune}
 
 
 def main(argv=None) -> int:

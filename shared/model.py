@@ -36,6 +36,10 @@ class Weight:
             self._f32 = dequantize(self.raw, self.qtype, self.shape)
         return self._f32
 
+    def release(self) -> None:
+        """Drop the cached float32 copy (a pass over a large model holds one layer's at a time)."""
+        self._f32 = None
+
     def rows(self, index: int) -> np.ndarray:
         """Slice `index` of the outermost dimension in float32 (one expert of a 3-D tensor)."""
         n_elem = int(np.prod(self.shape) * 4)
@@ -63,6 +67,12 @@ class Layer:
     def __init__(self, index: int, kind: str):
         self.index = index
         self.kind = kind                 # "attention" or "gdn"
+
+    def release(self) -> None:
+        """Drop every weight's cached float32 copy."""
+        for value in vars(self).values():
+            if isinstance(value, Weight):
+                value.release()
 
 
 def _expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple]:

@@ -178,12 +178,21 @@ class _ExpertView:
         return self._rows.rows(self._e)
 
 
+# When set, moe() calls it with (layer index, expert, the renormalised router weights
+# of the tokens routed to that expert [n], the expert's outputs for them [n, d]):
+# how `fermoe prune` sees every expert's output without a second implementation.
+MOE_OBSERVER = contextvars.ContextVar("MOE_OBSERVER", default=None)
+
+
 def moe(layer: Layer, x, cfg: ModelConfig):
     top, weights = route(layer, x, cfg)
+    observe = MOE_OBSERVER.get()
     y = np.zeros_like(x)
     for e in np.unique(top):
         tok, slot = np.nonzero(top == e)
         out = swiglu(x[tok], layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps, expert=e)
+        if observe is not None:
+            observe(layer.index, int(e), weights[tok, slot], out)
         y[tok] += weights[tok, slot][:, None] * out
     if cfg.n_ff_shexp:
         shared = swiglu(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)
@@ -192,6 +201,17 @@ def moe(layer: Layer, x, cfg: ModelConfig):
 
 
 # ---- the model -------------------------------------------------------------
+def block(layer: Layer, h, cfg: ModelConfig, state: SequenceState):
+    """One decoder layer: h += mixer(norm1(h)); h += moe(norm2(h))."""
+    x = rms_norm(h, layer.attn_norm.f32(), cfg.rms_eps)
+    if layer.kind == "attention":
+        h = h + gated_attention(layer, x, cfg, state)
+    else:
+        h = h + gated_deltanet(layer, x, cfg, state)
+    x = rms_norm(h, layer.post_attention_norm.f32(), cfg.rms_eps)
+    return h + moe(layer, x, cfg)
+
+
 def forward(model: Model, tokens, state: SequenceState) -> np.ndarray:
     """Advance `state` by `tokens`; return the logits of every new position [T, vocab]."""
     cfg = model.config
@@ -199,13 +219,7 @@ def forward(model: Model, tokens, state: SequenceState) -> np.ndarray:
     state.check_room(len(tokens))
     h = model.token_embd.take(tokens)
     for layer in model.layers:
-        x = rms_norm(h, layer.attn_norm.f32(), cfg.rms_eps)
-        if layer.kind == "attention":
-            h = h + gated_attention(layer, x, cfg, state)
-        else:
-            h = h + gated_deltanet(layer, x, cfg, state)
-        x = rms_norm(h, layer.post_attention_norm.f32(), cfg.rms_eps)
-        h = h + moe(layer, x, cfg)
+        h = block(layer, h, cfg, state)
     h = rms_norm(h, model.output_norm.f32(), cfg.rms_eps)
     logits = linear(h, model.output)
     state.position += len(tokens)

@@ -10,9 +10,10 @@ from shared.gguf_writer import GGUFWriter
 DROP = object()
 
 
-def rewrite_gguf(src, dst, meta=None, tensors=None):
-    """meta: {key: value or DROP}; tensors: {name: (shape, qtype, raw bytes) or DROP}."""
-    meta, tensors = meta or {}, tensors or {}
+def rewrite_gguf(src, dst, meta=None, tensors=None, types=None):
+    """meta: {key: value or DROP}; tensors: {name: (shape, qtype, raw bytes) or DROP};
+    types: {key: GGUFValueType} for keys of meta that must not have the inferred type."""
+    meta, tensors, types = meta or {}, tensors or {}, types or {}
     with GGUFFile(src) as f, GGUFWriter(dst) as w:
         for key, value in f.metadata.items():
             if key in meta:
@@ -22,7 +23,7 @@ def rewrite_gguf(src, dst, meta=None, tensors=None):
                 w.add(key, value, f.metadata_types[key])   # keep the exact type
         for key, value in meta.items():
             if key not in f.metadata and value is not DROP:
-                w.add(key, value)
+                w.add(key, value, types.get(key))
         plan = {}
         for name, info in f.tensors.items():
             plan[name] = (info.shape, info.qtype, np.array(f.raw(name)))

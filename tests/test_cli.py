@@ -59,16 +59,18 @@ def test_ignore_eos_keeps_generating(tiny_q4_path):
     assert len(obeyed) < len(ignored) and ignored.startswith(obeyed)
 
 
-def test_builtin_model_made_on_first_use(tmp_path):
-    run = fermoe("generate", "-p", "hi", "-n", 3, "--chat", env={"FERMOE_CACHE": str(tmp_path)})
-    assert list(tmp_path.glob("tiny-*.gguf")), run.stderr
+def test_the_default_model_is_the_packaged_tiny():
+    from shared.builtin import BUILTIN
+    greedy = ("-p", "Return the", "-n", 8, "--temp", 0)
+    default = fermoe("generate", *greedy).stdout
+    assert default.strip() and default == fermoe("generate", BUILTIN["tiny"], *greedy).stdout
 
 
-def test_bench_decode_takes_a_builtin_model(tmp_path):
+def test_bench_decode_takes_a_builtin_model():
     import json
-    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", 4, "--tokens", 2, env={"FERMOE_CACHE": str(tmp_path)})
+    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", 4, "--tokens", 2)
     out = json.loads(run.stdout)
-    assert out["model"] == "tiny" and out["decode_tok_s"] > 0 and list(tmp_path.glob("tiny-*.gguf"))
+    assert out["model"] == "tiny" and out["decode_tok_s"] > 0
 
 
 def test_synth_command_writes_a_loadable_model(tmp_path):

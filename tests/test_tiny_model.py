@@ -1,0 +1,77 @@
+"""The built-in `tiny` model, the trained one (shared/data/tiny-q8_0.gguf): it has
+learned the text it was trained on, and REAP pruning to half its experts changes its
+outputs less than random pruning does, with frequency pruning measured beside them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.builtin import BUILTIN, DATA_DIR, resolve_model
+from shared.expert_saliency import expert_stats
+from shared.gguf_file import GGUFFile
+from shared.model import Model
+from shared.perplexity import compare, perplexity
+from shared.prune import kept_at_random, kept_by_score, reap_scores, write_pruned
+
+native_engine = pytest.importorskip("cpu_worker.native_engine")
+
+HELDOUT = DATA_DIR / "stdlib" / "heldout.txt"
+CALIB = DATA_DIR / "stdlib" / "calib.txt"
+CTX = 512
+EVAL_TOKENS = 4 * CTX                # four llama-perplexity windows of the held-out text
+CALIB_TOKENS = 8192
+# Two of its 256 experts are dead: no token of the whole calibration text (58k tokens)
+# reaches layer 5's expert 18 or layer 6's expert 6; they score 0 and go first.
+# A model that learned nothing predicts about uniformly: perplexity ~ the vocabulary
+# size (4096). The trained one is at ~1/100 of that (README); 1/20 leaves room for
+# any retraining while still failing for an untrained or broken model.
+LEARNED_FRACTION = 1 / 20
+RANDOM_SEEDS = tuple(range(8))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Model(resolve_model("tiny"))
+
+
+@pytest.fixture(scope="module")
+def heldout_tokens(tiny):
+    return tiny.tokenizer.encode(HELDOUT.read_text(encoding="utf-8"))[:EVAL_TOKENS]
+
+
+def test_tiny_resolves_to_the_packaged_file_and_reads_its_text(tiny):
+    assert tiny.path == str(BUILTIN["tiny"]) and BUILTIN["tiny"].parent == DATA_DIR
+    text = HELDOUT.read_text(encoding="utf-8")
+    assert tiny.tokenizer.decode(tiny.tokenizer.encode(text)) == text       # byte-level BPE: lossless
+
+
+def test_tiny_has_learned_the_text(tiny, heldout_tokens):
+    engine = native_engine.NativeEngine(tiny, threads=1)
+    result = perplexity(engine, heldout_tokens, CTX, progress=False)
+    engine.close()
+    assert result.ppl < LEARNED_FRACTION * tiny.config.n_vocab, result.line()
+
+
+def test_reap_at_half_the_experts_changes_outputs_less_than_random(tiny, heldout_tokens, tmp_path,
+                                                                   record_property):
+    keep = tiny.config.n_expert // 2
+    calib = tiny.tokenizer.encode(CALIB.read_text(encoding="utf-8"))[:CALIB_TOKENS]
+    stats = expert_stats(tiny, calib, CTX, progress=False)
+    choices = {"reap": kept_by_score(reap_scores(stats), keep), "frequency": kept_by_score(stats.count, keep)}
+    for seed in RANDOM_SEEDS:
+        choices[f"random{seed}"] = kept_at_random(tiny.config.n_layer, tiny.config.n_expert, keep, seed)
+    base = native_engine.NativeEngine(tiny, threads=1)
+    kl = {}
+    with GGUFFile(tiny.path) as src:
+        for name, kept in choices.items():
+            path = tmp_path / f"{name}.gguf"
+            write_pruned(src, path, dict(enumerate(kept)), progress=False)
+            pruned = native_engine.NativeEngine(Model(path), threads=1)
+            kl[name] = compare(base, pruned, heldout_tokens, CTX, progress=False).kl_mean
+            pruned.close()
+    base.close()
+    random_kl = float(np.mean([kl[f"random{s}"] for s in RANDOM_SEEDS]))
+    record_property("kl", {"reap": kl["reap"], "frequency": kl["frequency"], "random_mean": random_kl})
+    print(f"KL(full || pruned to {keep}): reap {kl['reap']:.4f}, frequency {kl['frequency']:.4f}, "
+          f"random {random_kl:.4f} (mean of seeds {RANDOM_SEEDS})")
+    assert kl["reap"] < random_kl, kl
