@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start a coordinator on a model, submit a prompt, stream it, stop")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("-p", "--prompt", default="The old GPU said")
+    p.add_argument("-p", "--prompt", default="This module provides")
     p.add_argument("-n", "--n-predict", type=int, default=32)
     p.add_argument("--addr", default="tcp://127.0.0.1:5557")
 
