@@ -76,12 +76,14 @@ def perplexity(engine, tokens, ctx: int = 512, bos: int | None = None, progress:
     """The perplexity of `tokens` under `engine` (any Engine: cpu, reference, gpu)."""
     ws = windows(tokens, ctx, bos)
     nll = []
+    total, count = 0.0, 0                  # the running estimate on the bar
     with _bar(len(ws), "perplexity", progress) as bar:
         for w in ws:
             logp, target = scored_logprobs(engine, w)
             nll.append(-logp[np.arange(len(target)), target])
+            total, count = total + float(nll[-1].sum()), count + len(target)
             bar.update()
-            bar.set_postfix(ppl=f"{math.exp(np.concatenate(nll).mean()):.3f}")
+            bar.set_postfix(ppl=f"{math.exp(total / count):.3f}")
     return _summary(np.concatenate(nll), len(ws))
 
 

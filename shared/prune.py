@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,19 @@ def _pruned_bytes(info, raw: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     return raw.reshape(info.shape[0], -1)[rows].reshape(-1)     # one tensor's copy at a time
 
 
+@contextmanager
+def _atomic(path: Path):
+    """A temporary name beside `path`, renamed to it once the body has written it; on any
+    failure it is removed and nothing at `path` changes."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_pruned(src: GGUFFile, out, kept: dict[int, np.ndarray], progress: bool = True) -> None:
     """Write `out`: `src` with, in each block b, only the experts kept[b]."""
     from tqdm import tqdm
@@ -101,26 +115,20 @@ def write_pruned(src: GGUFFile, out, kept: dict[int, np.ndarray], progress: bool
     if set(kept) != set(layout.blocks) or len(n_keep) != 1:
         raise FermoeError("every block with experts needs the same number of kept experts")
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        with GGUFWriter(tmp, alignment=src.alignment) as w:
-            for key, value in src.metadata.items():
-                if key == ALIGNMENT_KEY:
-                    continue                     # the writer adds it from its alignment
-                if key == f"{layout.arch}.expert_count":
-                    value = n_keep.pop()
-                w.add(key, value, src.metadata_types[key])
-            rows = {name: _expert_rows(name, kept) for name in src.tensors}
-            for name, info in src.tensors.items():
-                shape = info.shape if rows[name] is None else (len(rows[name]),) + tuple(info.shape[1:])
-                w.add_tensor(name, shape, info.qtype)
-            for name, info in tqdm(src.tensors.items(), desc=f"writing {out.name}", unit="tensor",
-                                   disable=not progress):
-                w.write_tensor(name, _pruned_bytes(info, src.raw(name), rows[name]))
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _atomic(out) as tmp, GGUFWriter(tmp, alignment=src.alignment) as w:
+        for key, value in src.metadata.items():
+            if key == ALIGNMENT_KEY:
+                continue                     # the writer adds it from its alignment
+            if key == f"{layout.arch}.expert_count":
+                value = n_keep.pop()
+            w.add(key, value, src.metadata_types[key])
+        rows = {name: _expert_rows(name, kept) for name in src.tensors}
+        for name, info in src.tensors.items():
+            shape = info.shape if rows[name] is None else (len(rows[name]),) + tuple(info.shape[1:])
+            w.add_tensor(name, shape, info.qtype)
+        for name, info in tqdm(src.tensors.items(), desc=f"writing {out.name}", unit="tensor",
+                               disable=not progress):
+            w.write_tensor(name, _pruned_bytes(info, src.raw(name), rows[name]))
 
 
 def write_scores(path, method: str, kept: list[np.ndarray], stats=None) -> None:
@@ -133,14 +141,8 @@ def write_scores(path, method: str, kept: list[np.ndarray], stats=None) -> None:
             entry["frequency"] = stats.count[i].tolist()
         layers.append(entry)
     doc = {"method": method, "calibration_tokens": stats.tokens if stats is not None else 0, "layers": layers}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with _atomic(Path(path)) as tmp:
         tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def reap_scores(stats) -> np.ndarray:
@@ -173,9 +175,10 @@ def prune(model_path, out, keep: int, method: str = "reap", calib_text: str | No
             from .expert_saliency import expert_stats
             from .model import Model
             model = Model(model_path)
-            tokens = model.tokenizer.encode(calib_text)[:calib_tokens]
-            stats = expert_stats(model, tokens, ctx, progress)
-            model.close()
+            try:
+                stats = expert_stats(model, model.tokenizer.encode(calib_text)[:calib_tokens], ctx, progress)
+            finally:
+                model.close()
             if not allow_unseen:
                 check_seen(stats)
             kept = kept_by_score(reap_scores(stats) if method == "reap" else stats.count, keep)
