@@ -165,3 +165,33 @@ def test_listen_addresses(text, expected):
 def test_bad_listen_addresses_are_named(text):
     with pytest.raises(FermoeError, match="--http"):
         parse_listen(text)
+
+
+class _NoUpstream:
+    def cancel(self, rid):
+        pass
+
+
+def test_a_request_that_fails_is_counted_once():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    async def go(streaming):
+        metrics, stream, sent = Metrics(), RequestStream("r"), []
+        stream.fail("the worker died")
+        response = GenerationResponse(_NoUpstream(), stream, TextFormat(), "m", streaming, False, metrics)
+
+        async def receive():
+            await asyncio.Event().wait()            # the client stays connected
+
+        async def send(message):
+            sent.append(message)
+        await response(None, receive, send)
+        return metrics, sent
+
+    for streaming in (False, True):
+        metrics, sent = run(go(streaming))
+        assert sent[0]["status"] == 500
+        assert metrics.registry.get_sample_value("fermoe:request_success_total", {"finished_reason": "error"}) == 1
+        assert metrics.registry.get_sample_value("fermoe:e2e_request_latency_seconds_count") == 1

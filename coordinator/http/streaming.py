@@ -92,9 +92,8 @@ class GenerationResponse:
                 return
             if isinstance(first, P.Error):           # refused: bad input the coordinator names
                 await send_json(send, 400, APIError(400, first.message).body())
-            elif isinstance(first, P.Done) and first.finish_reason == "error":
-                self.metrics.finished(first, time.perf_counter() - self.arrived)
-                await send_json(send, 500, APIError(500, first.error or "the request failed").body())
+            elif isinstance(first, P.Done) and first.finish_reason == "error":    # _next() has counted it
+                await send_json(send, 500, _failure(first))
             elif self.streaming:
                 await self._stream_events(first, send)
             else:
@@ -133,7 +132,7 @@ class GenerationResponse:
             if self.gone:
                 return
         if msg.finish_reason == "error":
-            await send_json(send, 500, APIError(500, msg.error or "the request failed").body())
+            await send_json(send, 500, _failure(msg))
             return
         await send_json(send, 200, self._envelope(self.fmt.object, [self.fmt.whole("".join(texts), _reason(msg))],
                                                   usage=usage(msg)), {"x-request-id": self.rid})
@@ -144,9 +143,7 @@ class GenerationResponse:
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                                 (b"x-request-id", self.rid.encode())]})
         events = [self._chunk([choice]) for choice in self.fmt.opening()]
-        while True:
-            if isinstance(msg, P.Done):
-                break
+        while not isinstance(msg, P.Done):
             if msg.text:
                 events.append(self._chunk([self.fmt.delta(msg.text)]))
             if self.stream.queue.empty() and events:        # write what has come in one send
@@ -160,7 +157,7 @@ class GenerationResponse:
 
     def _closing(self, done: P.Done) -> list[bytes]:
         if done.finish_reason == "error":                   # OpenAI's error object, as vLLM sends it
-            events = [b"data: " + _json.encode(APIError(500, done.error or "the request failed").body()) + b"\n\n"]
+            events = [b"data: " + _json.encode(_failure(done)) + b"\n\n"]
         else:
             events = [self._chunk([self.fmt.final(_reason(done))])]
             if self.include_usage:
@@ -178,6 +175,11 @@ class GenerationResponse:
 
     async def _send_events(self, send, events: list[bytes], more: bool = True) -> None:
         await send({"type": "http.response.body", "body": b"".join(events), "more_body": more})
+
+
+def _failure(done: P.Done) -> dict:
+    """OpenAI's error object for a request that ended in error."""
+    return APIError(500, done.error or "the request failed").body()
 
 
 def _reason(done: P.Done) -> str:
