@@ -25,7 +25,7 @@ import zmq
 from shared import protocol as P
 from shared.errors import FermoeError, ProtocolError
 from shared.model import Model
-from shared.sampling import SamplingParams
+from shared.sampling import WIRE_FIELDS, SamplingParams
 from shared.state import snapshot_nbytes
 
 from .memory import resolve_max_model_len
@@ -142,9 +142,7 @@ class Coordinator:
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
             tokens = self._prompt_tokens(msg)
-            SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
-                           repeat_penalty=msg.repeat_penalty, seed=msg.seed, frequency_penalty=msg.frequency_penalty,
-                           presence_penalty=msg.presence_penalty).validate()
+            SamplingParams.of(msg).validate()
             if msg.max_tokens < 0:
                 raise FermoeError(f"max_tokens must be >= 0, got {msg.max_tokens}")
             if msg.request_id in self.requests:
@@ -317,9 +315,8 @@ class Coordinator:
             request_id=req.rid, tokens=req.tokens, resume=refs,
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
-            max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), temperature=m.temperature,
-            top_k=m.top_k, top_p=m.top_p, min_p=m.min_p, repeat_penalty=m.repeat_penalty, seed=req.seed,
-            ignore_eos=m.ignore_eos, frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty), data)
+            max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), ignore_eos=m.ignore_eos,
+            **{name: getattr(m, name) for name in WIRE_FIELDS if name != "seed"}, seed=req.seed), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
             notify: bool = True) -> None:

@@ -149,9 +149,7 @@ class CPUWorker:
             state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block, self.engine.kv_cache_dtype)
         else:
             state = self.engine.new_state()
-        params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
-                                repeat_penalty=msg.repeat_penalty, seed=msg.seed,
-                                frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty)
+        params = SamplingParams.of(msg)
         params.validate()
         return Sequence(msg, state, params, sorted(msg.snapshots, key=lambda s: s.position))
 

@@ -40,6 +40,16 @@ class SamplingParams:
             if not ok:
                 raise FermoeError(problem)
 
+    @classmethod
+    def of(cls, msg) -> "SamplingParams":
+        """The parameters a Generate or an Assign message carries."""
+        return cls(**{name: getattr(msg, name) for name in WIRE_FIELDS})
+
+
+# What the wire messages carry of SamplingParams (repeat_last_n is not on the wire)
+WIRE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "frequency_penalty",
+               "presence_penalty")
+
 
 SAMPLE_STRIDE = 64      # top_k's threshold comes from every 64th logit
 
