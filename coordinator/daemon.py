@@ -164,11 +164,7 @@ class Coordinator:
         elif msg.prompt is not None:
             tokens = self.tokenizer.encode(msg.prompt)
         else:
-            try:
-                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content}
-                                                           for m in msg.messages])
-            except ValueError as e:             # the template's raise_exception(): the messages are at fault
-                raise FermoeError(str(e)) from None
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msg.messages])
             tokens = self.tokenizer.encode(text)
         n_vocab = self.model.config.n_vocab
         if not tokens:

@@ -24,3 +24,7 @@ class ProtocolError(FermoeError):
 
 class ContextLengthError(FermoeError):
     """A sequence would run past its model's context length (context_length, n_ctx_train)."""
+
+
+class ChatTemplateError(FermoeError, ValueError):
+    """A model's chat template refused the messages (its raise_exception())."""

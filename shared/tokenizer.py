@@ -22,7 +22,7 @@ from functools import lru_cache
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from shared.errors import ModelError
+from shared.errors import ChatTemplateError, ModelError
 
 # Token types, as llama.cpp numbers them (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -288,7 +288,7 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     except jinja2.TemplateSyntaxError as e:
         raise ModelError(f"tokenizer.chat_template does not parse: {e} (line {e.lineno})") from e
     except jinja2.TemplateError as e:  # raise_exception() in the template: the messages are at fault
-        raise ValueError(f"the chat template rejected the messages: {e}") from e
+        raise ChatTemplateError(f"the chat template rejected the messages: {e}") from e
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
