@@ -39,8 +39,6 @@ log = logging.getLogger("fermoe.http")
 # A body this large is no request we could serve (the coordinator takes messages up to 1 MiB)
 MAX_BODY_BYTES = 4 * P.MAX_MESSAGE_BYTES
 OPEN_PATHS = frozenset({"/health", "/"})     # the page is static; it asks for the key itself
-KNOWN_PATHS = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-                         "/tokenize", "/detokenize"})
 RETRY_AFTER_S = 1
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 
@@ -134,16 +132,16 @@ async def completions(request: Request):
 
 async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationResponse:
     model = await server.check_model(body.model)
-    size = len(P.encode(msg))
-    if size > P.MAX_MESSAGE_BYTES:
-        raise APIError(400, f"the request is {size} bytes as a coordinator message, over its limit of "
+    data = P.encode(msg)
+    if len(data) > P.MAX_MESSAGE_BYTES:
+        raise APIError(400, f"the request is {len(data)} bytes as a coordinator message, over its limit of "
                             f"{P.MAX_MESSAGE_BYTES}")
     limit, upstream = server.settings.max_queue, server.upstream
     if limit is not None and upstream.waiting >= limit:
         raise APIError(503, f"{upstream.waiting} requests are already waiting (--max-queue {limit}); "
                             f"retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return GenerationResponse(upstream, upstream.submit(msg), fmt, model, body.stream, include_usage,
+    return GenerationResponse(upstream, upstream.submit(msg, data), fmt, model, body.stream, include_usage,
                               server.metrics)
 
 
@@ -219,17 +217,18 @@ async def server_error(request: Request, exc: Exception):
 
 
 class Gate:
-    """ASGI middleware: the Bearer key on every path but the open ones, and per-endpoint counts."""
+    """ASGI middleware: the Bearer key on every path but the open ones, and per-endpoint counts
+    (by route path; any other path, a model's own /v1/models/NAME too, counts as "other")."""
 
-    def __init__(self, app, server: Server):
-        self.app, self.server = app, server
+    def __init__(self, app, server: Server, endpoints: frozenset[str]):
+        self.app, self.server, self.endpoints = app, server, endpoints
         key = server.settings.api_key
         self.key = key.encode() if key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
@@ -273,5 +272,5 @@ def build_app(settings: Settings) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.server = server
-    app.add_middleware(Gate, server=server)
+    app.add_middleware(Gate, server=server, endpoints=frozenset(r.path for r in routes if "{" not in r.path))
     return app

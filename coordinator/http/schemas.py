@@ -5,7 +5,7 @@ Field names and ranges are OpenAI's; `top_k`, `min_p`, `repeat_penalty` and
 OpenAI refuses them ("Unrecognized request argument supplied"); fields OpenAI
 defines that change nothing here (`user`, `metadata`, `store`...) are accepted,
 and ones whose meaning we cannot honour (`logprobs`, `tools`, `n` > 1...) are
-refused by name in requests.py.
+refused by name in params.py.
 """
 from __future__ import annotations
 

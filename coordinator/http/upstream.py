@@ -39,7 +39,6 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue(bound)
         self.failure: str | None = None     # set when the request ends without a Done of its own
         self.answered = False               # a first reply came (it no longer waits)
-        self.closed = False                 # its Done or Error came, or it was cancelled
 
     def push(self, msg) -> bool:
         """From the reader; False when the queue is full (the client is not reading)."""
@@ -98,16 +97,15 @@ class Upstream:
         return sum(not s.answered for s in self.streams.values())
 
     # ---- requests -----------------------------------------------------------
-    def submit(self, msg: P.Generate) -> RequestStream:
+    def submit(self, msg: P.Generate, data: bytes | None = None) -> RequestStream:
+        """Send `msg` (`data`: its encoding, where the caller has it already)."""
         stream = self.streams[msg.request_id] = RequestStream(msg.request_id, self.bound)
-        self.sock.send(P.encode(msg))
+        self.sock.send(P.encode(msg) if data is None else data)
         return stream
 
     def cancel(self, request_id: str) -> None:
         """Stop a request that is still open upstream (its Done is then dropped)."""
-        stream = self.streams.pop(request_id, None)
-        if stream is not None and not stream.closed:
-            stream.closed = True
+        if self.streams.pop(request_id, None) is not None:     # open: its Done or Error has not come
             self.sock.send(P.encode(P.Cancel(request_id=request_id)))
 
     async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
@@ -137,8 +135,7 @@ class Upstream:
         if stream is None:
             return                          # cancelled meanwhile: its late replies are dropped
         if isinstance(msg, (P.Done, P.Error)):
-            stream.closed = True
-            self.streams.pop(msg.request_id, None)
+            self.streams.pop(msg.request_id, None)              # closed: nothing to cancel any more
         if not stream.push(msg):
             log.warning("request %s: its client fell %d replies behind; cancelling it", stream.request_id, self.bound)
             self.cancel(stream.request_id)
