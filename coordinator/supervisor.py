@@ -10,9 +10,22 @@ import time
 from cpu_worker.topology import numa_nodes, physical_cores
 
 log = logging.getLogger("fermoe.coordinator")
-# A worker that dies this often within the window is not restarted again:
+# A child process that dies this often within the window is not restarted again:
 # it is failing to start (bad model, no memory), and restarting would spin.
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
+
+
+class RestartBudget:
+    """The restarts of one child within the last RESTART_WINDOW_S."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def spend(self) -> bool:
+        """Count a restart now; False when that is more than MAX_RESTARTS in the window."""
+        now = time.monotonic()
+        self.times = [t for t in self.times if now - t < RESTART_WINDOW_S] + [now]
+        return len(self.times) <= MAX_RESTARTS
 
 
 def worker_plan(opts) -> dict[str, tuple[int, list[int]]]:
@@ -35,7 +48,7 @@ class Supervisor:
         self.opts, self.endpoint = opts, endpoint
         self.procs: dict[str, subprocess.Popen] = {}
         self.plan = worker_plan(opts)
-        self.restarts: dict[str, list[float]] = {}
+        self.restarts: dict[str, RestartBudget] = {}
         self.given_up: set[str] = set()
 
     def start(self, wid: str) -> None:
@@ -68,11 +81,10 @@ class Supervisor:
             proc.wait()
         if wid not in self.plan or wid in self.given_up:
             return
-        now = time.monotonic()
-        recent = [t for t in self.restarts.get(wid, []) if now - t < RESTART_WINDOW_S] + [now]
-        self.restarts[wid] = recent
-        if len(recent) > MAX_RESTARTS:
-            log.error("worker %s died %d times in %.0f s; not restarting it", wid, len(recent), RESTART_WINDOW_S)
+        budget = self.restarts.setdefault(wid, RestartBudget())
+        if not budget.spend():
+            log.error("worker %s died %d times in %.0f s; not restarting it", wid, len(budget.times),
+                      RESTART_WINDOW_S)
             self.given_up.add(wid)
             return
         self.start(wid)

@@ -195,3 +195,25 @@ def test_a_request_that_fails_is_counted_once():
         assert sent[0]["status"] == 500
         assert metrics.registry.get_sample_value("fermoe:request_success_total", {"finished_reason": "error"}) == 1
         assert metrics.registry.get_sample_value("fermoe:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_front_end_that_keeps_exiting_is_restarted_within_the_workers_budget(monkeypatch):
+    from types import SimpleNamespace
+
+    from coordinator import supervisor
+    from coordinator.http.process import FrontEnd
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def poll(self):
+            return self.returncode
+
+    front = FrontEnd(SimpleNamespace(http="127.0.0.1:0", api_key=None, max_queue=None), "tcp://127.0.0.1:1")
+    starts = []
+    monkeypatch.setattr(front, "start", lambda: (starts.append(1), setattr(front, "proc", Exited())))
+    front.start()
+    for _ in range(supervisor.MAX_RESTARTS + 3):
+        front.poll()
+    front.stop()
+    assert front.given_up and len(starts) == supervisor.MAX_RESTARTS + 1

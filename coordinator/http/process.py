@@ -12,14 +12,13 @@ import logging
 import os
 import subprocess
 import sys
-import time
 
 import zmq
 
 from .options import API_KEY_ENV, bind_listener, listen_url
+from ..supervisor import RESTART_WINDOW_S, RestartBudget
 
 log = logging.getLogger("fermoe.coordinator")
-MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0     # as the workers': past that it is failing to start
 
 
 def client_endpoint(sock) -> str:
@@ -33,7 +32,7 @@ class FrontEnd:
         self.opts, self.connect = opts, connect
         self.listener = bind_listener(opts.http, bool(opts.api_key))
         self.proc: subprocess.Popen | None = None
-        self.restarts: list[float] = []
+        self.restarts = RestartBudget()      # as the workers': past it, it is failing to start
         self.given_up = False
 
     def start(self) -> None:
@@ -52,12 +51,10 @@ class FrontEnd:
     def poll(self) -> None:
         if self.proc is None or self.proc.poll() is None or self.given_up:
             return
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
         log.error("the HTTP front end exited with status %d", self.proc.returncode)
-        if len(self.restarts) > MAX_RESTARTS:
-            log.error("the HTTP front end failed %d times within %.0f s; not restarting it", len(self.restarts),
-                      RESTART_WINDOW_S)
+        if not self.restarts.spend():
+            log.error("the HTTP front end failed %d times within %.0f s; not restarting it",
+                      len(self.restarts.times), RESTART_WINDOW_S)
             self.given_up = True
             return
         self.start()
