@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import numpy as np
 from coordinator.client import Client
 from shared.errors import FermoeError
 
+from .serve import free_port, last_words, start_coordinator, stop_coordinator
+
 try:
     import httpx
 except ImportError:                  # a test extra: the server itself does not need it
@@ -30,13 +31,6 @@ except ImportError:                  # a test extra: the server itself does not 
 
 CONCURRENCY = (1, 8, 32)
 ADDED_LATENCY_TARGET_MS = 5.0        # the target for the median
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _percentiles(values_s: list[float]) -> dict:
@@ -118,9 +112,8 @@ def _added_latency(url: str, addr: str, prompt: list[int], pairs: int) -> dict:
 
 
 def _start(model: str, extra: list[str], log) -> tuple[subprocess.Popen, str, str]:
-    addr, url = f"tcp://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
-    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr,
-                               "--http", url.removeprefix("http://"), *extra], stderr=log)
+    addr, url = f"tcp://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    daemon = start_coordinator(model, addr, ["--http", url.removeprefix("http://"), *extra], log)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and daemon.poll() is None:
         try:
@@ -129,10 +122,9 @@ def _start(model: str, extra: list[str], log) -> tuple[subprocess.Popen, str, st
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    log.seek(0)
-    last = [line for line in log.read().splitlines() if line.strip()][-1:]
+    last = last_words(log)
     daemon.kill()
-    raise FermoeError("the coordinator's HTTP front end did not come up" + (f": {last[0]}" if last else ""))
+    raise FermoeError("the coordinator's HTTP front end did not come up" + (f": {last}" if last else ""))
 
 
 def run(model: str, prompt_tokens: int, max_tokens: int, requests: int, pairs: int, extra: list[str]) -> dict:
@@ -147,8 +139,7 @@ def run(model: str, prompt_tokens: int, max_tokens: int, requests: int, pairs: i
             prompt = cold(1000)[0]
             added = _added_latency(url, addr, prompt, pairs)
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(timeout=60)
+            stop_coordinator(daemon)
     return {"model": model, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
             "concurrency": load, "added_latency_vs_zmq": added}
 

@@ -25,10 +25,27 @@ from coordinator.client import Client
 from shared.errors import FermoeError
 
 
-def _free_addr() -> str:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def start_coordinator(model: str, addr: str, extra, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr, *extra],
+                            stderr=log)
+
+
+def stop_coordinator(daemon: subprocess.Popen) -> None:
+    daemon.send_signal(signal.SIGTERM)
+    daemon.wait(timeout=60)
+
+
+def last_words(log) -> str | None:
+    """The coordinator's last log line: why it did not come up."""
+    log.seek(0)
+    lines = [line for line in log.read().splitlines() if line.strip()]
+    return lines[-1] if lines else None
 
 
 def ttft(client: Client, tokens: list[int], max_tokens: int = 1) -> tuple[float, dict]:
@@ -101,18 +118,16 @@ def decode_during_prefill(addr: str, prompt: list[int], vocab_hi: int, cold_toke
 
 def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: list[str] = (),
         log_path: str | None = None) -> dict:
-    addr = _free_addr()
+    addr = f"tcp://127.0.0.1:{free_port()}"
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
-    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr,
-                               *extra], stderr=log)
+    daemon = start_coordinator(model, addr, extra, log)
     try:
         with Client(addr, timeout_s=3600) as c:
             try:
                 status = c.wait_ready(600, alive=lambda: daemon.poll() is None)
             except FermoeError as e:            # say why: the coordinator's own last words
-                log.seek(0)
-                last = [line for line in log.read().splitlines() if line.strip()][-1:]
-                raise FermoeError(f"{e}: {last[0]}" if last else str(e)) from None
+                last = last_words(log)
+                raise FermoeError(f"{e}: {last}" if last else str(e)) from None
             from shared.builtin import resolve_model
             from shared.model import Model
             vocab_hi = min(1000, Model(resolve_model(model)).config.n_vocab)
@@ -135,8 +150,7 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             "decode_during_prefill": during,
         }
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=60)
+        stop_coordinator(daemon)
         log.close()
 
 
