@@ -128,8 +128,7 @@ class GPUEngine:
         t2 = time.perf_counter()
         self.land.finish(state, T)
         state.set_logits(snap_logits[start + T])
-        for p, snap in snaps.items():
-            self.land.finish_snapshot(snap, state, p, snap_logits[p])
+        self.land.finish_snapshots(snaps, state, snap_logits)
         result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
         # host-side seconds: enqueueing (with the passes' own waits), waiting for the device, finishing
         self.last_timing = {"enqueue_s": t1 - t0, "wait_s": t2 - t1, "finish_s": time.perf_counter() - t2}

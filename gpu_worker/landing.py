@@ -60,10 +60,14 @@ class Landing:
             state.kv.append(a, keys[:T], values[:T])
         state.position = self.start + T
 
-    def finish_snapshot(self, snap: SequenceState, state: SequenceState, position: int, logits: np.ndarray) -> None:
-        """A snapshot's KV is the state's first `position` rows; its recurrent part has landed."""
-        for a in range(len(self.cfg.attention_layers)):
+    def finish_snapshots(self, snaps: dict[int, SequenceState], state: SequenceState,
+                         logits: dict[int, np.ndarray]) -> None:
+        """Each snapshot's KV is the state's first `position` rows (a layer's pages joined
+        once for all of them); its recurrent part has landed."""
+        for a in range(len(self.cfg.attention_layers) if snaps else 0):
             keys, values = state.kv.view(a)
-            snap.kv.append(a, keys[:position], values[:position])
-        snap.position = position
-        snap.set_logits(logits)
+            for position, snap in snaps.items():
+                snap.kv.append(a, keys[:position], values[:position])
+        for position, snap in snaps.items():
+            snap.position = position
+            snap.set_logits(logits[position])
