@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
 
-from shared.errors import FermoeError
 from shared.model import Model
 
 KERNELS_SHOWN = 16       # kernels_ms: the costliest (each: from its launch to the next, on the compute stream)
@@ -154,12 +152,13 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
 
 
 def main(argv=None) -> None:
-    from coordinator.options import parse_size
+    """The command line; a FermoeError (a bad --gpu-mem, a budget too small) goes up to
+    coordinator/cli.main, which reports it."""
+    from coordinator.options import add_gpu_options, gpu_engine_options
     p = argparse.ArgumentParser(prog="fermoe bench prefill", description=__doc__.splitlines()[0])
     p.add_argument("model", help="GGUF file or built-in model name")
     p.add_argument("--prompt", default="947", help="prompt tokens; several comma-separated (947,8192) run in turn")
-    p.add_argument("--gpu-mem", default=None, help="GPU memory budget, e.g. 6GiB (default: all that is free)")
-    p.add_argument("--gpu", type=int, default=0)
+    add_gpu_options(p)
     p.add_argument("--reps", type=int, default=3, help="timed prefills (after one warm-up); the median is reported")
     p.add_argument("--chunk", type=int, default=None, help="passes of at most N tokens (default: one pass)")
     p.add_argument("--pageable", action="store_true", help="expert memory not page-locked")
@@ -170,15 +169,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     try:
         prompts = [int(x) for x in args.prompt.split(",")]
-        if min(prompts) < 1 or args.reps < 1 or (args.chunk is not None and args.chunk < 1):
-            raise FermoeError("--prompt, --reps and --chunk must be at least 1")
-        mem = parse_size(args.gpu_mem) if args.gpu_mem else None
-        results = [run(args.model, n, mem, args.gpu, args.reps, args.chunk, not args.pageable, not args.no_overlap,
-                       not args.no_resident, args.lm_head, args.ring) for n in prompts]
     except ValueError:
-        print(f"{p.prog}: error: --prompt {args.prompt!r}: expected comma-separated integers", file=sys.stderr)
-        sys.exit(1)
-    except FermoeError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        p.error(f"--prompt {args.prompt!r}: expected comma-separated integers")
+    if min(prompts) < 1 or args.reps < 1 or (args.chunk is not None and args.chunk < 1):
+        p.error("--prompt, --reps and --chunk must be at least 1")
+    gpu = gpu_engine_options(args)
+    results = [run(args.model, n, gpu["gpu_mem"], gpu["gpu"], args.reps, args.chunk, not args.pageable,
+                   not args.no_overlap, not args.no_resident, args.lm_head, args.ring) for n in prompts]
     print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
