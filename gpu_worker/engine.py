@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from shared.engine import check_tokens
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
@@ -104,7 +105,7 @@ class GPUEngine:
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
         the snapshot positions in (state.position, state.position + len(tokens)]."""
         t0 = time.perf_counter()
-        tokens = self._check_tokens(tokens)
+        tokens = check_tokens(tokens, self.cfg.n_vocab)
         T, start = len(tokens), state.position
         state.check_room(T)
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
@@ -137,14 +138,6 @@ class GPUEngine:
     def _mark(self, phase: str) -> None:
         if self.profile is not None:
             self.profile.mark(phase)
-
-    def _check_tokens(self, tokens) -> np.ndarray:
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        if len(tokens) == 0:
-            raise FermoeError("no tokens to run")
-        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
-            raise FermoeError(f"token ids must be in [0, {self.cfg.n_vocab})")
-        return tokens
 
     def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps) -> np.ndarray:
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
