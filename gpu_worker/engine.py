@@ -23,6 +23,7 @@ import numpy as np
 from shared.engine import check_tokens
 from shared.errors import FermoeError
 from shared.model import Model
+from shared.reference import rope_angles
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
 from .buffers import DeviceArray
@@ -164,8 +165,7 @@ class GPUEngine:
     def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> None:
         cfg, ws, n = self.cfg, self.ws, len(tokens)
         half = cfg.rope_dim // 2
-        inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
-        angle = (np.arange(p0, p0 + n, dtype=np.float64)[:, None] * inv[None, :]).astype(np.float32)
+        angle = rope_angles(np.arange(p0, p0 + n), cfg.rope_dim, cfg.rope_theta)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
         starts, lengths = chunks_of(n, cuts)
