@@ -32,7 +32,7 @@ from .experts import ExpertStore, spread_resident
 from .landing import Landing
 from .ops import CHUNK, Ops
 from .plan import make_plan
-from .weights import KERNEL_TYPES, ResidentWeights
+from .weights import KERNEL_TYPES, ResidentWeights, resident_nbytes
 from .workspace import LOGIT_ROWS, Workspace, chunks_of
 
 log = logging.getLogger("fermoe.gpu")
@@ -71,6 +71,7 @@ class GPUEngine:
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
         self.w = ResidentWeights(self.device, model)
         self.experts = ExpertStore(self.device, model, ring_slots, pinned)
+        self.resident_bytes = resident_nbytes(model)      # for the plan of every prefill
         self.ws, self.kv_positions, self.Kc, self.Vc = None, 0, [], []
         cfg = self.cfg
         self.S = {L: DeviceArray(self.device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
@@ -328,7 +329,8 @@ class GPUEngine:
             n_chunks = max(n_chunks, ws_tokens // CHUNK)
             try:
                 plan = make_plan(self.model, self.budget, ws_tokens, self.ring_slots, self.max_resident,
-                                 kv_positions=positions, n_chunks=n_chunks)
+                                 kv_positions=positions, n_chunks=n_chunks, resident_bytes=self.resident_bytes,
+                                 layer_bytes=self.experts.layer_bytes)
             except FermoeError as e:
                 error = error or e
                 continue

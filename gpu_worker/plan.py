@@ -34,16 +34,6 @@ def kv_nbytes(cfg: ModelConfig, positions: int) -> int:
     return F32 * 2 * len(cfg.attention_layers) * positions * cfg.n_head_kv * cfg.head_dim
 
 
-_RESIDENT = {}
-
-
-def _resident_nbytes(model: Model) -> int:
-    """resident_nbytes, once per model (the engine plans every prefill)."""
-    if id(model) not in _RESIDENT:
-        _RESIDENT[id(model)] = resident_nbytes(model)
-    return _RESIDENT[id(model)]
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     budget: int
@@ -80,15 +70,21 @@ class MemoryPlan:
 
 def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
               max_resident: int | None = None, kv_positions: int | None = None,
-              n_chunks: int | None = None) -> MemoryPlan:
+              n_chunks: int | None = None, resident_bytes: int | None = None,
+              layer_bytes: int | None = None) -> MemoryPlan:
     """The plan for `budget` bytes with passes of up to `pass_tokens` tokens in up to
     `n_chunks` GDN chunks and room for the attention KV of `kv_positions` positions
-    (default: one pass), or a FermoeError saying what does not fit."""
+    (default: one pass), or a FermoeError saying what does not fit. `resident_bytes`
+    (resident_nbytes) and `layer_bytes` (an expert layer's) are computed from the
+    model unless given: the engine, which plans every prefill, computes them once."""
     cfg = model.config
     if ring_slots < 1:
         raise FermoeError(f"ring of {ring_slots} slots: needs 1 at least")
-    layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
-    fixed = dict(resident_weights=_resident_nbytes(model), state=state_nbytes(cfg),
+    if layer_bytes is None:
+        layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
+    if resident_bytes is None:
+        resident_bytes = resident_nbytes(model)
+    fixed = dict(resident_weights=resident_bytes, state=state_nbytes(cfg),
                  workspace=workspace_nbytes(cfg, pass_tokens, n_chunks), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
     base = sum(fixed.values()) + MARGIN
     n = cfg.n_layer
