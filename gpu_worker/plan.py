@@ -16,22 +16,18 @@ from dataclasses import dataclass
 from shared.config import ModelConfig
 from shared.errors import FermoeError
 from shared.model import Model
+from shared.state import kv_bytes_per_position
 
 from .weights import ExpertLayout, resident_nbytes
 from .workspace import workspace_nbytes
 
-F32 = 4
 MARGIN = 64 << 20        # what allocation rounding and the CUDA context's own use may take
-
-
-def state_nbytes(cfg: ModelConfig) -> int:
-    return cfg.recurrent_state_bytes
 
 
 def kv_nbytes(cfg: ModelConfig, positions: int) -> int:
     """fp32 K and V of every attention layer for `positions` positions (the cache is
     kept in fp32 on the device, values rounded as the state's dtype rounds them)."""
-    return F32 * 2 * len(cfg.attention_layers) * positions * cfg.n_head_kv * cfg.head_dim
+    return kv_bytes_per_position(cfg, "f32") * positions
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
         layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
     if resident_bytes is None:
         resident_bytes = resident_nbytes(model)
-    fixed = dict(resident_weights=resident_bytes, state=state_nbytes(cfg),
+    fixed = dict(resident_weights=resident_bytes, state=cfg.recurrent_state_bytes,
                  workspace=workspace_nbytes(cfg, pass_tokens, n_chunks), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
     base = sum(fixed.values()) + MARGIN
     n = cfg.n_layer
