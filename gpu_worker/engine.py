@@ -46,6 +46,12 @@ def expected_used_fraction(n_tokens: int, n_expert: int, k: int) -> float:
     return 1.0 - (1.0 - k / n_expert) ** n_tokens
 
 
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """[j, k) spans of `rows` whose values are consecutive (rows[j + 1] = rows[j] + 1...)."""
+    cuts = [j for j in range(1, len(rows)) if rows[j] != rows[j - 1] + 1]
+    return list(zip([0] + cuts, cuts + [len(rows)]))
+
+
 class GPUEngine:
     name = "gpu"
 
@@ -158,7 +164,7 @@ class GPUEngine:
                 self._gdn(L, n, p0, cuts, snaps)
             self._moe(L, n)
         self._mark("lm_head")
-        logits = self._lm_head(n, rows)
+        logits = self._lm_head(rows)
         self._mark("end")
         return logits
 
@@ -286,15 +292,16 @@ class GPUEngine:
         ops.moe_combine(ws.h, ws.moe_out, g, shared, ws.x, gate_vec, n, d, k)
 
     # ---- logits ----------------------------------------------------------------------------------
-    def _lm_head(self, n: int, rows: list[int]) -> np.ndarray:
+    def _lm_head(self, rows: list[int]) -> np.ndarray:
+        """Logits of the pass's rows `rows` (ascending), LOGIT_ROWS at a time."""
         cfg, ws, ops = self.cfg, self.ws, self.ops
         out = np.empty((len(rows), cfg.n_vocab), np.float32)
         for i in range(0, len(rows), LOGIT_ROWS):
             group = rows[i:i + LOGIT_ROWS]
             m = len(group)
-            for j, r in enumerate(group):        # gather the rows asked for, normalised
-                ops.rmsnorm(ws.lm_rows.rows(j, j + 1), ws.h.rows(r, r + 1), self.w.output_norm.data, 1,
-                            cfg.n_embd, cfg.rms_eps)
+            for j, k in _runs(group):            # gather the rows asked for, normalised: a launch a run
+                ops.rmsnorm(ws.lm_rows.rows(j, k), ws.h.rows(group[j], group[k - 1] + 1), self.w.output_norm.data,
+                            k - j, cfg.n_embd, cfg.rms_eps)
             if self.lm_head == "cpu":
                 out[i:i + m] = self._cpu_logits(ws.lm_rows.rows(0, m).download())
                 continue
