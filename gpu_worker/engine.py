@@ -310,14 +310,13 @@ class GPUEngine:
         return out
 
     def _cpu_logits(self, x: np.ndarray) -> np.ndarray:
-        """The LM head on the host (the paper's other placement), with the CPU kernels."""
+        """The LM head on the host (the paper's other placement), with the CPU kernels
+        (activations quantised by the native kernel: bit-exact with shared.quants')."""
         import native
-        from shared.quants import quantize_q8_0
         w = self.model.output
         kind = KERNEL_TYPES.get(w.qtype)
         if kind in ("q4_0", "q8_0"):
-            xq = quantize_q8_0(np.ascontiguousarray(x)).reshape(len(x), -1)
-            return native.matmul(w.raw.reshape(w.shape[0], -1), xq, kind)
+            return native.matmul(w.raw.reshape(w.shape[0], -1), native.quantize_row_q8_0(x), kind)
         return x @ w.f32().T
 
     # ---- state in and out --------------------------------------------------------------------------
