@@ -29,10 +29,11 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
+from .kernels import KERNEL_TYPES
 from .landing import Landing
 from .ops import CHUNK, Ops
 from .plan import make_plan
-from .weights import KERNEL_TYPES, ResidentWeights, resident_nbytes
+from .weights import ResidentWeights, resident_nbytes
 from .workspace import LOGIT_ROWS, Workspace, chunks_of
 
 log = logging.getLogger("fermoe.gpu")

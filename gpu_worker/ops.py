@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buffers import DeviceArray
-from .kernels import Kernels, LaunchError
+from .kernels import KERNEL_TYPES, Kernels, LaunchError
 
 GEMM_TILE = 64          # gemm.cu's BM = BN
 WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
@@ -18,7 +18,7 @@ MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one bl
 MAX_HEAD_DIM = 256      # attention.cu
 MAX_EXPERTS = 1024      # moe.cu's moe_route keeps a token's router logits in shared memory
 ATTN_ROWS = 64          # attention.cu's query rows a block (FM_AQ)
-GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+GGML_TYPE = {name: int(t) for t, name in KERNEL_TYPES.items()}    # embed_rows's wtype argument
 
 
 def _cdiv(a: int, b: int) -> int:

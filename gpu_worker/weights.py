@@ -14,8 +14,8 @@ from shared.ggml_types import GGMLType, tensor_nbytes
 from shared.model import Layer, Model, Weight
 
 from .buffers import DeviceArray
+from .kernels import KERNEL_TYPES
 
-KERNEL_TYPES = {GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.Q4_0: "q4_0", GGMLType.Q8_0: "q8_0"}
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 F32_ONLY = ("ssm_conv1d",)          # read element by element by gdn_conv
 
