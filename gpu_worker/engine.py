@@ -185,7 +185,7 @@ class GPUEngine:
         emb, n, d = self.model.token_embd, len(tokens), self.cfg.n_embd
         uniq, index = np.unique(tokens, return_inverse=True)
         if emb.qtype in KERNEL_TYPES and len(emb.shape) == 2:
-            raw, wtype = emb.raw.reshape(emb.shape[0], -1)[uniq], KERNEL_TYPES[emb.qtype]
+            raw, wtype = emb.select_rows(uniq, emb.name).raw, KERNEL_TYPES[emb.qtype]
         else:
             raw, wtype = emb.take(uniq).view(np.uint8), "f32"
         self.ws.embed_raw.view((raw.size,), np.uint8).upload(np.ascontiguousarray(raw).reshape(-1))
