@@ -25,7 +25,7 @@ KERNELS_SHOWN = 16       # kernels_ms: the costliest (each: from its launch to t
 
 def dense_macs_per_token(model: Model) -> int:
     """Multiply-adds one token costs in every matrix but the routed experts (LM head apart)."""
-    cfg, total = model.config, 0
+    total = 0
     for layer in model.layers:
         for name, w in vars(layer).items():
             if hasattr(w, "shape") and len(w.shape) == 2 and not name.endswith("_exps") and name != "ssm_conv1d":
@@ -33,18 +33,20 @@ def dense_macs_per_token(model: Model) -> int:
     return total
 
 
-def prefill_flops(model: Model, T: int, start: int = 0, logit_rows: int = 1) -> dict[str, float]:
-    """fp32 FLOPs (2 a multiply-add) of a T-token prefill after `start` positions, by part."""
+def prefill_flops(model: Model, T: int) -> dict[str, float]:
+    """fp32 FLOPs (2 a multiply-add) of a T-token prefill of a new sequence, by part
+    (logits of its last position only)."""
+    from gpu_worker.ops import CHUNK
     cfg = model.config
-    attn_keys = sum(start + t + 1 for t in range(T))              # causal: keys each query sees
-    hv, dk, dv, n = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, min(T, 64)
+    attn_keys = T * (T + 1) // 2                                   # causal: keys each query sees
+    hv, dk, dv, n = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, min(T, CHUNK)
     gdn_per_head = n * dk + n / 2 * (dk + dv) + 3 * dk * dv + n / 2 * dv   # chunked form, per token
     return {
         "dense": 2.0 * T * dense_macs_per_token(model),
         "experts": 2.0 * T * cfg.n_expert_used * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_layer,
         "attention": 2.0 * 2 * len(cfg.attention_layers) * cfg.n_head * cfg.head_dim * attn_keys,
         "gdn": 2.0 * T * hv * len(cfg.gdn_layers) * gdn_per_head,
-        "lm_head": 2.0 * logit_rows * cfg.n_vocab * cfg.n_embd,
+        "lm_head": 2.0 * cfg.n_vocab * cfg.n_embd,
     }
 
 

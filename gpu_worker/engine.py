@@ -327,7 +327,7 @@ class GPUEngine:
         position (a single pass when it fits, so each expert crosses PCIe once); the
         expert layers kept resident are what the budget leaves, fewer for a long prompt
         and more again after. VRAM is freed before it is taken."""
-        cfg, error = self.cfg, None
+        error = None
         cap = min(T, self.max_pass_tokens or T)
         for n in sorted({-(-T // c) for c in range(-(-T // cap), T + 1)}, reverse=True):
             ws_tokens = -(-n // CHUNK) * CHUNK          # buffers in steps of a chunk: less churn
