@@ -127,8 +127,7 @@ class GPUEngine:
             b = min(T, a + self.pass_n)
             cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
             rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))
-            self._last_pass = b == T
-            logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps)
+            logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps, last=b == T)
             for r, row in zip(rows, logits):
                 snap_logits[start + a + r + 1] = row
             if all_logits:
@@ -148,9 +147,10 @@ class GPUEngine:
         if self.profile is not None:
             self.profile.mark(phase)
 
-    def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps) -> np.ndarray:
+    def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps, last: bool) -> np.ndarray:
+        """One pass from position p0; `last`: the prompt's last, whose GDN states are the result."""
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
-        self._upload_inputs(tokens, p0, cuts)
+        chunk_at = self._upload_inputs(tokens, p0, cuts)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self._mark("embed")
         self._embed(tokens)        # its upload waits for the device: before the first expert copies, not behind them
@@ -162,7 +162,7 @@ class GPUEngine:
             if cfg.is_attention(L):
                 self._attention(L, n, p0)
             else:
-                self._gdn(L, n, p0, cuts, snaps)
+                self._gdn(L, n, p0, cuts, snaps, chunk_at, last)
             self._moe(L, n)
         self._mark("lm_head")
         logits = self._lm_head(rows)
@@ -170,15 +170,17 @@ class GPUEngine:
         return logits
 
     # ---- inputs -------------------------------------------------------------------------
-    def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> None:
+    def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> dict[int, int]:
+        """RoPE's cos and sin and the GDN chunk table of the pass; returns the table's
+        index of each chunk by its first row."""
         cfg, ws, n = self.cfg, self.ws, len(tokens)
         half = cfg.rope_dim // 2
         angle = rope_angles(np.arange(p0, p0 + n), cfg.rope_dim, cfg.rope_theta)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
         starts, lengths = chunks_of(n, cuts)
-        self.n_chunks = ws.chunks.set_chunks(starts, lengths)
-        self.chunk_at = {e: i for i, e in enumerate(starts)}
+        ws.chunks.set_chunks(starts, lengths)
+        return {e: i for i, e in enumerate(starts)}
 
     def _embed(self, tokens: np.ndarray) -> None:
         """The prompt's rows of the embedding table, gathered here and dequantised there."""
@@ -220,7 +222,7 @@ class GPUEngine:
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
-    def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps) -> None:
+    def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps, chunk_at: dict[int, int], last: bool) -> None:
         cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
         C, Di, d, K = cfg.conv_channels, cfg.ssm_d_inner, cfg.n_embd, cfg.ssm_conv_kernel
         hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
@@ -236,7 +238,7 @@ class GPUEngine:
             ops.gdn_conv_history(ws.conv_snap, state, qkv, c, n, C, K)
             self._to_host(snaps[p0 + c].conv[g_slot], ws.conv_snap)
         ops.gdn_conv_history(state, state, qkv, n, n, C, K)
-        if self._last_pass:
+        if last:
             self._to_host(self.land.out.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
@@ -252,11 +254,11 @@ class GPUEngine:
                 if e in cuts:
                     self._to_host(snaps[p0 + e].ssm[g_slot], S)
         else:
-            ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks, self.n_chunks, hk, hv, dk, dv, C, tiled)
+            ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks, len(chunk_at), hk, hv, dk, dv, C, tiled)
             for c in cuts:
-                src = S if c == n else ws.chunks.S0.rows(self.chunk_at[c], self.chunk_at[c] + 1)
+                src = S if c == n else ws.chunks.S0.rows(chunk_at[c], chunk_at[c] + 1)
                 self._to_host(snaps[p0 + c].ssm[g_slot], src)
-        if self._last_pass:
+        if last:
             self._to_host(self.land.out.ssm[g_slot], S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
@@ -347,9 +349,9 @@ class GPUEngine:
         raise error
 
     def _apply(self, plan, ws_tokens: int, n_chunks: int, positions: int) -> None:
-        cfg = self.cfg
+        cfg, resident = self.cfg, spread_resident(self.cfg.n_layer, plan.resident_layers)
         if plan.resident_layers < len(self.experts.resident):
-            self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+            self.experts.set_resident(resident)      # fewer: their VRAM freed before the buffers below take theirs
         if self.ws is None or (self.ws.T, self.ws.n_chunks) != (ws_tokens, n_chunks):
             if self.ws is not None:
                 self.ws.free()
@@ -361,7 +363,7 @@ class GPUEngine:
             self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
             self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
             self.kv_positions = positions
-        self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+        self.experts.set_resident(resident)
         self.plan = plan
 
     def _upload_state(self, state: SequenceState) -> None:
