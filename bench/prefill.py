@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
 
-from shared.errors import FermoeError
 from shared.model import Model
 
 KERNELS_SHOWN = 16       # kernels_ms: the costliest (each: from its launch to the next, on the compute stream)
@@ -27,7 +25,7 @@ KERNELS_SHOWN = 16       # kernels_ms: the costliest (each: from its launch to t
 
 def dense_macs_per_token(model: Model) -> int:
     """Multiply-adds one token costs in every matrix but the routed experts (LM head apart)."""
-    cfg, total = model.config, 0
+    total = 0
     for layer in model.layers:
         for name, w in vars(layer).items():
             if hasattr(w, "shape") and len(w.shape) == 2 and not name.endswith("_exps") and name != "ssm_conv1d":
@@ -35,18 +33,20 @@ def dense_macs_per_token(model: Model) -> int:
     return total
 
 
-def prefill_flops(model: Model, T: int, start: int = 0, logit_rows: int = 1) -> dict[str, float]:
-    """fp32 FLOPs (2 a multiply-add) of a T-token prefill after `start` positions, by part."""
+def prefill_flops(model: Model, T: int) -> dict[str, float]:
+    """fp32 FLOPs (2 a multiply-add) of a T-token prefill of a new sequence, by part
+    (logits of its last position only)."""
+    from gpu_worker.ops import CHUNK
     cfg = model.config
-    attn_keys = sum(start + t + 1 for t in range(T))              # causal: keys each query sees
-    hv, dk, dv, n = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, min(T, 64)
+    attn_keys = T * (T + 1) // 2                                   # causal: keys each query sees
+    hv, dk, dv, n = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, min(T, CHUNK)
     gdn_per_head = n * dk + n / 2 * (dk + dv) + 3 * dk * dv + n / 2 * dv   # chunked form, per token
     return {
         "dense": 2.0 * T * dense_macs_per_token(model),
         "experts": 2.0 * T * cfg.n_expert_used * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_layer,
         "attention": 2.0 * 2 * len(cfg.attention_layers) * cfg.n_head * cfg.head_dim * attn_keys,
         "gdn": 2.0 * T * hv * len(cfg.gdn_layers) * gdn_per_head,
-        "lm_head": 2.0 * logit_rows * cfg.n_vocab * cfg.n_embd,
+        "lm_head": 2.0 * cfg.n_vocab * cfg.n_embd,
     }
 
 
@@ -154,12 +154,13 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
 
 
 def main(argv=None) -> None:
-    from coordinator.options import parse_size
+    """The command line; a FermoeError (a bad --gpu-mem, a budget too small) goes up to
+    coordinator/cli.main, which reports it."""
+    from coordinator.options import add_gpu_options, gpu_engine_options
     p = argparse.ArgumentParser(prog="fermoe bench prefill", description=__doc__.splitlines()[0])
     p.add_argument("model", help="GGUF file or built-in model name")
     p.add_argument("--prompt", default="947", help="prompt tokens; several comma-separated (947,8192) run in turn")
-    p.add_argument("--gpu-mem", default=None, help="GPU memory budget, e.g. 6GiB (default: all that is free)")
-    p.add_argument("--gpu", type=int, default=0)
+    add_gpu_options(p)
     p.add_argument("--reps", type=int, default=3, help="timed prefills (after one warm-up); the median is reported")
     p.add_argument("--chunk", type=int, default=None, help="passes of at most N tokens (default: one pass)")
     p.add_argument("--pageable", action="store_true", help="expert memory not page-locked")
@@ -170,15 +171,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     try:
         prompts = [int(x) for x in args.prompt.split(",")]
-        if min(prompts) < 1 or args.reps < 1 or (args.chunk is not None and args.chunk < 1):
-            raise FermoeError("--prompt, --reps and --chunk must be at least 1")
-        mem = parse_size(args.gpu_mem) if args.gpu_mem else None
-        results = [run(args.model, n, mem, args.gpu, args.reps, args.chunk, not args.pageable, not args.no_overlap,
-                       not args.no_resident, args.lm_head, args.ring) for n in prompts]
     except ValueError:
-        print(f"{p.prog}: error: --prompt {args.prompt!r}: expected comma-separated integers", file=sys.stderr)
-        sys.exit(1)
-    except FermoeError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        p.error(f"--prompt {args.prompt!r}: expected comma-separated integers")
+    if min(prompts) < 1 or args.reps < 1 or (args.chunk is not None and args.chunk < 1):
+        p.error("--prompt, --reps and --chunk must be at least 1")
+    gpu = gpu_engine_options(args)
+    results = [run(args.model, n, gpu["gpu_mem"], gpu["gpu"], args.reps, args.chunk, not args.pageable,
+                   not args.no_overlap, not args.no_resident, args.lm_head, args.ring) for n in prompts]
     print(json.dumps(results[0] if len(results) == 1 else results, indent=2))

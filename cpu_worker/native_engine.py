@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from shared.engine import check_tokens
 from shared.errors import FermoeError
 from shared.ggml_types import GGMLType, row_nbytes
 from shared.model import Model, Weight
@@ -161,7 +162,7 @@ class NativeEngine:
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or of the last one, [1, vocab])."""
-        tokens = self._check_tokens(tokens)
+        tokens = check_tokens(tokens, self.model.config.n_vocab)
         state.check_room(len(tokens))
         out = []
         for start in range(0, len(tokens), self.max_batch):
@@ -179,7 +180,7 @@ class NativeEngine:
         read once per pass of at most max_batch tokens for all the sequences in it."""
         if not segments or len({id(s) for _, s in segments}) != len(segments):
             raise FermoeError("forward_batch needs one or more distinct sequences")
-        checked = [(self._check_tokens(t), s) for t, s in segments]
+        checked = [(check_tokens(t, self.model.config.n_vocab), s) for t, s in segments]
         for tokens, state in checked:
             state.check_room(len(tokens))
         if max(len(t) for t, _ in checked) > self.max_batch:
@@ -202,15 +203,6 @@ class NativeEngine:
         if len(tokens) != len(states):
             raise FermoeError("decode_batch needs one token for each of distinct sequences")
         return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
-
-    def _check_tokens(self, tokens) -> np.ndarray:
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        n_vocab = self.model.config.n_vocab
-        if len(tokens) == 0:
-            raise FermoeError("no tokens to run")
-        if tokens.min() < 0 or tokens.max() >= n_vocab:
-            raise FermoeError(f"token ids must be in [0, {n_vocab})")
-        return tokens
 
     def _run(self, segments: list[tuple[np.ndarray, SequenceState]], all_logits: bool, want: bool):
         """One native pass over segments (tokens, state), at most max_batch tokens in all;

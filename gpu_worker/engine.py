@@ -20,17 +20,20 @@ import time
 
 import numpy as np
 
+from shared.engine import check_tokens
 from shared.errors import FermoeError
 from shared.model import Model
+from shared.reference import rope_angles
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
 from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
+from .kernels import KERNEL_TYPES
 from .landing import Landing
 from .ops import CHUNK, Ops
 from .plan import make_plan
-from .weights import KERNEL_TYPES, ResidentWeights
+from .weights import ResidentWeights, resident_nbytes
 from .workspace import LOGIT_ROWS, Workspace, chunks_of
 
 log = logging.getLogger("fermoe.gpu")
@@ -42,6 +45,12 @@ GDN_MODES = ("auto", "chunked", "recurrent")
 def expected_used_fraction(n_tokens: int, n_expert: int, k: int) -> float:
     """Share of a layer's experts that n tokens are expected to route to (uniform routing)."""
     return 1.0 - (1.0 - k / n_expert) ** n_tokens
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """[j, k) spans of `rows` whose values are consecutive (rows[j + 1] = rows[j] + 1...)."""
+    cuts = [j for j in range(1, len(rows)) if rows[j] != rows[j - 1] + 1]
+    return list(zip([0] + cuts, cuts + [len(rows)]))
 
 
 class GPUEngine:
@@ -69,6 +78,7 @@ class GPUEngine:
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
         self.w = ResidentWeights(self.device, model)
         self.experts = ExpertStore(self.device, model, ring_slots, pinned)
+        self.resident_bytes = resident_nbytes(model)      # for the plan of every prefill
         self.ws, self.kv_positions, self.Kc, self.Vc = None, 0, [], []
         cfg = self.cfg
         self.S = {L: DeviceArray(self.device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
@@ -104,7 +114,7 @@ class GPUEngine:
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
         the snapshot positions in (state.position, state.position + len(tokens)]."""
         t0 = time.perf_counter()
-        tokens = self._check_tokens(tokens)
+        tokens = check_tokens(tokens, self.cfg.n_vocab)
         T, start = len(tokens), state.position
         state.check_room(T)
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
@@ -117,8 +127,7 @@ class GPUEngine:
             b = min(T, a + self.pass_n)
             cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
             rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))
-            self._last_pass = b == T
-            logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps)
+            logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps, last=b == T)
             for r, row in zip(rows, logits):
                 snap_logits[start + a + r + 1] = row
             if all_logits:
@@ -128,8 +137,7 @@ class GPUEngine:
         t2 = time.perf_counter()
         self.land.finish(state, T)
         state.set_logits(snap_logits[start + T])
-        for p, snap in snaps.items():
-            self.land.finish_snapshot(snap, state, p, snap_logits[p])
+        self.land.finish_snapshots(snaps, state, snap_logits)
         result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
         # host-side seconds: enqueueing (with the passes' own waits), waiting for the device, finishing
         self.last_timing = {"enqueue_s": t1 - t0, "wait_s": t2 - t1, "finish_s": time.perf_counter() - t2}
@@ -139,17 +147,10 @@ class GPUEngine:
         if self.profile is not None:
             self.profile.mark(phase)
 
-    def _check_tokens(self, tokens) -> np.ndarray:
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        if len(tokens) == 0:
-            raise FermoeError("no tokens to run")
-        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
-            raise FermoeError(f"token ids must be in [0, {self.cfg.n_vocab})")
-        return tokens
-
-    def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps) -> np.ndarray:
+    def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps, last: bool) -> np.ndarray:
+        """One pass from position p0; `last`: the prompt's last, whose GDN states are the result."""
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
-        self._upload_inputs(tokens, p0, cuts)
+        chunk_at = self._upload_inputs(tokens, p0, cuts)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self._mark("embed")
         self._embed(tokens)        # its upload waits for the device: before the first expert copies, not behind them
@@ -161,31 +162,32 @@ class GPUEngine:
             if cfg.is_attention(L):
                 self._attention(L, n, p0)
             else:
-                self._gdn(L, n, p0, cuts, snaps)
+                self._gdn(L, n, p0, cuts, snaps, chunk_at, last)
             self._moe(L, n)
         self._mark("lm_head")
-        logits = self._lm_head(n, rows)
+        logits = self._lm_head(rows)
         self._mark("end")
         return logits
 
     # ---- inputs -------------------------------------------------------------------------
-    def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> None:
+    def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> dict[int, int]:
+        """RoPE's cos and sin and the GDN chunk table of the pass; returns the table's
+        index of each chunk by its first row."""
         cfg, ws, n = self.cfg, self.ws, len(tokens)
         half = cfg.rope_dim // 2
-        inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
-        angle = (np.arange(p0, p0 + n, dtype=np.float64)[:, None] * inv[None, :]).astype(np.float32)
+        angle = rope_angles(np.arange(p0, p0 + n), cfg.rope_dim, cfg.rope_theta)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
         starts, lengths = chunks_of(n, cuts)
-        self.n_chunks = ws.chunks.set_chunks(starts, lengths)
-        self.chunk_at = {e: i for i, e in enumerate(starts)}
+        ws.chunks.set_chunks(starts, lengths)
+        return {e: i for i, e in enumerate(starts)}
 
     def _embed(self, tokens: np.ndarray) -> None:
         """The prompt's rows of the embedding table, gathered here and dequantised there."""
         emb, n, d = self.model.token_embd, len(tokens), self.cfg.n_embd
         uniq, index = np.unique(tokens, return_inverse=True)
         if emb.qtype in KERNEL_TYPES and len(emb.shape) == 2:
-            raw, wtype = emb.raw.reshape(emb.shape[0], -1)[uniq], KERNEL_TYPES[emb.qtype]
+            raw, wtype = emb.select_rows(uniq, emb.name).raw, KERNEL_TYPES[emb.qtype]
         else:
             raw, wtype = emb.take(uniq).view(np.uint8), "f32"
         self.ws.embed_raw.view((raw.size,), np.uint8).upload(np.ascontiguousarray(raw).reshape(-1))
@@ -220,7 +222,7 @@ class GPUEngine:
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
-    def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps) -> None:
+    def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps, chunk_at: dict[int, int], last: bool) -> None:
         cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
         C, Di, d, K = cfg.conv_channels, cfg.ssm_d_inner, cfg.n_embd, cfg.ssm_conv_kernel
         hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
@@ -236,7 +238,7 @@ class GPUEngine:
             ops.gdn_conv_history(ws.conv_snap, state, qkv, c, n, C, K)
             self._to_host(snaps[p0 + c].conv[g_slot], ws.conv_snap)
         ops.gdn_conv_history(state, state, qkv, n, n, C, K)
-        if self._last_pass:
+        if last:
             self._to_host(self.land.out.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
@@ -252,11 +254,11 @@ class GPUEngine:
                 if e in cuts:
                     self._to_host(snaps[p0 + e].ssm[g_slot], S)
         else:
-            ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks, self.n_chunks, hk, hv, dk, dv, C, tiled)
+            ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks, len(chunk_at), hk, hv, dk, dv, C, tiled)
             for c in cuts:
-                src = S if c == n else ws.chunks.S0.rows(self.chunk_at[c], self.chunk_at[c] + 1)
+                src = S if c == n else ws.chunks.S0.rows(chunk_at[c], chunk_at[c] + 1)
                 self._to_host(snaps[p0 + c].ssm[g_slot], src)
-        if self._last_pass:
+        if last:
             self._to_host(self.land.out.ssm[g_slot], S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
@@ -293,15 +295,16 @@ class GPUEngine:
         ops.moe_combine(ws.h, ws.moe_out, g, shared, ws.x, gate_vec, n, d, k)
 
     # ---- logits ----------------------------------------------------------------------------------
-    def _lm_head(self, n: int, rows: list[int]) -> np.ndarray:
+    def _lm_head(self, rows: list[int]) -> np.ndarray:
+        """Logits of the pass's rows `rows` (ascending), LOGIT_ROWS at a time."""
         cfg, ws, ops = self.cfg, self.ws, self.ops
         out = np.empty((len(rows), cfg.n_vocab), np.float32)
         for i in range(0, len(rows), LOGIT_ROWS):
             group = rows[i:i + LOGIT_ROWS]
             m = len(group)
-            for j, r in enumerate(group):        # gather the rows asked for, normalised
-                ops.rmsnorm(ws.lm_rows.rows(j, j + 1), ws.h.rows(r, r + 1), self.w.output_norm.data, 1,
-                            cfg.n_embd, cfg.rms_eps)
+            for j, k in _runs(group):            # gather the rows asked for, normalised: a launch a run
+                ops.rmsnorm(ws.lm_rows.rows(j, k), ws.h.rows(group[j], group[k - 1] + 1), self.w.output_norm.data,
+                            k - j, cfg.n_embd, cfg.rms_eps)
             if self.lm_head == "cpu":
                 out[i:i + m] = self._cpu_logits(ws.lm_rows.rows(0, m).download())
                 continue
@@ -310,14 +313,13 @@ class GPUEngine:
         return out
 
     def _cpu_logits(self, x: np.ndarray) -> np.ndarray:
-        """The LM head on the host (the paper's other placement), with the CPU kernels."""
+        """The LM head on the host (the paper's other placement), with the CPU kernels
+        (activations quantised by the native kernel: bit-exact with shared.quants')."""
         import native
-        from shared.quants import quantize_q8_0
         w = self.model.output
         kind = KERNEL_TYPES.get(w.qtype)
         if kind in ("q4_0", "q8_0"):
-            xq = quantize_q8_0(np.ascontiguousarray(x)).reshape(len(x), -1)
-            return native.matmul(w.raw.reshape(w.shape[0], -1), xq, kind)
+            return native.matmul(w.raw.reshape(w.shape[0], -1), native.quantize_row_q8_0(x), kind)
         return x @ w.f32().T
 
     # ---- state in and out --------------------------------------------------------------------------
@@ -327,7 +329,7 @@ class GPUEngine:
         position (a single pass when it fits, so each expert crosses PCIe once); the
         expert layers kept resident are what the budget leaves, fewer for a long prompt
         and more again after. VRAM is freed before it is taken."""
-        cfg, error = self.cfg, None
+        error = None
         cap = min(T, self.max_pass_tokens or T)
         for n in sorted({-(-T // c) for c in range(-(-T // cap), T + 1)}, reverse=True):
             ws_tokens = -(-n // CHUNK) * CHUNK          # buffers in steps of a chunk: less churn
@@ -336,7 +338,8 @@ class GPUEngine:
             n_chunks = max(n_chunks, ws_tokens // CHUNK)
             try:
                 plan = make_plan(self.model, self.budget, ws_tokens, self.ring_slots, self.max_resident,
-                                 kv_positions=positions, n_chunks=n_chunks)
+                                 kv_positions=positions, n_chunks=n_chunks, resident_bytes=self.resident_bytes,
+                                 layer_bytes=self.experts.layer_bytes)
             except FermoeError as e:
                 error = error or e
                 continue
@@ -346,9 +349,9 @@ class GPUEngine:
         raise error
 
     def _apply(self, plan, ws_tokens: int, n_chunks: int, positions: int) -> None:
-        cfg = self.cfg
+        cfg, resident = self.cfg, spread_resident(self.cfg.n_layer, plan.resident_layers)
         if plan.resident_layers < len(self.experts.resident):
-            self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+            self.experts.set_resident(resident)      # fewer: their VRAM freed before the buffers below take theirs
         if self.ws is None or (self.ws.T, self.ws.n_chunks) != (ws_tokens, n_chunks):
             if self.ws is not None:
                 self.ws.free()
@@ -360,7 +363,7 @@ class GPUEngine:
             self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
             self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
             self.kv_positions = positions
-        self.experts.set_resident(spread_resident(cfg.n_layer, plan.resident_layers))
+        self.experts.set_resident(resident)
         self.plan = plan
 
     def _upload_state(self, state: SequenceState) -> None:

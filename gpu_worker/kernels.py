@@ -7,8 +7,11 @@ from __future__ import annotations
 import os
 
 from shared.errors import FermoeError
+from shared.ggml_types import GGMLType
 
-WEIGHT_TYPES = ("f32", "f16", "q4_0", "q8_0")
+# The weight types the kernels read (the one table): their names end the GEMM entry
+# points' names; embed_rows takes the ggml type number.
+KERNEL_TYPES = {GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.Q4_0: "q4_0", GGMLType.Q8_0: "q8_0"}
 
 SIGNATURES = {
     "embed_rows": "PPPiii",
@@ -30,7 +33,7 @@ SIGNATURES = {
     "fma_peak": "Pif",
     "to_f16": "PPi",
 }
-for _t in WEIGHT_TYPES:
+for _t in KERNEL_TYPES.values():
     SIGNATURES.update({
         f"gemm_{_t}": "PPPiiiiii",
         f"gemm_wide_{_t}": "PPPiiiiii",

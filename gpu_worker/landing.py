@@ -5,8 +5,8 @@ them into the state at the end.
 
 A state made by the engine's new_state() has a page-locked recurrent buffer: the copies
 land in it. Another state's (a snapshot slot, the CPU engine's) land in a staging state
-first. K and V land in page-locked staging rows, as fp16 bits for an f16 cache (its
-pages then take them as they are)."""
+first. K and V land in page-locked staging rows of the state's KV dtype (fp16 for an
+f16 cache: its pages then take them as they are)."""
 from __future__ import annotations
 
 import weakref
@@ -14,21 +14,23 @@ import weakref
 import numpy as np
 
 from shared.config import ModelConfig
-from shared.state import SequenceState
+from shared.state import SequenceState, kv_dtype, recurrent_nbytes
 
 
 class Landing:
     def __init__(self, device, cfg: ModelConfig, fingerprint: str, kv_cache_dtype: str):
         self.device, self.cfg, self.fingerprint = device, cfg, fingerprint
-        self.kv_dtype = np.uint16 if kv_cache_dtype == "f16" else np.float32
+        self.kv_dtype = kv_dtype(kv_cache_dtype)
         self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer made here
         self._staging: SequenceState | None = None
         self._kv: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def pinned_state(self, state: SequenceState, position: int | None = None) -> SequenceState:
-        """A copy of `state`'s recurrent part in page-locked memory (its KV cache empty)."""
-        buf = self.device.pagelocked_empty((len(memoryview(state.buffer).cast("B")),), np.uint8)
-        buf[:] = np.frombuffer(state.buffer, np.uint8)
+    def pinned_state(self, state: SequenceState) -> SequenceState:
+        """A copy of `state`'s recurrent part in page-locked memory (its KV cache empty);
+        the layout's bytes only, should the state live in a larger slot."""
+        nbytes = recurrent_nbytes(self.cfg)
+        buf = self.device.pagelocked_empty((nbytes,), np.uint8)
+        buf[:] = np.frombuffer(state.buffer, np.uint8, count=nbytes)
         self._pinned[id(buf)] = buf
         return SequenceState(self.cfg, self.fingerprint, buffer=buf, kv_block=state.kv.block,
                              kv_dtype=state.kv.dtype_name)
@@ -55,15 +57,17 @@ class Landing:
             state.ssm[:] = self.out.ssm
             state.conv[:] = self.out.conv
         for a, (keys, values) in enumerate(self.kv):
-            if keys.dtype == np.uint16:
-                keys, values = keys.view(np.float16), values.view(np.float16)
             state.kv.append(a, keys[:T], values[:T])
         state.position = self.start + T
 
-    def finish_snapshot(self, snap: SequenceState, state: SequenceState, position: int, logits: np.ndarray) -> None:
-        """A snapshot's KV is the state's first `position` rows; its recurrent part has landed."""
-        for a in range(len(self.cfg.attention_layers)):
+    def finish_snapshots(self, snaps: dict[int, SequenceState], state: SequenceState,
+                         logits: dict[int, np.ndarray]) -> None:
+        """Each snapshot's KV is the state's first `position` rows (a layer's pages joined
+        once for all of them); its recurrent part has landed."""
+        for a in range(len(self.cfg.attention_layers) if snaps else 0):
             keys, values = state.kv.view(a)
-            snap.kv.append(a, keys[:position], values[:position])
-        snap.position = position
-        snap.set_logits(logits)
+            for position, snap in snaps.items():
+                snap.kv.append(a, keys[:position], values[:position])
+        for position, snap in snaps.items():
+            snap.position = position
+            snap.set_logits(logits[position])

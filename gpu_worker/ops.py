@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buffers import DeviceArray
-from .kernels import Kernels, LaunchError
+from .kernels import KERNEL_TYPES, Kernels, LaunchError
 
 GEMM_TILE = 64          # gemm.cu's BM = BN
 WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
@@ -18,7 +18,7 @@ MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one bl
 MAX_HEAD_DIM = 256      # attention.cu
 MAX_EXPERTS = 1024      # moe.cu's moe_route keeps a token's router logits in shared memory
 ATTN_ROWS = 64          # attention.cu's query rows a block (FM_AQ)
-GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+GGML_TYPE = {name: int(t) for t, name in KERNEL_TYPES.items()}    # embed_rows's wtype argument
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -31,10 +31,10 @@ def _need(ok: bool, what: str):
 
 
 class Ops:
-    def __init__(self, device, kernels: Kernels | None = None, stream=None):
+    def __init__(self, device):
         self.device = device
-        self.k = kernels or Kernels(device)
-        self.stream = stream if stream is not None else device.stream("compute")
+        self.k = Kernels(device)
+        self.stream = device.stream("compute")
 
     # ---- rows --------------------------------------------------------------
     def embed(self, out: DeviceArray, W, tokens: DeviceArray, T: int, n: int, wtype: str):
@@ -42,9 +42,9 @@ class Ops:
         self.k.embed_rows((T,), (256,), self.stream, out, W, tokens, T, n, GGML_TYPE[wtype])
 
     def rmsnorm(self, y: DeviceArray, x: DeviceArray, w: DeviceArray, rows: int, n: int, eps: float,
-                ldy: int | None = None, ldx: int | None = None):
+                ldx: int | None = None):
         _need(w.shape == (n,), f"rmsnorm: weight {w.shape} for rows of {n}")
-        self.k.rmsnorm((rows,), (256,), self.stream, y, x, w, rows, n, ldy or n, ldx or n, eps)
+        self.k.rmsnorm((rows,), (256,), self.stream, y, x, w, rows, n, n, ldx or n, eps)
 
     def rmsnorm_gated(self, y, x, z, w: DeviceArray, rows: int, n: int, eps: float):
         _need(w.shape == (n,), f"rmsnorm_gated: weight {w.shape} for rows of {n}")
@@ -52,10 +52,10 @@ class Ops:
 
     # ---- products ------------------------------------------------------------
     def gemm(self, C: DeviceArray, A: DeviceArray, W, M: int, N: int, K: int, wtype: str, accumulate: bool = False,
-             swiglu: bool = False, lda: int | None = None, ldc: int | None = None):
+             swiglu: bool = False):
         """C (+)= A W^T; with `swiglu` A's rows are [gate | up] of K each and the product
         takes silu(gate) * up (an FFN's down projection, its activation fused)."""
-        lda, ldc = lda or (2 * K if swiglu else K), ldc or N
+        lda, ldc = 2 * K if swiglu else K, N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
@@ -191,10 +191,10 @@ class ChunkWork:
         self.chunk_len = DeviceArray(device, (n_chunks,), np.int32)
         self.n_chunks = n_chunks
 
-    def set_chunks(self, starts, lengths, stream=None) -> int:
+    def set_chunks(self, starts, lengths) -> int:
         n = len(starts)
         _need(0 < n <= self.n_chunks and max(lengths) <= CHUNK, f"{n} chunks for a table of {self.n_chunks}")
-        self.chunk_start.rows(0, n).upload(np.asarray(starts, np.int32), stream)
-        self.chunk_len.rows(0, n).upload(np.asarray(lengths, np.int32), stream)
+        self.chunk_start.rows(0, n).upload(np.asarray(starts, np.int32))
+        self.chunk_len.rows(0, n).upload(np.asarray(lengths, np.int32))
         return n
 

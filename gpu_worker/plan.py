@@ -16,32 +16,18 @@ from dataclasses import dataclass
 from shared.config import ModelConfig
 from shared.errors import FermoeError
 from shared.model import Model
+from shared.state import kv_bytes_per_position
 
 from .weights import ExpertLayout, resident_nbytes
 from .workspace import workspace_nbytes
 
-F32 = 4
 MARGIN = 64 << 20        # what allocation rounding and the CUDA context's own use may take
-
-
-def state_nbytes(cfg: ModelConfig) -> int:
-    return cfg.recurrent_state_bytes
 
 
 def kv_nbytes(cfg: ModelConfig, positions: int) -> int:
     """fp32 K and V of every attention layer for `positions` positions (the cache is
     kept in fp32 on the device, values rounded as the state's dtype rounds them)."""
-    return F32 * 2 * len(cfg.attention_layers) * positions * cfg.n_head_kv * cfg.head_dim
-
-
-_RESIDENT = {}
-
-
-def _resident_nbytes(model: Model) -> int:
-    """resident_nbytes, once per model (the engine plans every prefill)."""
-    if id(model) not in _RESIDENT:
-        _RESIDENT[id(model)] = resident_nbytes(model)
-    return _RESIDENT[id(model)]
+    return kv_bytes_per_position(cfg, "f32") * positions
 
 
 @dataclass(frozen=True)
@@ -80,15 +66,21 @@ class MemoryPlan:
 
 def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
               max_resident: int | None = None, kv_positions: int | None = None,
-              n_chunks: int | None = None) -> MemoryPlan:
+              n_chunks: int | None = None, resident_bytes: int | None = None,
+              layer_bytes: int | None = None) -> MemoryPlan:
     """The plan for `budget` bytes with passes of up to `pass_tokens` tokens in up to
     `n_chunks` GDN chunks and room for the attention KV of `kv_positions` positions
-    (default: one pass), or a FermoeError saying what does not fit."""
+    (default: one pass), or a FermoeError saying what does not fit. `resident_bytes`
+    (resident_nbytes) and `layer_bytes` (an expert layer's) are computed from the
+    model unless given: the engine, which plans every prefill, computes them once."""
     cfg = model.config
     if ring_slots < 1:
         raise FermoeError(f"ring of {ring_slots} slots: needs 1 at least")
-    layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
-    fixed = dict(resident_weights=_resident_nbytes(model), state=state_nbytes(cfg),
+    if layer_bytes is None:
+        layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
+    if resident_bytes is None:
+        resident_bytes = resident_nbytes(model)
+    fixed = dict(resident_weights=resident_bytes, state=cfg.recurrent_state_bytes,
                  workspace=workspace_nbytes(cfg, pass_tokens, n_chunks), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
     base = sum(fixed.values()) + MARGIN
     n = cfg.n_layer

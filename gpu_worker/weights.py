@@ -14,8 +14,8 @@ from shared.ggml_types import GGMLType, tensor_nbytes
 from shared.model import Layer, Model, Weight
 
 from .buffers import DeviceArray
+from .kernels import KERNEL_TYPES
 
-KERNEL_TYPES = {GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.Q4_0: "q4_0", GGMLType.Q8_0: "q8_0"}
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 F32_ONLY = ("ssm_conv1d",)          # read element by element by gdn_conv
 
@@ -96,7 +96,6 @@ class ExpertLayout:
     gate_up_type: str
     down_type: str
     expert_bytes: int
-    up_offset: int
     down_offset: int
 
     @classmethod
@@ -107,17 +106,15 @@ class ExpertLayout:
             raise FermoeError(f"blk.{layer.index}: experts in {gate.qtype.name}/{up.qtype.name}/{down.qtype.name}; "
                               "the GPU engine streams F32, F16, Q4_0 or Q8_0 experts, gate and up alike")
         g, u, d = (tensor_nbytes(w.qtype, w.shape[1:]) for w in (gate, up, down))
-        return cls(types[0], types[2], g + u + d, g, g + u)
+        return cls(types[0], types[2], g + u + d, g + u)
 
 
-def pack_experts(layer: Layer, out: np.ndarray, experts=None) -> None:
-    """Write a layer's experts (all, or the ids given, in that order) into `out` as
-    consecutive [gate | up | down] records."""
+def pack_experts(layer: Layer, out: np.ndarray) -> None:
+    """Write a layer's experts into `out` as consecutive [gate | up | down] records."""
     lay = ExpertLayout.of(layer)
     mats = [getattr(layer, name) for name in EXPERT_TENSORS]
-    ids = range(mats[0].shape[0]) if experts is None else experts
-    for slot, e in enumerate(ids):
-        at = slot * lay.expert_bytes
+    for e in range(mats[0].shape[0]):
+        at = e * lay.expert_bytes
         for w in mats:
             per = len(w.raw) // w.shape[0]
             out[at:at + per] = w.raw[e * per:(e + 1) * per]

@@ -11,8 +11,19 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import FermoeError
 from .model import Model
 from .state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
+
+
+def check_tokens(tokens, n_vocab: int) -> np.ndarray:
+    """Token ids as a contiguous int32 array, refused when empty or outside [0, n_vocab)."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    if len(tokens) == 0:
+        raise FermoeError("no tokens to run")
+    if tokens.min() < 0 or tokens.max() >= n_vocab:
+        raise FermoeError(f"token ids must be in [0, {n_vocab})")
+    return tokens
 
 
 @runtime_checkable

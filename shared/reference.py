@@ -61,14 +61,20 @@ def linear(x, weight):
     return x @ weight.f32().T
 
 
+def rope_angles(positions, rope_dim, theta) -> np.ndarray:
+    """The rotation angles [T, rope_dim/2] (fp32) of the positions: position x theta^(-2i/rope_dim),
+    in float64 then rounded (the GPU engine uploads their cos and sin from here too)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    return (np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]).astype(F32)
+
+
 def rope(x, positions, rope_dim, theta):
     """NeoX-style RoPE on the first rope_dim dims of each head: pairs (i, i + rope_dim/2).
 
     Text positions make Qwen3.5's interleaved M-RoPE sections identical, so this is
     plain 1-D RoPE. x: [T, heads, head_dim]."""
     half = rope_dim // 2
-    inv_freq = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-    angle = (np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]).astype(F32)
+    angle = rope_angles(positions, rope_dim, theta)
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:rope_dim]
     out = x.copy()
