@@ -32,6 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(condition, timeout_s: float, what: str):
+    """Poll condition() until it is true; its value. Fails naming `what` after timeout_s
+    (a loaded machine is slow, but nothing a test waits for may hang it forever)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return value
+
+
 def shm_names(pid: int | None = None) -> set[str]:
     """Our arenas in /dev/shm; with pid, only those that process created (other
     agents' daemons may come and go meanwhile)."""
