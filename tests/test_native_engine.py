@@ -19,7 +19,7 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState
 from shared.synth import synth
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
-native = pytest.importorskip("native", reason="native extension not built")
+native = pytest.importorskip("native", reason="native extension not built", exc_type=ImportError)
 
 # Native against the reference: the same arithmetic summed in other orders, in units
 # of the largest |logit|. Whole prompts on float weights (F32 and F16 files, which
