@@ -8,12 +8,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 
 import httpx
 import pytest
 
 from tests.http_server import HttpDaemon, LocalEngine, free_port
+from tests.serving_harness import wait_until
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -44,15 +44,12 @@ class Browser:
         self.session = self.call("POST", "/session", caps)["sessionId"]
 
     def _wait_driver(self):
-        deadline = time.monotonic() + PAGE_TIMEOUT_S
-        while True:
+        def ready():
             try:
-                if self.http.get(f"{self.base}/status").json()["value"]["ready"]:
-                    return
+                return self.http.get(f"{self.base}/status").json()["value"]["ready"]
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "chromedriver did not start"
-            time.sleep(0.1)
+                return False
+        wait_until(ready, PAGE_TIMEOUT_S, "chromedriver did not start")
 
     def call(self, method, path, body=None):
         r = self.http.request(method, f"{self.base}{path}", json=body)
@@ -75,11 +72,7 @@ class Browser:
         return self.cmd("POST", "/execute/sync", {"script": script, "args": list(args)})
 
     def wait_js(self, script: str, what: str):
-        deadline = time.monotonic() + PAGE_TIMEOUT_S
-        while not (value := self.js(script)):
-            assert time.monotonic() < deadline, f"the page never showed {what}"
-            time.sleep(0.05)
-        return value
+        return wait_until(lambda: self.js(script), PAGE_TIMEOUT_S, f"the page never showed {what}")
 
     def close(self):
         try:
