@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,16 +14,8 @@ from shared.synth import _tensor_list, preset_config
 from shared.convert import tensor_type, OUT_TYPES
 from tests.eos_seed import seed_with_early_eos
 from tests.sampling_cases import option_cases
-from tests.serving_harness import local_ids, local_text
+from tests.serving_harness import fermoe, local_ids, local_text
 from shared.ggml_types import tensor_nbytes
-
-
-def fermoe(*args, env=None, check=True):
-    run = subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)],
-                         capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
-    if check and run.returncode != 0:
-        raise AssertionError(f"fermoe {args} failed:\n{run.stderr}")
-    return run
 
 
 def test_logits_from_tokens_and_prompt(tiny_path, tmp_path):

@@ -4,8 +4,6 @@ frequency on a model with experts made useless, and the refusals."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from shared.prune import EXPERT_TENSORS, check_seen, prune, write_pruned
 from shared.state import SequenceState
 from shared.synth import synth
 from tests.gguf_edit import DROP, rewrite_gguf
+from tests.serving_harness import fermoe
 
 CALIB = [(7 * i * i + 3 * i + 11) % 500 for i in range(400)]      # any ids of the 512 in the synth vocabulary
 PROMPT = [3, 17, 250, 9, 77, 100, 4, 5, 300, 31, 42, 8, 16, 23, 99, 101]
@@ -43,11 +42,6 @@ def tiny_f32(tmp_path_factory):
     path = tmp_path_factory.mktemp("prune") / "tiny-f32.gguf"
     synth(path, "tiny", out_type="f32", seed=0, progress=False)
     return path
-
-
-def _fermoe(*args):
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
 
 
 def test_pruned_file_keeps_exactly_the_kept_experts(tiny_f32, tmp_path):
@@ -244,7 +238,7 @@ def test_refusals_are_one_line_and_leave_no_file(tiny_f32, tmp_path, args, messa
         extra = ["--calib", calib]
     args = [a for a in args if a not in ("--model-is-out", "--no-experts")]
     before = set(tmp_path.iterdir())
-    run = _fermoe("prune", model, "-o", out, "--scores", tmp_path / "s.json", *extra, *args)
+    run = fermoe("prune", model, "-o", out, "--scores", tmp_path / "s.json", *extra, *args, check=False)
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("fermoe: error: ")
     assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert set(tmp_path.iterdir()) == before                 # no output, no scores, no temporary file
@@ -280,8 +274,8 @@ def test_the_cli_writes_the_scores(tiny_f32, tmp_path):
     import json
     calib = tmp_path / "calib.txt"
     calib.write_text(Model(tiny_f32).tokenizer.decode(CALIB))
-    run = _fermoe("prune", tiny_f32, "--keep", 6, "-o", tmp_path / "p.gguf", "--calib", calib,
-                  "--scores", tmp_path / "s.json")
+    run = fermoe("prune", tiny_f32, "--keep", 6, "-o", tmp_path / "p.gguf", "--calib", calib,
+                 "--scores", tmp_path / "s.json", check=False)
     assert run.returncode == 0, run.stderr
     doc = json.loads((tmp_path / "s.json").read_text())
     model = Model(tiny_f32)
