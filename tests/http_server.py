@@ -5,7 +5,6 @@ this process with the same engine and sampler."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,22 +17,17 @@ from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.tokenizer import StreamDecoder
+from tests.serving_harness import BLOCK, free_port, unpinned
 
-BLOCK = 8                   # small snapshot blocks: short prompts cross several boundaries
 START_TIMEOUT_S = 120       # a loaded 2-core machine starts four Python processes slowly
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:
     """A child process whose stderr is kept (for failure messages) and that is stopped by its id."""
 
     def __init__(self, cmd: list[str]):
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                     preexec_fn=unpinned)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from shared.synth import _tensor_list, preset_config
 from shared.convert import tensor_type, OUT_TYPES
 from tests.eos_seed import seed_with_early_eos
 from tests.sampling_cases import option_cases
-from tests.serving_harness import fermoe, local_ids, local_text
+from tests.serving_harness import fermoe, free_port, local_ids, local_text
 from shared.ggml_types import tensor_nbytes
 
 
@@ -99,11 +98,8 @@ def test_full_size_preset_has_the_papers_size(experts, paper_gb):
 def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(os.urandom(4096))
-    with socket.socket() as s:          # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     paths = dict(missing=tmp_path / "missing.gguf", corrupt=corrupt, tiny=tiny_path, out=tmp_path / "o.gguf",
-                 port=port)
+                 port=free_port())                    # a port nothing listens on
     run = fermoe(*[a.format(**paths) for a in args], check=False)
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
@@ -193,9 +189,7 @@ def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
     no arena left behind)."""
     monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
     leaked_before = _dead_arenas()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     run = fermoe("demo", "-p", "The old GPU said", "-n", 12, "--addr", addr)
     from shared.builtin import resolve_model
     expected = local_text(resolve_model("tiny"), "The old GPU said", 12, eos=True, temperature=0.0)

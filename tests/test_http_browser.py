@@ -12,8 +12,8 @@ import tempfile
 import httpx
 import pytest
 
-from tests.http_server import HttpDaemon, LocalEngine, free_port
-from tests.serving_harness import wait_until
+from tests.http_server import HttpDaemon, LocalEngine
+from tests.serving_harness import free_port, wait_until
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Client
-from tests.http_server import HttpDaemon, LocalEngine, Serve, free_port
-from tests.serving_harness import wait_until
+from tests.http_server import HttpDaemon, LocalEngine, Serve
+from tests.serving_harness import free_port, wait_until
 
 MAX_SEQUENCES = 2           # a worker this full makes the next request wait in the coordinator's queue
 KEY = "sk-test-key"
