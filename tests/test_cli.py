@@ -215,6 +215,7 @@ def test_convert_command_writes_f16(tmp_path):
     byte for byte, its matrices F16 (routers and conv F32), the embedding the checkpoint's
     rounded to half precision."""
     hf_oracle = pytest.importorskip("tests.hf_oracle")
+    gguf = pytest.importorskip("gguf")
     from shared.convert import convert
     from shared.safetensors_file import Checkpoint
     ckpt = hf_oracle.save_checkpoint(hf_oracle.build_hf_model("qwen35moe-a"), tmp_path / "hf")
@@ -226,7 +227,6 @@ def test_convert_command_writes_f16(tmp_path):
     types = _types(out)
     assert {n: t for n, (t, _) in types.items()} == {n: _expected_type(n, s, "F16") for n, (_, s) in types.items()}
     assert {t for t, _ in types.values()} == {"F16", "F32"}
-    gguf = pytest.importorskip("gguf")
     embd = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "token_embd.weight")
     hf_embd = Checkpoint(ckpt).load("model.embed_tokens.weight")
     np.testing.assert_array_equal(np.asarray(embd.data).reshape(hf_embd.shape), hf_embd.astype(np.float16))

@@ -263,7 +263,6 @@ def test_engine_gpu_without_pycuda_says_so_in_one_line(tiny_q4_path, tmp_path):
 def test_a_long_prompt_takes_the_memory_of_resident_layers_and_gives_it_back(tiny):
     """Resident expert layers are a cache: a prompt whose attention KV needs their VRAM
     evicts them (they stream instead), a short one after it takes them back."""
-    from gpu_worker.plan import kv_nbytes
     budget = _budget_for(tiny, 1, tokens=16)
     engine = gpu(tiny, "emulate", gpu_mem=budget, max_pass_tokens=16)
     engine.forward(PROMPT[:16], engine.new_state())
