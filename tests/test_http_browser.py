@@ -88,7 +88,7 @@ class Browser:
 def daemon(tiny_q4_path):
     d = HttpDaemon(tiny_q4_path, "--api-key", KEY)
     yield d
-    d.stop()
+    assert d.stop() == 0
 
 
 @pytest.fixture(scope="module")

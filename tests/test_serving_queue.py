@@ -26,7 +26,7 @@ def queue_daemon(tiny_q4_path):
                "--worker-bind", worker_bind, "--engine", "reference")
     d.worker_bind = worker_bind
     yield d
-    d.stop()
+    assert d.stop() == 0
 
 
 def test_workers_per_socket_on_their_own_cores_at_the_given_endpoint(queue_daemon, tiny_q4_path):
