@@ -4,6 +4,8 @@ tokens, snapshot boundaries, expert streaming under every schedule, and the stat
 it hands to the CPU engine."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -249,13 +251,14 @@ def test_gpu_options_are_refused_in_one_line(tiny_q4_path, tmp_path, args, env, 
 
 
 def test_engine_gpu_without_pycuda_says_so_in_one_line(tiny_q4_path, tmp_path):
-    try:
-        import pycuda  # noqa: F401
-        pytest.skip("pycuda is installed here")
-    except ImportError:
-        pass
+    """Run everywhere: a pycuda package first on the path that fails to import, as a
+    missing one does, hides an installed pycuda."""
+    missing = tmp_path / "no-pycuda"
+    (missing / "pycuda").mkdir(parents=True)
+    (missing / "pycuda" / "__init__.py").write_text("raise ImportError(\"No module named 'pycuda'\")\n")
+    path = os.pathsep.join(p for p in (str(missing), os.environ.get("PYTHONPATH")) if p)
     run = fermoe("logits", tiny_q4_path, "--engine", "gpu", "--tokens", "1,2", "--out", tmp_path / "x.npy",
-                 env={"FERMOE_GPU": None}, check=False)
+                 env={"FERMOE_GPU": None, "PYTHONPATH": path}, check=False)
     assert run.returncode == 1 and run.stderr.count("\n") == 1
     assert "--engine gpu needs pycuda" in run.stderr and "FERMOE_GPU=emulate" in run.stderr
 
