@@ -92,3 +92,11 @@ def tiny_q4_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-q4_0.gguf"
     synth(path, "tiny", out_type="q4_0", seed=0, progress=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_f32_path(tmp_path_factory):
+    """The tiny preset in F32: engines compared on it differ only by their sums' order."""
+    path = tmp_path_factory.mktemp("models") / "tiny-f32.gguf"
+    synth(path, "tiny", out_type="f32", seed=0, progress=False)
+    return path

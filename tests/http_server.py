@@ -5,7 +5,6 @@ this process with the same engine and sampler."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,27 +12,19 @@ import time
 
 import httpx
 
-from coordinator.engines import load_engine
-from shared.generate import generate
 from shared.model import Model
-from shared.sampling import SamplingParams
 from shared.tokenizer import StreamDecoder
+from tests.serving_harness import BLOCK, free_port, local_ids, unpinned
 
-BLOCK = 8                   # small snapshot blocks: short prompts cross several boundaries
 START_TIMEOUT_S = 120       # a loaded 2-core machine starts four Python processes slowly
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:
     """A child process whose stderr is kept (for failure messages) and that is stopped by its id."""
 
     def __init__(self, cmd: list[str]):
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                     preexec_fn=unpinned)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
 
@@ -88,12 +79,12 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 
 class LocalEngine:
-    """The served text, computed here: the same tokenizer, chat template, engine and sampler."""
+    """The served text, computed here: the same tokenizer, chat template, engine and
+    sampler (serving_harness.local_ids, which closes each engine it makes)."""
 
     def __init__(self, model_path):
-        self.model = Model(model_path)
-        self.tok = self.model.tokenizer
-        self.engine = load_engine("cpu", self.model, threads=1)
+        self.model_path = model_path
+        self.tok = Model(model_path).tokenizer
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         return self.tok.encode(self.tok.apply_chat_template(messages))
@@ -105,13 +96,7 @@ class LocalEngine:
 
     def pieces(self, ids: list[int], max_tokens: int, ignore_eos: bool = False, **sampling) -> tuple[list[str], int]:
         """The non-empty pieces of text the stream carries, and the completion tokens."""
-        eos = self.tok.eos_ids
-        stream, n, out = StreamDecoder(self.tok), 0, []
-        for token in generate(self.engine, ids, max_tokens, SamplingParams(**sampling),
-                              stop_ids=() if ignore_eos else eos):
-            if token in eos and not ignore_eos:
-                break
-            out.append(stream.feed(token))
-            n += 1
-        out.append(stream.flush())
-        return [p for p in out if p], n
+        tokens = local_ids(self.model_path, ids, max_tokens, eos=not ignore_eos, **sampling)
+        stream = StreamDecoder(self.tok)
+        out = [stream.feed(token) for token in tokens] + [stream.flush()]
+        return [p for p in out if p], len(tokens)

@@ -1,6 +1,6 @@
 """What the serving tests share: a coordinator daemon in a subprocess, a CPU worker in
-a thread of the test (so a test sees what it ran), and the local runs a served
-request must equal."""
+a thread of the test (so a test sees what it ran), the local runs a served request
+must equal, and the `fermoe` command run as a user runs it."""
 from __future__ import annotations
 
 import functools
@@ -24,12 +24,23 @@ from shared.model import Model
 from shared.sampling import SamplingParams
 
 BLOCK = 8                    # small blocks: short prompts cross several snapshot boundaries
+CLI_TIMEOUT_S = 300          # the slowest command a test runs (a benchmark, a conversion) on 2 busy cores
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    """Poll condition() until it is true; its value. Fails naming `what` after timeout_s
+    (a loaded machine is slow, but nothing a test waits for may hang it forever)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return value
 
 
 def shm_names(pid: int | None = None) -> set[str]:
@@ -86,12 +97,24 @@ def streamed_ids(msgs) -> list[int]:
     return [m.token for m in msgs if hasattr(m, "token") and m.token >= 0]
 
 
+def fermoe(*args, env: dict | None = None, check: bool = True, timeout_s: float = CLI_TIMEOUT_S):
+    """`fermoe ARGS` in a child process on the CPUs this one started with; env: changes to
+    this environment (a None value removes the variable). Its stdout and stderr are the
+    bytes decoded, newlines untranslated (a "\r" the model generates stays one). With
+    check, a failure is an AssertionError showing its stderr."""
+    environ = None if env is None else {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    run = subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)], capture_output=True,
+                         env=environ, timeout=timeout_s, preexec_fn=unpinned)
+    run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
+    if check and run.returncode != 0:
+        raise AssertionError(f"fermoe {' '.join(map(str, args))} exited with {run.returncode}:\n{run.stderr}")
+    return run
+
+
 def local(model, prompt, n, seed, temp=0.8, kv="f16"):
     """`fermoe generate --engine cpu` as a user runs it: its text."""
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", str(model), "--engine", "cpu",
-                          "-t", "1", "-p", prompt, "-n", str(n), "--seed", str(seed), "--temp", str(temp),
-                          "--kv-cache-dtype", kv], capture_output=True, check=True, preexec_fn=unpinned)
-    return out.stdout.decode()[:-1]   # generate ends with a newline; bytes, so a "\r" stays one
+    return fermoe("generate", model, "--engine", "cpu", "-t", 1, "-p", prompt, "-n", n, "--seed", seed,
+                  "--temp", temp, "--kv-cache-dtype", kv).stdout[:-1]     # generate ends with a newline
 
 
 @functools.lru_cache(maxsize=4)

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,16 +13,8 @@ from shared.synth import _tensor_list, preset_config
 from shared.convert import tensor_type, OUT_TYPES
 from tests.eos_seed import seed_with_early_eos
 from tests.sampling_cases import option_cases
-from tests.serving_harness import local_ids, local_text
+from tests.serving_harness import fermoe, free_port, local_ids, local_text
 from shared.ggml_types import tensor_nbytes
-
-
-def fermoe(*args, env=None, check=True):
-    run = subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)],
-                         capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
-    if check and run.returncode != 0:
-        raise AssertionError(f"fermoe {args} failed:\n{run.stderr}")
-    return run
 
 
 def test_logits_from_tokens_and_prompt(tiny_path, tmp_path):
@@ -109,11 +98,8 @@ def test_full_size_preset_has_the_papers_size(experts, paper_gb):
 def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(os.urandom(4096))
-    with socket.socket() as s:          # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     paths = dict(missing=tmp_path / "missing.gguf", corrupt=corrupt, tiny=tiny_path, out=tmp_path / "o.gguf",
-                 port=port)
+                 port=free_port())                    # a port nothing listens on
     run = fermoe(*[a.format(**paths) for a in args], check=False)
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
@@ -203,9 +189,7 @@ def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
     no arena left behind)."""
     monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
     leaked_before = _dead_arenas()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     run = fermoe("demo", "-p", "The old GPU said", "-n", 12, "--addr", addr)
     from shared.builtin import resolve_model
     expected = local_text(resolve_model("tiny"), "The old GPU said", 12, eos=True, temperature=0.0)
@@ -231,6 +215,7 @@ def test_convert_command_writes_f16(tmp_path):
     byte for byte, its matrices F16 (routers and conv F32), the embedding the checkpoint's
     rounded to half precision."""
     hf_oracle = pytest.importorskip("tests.hf_oracle")
+    gguf = pytest.importorskip("gguf")
     from shared.convert import convert
     from shared.safetensors_file import Checkpoint
     ckpt = hf_oracle.save_checkpoint(hf_oracle.build_hf_model("qwen35moe-a"), tmp_path / "hf")
@@ -242,7 +227,6 @@ def test_convert_command_writes_f16(tmp_path):
     types = _types(out)
     assert {n: t for n, (t, _) in types.items()} == {n: _expected_type(n, s, "F16") for n, (_, s) in types.items()}
     assert {t for t, _ in types.values()} == {"F16", "F32"}
-    gguf = pytest.importorskip("gguf")
     embd = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "token_embd.weight")
     hf_embd = Checkpoint(ckpt).load("model.embed_tokens.weight")
     np.testing.assert_array_equal(np.asarray(embd.data).reshape(hf_embd.shape), hf_embd.astype(np.float16))

@@ -20,6 +20,7 @@ from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
 from tests.gguf_edit import DROP, rewrite_gguf
+from tests.serving_harness import fermoe
 
 N_CTX = 40
 KEY = "qwen35moe.context_length"
@@ -78,11 +79,9 @@ def test_a_generation_ends_when_the_context_is_full(short):
 
 def test_the_cli_refuses_a_prompt_longer_than_the_context(short_path):
     ids = ",".join(str(i) for i in range(3, 3 + N_CTX + 1))
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "logits", str(short_path), "--tokens", ids,
-                          "--out", "/dev/null"], capture_output=True, text=True)
+    out = fermoe("logits", short_path, "--tokens", ids, "--out", "/dev/null", check=False)
     assert out.returncode != 0 and f"context length of {N_CTX}" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "bench", "decode", str(short_path),
-                          "--prompt", "8", "--tokens", "4", "--context", "36"], capture_output=True, text=True)
+    out = fermoe("bench", "decode", short_path, "--prompt", 8, "--tokens", 4, "--context", 36, check=False)
     assert out.returncode != 0 and f"context length of {N_CTX}" in out.stderr and "Traceback" not in out.stderr
 
 

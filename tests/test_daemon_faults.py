@@ -22,10 +22,11 @@ import coordinator.supervisor as supervisor
 from coordinator.client import Client
 from coordinator.options import parse_options
 from shared import protocol as P
-from tests.serving_harness import free_port, local_ids
+from tests.serving_harness import free_port, local_ids, wait_until
 
 TIMEOUT_S = 1.0           # the patched heartbeat timeout: long enough that a beating worker beats within it
 BEAT_S = 0.1              # how often the test's live fake workers beat
+HEARD_S = 10.0            # for the daemon to handle what a worker sent (a busy machine is slow)
 
 
 class FakeSupervisor:
@@ -52,7 +53,8 @@ class FakeSupervisor:
 @contextmanager
 def running_coordinator(model_path, *extra, fake_supervisor=True, worker_model=None):
     """The daemon for model_path; its real workers (fake_supervisor False) are started
-    on worker_model if given (the path each start reads)."""
+    on worker_model if given (the path each start reads). coord.heard: the [worker id,
+    message] frames it has handled, in order (what a test waits on)."""
     addr = f"tcp://127.0.0.1:{free_port()}"
     coord = daemon.Coordinator(parse_options(["--model", str(model_path), "--bind", addr, "--threads-per-worker",
                                               "1", "--snapshot-mem", "0", *extra]))
@@ -61,6 +63,12 @@ def running_coordinator(model_path, *extra, fake_supervisor=True, worker_model=N
         coord.supervisor = FakeSupervisor()
     if worker_model is not None:
         coord.opts.model_path = worker_model
+    coord.heard, handle = [], coord.handle_worker_frames
+
+    def recording(frames):
+        handle(frames)
+        coord.heard.append(frames[:2])
+    coord.handle_worker_frames = recording
     loop = threading.Thread(target=coord.event_loop, daemon=True)
     loop.start()
     try:
@@ -77,7 +85,7 @@ class FakeWorker:
     beats however slowly the test runs; the test sends and receives through queues."""
 
     def __init__(self, coord, wid):
-        self.wid, self.beating, self.running = wid, True, True
+        self.coord, self.wid, self.beating, self.running = coord, wid, True, True
         self.outbox, self.inbox = queue.Queue(), queue.Queue()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -104,6 +112,14 @@ class FakeWorker:
 
     def send(self, msg):
         self.outbox.put(msg)
+
+    def send_heard(self, *msgs):
+        """Send msgs; return once the coordinator has handled the last of them."""
+        mark = len(self.coord.heard)
+        for msg in msgs:
+            self.send(msg)
+        last = [self.wid.encode(), P.encode(msgs[-1])]
+        wait_until(lambda: last in self.coord.heard[mark:], HEARD_S, f"{self.wid}'s {type(msgs[-1]).__name__} handled")
 
     def go_silent(self):
         """No heartbeat from now on (messages the test sends still go out)."""
@@ -136,8 +152,7 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
     with running_coordinator(tiny_q4_path) as coord, Client(coord.addr, timeout_s=30) as client:
         silent, beating = FakeWorker(coord, "a-silent"), FakeWorker(coord, "b-beating")
         try:
-            while not sum(w.alive for w in client.status().workers) == 2:
-                time.sleep(0.05)
+            wait_until(lambda: sum(w.alive for w in client.status().workers) == 2, HEARD_S, "both workers alive")
             rid = client.submit("The old GPU said", max_tokens=5, seed=11, ignore_eos=True)
             first = silent.recv()                  # idle workers are picked by id: a-silent
             assert isinstance(first, P.Assign) and first.request_id == rid
@@ -155,11 +170,11 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
             assert coord.supervisor.restarted == ["a-silent"]
             assert _listed(client) == {"b-beating"}          # idle far longer than the timeout, but beating
             # what the dropped worker still says is ignored: no token, no end for its request
-            silent.send(P.Sampled(request_id=rid, token=99))
-            silent.send(P.Finished(request_id=rid, finish_reason="error", prefill_ms=0.0, decode_ms=0.0,
-                                   completion_tokens=4, error="late"))
-            silent.send(P.Attached(arena=False))
-            time.sleep(0.2)                  # heard before the replay's tokens, as when it was only slow
+            # heard before the replay's tokens, as when it was only slow
+            silent.send_heard(P.Sampled(request_id=rid, token=99),
+                              P.Finished(request_id=rid, finish_reason="error", prefill_ms=0.0, decode_ms=0.0,
+                                         completion_tokens=4, error="late"),
+                              P.Attached(arena=False))
             for token in (40, 41, 42, 43, 44):       # the replay samples the same tokens again, then new ones
                 beating.send(P.Sampled(request_id=rid, token=token))
             beating.send(P.Finished(request_id=rid, finish_reason="length", prefill_ms=5.0, decode_ms=10.0,
@@ -184,8 +199,7 @@ def test_a_late_reply_for_a_cancelled_request_is_not_taken_for_its_successor(tin
     with running_coordinator(tiny_q4_path) as coord, Client(coord.addr, timeout_s=30) as client:
         first, second = FakeWorker(coord, "a-first"), FakeWorker(coord, "b-second")
         try:
-            while not sum(w.alive for w in client.status().workers) == 2:
-                time.sleep(0.05)
+            wait_until(lambda: sum(w.alive for w in client.status().workers) == 2, HEARD_S, "both workers alive")
             client.submit("The old GPU said", request_id="r", max_tokens=5, seed=1)
             assert first.recv().request_id == "r"
             client.cancel("r")
@@ -195,10 +209,10 @@ def test_a_late_reply_for_a_cancelled_request_is_not_taken_for_its_successor(tin
             assert first.recv().request_id == "other"
             client.submit("The old GPU said", request_id="r", max_tokens=2, seed=1)
             assert second.recv().request_id == "r"
-            first.send(P.Sampled(request_id="r", token=99))          # sent before it read the Stop
-            first.send(P.Finished(request_id="r", finish_reason="cancelled", prefill_ms=0.0, decode_ms=0.0,
-                                  completion_tokens=1))
-            time.sleep(0.2)                  # heard before the new run's replies
+            # sent before it read the Stop; heard before the new run's replies
+            first.send_heard(P.Sampled(request_id="r", token=99),
+                             P.Finished(request_id="r", finish_reason="cancelled", prefill_ms=0.0, decode_ms=0.0,
+                                        completion_tokens=1))
             for token in (40, 41):
                 second.send(P.Sampled(request_id="r", token=token))
             second.send(P.Finished(request_id="r", finish_reason="length", prefill_ms=1.0, decode_ms=1.0,
@@ -220,8 +234,8 @@ def test_a_request_whose_workers_keep_dying_fails_after_max_attempts(tiny_q4_pat
             worker = FakeWorker(coord, f"w{attempt}")
             msg = worker.recv()
             assert isinstance(msg, P.Assign) and msg.request_id == rid, attempt
-            worker.send(P.Goodbye())
-            time.sleep(0.1)                      # sent before the socket closes
+            worker.send(P.Goodbye())             # heard before the socket closes (it lingers 0 s)
+            wait_until(lambda: worker.wid not in coord.workers, HEARD_S, f"{worker.wid} gone")
             worker.close()
         done = list(client.stream(rid))[-1]
         assert done.finish_reason == "error"

@@ -5,8 +5,6 @@ it hands to the CPU engine."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,8 @@ from shared.errors import FermoeError
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
-from tests.gpu_device import DEVICES, open_test_device
+from tests.gpu_device import DEVICES, assert_close, open_test_device
+from tests.serving_harness import fermoe
 
 # fp32 kernels against the fp32 numpy reference (the GPU computes activations in
 # fp32, not W4A8): summation order and the hardware exp only, of the logit scale
@@ -41,12 +40,8 @@ def gpu(model, kind, **kw) -> GPUEngine:
 
 
 def close(got, want, rtol=GPU_RTOL, floor=1.0):
-    """|got - want| within rtol of want's scale; a scale at or below `floor` (logits: 1)
-    would mean the values collapsed and the comparison tests nothing."""
-    scale = float(np.abs(want).max())
-    assert scale > floor, f"scale {scale:.3g}: the values collapsed, the comparison would test nothing"
-    err = float(np.abs(got - want).max())
-    assert err <= rtol * scale, f"max |diff| {err:.3g} > {rtol} x {scale:.3g}"
+    """Logits by default: a scale at or below 1 would mean they collapsed."""
+    assert_close(got, want, rtol, floor)
 
 
 @pytest.fixture(scope="module")
@@ -231,21 +226,16 @@ def test_errors_name_the_problem(tiny):
 
 
 # ---- the command line -----------------------------------------------------------------------
-def fermoe(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
-
-
 def test_logits_and_generate_with_engine_gpu(tiny_q4_path, tmp_path, reference_logits):
     out = tmp_path / "gpu.npy"
     run = fermoe("logits", tiny_q4_path, "--engine", "gpu", "--gpu-mem", "512MiB", "--tokens",
-                 ",".join(map(str, PROMPT)), "--out", out, env={"FERMOE_GPU": "emulate"})
+                 ",".join(map(str, PROMPT)), "--out", out, env={"FERMOE_GPU": "emulate"}, check=False)
     assert run.returncode == 0, run.stderr
     close(np.load(out), reference_logits)
     args = ("generate", tiny_q4_path, "-p", "The old GPU said", "-n", 12, "--temp", 0)
-    on_gpu = fermoe(*args, "--engine", "gpu", env={"FERMOE_GPU": "emulate"})
+    on_gpu = fermoe(*args, "--engine", "gpu", env={"FERMOE_GPU": "emulate"}, check=False)
     assert on_gpu.returncode == 0, on_gpu.stderr
-    assert on_gpu.stdout == fermoe(*args, "--engine", "cpu").stdout and on_gpu.stdout.strip()
+    assert on_gpu.stdout == fermoe(*args, "--engine", "cpu", check=False).stdout and on_gpu.stdout.strip()
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -255,21 +245,20 @@ def test_logits_and_generate_with_engine_gpu(tiny_q4_path, tmp_path, reference_l
     (["--engine", "gpu", "--gpu", "-1"], {"FERMOE_GPU": "emulate"}, "--gpu -1: must be >= 0"),
 ])
 def test_gpu_options_are_refused_in_one_line(tiny_q4_path, tmp_path, args, env, message):
-    run = fermoe("logits", tiny_q4_path, "--tokens", "1,2", "--out", tmp_path / "x.npy", *args, env=env)
+    run = fermoe("logits", tiny_q4_path, "--tokens", "1,2", "--out", tmp_path / "x.npy", *args, env=env, check=False)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.startswith("fermoe: error:") and message in run.stderr, run.stderr
 
 
 def test_engine_gpu_without_pycuda_says_so_in_one_line(tiny_q4_path, tmp_path):
-    try:
-        import pycuda  # noqa: F401
-        pytest.skip("pycuda is installed here")
-    except ImportError:
-        pass
-    env = {k: v for k, v in os.environ.items() if k != "FERMOE_GPU"}
-    run = subprocess.run([sys.executable, "-m", "coordinator.cli", "logits", str(tiny_q4_path), "--engine", "gpu",
-                          "--tokens", "1,2", "--out", str(tmp_path / "x.npy")], capture_output=True, text=True,
-                         env=env, timeout=120)
+    """Run everywhere: a pycuda package first on the path that fails to import, as a
+    missing one does, hides an installed pycuda."""
+    missing = tmp_path / "no-pycuda"
+    (missing / "pycuda").mkdir(parents=True)
+    (missing / "pycuda" / "__init__.py").write_text("raise ImportError(\"No module named 'pycuda'\")\n")
+    path = os.pathsep.join(p for p in (str(missing), os.environ.get("PYTHONPATH")) if p)
+    run = fermoe("logits", tiny_q4_path, "--engine", "gpu", "--tokens", "1,2", "--out", tmp_path / "x.npy",
+                 env={"FERMOE_GPU": None, "PYTHONPATH": path}, check=False)
     assert run.returncode == 1 and run.stderr.count("\n") == 1
     assert "--engine gpu needs pycuda" in run.stderr and "FERMOE_GPU=emulate" in run.stderr
 
@@ -277,7 +266,6 @@ def test_engine_gpu_without_pycuda_says_so_in_one_line(tiny_q4_path, tmp_path):
 def test_a_long_prompt_takes_the_memory_of_resident_layers_and_gives_it_back(tiny):
     """Resident expert layers are a cache: a prompt whose attention KV needs their VRAM
     evicts them (they stream instead), a short one after it takes them back."""
-    from gpu_worker.plan import kv_nbytes
     budget = _budget_for(tiny, 1, tokens=16)
     engine = gpu(tiny, "emulate", gpu_mem=budget, max_pass_tokens=16)
     engine.forward(PROMPT[:16], engine.new_state())

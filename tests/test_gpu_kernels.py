@@ -12,7 +12,7 @@ from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
-from tests.gpu_device import ops  # noqa: F401  (the fixture)
+from tests.gpu_device import assert_close, ops  # noqa: F401  (ops: the fixture)
 
 # fp32 kernels against fp32 numpy: only the order of sums differs (and on a GPU the
 # hardware exp2/log2, ~2 ulp), relative to the largest value.
@@ -23,9 +23,7 @@ TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q4_0": GGMLType.Q4_0, "q8_0"
 
 
 def close(got, want, rtol=KERNEL_RTOL):
-    scale = max(float(np.abs(want).max()), 1e-30)
-    err = float(np.abs(np.asarray(got, np.float64) - want).max())
-    assert err <= rtol * scale, f"max error {err:.3g} against scale {scale:.3g} (rtol {rtol})"
+    assert_close(got, want, rtol)
 
 
 def dev(ops, host):

@@ -5,15 +5,16 @@ gives in this process), and its line shows tokens/s and the cached prompt tokens
 The daemon runs with --api-key, which the page sends once it is typed in."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
-import time
 
 import httpx
 import pytest
 
-from tests.http_server import HttpDaemon, LocalEngine, free_port
+from tests.http_server import HttpDaemon, LocalEngine
+from tests.serving_harness import free_port, wait_until
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -23,9 +24,17 @@ PAGE_TIMEOUT_S = 60                                  # chromium starts slowly on
 MESSAGE, MAX_TOKENS = "Hello there", 12
 KEY = "sk-page-key"         # the daemon hands it to its front end; the page sends what is typed in
 
-if not (shutil.which("chromium") and shutil.which("chromedriver")):
-    pytest.skip("chromium and chromedriver are not installed (.ci/run installs Debian's chromium and "
-                "chromium-driver with apt-get; here that was not possible)", allow_module_level=True)
+
+@pytest.fixture(scope="module", autouse=True)
+def chromium():
+    """Before the daemon starts: a skip without the browser, a failure in CI (where the
+    page must be tested, not skipped without a word)."""
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        if os.environ.get("CI"):
+            pytest.fail("chromium and chromedriver are missing: .ci/run installs them (apt-get install chromium "
+                        "chromium-driver)")
+        pytest.skip("chromium and chromedriver are not installed (.ci/run installs Debian's chromium and "
+                    "chromium-driver with apt-get; here that was not possible)")
 
 
 class Browser:
@@ -44,15 +53,12 @@ class Browser:
         self.session = self.call("POST", "/session", caps)["sessionId"]
 
     def _wait_driver(self):
-        deadline = time.monotonic() + PAGE_TIMEOUT_S
-        while True:
+        def ready():
             try:
-                if self.http.get(f"{self.base}/status").json()["value"]["ready"]:
-                    return
+                return self.http.get(f"{self.base}/status").json()["value"]["ready"]
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "chromedriver did not start"
-            time.sleep(0.1)
+                return False
+        wait_until(ready, PAGE_TIMEOUT_S, "chromedriver did not start")
 
     def call(self, method, path, body=None):
         r = self.http.request(method, f"{self.base}{path}", json=body)
@@ -75,11 +81,7 @@ class Browser:
         return self.cmd("POST", "/execute/sync", {"script": script, "args": list(args)})
 
     def wait_js(self, script: str, what: str):
-        deadline = time.monotonic() + PAGE_TIMEOUT_S
-        while not (value := self.js(script)):
-            assert time.monotonic() < deadline, f"the page never showed {what}"
-            time.sleep(0.05)
-        return value
+        return wait_until(lambda: self.js(script), PAGE_TIMEOUT_S, f"the page never showed {what}")
 
     def close(self):
         try:
@@ -95,7 +97,7 @@ class Browser:
 def daemon(tiny_q4_path):
     d = HttpDaemon(tiny_q4_path, "--api-key", KEY)
     yield d
-    d.stop()
+    assert d.stop() == 0
 
 
 @pytest.fixture(scope="module")

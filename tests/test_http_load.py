@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -22,7 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Client
-from tests.http_server import HttpDaemon, LocalEngine, Serve, free_port
+from tests.http_server import HttpDaemon, LocalEngine, Serve
+from tests.serving_harness import free_port, wait_until
 
 MAX_SEQUENCES = 2           # a worker this full makes the next request wait in the coordinator's queue
 KEY = "sk-test-key"
@@ -43,13 +43,6 @@ def daemon(tiny_q4_path):
 def status(daemon):
     with Client(daemon.addr) as c:
         return c.status()
-
-
-def wait_until(condition, timeout_s: float = CANCEL_DEADLINE_S, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def idle(daemon) -> bool:
@@ -85,7 +78,8 @@ def test_disconnect_mid_stream_cancels_the_request(daemon):
     with endless_stream(daemon.url):
         st = status(daemon)
         assert st.running == 1 and gauge(daemon.url, "fermoe:num_requests_running") == 1
-    wait_until(lambda: idle(daemon), what="the coordinator still runs the request of a client that left")
+    wait_until(lambda: idle(daemon), CANCEL_DEADLINE_S,
+               "the coordinator still runs the request of a client that left")
     assert gauge(daemon.url, "fermoe:num_requests_running") == 0
 
 
@@ -94,11 +88,11 @@ def test_disconnect_before_the_first_token_leaves_the_queue(daemon):
         for _ in range(MAX_SEQUENCES):
             stack.enter_context(endless_stream(daemon.url))
         sock = raw_request(daemon.url, "/v1/completions", {"prompt": "I wait", "max_tokens": 4})
-        wait_until(lambda: status(daemon).queued == 1, what="the request never reached the queue")
+        wait_until(lambda: status(daemon).queued == 1, CANCEL_DEADLINE_S, "the request never reached the queue")
         sock.close()
-        wait_until(lambda: status(daemon).queued == 0, what="a queued request outlived its client")
+        wait_until(lambda: status(daemon).queued == 0, CANCEL_DEADLINE_S, "a queued request outlived its client")
         assert status(daemon).running == MAX_SEQUENCES
-    wait_until(lambda: idle(daemon), what="streams not cancelled")
+    wait_until(lambda: idle(daemon), CANCEL_DEADLINE_S, "streams not cancelled")
 
 
 def test_api_key_and_max_queue_on_a_front_end_of_its_own(daemon):
@@ -136,14 +130,15 @@ def _check_the_queue_limit(daemon, url: str) -> None:
             f"{url}/v1/completions", headers=auth, timeout=120,
             json={"prompt": "I wait", "max_tokens": 2, "ignore_eos": True})))
         waiter.start()
-        wait_until(lambda: gauge(url, "fermoe:http_requests_waiting", auth) == 1, what="the waiting request")
+        wait_until(lambda: gauge(url, "fermoe:http_requests_waiting", auth) == 1, CANCEL_DEADLINE_S,
+                   "the waiting request")
         r = httpx.post(f"{url}/v1/completions", headers=auth, json={"prompt": "one too many", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "queue_full"
         assert status(daemon).queued == 1
     waiter.join(120)                                   # the endless streams are gone: it runs now
     assert waited[0].status_code == 200 and waited[0].json()["usage"]["completion_tokens"] == 2
-    wait_until(lambda: idle(daemon), what="streams not cancelled")
+    wait_until(lambda: idle(daemon), CANCEL_DEADLINE_S, "streams not cancelled")
 
 
 def test_32_concurrent_streams_each_arrive_whole(daemon, tiny_q4_path):
@@ -179,9 +174,8 @@ def test_a_front_end_that_dies_is_restarted_on_the_same_port(daemon):
     pids = [int(m) for line in daemon.log for m in re.findall(r"started the HTTP front end \(pid (\d+)\)", line)]
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
-    wait_until(lambda: any("started the HTTP front end" in line for line in daemon.log[-20:])
-               and len([line for line in daemon.log if "started the HTTP front end" in line]) == 2,
-               timeout_s=30, what="no restart")
+    wait_until(lambda: len([line for line in daemon.log if "started the HTTP front end" in line]) == 2,
+               30, "no restart")
     daemon.wait_http(daemon.url)
     assert httpx.post(f"{daemon.url}/v1/completions", json={"prompt": "back", "max_tokens": 2}).status_code == 200
 

@@ -17,16 +17,11 @@ from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.state import DEFAULT_KV_DTYPE, SequenceState
 from shared.synth import synth
+from tests.native_tolerance import PROMPT_RTOL, rel_error
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
-native = pytest.importorskip("native", reason="native extension not built")
+native = pytest.importorskip("native", reason="native extension not built", exc_type=ImportError)
 
-# Native against the reference: the same arithmetic summed in other orders, in units
-# of the largest |logit|. Whole prompts on float weights (F32 and F16 files, which
-# round no activation): measured on every ISA with 1 and 2 threads, at most 2.6e-6
-# with an f32 KV cache, and 1.3e-5 with f16, where a K or V within float noise of an
-# fp16 rounding tie rounds the other way (2^-11 of it). The bounds are twice that.
-PROMPT_RTOL = {"f32": 5e-6, "f16": 3e-5}
 # Q4_0/Q8_0 weights: the kernels compute W4A8, so the reference rounds its activations
 # through Q8_0 alike (activations_q8) and each step starts from the same state (a whole
 # prompt would carry one rounding that fell the other way into every later position).
@@ -50,14 +45,10 @@ GREEDY = SamplingParams(temperature=0.0)
 TINY_NEXT = dataclasses.replace(synth_module.PRESETS["tiny"], arch="qwen3next")
 
 
-def _rel(a, b):
-    return np.abs(a - b).max() / np.abs(b).max()
-
-
 @pytest.fixture(scope="module")
-def synth_model(tmp_path_factory):
+def synth_model(tmp_path_factory, tiny_f32_path):
     """(arch, type) -> the tiny preset as that architecture in that type, made once."""
-    root, made = tmp_path_factory.mktemp("native"), {}
+    root, made = tmp_path_factory.mktemp("native"), {("qwen35moe", "f32"): tiny_f32_path}
 
     def get(arch: str, out_type: str):
         if (arch, out_type) not in made:
@@ -86,11 +77,6 @@ def _bf16_copy(f16_path, dst) -> None:
     rewrite_gguf(f16_path, dst, tensors=changed)
 
 
-@pytest.fixture(scope="module")
-def tiny_f32_path(synth_model):
-    return synth_model("qwen35moe", "f32")
-
-
 def _check_model(model: Model, arch: str, out_type: str) -> None:
     """The file is what the test says it runs: a Qwen3-Next with grouped value heads
     and a fused ssm_ba, and matrices stored in out_type."""
@@ -114,7 +100,7 @@ def test_native_matches_reference_on_float_weights(synth_model, out_type, arch, 
     want = ref.forward(PROMPT, ref.new_state())
     got = cpu.forward(PROMPT, cpu.new_state())
     assert got.shape == want.shape
-    assert _rel(got, want) <= PROMPT_RTOL[kv]
+    assert rel_error(got, want) <= PROMPT_RTOL[kv]
     _assert_greedy_agrees(cpu, ref, PROMPT_RTOL[kv])
 
 
@@ -133,14 +119,14 @@ def _assert_greedy_agrees(cpu, ref, rtol: float) -> None:
 
 def _step_errors(model: Model, kv: str, prompt=PROMPT) -> np.ndarray:
     """Each prompt token run by both engines from the same state (the reference's,
-    token by token): the native logits' error at each step, in _rel units."""
+    token by token): the native logits' error at each step, in rel_error units."""
     ref = ReferenceEngine(model, activations_q8=True, kv_cache_dtype=kv)
     cpu = native_engine.NativeEngine(model, threads=2, kv_cache_dtype=kv)
     state, errors = ref.new_state(), []
     for token in prompt:
         theirs = state.copy()
         want = ref.forward([token], state)
-        errors.append(_rel(cpu.forward([token], theirs), want))
+        errors.append(rel_error(cpu.forward([token], theirs), want))
     return np.array(errors)
 
 
@@ -227,10 +213,10 @@ def test_state_moves_between_engines(tiny_f32_path, kv):
     b = a.copy()
     ref_next = ref.forward(PROMPT[15:], a)
     cpu_next = cpu.forward(PROMPT[15:], b)
-    assert _rel(cpu_next, ref_next) <= PROMPT_RTOL[kv]
+    assert rel_error(cpu_next, ref_next) <= PROMPT_RTOL[kv]
     c = cpu.new_state()
     cpu.forward(PROMPT[:15], c)
-    assert _rel(ref.forward(PROMPT[15:], c), ref_next) <= PROMPT_RTOL[kv]
+    assert rel_error(ref.forward(PROMPT[15:], c), ref_next) <= PROMPT_RTOL[kv]
 
 
 @pytest.mark.parametrize("kv", ["f16", "f32"])
@@ -261,7 +247,7 @@ def test_long_context_matches_reference(tiny_f32_path):
     ref, cpu = ReferenceEngine(model), native_engine.NativeEngine(model, threads=2)
     want = ref.forward(LONG, ref.new_state())
     got = cpu.forward(LONG, cpu.new_state())
-    assert _rel(got[1024:], want[1024:]) <= PROMPT_RTOL[DEFAULT_KV_DTYPE]
+    assert rel_error(got[1024:], want[1024:]) <= PROMPT_RTOL[DEFAULT_KV_DTYPE]
 
 
 def test_long_prompt_chunked_batched_and_decoded_alike(tiny_q4_path):

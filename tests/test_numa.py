@@ -21,6 +21,7 @@ from coordinator.options import parse_options
 from coordinator.supervisor import Supervisor, worker_plan
 from cpu_worker import numa_placement, topology
 from cpu_worker import worker as worker_module
+from cpu_worker.native_engine import NativeEngine
 from shared.errors import FermoeError
 
 # Two layouts of the same machine: Linux on Intel numbers a core's second thread
@@ -263,9 +264,6 @@ def test_a_worker_refuses_a_node_or_cpus_this_machine_lacks(machine, capsys):
 
 # ---------------------------------------------------------------- the engine's default threads
 
-native_engine = pytest.importorskip("cpu_worker.native_engine")
-
-
 @pytest.mark.parametrize("nodes, want", [
     ({0: [(0, 1)]}, [0]),                  # this machine's two CPUs as one core's threads: one thread
     ({0: [(1,)], 1: [(0,)]}, [1]),         # the first node's cores, not every CPU
@@ -274,10 +272,11 @@ def test_the_engine_defaults_to_the_first_nodes_physical_cores(monkeypatch, tmp_
     """`--engine cpu` without --threads: one thread on each physical core of the first
     node (the fake tree is laid over this machine's two CPUs, which the pool pins)."""
     from shared.model import Model
+    pytest.importorskip("native", reason="the native extension is not built", exc_type=ImportError)
     if not {0, 1} <= set(os.sched_getaffinity(0)):
         pytest.skip("needs CPUs 0 and 1")
     install(monkeypatch, tmp_path, nodes, allowed=[0, 1])
-    cpu = native_engine.NativeEngine(Model(tiny_q4_path))
+    cpu = NativeEngine(Model(tiny_q4_path))
     try:
         assert cpu.cpus == want and cpu.threads == len(want)
     finally:

@@ -3,8 +3,6 @@ are known in closed form, and `fermoe ppl` / `fermoe compare` on a real file."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.perplexity import compare, perplexity
+from tests.serving_harness import fermoe
 
 VOCAB = 50
 TOKENS = [(13 * i * i + 5 * i + 1) % VOCAB for i in range(203)]
@@ -94,24 +93,19 @@ def test_a_text_shorter_than_two_windows_is_refused():
         perplexity(FixedEngine(np.zeros((VOCAB, VOCAB))), TOKENS[:79], ctx=40, progress=False)
 
 
-def _fermoe(*args):
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
-
-
 def test_ppl_and_compare_commands(tiny_path, tmp_path):
     model = Model(tiny_path)
     text = tmp_path / "t.txt"
     text.write_text(model.tokenizer.decode(TOKENS * 2))
     ids = model.tokenizer.encode(text.read_text())
     want = perplexity(ReferenceEngine(model), ids, ctx=64, progress=False)
-    run = _fermoe("ppl", tiny_path, "--text", text, "--ctx", 64, "--engine", "reference")
+    run = fermoe("ppl", tiny_path, "--text", text, "--ctx", 64, "--engine", "reference", check=False)
     assert run.returncode == 0, run.stderr
     assert f"PPL = {want.ppl:.4f}" in run.stdout and f"{want.tokens} tokens" in run.stdout
-    run = _fermoe("compare", tiny_path, tiny_path, "--text", text, "--ctx", 64, "--json")
+    run = fermoe("compare", tiny_path, tiny_path, "--text", text, "--ctx", 64, "--json", check=False)
     assert run.returncode == 0, run.stderr
     import json
     out = json.loads(run.stdout)
     assert out["kl_mean"] == 0 and out["top1_agreement"] == 1 and out["tokens"] == want.tokens
-    run = _fermoe("ppl", tiny_path, "--text", text, "--ctx", 4096)
+    run = fermoe("ppl", tiny_path, "--text", text, "--ctx", 4096, check=False)
     assert run.returncode == 1 and "perplexity with --ctx 4096 needs at least 8192" in run.stderr

@@ -4,8 +4,6 @@ frequency on a model with experts made useless, and the refusals."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,8 +17,9 @@ from shared.gguf_writer import GGUFWriter
 from shared.model import Model
 from shared.prune import EXPERT_TENSORS, check_seen, prune, write_pruned
 from shared.state import SequenceState
-from shared.synth import synth
 from tests.gguf_edit import DROP, rewrite_gguf
+from tests.native_tolerance import PROMPT_RTOL, rel_error
+from tests.serving_harness import fermoe
 
 CALIB = [(7 * i * i + 3 * i + 11) % 500 for i in range(400)]      # any ids of the 512 in the synth vocabulary
 PROMPT = [3, 17, 250, 9, 77, 100, 4, 5, 300, 31, 42, 8, 16, 23, 99, 101]
@@ -28,32 +27,14 @@ PROMPT = [3, 17, 250, 9, 77, 100, 4, 5, 300, 31, 42, 8, 16, 23, 99, 101]
 # softmax runs over fewer experts before the top-k renormalisation), in units of the
 # largest |logit|.
 SAME_MATH_RTOL = 1e-5
-# The native engine against the reference on F32 weights (tests/test_native_engine.py's bound).
-NATIVE_RTOL = 5e-6
 N_USELESS = 2                    # experts made nearly useless in every layer
 DOWN_SCALE = 1e-3                # their down projections' new scale
 
 
-def _rel(a, b):
-    return np.abs(a - b).max() / np.abs(b).max()
-
-
-@pytest.fixture(scope="module")
-def tiny_f32(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prune") / "tiny-f32.gguf"
-    synth(path, "tiny", out_type="f32", seed=0, progress=False)
-    return path
-
-
-def _fermoe(*args):
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
-
-
-def test_pruned_file_keeps_exactly_the_kept_experts(tiny_f32, tmp_path):
+def test_pruned_file_keeps_exactly_the_kept_experts(tiny_f32_path, tmp_path):
     # keys of types a writer would not infer (llama.cpp's files have some) must keep theirs
     model = tmp_path / "typed.gguf"
-    rewrite_gguf(tiny_f32, model, meta={"general.size_label": 7, "general.score": -1.5},
+    rewrite_gguf(tiny_f32_path, model, meta={"general.size_label": 7, "general.score": -1.5},
                  types={"general.size_label": GGUFValueType.UINT8, "general.score": GGUFValueType.FLOAT64})
     out = tmp_path / "pruned.gguf"
     kept, _ = prune(model, out, 5, "random", seed=3, progress=False)
@@ -80,17 +61,18 @@ def test_pruned_file_keeps_exactly_the_kept_experts(tiny_f32, tmp_path):
     assert os.path.getsize(out) == os.path.getsize(model) - removed
 
 
-def test_pruned_model_runs_as_the_original_restricted_to_the_kept_experts(tiny_f32, tmp_path, monkeypatch):
+def test_pruned_model_runs_as_the_original_restricted_to_the_kept_experts(tiny_f32_path, tmp_path, monkeypatch):
     """The pruned file's logits are the original model's with routing confined to the
     kept experts (the pruned experts' router logits at -inf), so slices and router rows
     belong together; and the native engine runs the pruned file."""
-    native_engine = pytest.importorskip("cpu_worker.native_engine")
+    pytest.importorskip("native", reason="the native extension is not built", exc_type=ImportError)
+    from cpu_worker.native_engine import NativeEngine
     out = tmp_path / "pruned.gguf"
-    kept, _ = prune(tiny_f32, out, 4, "random", seed=1, progress=False)
+    kept, _ = prune(tiny_f32_path, out, 4, "random", seed=1, progress=False)
     pruned = ReferenceEngine(Model(out), kv_cache_dtype="f32")
     got = pruned.forward(PROMPT, pruned.new_state())
-    native = native_engine.NativeEngine(Model(out), threads=1, kv_cache_dtype="f32")
-    assert _rel(native.forward(PROMPT, native.new_state()), got) <= NATIVE_RTOL
+    native = NativeEngine(Model(out), threads=1, kv_cache_dtype="f32")
+    assert rel_error(native.forward(PROMPT, native.new_state()), got) <= PROMPT_RTOL["f32"]
     native.close()
 
     route = reference.route
@@ -105,12 +87,12 @@ def test_pruned_model_runs_as_the_original_restricted_to_the_kept_experts(tiny_f
         return top, w / w.sum(axis=-1, keepdims=True)
 
     monkeypatch.setattr(reference, "route", confined)
-    original = ReferenceEngine(Model(tiny_f32), kv_cache_dtype="f32")
+    original = ReferenceEngine(Model(tiny_f32_path), kv_cache_dtype="f32")
     want = original.forward(PROMPT, original.new_state())
     monkeypatch.setattr(reference, "route", route)
-    assert _rel(got, want) <= SAME_MATH_RTOL
+    assert rel_error(got, want) <= SAME_MATH_RTOL
     unconfined = original.forward(PROMPT, original.new_state())
-    assert _rel(unconfined, want) > 100 * SAME_MATH_RTOL     # the pruning did change the model
+    assert rel_error(unconfined, want) > 100 * SAME_MATH_RTOL     # the pruning did change the model
 
 
 def _saliency_by_definition(model: Model, tokens, ctx: int):
@@ -144,8 +126,8 @@ def _saliency_by_definition(model: Model, tokens, ctx: int):
     return total / np.maximum(count, 1), count
 
 
-def test_saliency_is_reaps_definition(tiny_f32):
-    model = Model(tiny_f32)
+def test_saliency_is_reaps_definition(tiny_f32_path):
+    model = Model(tiny_f32_path)
     tokens = CALIB[:96]
     stats = expert_stats(model, tokens, ctx=40, progress=False)       # windows of 40, 40 and 16 tokens
     # the pass keeps no layer's float32 weights once past it (its memory bound)
@@ -159,24 +141,24 @@ def test_saliency_is_reaps_definition(tiny_f32):
 
 
 @pytest.fixture(scope="module")
-def useless_experts(tiny_f32, tmp_path_factory):
+def useless_experts(tiny_f32_path, tmp_path_factory):
     """tiny with, in every layer, the N_USELESS experts the router picks most often over
     the calibration text nearly silenced (down projections scaled by DOWN_SCALE; the
     router untouched): (path, {layer: those experts}, the calibration text)."""
     path = tmp_path_factory.mktemp("prune") / "useless.gguf"
-    model = Model(tiny_f32)
+    model = Model(tiny_f32_path)
     text = model.tokenizer.decode(CALIB)
     count = expert_stats(model, model.tokenizer.encode(text), progress=False).count
     useless = {i: np.argsort(-row, kind="stable")[:N_USELESS] for i, row in enumerate(count)}
     changes = {}
-    with GGUFFile(tiny_f32) as f:
+    with GGUFFile(tiny_f32_path) as f:
         for i, experts in useless.items():
             name = f"blk.{i}.ffn_down_exps.weight"
             info = f.tensors[name]
             w = np.frombuffer(f.raw(name), np.float32).reshape(info.shape).copy()
             w[experts] *= DOWN_SCALE
             changes[name] = (info.shape, info.qtype, w)
-    rewrite_gguf(tiny_f32, path, tensors=changes)
+    rewrite_gguf(tiny_f32_path, path, tensors=changes)
     return path, useless, text
 
 
@@ -194,7 +176,7 @@ def test_reap_removes_the_useless_experts_and_frequency_keeps_them(useless_exper
         assert set(useless[layer].tolist()) <= set(kept.tolist())
 
 
-def test_an_interrupted_write_leaves_no_file(tiny_f32, tmp_path, monkeypatch):
+def test_an_interrupted_write_leaves_no_file(tiny_f32_path, tmp_path, monkeypatch):
     """Nothing new is left, and a file already at the output path is left as it was."""
     out = tmp_path / "out" / "pruned.gguf"
     out.parent.mkdir()
@@ -209,14 +191,14 @@ def test_an_interrupted_write_leaves_no_file(tiny_f32, tmp_path, monkeypatch):
         write(self, name, data)
 
     monkeypatch.setattr(GGUFWriter, "write_tensor", failing)
-    with GGUFFile(tiny_f32) as src, pytest.raises(OSError):
+    with GGUFFile(tiny_f32_path) as src, pytest.raises(OSError):
         write_pruned(src, out, {i: np.arange(4) for i in range(4)}, progress=False)
     assert len(calls) == 20 and list(out.parent.iterdir()) == [out] and out.read_bytes() == b"an earlier file"
 
 
-def _no_experts(tiny_f32, path):
-    drop = {name: DROP for name in GGUFFile(tiny_f32).tensors if "_exps" in name or "ffn_gate_inp." in name}
-    rewrite_gguf(tiny_f32, path, meta={"qwen35moe.expert_count": DROP}, tensors=drop)
+def _no_experts(src, path):
+    drop = {name: DROP for name in GGUFFile(src).tensors if "_exps" in name or "ffn_gate_inp." in name}
+    rewrite_gguf(src, path, meta={"qwen35moe.expert_count": DROP}, tensors=drop)
     return path
 
 
@@ -229,28 +211,28 @@ def _no_experts(tiny_f32, path):
     (["--keep", 4, "--model-is-out"], "the output must not be the model it is pruned from"),
     (["--keep", 4, "--no-experts"], "the model has no experts to prune"),
 ])
-def test_refusals_are_one_line_and_leave_no_file(tiny_f32, tmp_path, args, message):
-    model, out, extra = tiny_f32, tmp_path / "out.gguf", []
+def test_refusals_are_one_line_and_leave_no_file(tiny_f32_path, tmp_path, args, message):
+    model, out, extra = tiny_f32_path, tmp_path / "out.gguf", []
     calib = tmp_path / "calib.txt"
-    calib.write_text(Model(tiny_f32).tokenizer.decode(CALIB))
+    calib.write_text(Model(tiny_f32_path).tokenizer.decode(CALIB))
     if "--model-is-out" in args:
         out = tmp_path / "same.gguf"
-        out.write_bytes(tiny_f32.read_bytes())
+        out.write_bytes(tiny_f32_path.read_bytes())
         model = out
     if "--no-experts" in args:
-        model = _no_experts(tiny_f32, tmp_path / "dense.gguf")
+        model = _no_experts(tiny_f32_path, tmp_path / "dense.gguf")
     if "--method" not in args:
         extra = ["--calib", calib]
     args = [a for a in args if a not in ("--model-is-out", "--no-experts")]
     before = set(tmp_path.iterdir())
-    run = _fermoe("prune", model, "-o", out, "--scores", tmp_path / "s.json", *extra, *args)
+    run = fermoe("prune", model, "-o", out, "--scores", tmp_path / "s.json", *extra, *args, check=False)
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("fermoe: error: ")
     assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert set(tmp_path.iterdir()) == before                 # no output, no scores, no temporary file
 
 
-def test_unseen_experts_are_named(tiny_f32):
-    model = Model(tiny_f32)
+def test_unseen_experts_are_named(tiny_f32_path):
+    model = Model(tiny_f32_path)
     stats = expert_stats(model, CALIB[:6], progress=False)
     with pytest.raises(FermoeError) as e:
         check_seen(stats)
@@ -261,29 +243,29 @@ def test_unseen_experts_are_named(tiny_f32):
         assert f"layer {layer}: experts {', '.join(map(str, experts))}" in str(e.value)
 
 
-def test_allow_unseen_prunes_the_unseen_experts_first(tiny_f32, tmp_path):
-    model = Model(tiny_f32)
+def test_allow_unseen_prunes_the_unseen_experts_first(tiny_f32_path, tmp_path):
+    model = Model(tiny_f32_path)
     text = model.tokenizer.decode(CALIB)
     few = 6                      # 6 tokens x top-2: some experts of some layer are never reached
     stats = expert_stats(model, model.tokenizer.encode(text)[:few], progress=False)
     unseen = stats.unseen()
     assert unseen
     keep = 8 - max(len(e) for e in unseen.values())
-    kept, _ = prune(tiny_f32, tmp_path / "p.gguf", keep, "reap", text, calib_tokens=few, progress=False,
+    kept, _ = prune(tiny_f32_path, tmp_path / "p.gguf", keep, "reap", text, calib_tokens=few, progress=False,
                     allow_unseen=True)
     for layer, experts in unseen.items():
         assert not set(experts) & set(kept[layer].tolist())
 
 
-def test_the_cli_writes_the_scores(tiny_f32, tmp_path):
+def test_the_cli_writes_the_scores(tiny_f32_path, tmp_path):
     import json
     calib = tmp_path / "calib.txt"
-    calib.write_text(Model(tiny_f32).tokenizer.decode(CALIB))
-    run = _fermoe("prune", tiny_f32, "--keep", 6, "-o", tmp_path / "p.gguf", "--calib", calib,
-                  "--scores", tmp_path / "s.json")
+    calib.write_text(Model(tiny_f32_path).tokenizer.decode(CALIB))
+    run = fermoe("prune", tiny_f32_path, "--keep", 6, "-o", tmp_path / "p.gguf", "--calib", calib,
+                 "--scores", tmp_path / "s.json", check=False)
     assert run.returncode == 0, run.stderr
     doc = json.loads((tmp_path / "s.json").read_text())
-    model = Model(tiny_f32)
+    model = Model(tiny_f32_path)
     stats = expert_stats(model, model.tokenizer.encode(calib.read_text()), progress=False)
     assert doc["method"] == "reap" and doc["calibration_tokens"] == stats.tokens
     for layer in doc["layers"]:

@@ -21,7 +21,8 @@ from shared import protocol as P
 from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
 from tests.sampling_cases import SEED, field_cases, option_cases
-from tests.serving_harness import BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at, streamed_ids
+from tests.serving_harness import (BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at,
+                                   streamed_ids, wait_until)
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
 
@@ -205,10 +206,7 @@ def test_client_that_vanishes_does_not_leak(daemon):
     assert sock.poll(30000)
     sock.close()
     with Client(daemon.addr) as c:
-        deadline = time.monotonic() + 30
-        while c.status().running and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert c.status().running == 0
+        wait_until(lambda: c.status().running == 0, 30, "the request of a client that vanished still runs")
 
 
 def _snapshots_planned(n_tokens: int, start: int) -> int:
@@ -336,9 +334,7 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
                               "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "by-hand"])
     try:
         with Client(daemon.addr) as c:
-            deadline = time.monotonic() + 60
-            while len(c.status().workers) == before and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until(lambda: len(c.status().workers) != before, 60, "no worker joined")
             assert any(w.worker_id == "by-hand" for w in c.status().workers)
         rids = []
         with Client(daemon.addr) as c:
@@ -349,10 +345,8 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
         extra.send_signal(signal.SIGINT)    # Ctrl-C: says goodbye, the daemon forgets it at once
         assert extra.wait(timeout=30) == 0
     with Client(daemon.addr) as c:
-        deadline = time.monotonic() + 10    # well inside the 60 s heartbeat timeout
-        while any(w.worker_id == "by-hand" for w in c.status().workers):
-            assert time.monotonic() < deadline, "the stopped worker is still listed"
-            time.sleep(0.1)
+        wait_until(lambda: not any(w.worker_id == "by-hand" for w in c.status().workers),
+                   10, "the stopped worker is still listed")    # well inside the 60 s heartbeat timeout
 
 
 @pytest.mark.parametrize("args, problem", [

@@ -7,14 +7,13 @@ runs. Replies are read in arrival order, to see which request ran before which."
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
 from coordinator.client import Client
 from cpu_worker.topology import numa_nodes, physical_cores
 from shared import protocol as P
-from tests.serving_harness import Daemon, OrderedClient, free_port, local_ids, streamed_ids
+from tests.serving_harness import Daemon, OrderedClient, free_port, local_ids, streamed_ids, wait_until
 
 PER_SOCKET = 2 if len(physical_cores(numa_nodes()[min(numa_nodes())])) >= 2 else 1
 ENDLESS = 100_000            # tokens: a request that holds its worker until cancelled
@@ -27,18 +26,18 @@ def queue_daemon(tiny_q4_path):
                "--worker-bind", worker_bind, "--engine", "reference")
     d.worker_bind = worker_bind
     yield d
-    d.stop()
+    assert d.stop() == 0
 
 
 def test_workers_per_socket_on_their_own_cores_at_the_given_endpoint(queue_daemon, tiny_q4_path):
     with Client(queue_daemon.addr) as c:
         assert c.status().model == str(tiny_q4_path)
-        workers = c.wait_ready(60).workers
-        deadline = time.monotonic() + 60
-        while len(workers) < PER_SOCKET * len(numa_nodes()) or not all(w.alive for w in workers):
-            assert time.monotonic() < deadline, f"workers: {workers}"
-            time.sleep(0.05)
+        c.wait_ready(60)
+
+        def all_alive():
             workers = c.status().workers
+            return workers if len(workers) >= PER_SOCKET * len(numa_nodes()) and all(w.alive for w in workers) else []
+        workers = wait_until(all_alive, 60, f"{PER_SOCKET} alive workers per node")
     expected = {f"cpu{node}.{i}" for node in numa_nodes() for i in range(PER_SOCKET)}
     assert {w.worker_id for w in workers} == expected and len({w.pid for w in workers}) == len(expected)
     assert all(w.threads == 1 for w in workers)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import zmq
@@ -16,7 +15,7 @@ import zmq
 from coordinator.client import Client
 from shared import protocol as P
 from shared.model import Model
-from tests.serving_harness import BLOCK, Daemon, OrderedClient, ThreadWorker, local_ids, run, streamed_ids
+from tests.serving_harness import BLOCK, Daemon, OrderedClient, ThreadWorker, local_ids, run, streamed_ids, wait_until
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
 # Tokens to generate that no test waits for (minutes at the tiny model's ~0.3 ms a
@@ -41,10 +40,8 @@ def follow_takeover(addr, prompt, seed, interrupt, takes_over):
         assert len(running) == 1, running                 # generating when interrupted
         interrupt(running[0])
         at_kill = len(c.ids())
-        deadline = time.monotonic() + 30         # well inside the 60 s heartbeat timeout
-        while not any(takes_over(w) and w.alive and w.running == 1 for w in c.status().workers):
-            assert time.monotonic() < deadline, "no worker took the request over"
-            time.sleep(0.05)
+        wait_until(lambda: any(takes_over(w) and w.alive and w.running == 1 for w in c.status().workers),
+                   30, "no worker took the request over")              # well inside the 60 s heartbeat timeout
         at_takeover = len(c.ids())      # every later token was sent after the takeover
         c.until(lambda m: len(c.ids()) >= at_takeover + AFTER)
         c.send(P.Cancel(request_id="long"))
@@ -91,10 +88,8 @@ def test_a_worker_stopped_mid_generation_hands_its_request_on(tiny_q4_path):
         extra = subprocess.Popen([sys.executable, "-m", "cpu_worker.worker", "--connect", daemon.worker_endpoint,
                                   "--model", str(tiny_q4_path), "--threads", "1", "--worker-id", "a-by-hand"])
         with Client(daemon.addr) as c:
-            deadline = time.monotonic() + 60
-            while not any(w.worker_id == "a-by-hand" and w.alive for w in c.status().workers):
-                assert time.monotonic() < deadline, "the worker never became ready"
-                time.sleep(0.2)
+            wait_until(lambda: any(w.worker_id == "a-by-hand" and w.alive for w in c.status().workers),
+                       60, "the worker never became ready")
 
         def stop(worker):               # idle workers are picked by id: a-by-hand runs it
             assert worker.worker_id == "a-by-hand"
@@ -126,10 +121,8 @@ def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
         expected, first = run(daemon.addr, tokens=cached, max_tokens=8, seed=9)     # cpu0.0, alone: cached now
         remote = ThreadWorker(daemon.worker_endpoint, tiny_q4_path, "a-remote", shared_memory=False)
         with Client(daemon.addr, timeout_s=60) as c:
-            deadline = time.monotonic() + 60
-            while not any(w.worker_id == "a-remote" and w.alive for w in c.status().workers):
-                assert time.monotonic() < deadline, "the worker never became ready"
-                time.sleep(0.1)
+            wait_until(lambda: any(w.worker_id == "a-remote" and w.alive for w in c.status().workers),
+                       60, "the worker never became ready")
 
             def on_remote(tokens, seed):
                 msgs = list(c.generate(tokens=tokens, max_tokens=8, seed=seed))
@@ -156,10 +149,7 @@ def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
             assert remote.crash is None and remote.thread.is_alive()
             assert [(w.alive, w.pid) for w in listed] == [(True, os.getpid())]
             remote.stop()                                             # goodbye: cpu0.0 is left
-            deadline = time.monotonic() + 10
-            while [w.worker_id for w in c.status().workers] != ["cpu0.0"]:
-                assert time.monotonic() < deadline, "a-remote is still listed"
-                time.sleep(0.05)
+            wait_until(lambda: [w.worker_id for w in c.status().workers] == ["cpu0.0"], 10, "a-remote is still listed")
         again_text, again = run(daemon.addr, tokens=fresh, max_tokens=8, seed=2)
         assert (again.cached_prompt_tokens, again.prefill_ms) == (len(fresh), 0.0)
         assert again_text == "".join(m.text for m in msgs[:-1])
@@ -171,9 +161,9 @@ def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
 
 
 def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
-    """On the worker endpoint: no frame, garbage, data frames on a message that takes
-    none, a snapshot of the wrong size for a request the sender does not run. (A
-    daemon of its own: the rogue stays registered until its heartbeats time out.)"""
+    """On the worker endpoint: a snapshot of the wrong size for a request the sender
+    does not run, garbage, data frames on a message that takes none. (A daemon of its
+    own: the rogue stays registered until its heartbeats time out.)"""
     d = Daemon(tiny_q4_path)
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -183,10 +173,11 @@ def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
         fingerprint = Model(tiny_q4_path).fingerprint
         sock.send(P.encode(P.Hello(worker_id="rogue", pid=1, threads=1, fingerprint=fingerprint)))
         sock.send(P.encode(P.Attached(arena=False)))
+        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0)), b"short"])
         sock.send(b"\x00\xc1garbage")
         sock.send_multipart([P.encode(P.Heartbeat(running=0)), b"unexpected data"])
-        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0)), b"short"])
-        time.sleep(0.5)
+        wait_until(lambda: any("rogue sent a bad message: Heartbeat came with 1 data frames" in line for line in d.log),
+                   30, "the last message handled")            # before the socket closes (it lingers 0 s)
         sock.close()
         assert d.proc.poll() is None
         assert run(d.addr, "after the rogue", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")

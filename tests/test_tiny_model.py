@@ -13,8 +13,6 @@ from shared.model import Model
 from shared.perplexity import compare, perplexity
 from shared.prune import kept_at_random, kept_by_score, reap_scores, write_pruned
 
-native_engine = pytest.importorskip("cpu_worker.native_engine")
-
 HELDOUT = DATA_DIR / "stdlib" / "heldout.txt"
 CALIB = DATA_DIR / "stdlib" / "calib.txt"
 CTX = 512
@@ -35,6 +33,14 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def native_engine():
+    """cpu_worker.native_engine where the extension it runs is built (it imports without)."""
+    pytest.importorskip("native", reason="the native extension is not built", exc_type=ImportError)
+    from cpu_worker import native_engine
+    return native_engine
+
+
+@pytest.fixture(scope="module")
 def heldout_tokens(tiny):
     return tiny.tokenizer.encode(HELDOUT.read_text(encoding="utf-8"))[:EVAL_TOKENS]
 
@@ -45,7 +51,7 @@ def test_tiny_resolves_to_the_packaged_file_and_reads_its_text(tiny):
     assert tiny.tokenizer.decode(tiny.tokenizer.encode(text)) == text       # byte-level BPE: lossless
 
 
-def test_tiny_has_learned_the_text(tiny, heldout_tokens):
+def test_tiny_has_learned_the_text(tiny, heldout_tokens, native_engine):
     engine = native_engine.NativeEngine(tiny, threads=1)
     result = perplexity(engine, heldout_tokens, CTX, progress=False)
     engine.close()
@@ -53,7 +59,7 @@ def test_tiny_has_learned_the_text(tiny, heldout_tokens):
 
 
 def test_reap_at_half_the_experts_changes_outputs_less_than_random(tiny, heldout_tokens, tmp_path,
-                                                                   record_property):
+                                                                   record_property, native_engine):
     keep = tiny.config.n_expert // 2
     calib = tiny.tokenizer.encode(CALIB.read_text(encoding="utf-8"))[:CALIB_TOKENS]
     stats = expert_stats(tiny, calib, CTX, progress=False)
