@@ -41,6 +41,18 @@ def _add_sampling(p: argparse.ArgumentParser):
                    help="do not stop at end-of-generation tokens (as llama.cpp's --ignore-eos)")
 
 
+def _add_n_predict(p: argparse.ArgumentParser):
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="tokens to generate (default -1: until end of generation or of the context, as llama.cpp's "
+                        "and as max_tokens left out over ZeroMQ and HTTP)")
+
+
+def _max_tokens(args) -> int | None:
+    if args.n_predict < -1:
+        raise FermoeError(f"-n {args.n_predict}: must be >= 0, or -1 for no limit")
+    return None if args.n_predict == -1 else args.n_predict
+
+
 def _seed(args) -> int | None:
     return None if args.seed == -1 else args.seed
 
@@ -52,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="print a continuation of a prompt")
     _add_model(p)
     p.add_argument("-p", "--prompt", required=True)
-    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default 32)")
+    _add_n_predict(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     _add_sampling(p)
 
@@ -77,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="send a prompt to a running coordinator and stream the reply")
     p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="coordinator address (default: loopback 5557)")
     p.add_argument("-p", "--prompt", required=True)
-    p.add_argument("-n", "--n-predict", type=int, default=32)
+    _add_n_predict(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message (model's template)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the coordinator")
@@ -123,8 +135,7 @@ def cmd_generate(args) -> None:
     from shared.sampling import SamplingParams
     from shared.tokenizer import StreamDecoder
 
-    if args.n_predict < 0:
-        raise FermoeError(f"-n {args.n_predict}: must be >= 0")
+    max_tokens = _max_tokens(args)
     model, engine = _open(args)
     prefill = None
     if args.engine == "gpu":        # the prompt on the GPU, the tokens on the CPU from the state it hands over
@@ -136,7 +147,7 @@ def cmd_generate(args) -> None:
                             repeat_penalty=args.repeat_penalty, seed=_seed(args))
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
-    for token in generate(engine, ids, args.n_predict, params, stop_ids=stop_ids, prefill=prefill):
+    for token in generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill):
         if token in stop_ids:
             break
         sys.stdout.write(stream.feed(token))
@@ -200,7 +211,7 @@ def cmd_submit(args) -> None:
         else:
             client.status(timeout_s=5.0)    # nothing there: one clear error now, not after minutes
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
-        rid = client.submit(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+        rid = client.submit(max_tokens=_max_tokens(args), temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=_seed(args), stop=args.stop,
                             ignore_eos=args.ignore_eos, **kwargs)
         _stream(client, rid)

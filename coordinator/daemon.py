@@ -143,8 +143,9 @@ class Coordinator:
         try:
             tokens = self._prompt_tokens(msg)
             SamplingParams.of(msg).validate()
-            if msg.max_tokens < 0:
-                raise FermoeError(f"max_tokens must be >= 0, got {msg.max_tokens}")
+            if msg.max_tokens is not None and msg.max_tokens < 0:
+                raise FermoeError(f"max_tokens must be >= 0 (or null: until the end of the context), "
+                                  f"got {msg.max_tokens}")
             if msg.request_id in self.requests:
                 raise FermoeError(f"request_id {msg.request_id!r} is already running")
         except FermoeError as e:
@@ -304,6 +305,7 @@ class Coordinator:
         req.worker, req.attempts = wid, req.attempts + 1
         self.workers[wid].requests.add(req.rid)
         m = req.msg
+        until_context_end = self.max_model_len - len(req.tokens) + 1
         refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
         # a worker without the arena gets the slots' bytes as frames (copied: the slot may be reused later)
         data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
@@ -311,7 +313,8 @@ class Coordinator:
             request_id=req.rid, tokens=req.tokens, resume=refs,
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
-            max_tokens=min(m.max_tokens, self.max_model_len - len(req.tokens) + 1), ignore_eos=m.ignore_eos,
+            max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
+            ignore_eos=m.ignore_eos,
             **{name: getattr(m, name) for name in WIRE_FIELDS if name != "seed"}, seed=req.seed), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,

@@ -14,17 +14,17 @@ class Decoder:
     """Samples one token per `step()` from a state whose last logits are known.
 
     history is the prompt (the repeat penalty looks back over it). Finished after
-    max_tokens tokens, a token in stop_ids, or a token the model's context has no
-    room left to run (that token is still returned)."""
+    max_tokens tokens (None: no limit), a token in stop_ids, or a token the model's
+    context has no room left to run (that token is still returned)."""
 
-    def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int,
+    def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int | None,
                  stop_ids=frozenset()):
         self.engine, self.state, self.logits = engine, state, logits
         self.history = list(history)
         self.sampler = Sampler(params)
-        self.remaining = max_tokens
+        self.remaining = float("inf") if max_tokens is None else max_tokens
         self.stop_ids = stop_ids
-        self.finish_reason: str | None = None if max_tokens > 0 else "length"
+        self.finish_reason: str | None = None if self.remaining > 0 else "length"
 
     def step(self) -> int:
         token = self.sample()
@@ -45,9 +45,9 @@ class Decoder:
         return token
 
 
-def generate(engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+def generate(engine, prompt_ids: list[int], max_tokens: int | None, params: SamplingParams,
              stop_ids=frozenset(), state=None, prefill=None) -> Iterator[int]:
-    """Yield up to max_tokens sampled tokens; stops after a token in stop_ids. The
+    """Yield up to max_tokens sampled tokens (None: until the context is full); stops after a token in stop_ids. The
     prompt runs on `prefill` (another engine: the GPU's) when given, and is closed
     after it; engine decodes on from the state it leaves."""
     if not prompt_ids:

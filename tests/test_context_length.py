@@ -77,6 +77,28 @@ def test_a_generation_ends_when_the_context_is_full(short):
     assert tokens == [int(np.argmax(r)) for r in full[len(prompt) - 1:]]
 
 
+def test_no_max_tokens_means_until_the_context_is_full_on_every_path(short_path, short):
+    """One default everywhere: `-n` left out (llama.cpp's -1) and max_tokens left out over
+    ZeroMQ both generate until the end of generation or of the context."""
+    from coordinator.client import Client
+    from tests.serving_harness import Daemon
+    prompt = "The old GPU said"
+    n = short.tokenizer.encode(prompt)
+    local = fermoe("generate", short_path, "-p", prompt, "--ignore-eos", "--seed", 3).stdout
+    assert local == fermoe("generate", short_path, "-p", prompt, "--ignore-eos", "--seed", 3, "-n", -1).stdout
+    ids = short.tokenizer.encode(prompt + local.rstrip("\n"))
+    assert len(ids) >= N_CTX - 2                              # (a re-encoding may merge a token or two)
+    out = fermoe("generate", short_path, "-p", prompt, "-n", -2, check=False)
+    assert out.returncode == 1 and "-n -2: must be >= 0, or -1 for no limit" in out.stderr
+    d = Daemon(short_path)
+    try:
+        with Client(d.addr, timeout_s=120) as c:
+            done = list(c.generate(prompt, ignore_eos=True, seed=1))[-1]
+        assert done.finish_reason == "length" and done.completion_tokens == N_CTX - len(n) + 1
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_cli_refuses_a_prompt_longer_than_the_context(short_path):
     ids = ",".join(str(i) for i in range(3, 3 + N_CTX + 1))
     out = fermoe("logits", short_path, "--tokens", ids, "--out", "/dev/null", check=False)

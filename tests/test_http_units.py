@@ -137,7 +137,7 @@ def test_openai_fields_map_onto_generate():
     assert (g.temperature, g.min_p, g.top_p) == (0.0, 0.1, 0.9)
     defaults, sampling = completion(), SamplingParams()
     assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p, defaults.max_tokens) == (
-        sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, params.UNLIMITED_TOKENS)
+        sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, None)
     assert completion(prompt=[[5, 6]]).tokens == [5, 6] and completion(prompt=["hi"]).prompt == "hi"
     assert completion(seed=3, stop=["a", "b"], max_tokens=2).stop == ["a", "b"]
 

@@ -15,9 +15,6 @@ from shared import protocol as P
 
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest
 
-# max_tokens left out: until the end of generation or of the context (the coordinator
-# cuts every request at its --max-model-len), as vLLM and llama-server do
-UNLIMITED_TOKENS = 1 << 30
 _SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
 
 
@@ -44,7 +41,7 @@ def _sampling(body, max_tokens: int | None) -> dict:
     if body.seed is not None and body.seed != -1:
         fields["seed"] = body.seed
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    return dict(max_tokens=max_tokens or UNLIMITED_TOKENS, stop=stop, ignore_eos=body.ignore_eos, **fields)
+    return dict(max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, **fields)
 
 
 def _message_text(i: int, message) -> str:
