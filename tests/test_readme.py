@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,7 @@ def bin_dir(tmp_path) -> Path:
 
 
 def run_bash(code: str, bin_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """The block as one bash script (-e: the first failing line ends it)."""
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "MODEL": "tiny",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # The examples rely on the default client endpoint (5557); spelled out, it gets a free port.
@@ -68,8 +70,22 @@ def run_bash(code: str, bin_dir: Path, cwd: Path) -> subprocess.CompletedProcess
     for cmd in ("fermoe demo", "fermoe submit"):
         code = code.replace(cmd, f"{cmd} --addr tcp://127.0.0.1:5557")
     code = with_ports(code, free_port(), free_port())
-    return subprocess.run(["bash", "-e", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, preexec_fn=unpinned)
+    # A session of its own: if a line fails, what the script left running in the background
+    # (a coordinator and its workers) is stopped with it, by the session's process group.
+    # Output goes to files, which a daemon left behind cannot hold open as it would a pipe.
+    out_path, err_path = cwd / "stdout", cwd / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(["bash", "-e", "-c", code], cwd=cwd, env=env, stdout=out, stderr=err,
+                                text=True, preexec_fn=unpinned, start_new_session=True)
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass                                    # nothing left: the script stopped its daemon
+    out, err = out_path.read_text(), err_path.read_text()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 BASH = [code for lang, code in marked_blocks() if lang == "bash"]
