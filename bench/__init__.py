@@ -1,1 +1,1 @@
-"""Benchmarks: scripts that print JSON (see DESIGN.md section 7)."""
+"""Benchmarks: scripts that print JSON, one object a run, so that figures are compared by key."""

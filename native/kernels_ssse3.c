@@ -40,7 +40,7 @@ void *fm_kernel_scratch(size_t n)
 #define FM_KEEP(v) __asm__("" : "+x"(v))
 
 /* ================================================================ SSSE3
- * One Q4_0 x Q8_0 block as DESIGN.md describes it: unpack nibbles, subtract 8;
+ * One Q4_0 x Q8_0 block (layouts in fermoe_blocks.h): unpack nibbles, subtract 8;
  * pmaddubsw needs an unsigned operand, so take |w| (psignb w,w) and move w's
  * sign onto the activation (psignb x,w); pmaddwd with ones widens to int32.
  * |w| <= 8 and |x| <= 127, so no pair sum can saturate. */

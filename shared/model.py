@@ -177,11 +177,14 @@ class Model:
             raise GGUFError(self.path, f"tensor {name} has shape {list(info.shape)}, "
                             f"but the metadata implies {list(shape)}")
         w = Weight(name, info.qtype, tuple(shape), self.file.raw(name))
-        return w if info.qtype in NATIVE_TYPES else _convert_at_load(w)
+        return w if info.qtype in NATIVE_TYPES else _convert_at_load(w, self.path)
 
 
-def _convert_at_load(w: Weight) -> Weight:
+def _convert_at_load(w: Weight, path: str) -> Weight:
     """K-quants and friends become Q8_0 (rows of whole blocks) or F32, once."""
-    values = dequantize(w.raw, w.qtype, w.shape)
+    try:
+        values = dequantize(w.raw, w.qtype, w.shape)
+    except ValueError as e:         # a type we cannot read: one line naming the tensor, not a traceback
+        raise GGUFError(path, f"tensor {w.name}: {e}") from None
     target = GGMLType.Q8_0 if len(w.shape) >= 2 and w.shape[-1] % 32 == 0 else GGMLType.F32
     return Weight(w.name, target, w.shape, quantize(values, target).reshape(-1))

@@ -8,6 +8,7 @@ import pytest
 
 from shared.engine import ReferenceEngine
 from shared.errors import GGUFError
+from shared.gguf_file import GGUFFile
 from shared.ggml_types import BLOCK_GEOMETRY, GGMLType
 from shared.model import Model
 from shared.quants import dequantize, quantize
@@ -40,6 +41,23 @@ def test_other_architecture_refused(tiny_path, tmp_path):
     rewrite_gguf(tiny_path, bad, meta={"general.architecture": "llama"})
     with pytest.raises(GGUFError, match="architecture 'llama' is not supported"):
         Model(bad)
+
+
+def test_a_tensor_type_we_cannot_read_is_one_error_naming_the_tensor(tiny_path, tmp_path):
+    """Q4_1 (20 bytes a block of 32) is a type llama.cpp writes and fermoe refuses."""
+    from tests.serving_harness import fermoe
+    name = "blk.2.ssm_out.weight"
+    with GGUFFile(tiny_path) as f:
+        info = f.tensors[name]
+    rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
+    bad = tmp_path / "q4_1.gguf"
+    q4_1 = np.zeros(rows * cols // 32 * 20, np.uint8)
+    rewrite_gguf(tiny_path, bad, tensors={name: (info.shape, GGMLType.Q4_1, q4_1)})
+    with pytest.raises(GGUFError, match=f"tensor {name}: cannot dequantize Q4_1"):
+        Model(bad)
+    out = fermoe("generate", bad, "-p", "x", "-n", 1, check=False)
+    assert out.returncode == 1 and f"tensor {name}: cannot dequantize Q4_1" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_missing_tensor_named(tiny_path, tmp_path):

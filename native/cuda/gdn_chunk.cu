@@ -1,5 +1,5 @@
 /* gdn_chunk.cu: the gated delta rule over a prompt in chunks of up to 64 tokens
- * (the WY form; ../shared/GPU.md section 3). Per value head h and chunk of n tokens
+ * (the WY form of the delta rule). Per value head h and chunk of n tokens
  * (local index i), with S0 the state entering the chunk:
  *
  *   G_i  = sum_{s<=i} g_s                       cumulative log decay (<= 0)
