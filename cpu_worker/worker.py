@@ -77,10 +77,7 @@ class CPUWorker:
         self.link.hello(os.getpid(), getattr(self.engine, "threads", 1), self.model.fingerprint)
         while self.running:
             busy = bool(self.sequences)
-            received = self.link.receive(0 if busy else int(HEARTBEAT_S * 1000))
-            if received is not None:
-                msg, data = received
-                self.handlers[type(msg)](msg, data)
+            if self.link.serve(self.handlers, 0 if busy else int(HEARTBEAT_S * 1000)):
                 continue                                 # drain messages before working
             self.link.beat(len(self.sequences))
             if busy:

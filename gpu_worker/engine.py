@@ -90,6 +90,13 @@ class GPUEngine:
         self.profile = None                     # a PhaseTimer, for bench prefill
         self.land = Landing(self.device, cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
 
+    def set_kv_cache_dtype(self, name: str) -> None:
+        """The KV element type of the states this engine hands over (a worker's snapshot
+        slots hold the coordinator's); the device's own KV stays fp32."""
+        kv_dtype(name)
+        self.kv_cache_dtype = name
+        self.land = Landing(self.device, self.cfg, self.model.fingerprint, name)
+
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
         """An empty sequence whose recurrent buffer is page-locked: a prefill's state lands

@@ -52,8 +52,9 @@ class WorkerLink:
         else:
             self.sock.send(P.encode(msg))
 
-    def hello(self, pid: int, threads: int, fingerprint: str) -> None:
-        self.send(P.Hello(worker_id=self.worker_id, pid=pid, threads=threads, fingerprint=fingerprint))
+    def hello(self, pid: int, threads: int, fingerprint: str, **about) -> None:
+        """The first message; `about`: the worker's kind, device and rates (see Hello)."""
+        self.send(P.Hello(worker_id=self.worker_id, pid=pid, threads=threads, fingerprint=fingerprint, **about))
 
     def beat(self, running: int) -> None:
         """A Heartbeat, if HEARTBEAT_S has passed since the last one."""
@@ -67,24 +68,28 @@ class WorkerLink:
         self.send(P.Error(message=f"worker {self.worker_id}: {problem}"))
 
     # ---- receiving ------------------------------------------------------------
-    def receive(self, timeout_ms: int):
-        """The next message for the worker and the data frames that came with it, or None
-        if none came within timeout_ms. A Welcome is handled here (never returned); a
-        message that cannot be decoded is reported to the coordinator and skipped."""
+    def serve(self, handlers: dict, timeout_ms: int) -> bool:
+        """Wait up to timeout_ms for a message and hand it with its data frames to the
+        handler of its type; False if none came. A Welcome is handled here; a message that
+        cannot be decoded, or that this kind of worker does not take, is reported to the
+        coordinator and dropped."""
         if not self.sock.poll(timeout_ms):
-            return None
+            return False
         frames = self.sock.recv_multipart()
         try:
             msg = P.decode(frames[0], P.TO_WORKER)
-            if len(frames) > 1 and not isinstance(msg, P.Assign):
+            if len(frames) > 1 and not isinstance(msg, (P.Assign, P.Prefill)):
                 raise ProtocolError(f"{type(msg).__name__} came with {len(frames) - 1} data frames")
         except ProtocolError as e:
             self.report(str(e))
-            return None
+            return True
         if isinstance(msg, P.Welcome):
             self._welcome(msg)
-            return None
-        return msg, frames[1:]
+        elif type(msg) in handlers:
+            handlers[type(msg)](msg, frames[1:])
+        else:
+            self.report(f"this worker does not take {type(msg).__name__} messages")
+        return True
 
     def _welcome(self, msg: P.Welcome) -> None:
         from .shm_arena import SnapshotArena
@@ -103,9 +108,9 @@ class WorkerLink:
         self.send(P.Attached(arena=self.arena is not None))
 
     # ---- snapshots ------------------------------------------------------------
-    def resume_slots(self, msg: P.Assign, data: list[bytes]) -> list:
-        """The bytes of an Assign's resume snapshots, in order: arena slots, or the frames
-        that came with it."""
+    def resume_slots(self, msg: P.Assign | P.Prefill, data: list[bytes]) -> list:
+        """The bytes of an Assign's or a Prefill's resume snapshots, in order: arena slots,
+        or the frames that came with it."""
         if (msg.resume or msg.snapshots) and self.block is None:
             raise FermoeError("snapshots assigned before the coordinator's Welcome")
         if self.arena is None:
