@@ -21,7 +21,7 @@ import uuid
 from shared import protocol as P
 from shared.errors import FermoeError
 from shared.model import Model
-from shared.state import restore_snapshots
+from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import HEARTBEAT_S, WorkerLink
 
 log = logging.getLogger("fermoe.gpu_worker")
@@ -38,6 +38,7 @@ class GPUWorker:
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory)
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
+        self._registered = None             # the arena page-locked for the engine's copies
         self.running = True
 
     def prefill_rate(self) -> float:
@@ -77,18 +78,21 @@ class GPUWorker:
         if slots:
             state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
                                       self.engine.kv_cache_dtype)
-        else:
-            state = self.engine.new_state()
+        else:       # not the engine's page-locked new_state(): the results land in the slots
+            state = SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.engine.kv_cache_dtype)
         end = len(msg.tokens)
         if not msg.snapshots or msg.snapshots[-1].position != end:
             raise FermoeError(f"a prefill of {end} tokens must end with a snapshot at position {end}")
         if state.position >= end:
             raise FermoeError(f"the resumed state is at position {state.position}: nothing of the {end}-token "
                               "prompt is left to prefill")
-        _, snaps = self.engine.prefill(msg.tokens[state.position:], state,
-                                       snapshot_at=[s.position for s in msg.snapshots])
+        if self.link.arena is not None and self._registered is not self.link.arena:
+            self.engine.land.register(self.link.arena.memory())      # snapshots land in their slots
+            self._registered = self.link.arena
+        slots = {ref.position: self.link.snapshot_buffer(ref.slot) for ref in msg.snapshots}
+        self.engine.prefill(msg.tokens[state.position:], state, into=slots, block=self.link.block)
         for ref in msg.snapshots:
-            self.link.write_snapshot(msg.request_id, ref.slot, snaps[ref.position])
+            self.link.snapshot_written(msg.request_id, ref.slot, slots[ref.position])
 
     def handle_stop(self, msg: P.Stop, data=()) -> None:
         pass                    # a job runs to its end before the next message is read: nothing to stop
@@ -97,8 +101,8 @@ class GPUWorker:
         self.running = False
 
     def close(self) -> None:
+        self.engine.close()                 # first: it unregisters the arena the link unmaps
         self.link.close()
-        self.engine.close()
 
 
 def run_gpu_worker(args) -> int:

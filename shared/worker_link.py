@@ -119,17 +119,25 @@ class WorkerLink:
             return list(data)
         return [self.arena.slot(r.slot) for r in msg.resume]
 
-    def write_snapshot(self, request_id: str, slot: int, state: SequenceState) -> None:
-        """The state into snapshot `slot` (its last block's KV and the recurrent state), then
-        SnapshotWritten; without the arena the snapshot rides as a frame after it."""
+    def snapshot_buffer(self, slot: int):
+        """Where a snapshot for `slot` is to be written: the arena's slot, or without the
+        arena a buffer of a slot's size that snapshot_written() sends."""
+        return self.arena.slot(slot) if self.arena is not None else bytearray(self.slot_bytes)
+
+    def snapshot_written(self, request_id: str, slot: int, buffer) -> None:
+        """SnapshotWritten for a buffer from snapshot_buffer(slot), now holding the snapshot;
+        without the arena the snapshot rides as a frame after it."""
         written = P.SnapshotWritten(request_id=request_id, slot=slot)
         if self.arena is not None:
-            write_snapshot(state, self.arena.slot(slot), self.block)
             self.send(written)
         else:
-            buf = bytearray(self.slot_bytes)
-            write_snapshot(state, buf, self.block)
-            self.send(written, buf)
+            self.send(written, buffer)
+
+    def write_snapshot(self, request_id: str, slot: int, state: SequenceState) -> None:
+        """The state into snapshot `slot` (its recurrent part and its last block's KV)."""
+        buffer = self.snapshot_buffer(slot)
+        write_snapshot(state, buffer, self.block)
+        self.snapshot_written(request_id, slot, buffer)
 
     def close(self) -> None:
         try:

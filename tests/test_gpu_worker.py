@@ -17,6 +17,7 @@ from shared.engine import ReferenceEngine
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
+from shared.shm_arena import SnapshotArena
 from shared.state import restore_snapshots, snapshot_nbytes
 from shared.worker_link import WorkerLink
 from tests.gpu_device import DEVICES, assert_close, open_test_device
@@ -27,25 +28,20 @@ PROMPT = np.random.default_rng(1).integers(3, 500, 30).tolist()
 MORE = np.random.default_rng(2).integers(3, 500, 10).tolist()
 
 
-class Slots:
-    """Snapshot slots in plain memory, as the shared arena hands them out."""
-
-    def __init__(self, slot_bytes: int):
-        self.slot_bytes, self.slots = slot_bytes, {}
-
-    def slot(self, i):
-        return self.slots.setdefault(i, bytearray(self.slot_bytes))
-
-    def close(self):
-        pass
-
-
-def _collecting(worker, slots: Slots):
-    """The worker's link as a Welcome leaves it, with the arena `slots`; sends collected."""
+def _collecting(worker, arena):
+    """The worker's link as a Welcome leaves it, with the snapshot `arena`; sends collected."""
     worker.sent = []
     worker.link.send = lambda msg, *frames: worker.sent.append(msg)
-    worker.link.arena, worker.link.block, worker.link.slot_bytes = slots, BLOCK, slots.slot_bytes
+    worker.link.arena, worker.link.block, worker.link.slot_bytes = arena, BLOCK, arena.slot_bytes
     return worker
+
+
+@pytest.fixture
+def arena(tiny):
+    arena = SnapshotArena.create(snapshot_nbytes(tiny.config, BLOCK, "f16"), 8)
+    yield arena
+    arena.close()
+    arena.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +56,10 @@ def reference_logits(tiny):
 
 
 @pytest.fixture(params=DEVICES)
-def gpu_worker(request, tiny_q4_path, tiny):
+def gpu_worker(request, tiny_q4_path, arena):
     device = open_test_device(request.param)
-    slots = Slots(snapshot_nbytes(tiny.config, BLOCK, "f16"))
-    w = _collecting(GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-test", device=device, probe_tokens=8),
-                    slots)
-    yield w
+    w = GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-test", device=device, probe_tokens=8)
+    yield _collecting(w, arena)
     w.close()
 
 
@@ -97,7 +91,8 @@ def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(g
     assert state.position == 40
     assert_close(state.logits, reference_logits[39], GPU_RTOL, floor=1.0)
 
-    cpu = _collecting(CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "cpu-test", threads=1), slots)
+    cpu = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "cpu-test", threads=1)
+    _collecting(cpu, SnapshotArena.attach(slots.name, slots.slot_bytes, slots.n_slots))    # as another process
     try:
         cpu.handle_assign(P.Assign(request_id="a", tokens=PROMPT, resume=first, snapshots=[], max_tokens=12,
                                    temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1,
@@ -108,6 +103,32 @@ def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(g
         assert sampled == list(generate(cpu.engine, PROMPT, 12, SamplingParams(temperature=0.0)))
     finally:
         cpu.close()
+
+
+def test_snapshots_land_in_their_slots_or_through_reused_staging(gpu_worker, tiny_q4_path, monkeypatch):
+    """With the arena page-locked the device copies into the slots themselves; without,
+    through page-locked buffers kept from one prefill to the next: the same bytes, and no
+    page-locked allocation after the first prefill either way."""
+    device, allocated = gpu_worker.engine.device, []
+    pagelocked_empty = device.pagelocked_empty
+    monkeypatch.setattr(device, "pagelocked_empty", lambda *a: allocated.append(a) or pagelocked_empty(*a))
+    arena, refs = gpu_worker.link.arena, _refs(0, [8, 16, 24, 30])
+    job = P.Prefill(request_id="a", tokens=PROMPT, resume=[], snapshots=refs)
+    written = []
+    for staged in (False, True, True):
+        if staged:
+            gpu_worker.engine.land.unregister()
+        for r in refs:                                    # nothing left from the run before
+            arena.slot(r.slot)[:] = bytes(arena.slot_bytes)
+        gpu_worker.handle_prefill(job)
+        assert gpu_worker.sent[-1].error is None
+        written.append([bytes(arena.slot(r.slot)) for r in refs])
+        if not staged:
+            assert gpu_worker.engine.land._registered, "the arena was not page-locked"
+    assert written[0] == written[1] == written[2]
+    first = len(allocated)
+    gpu_worker.handle_prefill(job)
+    assert len(allocated) == first                        # staging and landing rows reused
 
 
 @pytest.mark.parametrize("snapshots, problem", [
