@@ -26,19 +26,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import zmq
-
 from shared import protocol as P
-from shared.errors import FermoeError, ProtocolError
+from shared.errors import FermoeError
 from shared.generate import Decoder
 from shared.model import Model
 from shared.sampling import SamplingParams
-from shared.state import SequenceState, kv_dtype, restore_snapshots, write_snapshot
+from shared.state import SequenceState, restore_snapshots
+from shared.worker_link import HEARTBEAT_S, WorkerLink
 
 from .topology import allowed_cpus, default_cpus, numa_nodes
 
 log = logging.getLogger("fermoe.cpu_worker")
-HEARTBEAT_S = 1.0
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
 DECODING_PASS_TOKENS = 64   # ... and while sequences decode: the pause a prompt chunk puts in their streams
 MIN_PROMPT_TOKENS = 8       # prompt tokens a pass takes however many sequences decode: no prompt starves
@@ -63,64 +61,27 @@ class CPUWorker:
         self.model = Model(resolve_model(model_path))
         self.engine = cpu_engine(engine, self.model, threads=threads, cpus=cpus)
         self.worker_id = worker_id
-        self.arena = self.block = self.slot_bytes = None   # from the Welcome
-        self.shared_memory = shared_memory          # False: never map the arena, as on another host
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.connect(connect)
+        self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
+        self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self.sequences: dict[str, Sequence] = {}
         self.running = True
 
+    def _configure(self, kv_cache_dtype: str) -> None:
+        self.engine.kv_cache_dtype = kv_cache_dtype     # the snapshot slots hold this KV
+
     # ---- messages ---------------------------------------------------------
     def send(self, msg) -> None:
-        self.sock.send(P.encode(msg))
+        self.link.send(msg)
 
     def event_loop(self) -> None:
-        threads = getattr(self.engine, "threads", 1)
-        self.send(P.Hello(worker_id=self.worker_id, pid=os.getpid(), threads=threads,
-                          fingerprint=self.model.fingerprint))
-        last_beat = 0.0
+        self.link.hello(os.getpid(), getattr(self.engine, "threads", 1), self.model.fingerprint)
         while self.running:
             busy = bool(self.sequences)
-            if self.sock.poll(0 if busy else int(HEARTBEAT_S * 1000)):
-                self.handle(self.sock.recv_multipart())
+            if self.link.serve(self.handlers, 0 if busy else int(HEARTBEAT_S * 1000)):
                 continue                                 # drain messages before working
-            if time.monotonic() - last_beat >= HEARTBEAT_S:
-                self.send(P.Heartbeat(running=len(self.sequences)))
-                last_beat = time.monotonic()
+            self.link.beat(len(self.sequences))
             if busy:
                 self.work_round()
-
-    def handle(self, frames: list[bytes]) -> None:
-        """One message; an Assign to a worker without the arena carries its resume
-        snapshots as raw frames after it (none ride in any other message)."""
-        try:
-            msg = P.decode(frames[0], P.TO_WORKER)
-        except ProtocolError as e:
-            self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
-            return
-        if isinstance(msg, P.Assign):
-            self.handle_assign(msg, frames[1:])
-        else:
-            getattr(self, f"handle_{type(msg).__name__.lower()}")(msg)
-
-    def handle_welcome(self, msg: P.Welcome) -> None:
-        from shared.shm_arena import SnapshotArena
-        try:
-            kv_dtype(msg.kv_cache_dtype)
-        except FermoeError as e:
-            self.send(P.Error(message=f"worker {self.worker_id}: {e}"))
-            return
-        self.engine.kv_cache_dtype = msg.kv_cache_dtype     # the snapshot slots hold this KV
-        self.block, self.slot_bytes = msg.block, msg.slot_bytes
-        if self.arena is None and msg.n_slots and self.shared_memory:
-            try:
-                self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
-            except FermoeError as e:        # another host: no shared memory with the coordinator
-                log.warning("no snapshot arena here (%s): snapshots travel as message frames", e)
-        self.send(P.Attached(arena=self.arena is not None))
 
     def handle_assign(self, msg: P.Assign, data: list[bytes] = ()) -> None:
         try:
@@ -129,24 +90,20 @@ class CPUWorker:
             self.send(P.Finished(request_id=msg.request_id, finish_reason="error", prefill_ms=0.0,
                                  decode_ms=0.0, completion_tokens=0, error=str(e)))
 
-    def handle_stop(self, msg: P.Stop) -> None:
+    def handle_stop(self, msg: P.Stop, data=()) -> None:
         seq = self.sequences.pop(msg.request_id, None)
         if seq is not None:
             self.finish(msg.request_id, seq, "cancelled")
 
-    def handle_shutdown(self, msg: P.Shutdown) -> None:
+    def handle_shutdown(self, msg: P.Shutdown, data=()) -> None:
         self.running = False
 
     # ---- sequences --------------------------------------------------------
     def start(self, msg: P.Assign, data: list[bytes] = ()) -> Sequence:
-        cfg = self.model.config
-        if (msg.resume or msg.snapshots) and self.block is None:
-            raise FermoeError("snapshots assigned before the coordinator's Welcome")
-        if self.arena is None and len(data) != len(msg.resume):
-            raise FermoeError(f"{len(msg.resume)} snapshots to resume from, {len(data)} came with the message")
-        if msg.resume:
-            slots = [self.arena.slot(r.slot) for r in msg.resume] if self.arena is not None else list(data)
-            state = restore_snapshots(cfg, self.model.fingerprint, slots, self.block, self.engine.kv_cache_dtype)
+        slots = self.link.resume_slots(msg, data)
+        if slots:
+            state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
+                                      self.engine.kv_cache_dtype)
         else:
             state = self.engine.new_state()
         params = SamplingParams.of(msg)
@@ -215,18 +172,9 @@ class CPUWorker:
             self.send(P.Sampled(request_id=rid, token=seq.decoder.sample()))
 
     def write_snapshots(self, rid: str, seq: Sequence) -> None:
-        """Every planned snapshot at the position the prompt has reached: into its arena
-        slot, or without the arena as a frame after the message, for the coordinator."""
+        """Every planned snapshot at the position the prompt has reached."""
         while seq.pending and seq.pending[0].position == seq.state.position:
-            ref = seq.pending.pop(0)
-            written = P.SnapshotWritten(request_id=rid, slot=ref.slot)
-            if self.arena is not None:
-                write_snapshot(seq.state, self.arena.slot(ref.slot), self.block)
-                self.send(written)
-            else:
-                buf = bytearray(self.slot_bytes)
-                write_snapshot(seq.state, buf, self.block)
-                self.sock.send_multipart([P.encode(written), buf])
+            self.link.write_snapshot(rid, seq.pending.pop(0).slot, seq.state)
 
     def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:
         done = seq.decoder.history[len(seq.msg.tokens):] if seq.decoder else []
@@ -234,13 +182,7 @@ class CPUWorker:
                              decode_ms=1000 * seq.decode_s, completion_tokens=len(done), error=error))
 
     def close(self) -> None:
-        try:
-            self.send(P.Goodbye())              # delivered within the socket's linger
-        except zmq.ZMQError:
-            pass
-        self.sock.close()
-        if self.arena is not None:
-            self.arena.close()
+        self.link.close()
         close = getattr(self.engine, "close", None)
         if close:
             close()

@@ -90,6 +90,14 @@ class GPUEngine:
         self.profile = None                     # a PhaseTimer, for bench prefill
         self.land = Landing(self.device, cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
 
+    def set_kv_cache_dtype(self, name: str) -> None:
+        """The KV element type of the states this engine hands over (a worker's snapshot
+        slots hold the coordinator's); the device's own KV stays fp32."""
+        kv_dtype(name)
+        self.kv_cache_dtype = name
+        self.land.unregister()
+        self.land = Landing(self.device, self.cfg, self.model.fingerprint, name)
+
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
         """An empty sequence whose recurrent buffer is page-locked: a prefill's state lands
@@ -105,22 +113,35 @@ class GPUEngine:
         if getattr(self, "device", None) is None:
             return
         self.device.synchronize()
+        self.land.unregister()
         if self._owns_device and hasattr(self.device, "close"):
             self.device.close()
         self.device = None
 
     # ---- prefill ------------------------------------------------------------------------
-    def prefill(self, tokens, state: SequenceState, snapshot_at=(), all_logits: bool = False):
+    def prefill(self, tokens, state: SequenceState, snapshot_at=(), all_logits: bool = False,
+                into: dict | None = None, block: int | None = None):
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
-        the snapshot positions in (state.position, state.position + len(tokens)]."""
+        the snapshot positions in (state.position, state.position + len(tokens)].
+
+        into: {position: slot} instead of snapshot_at: each snapshot is written into its
+        slot (shared/state.py's snapshot layout, KV pages of `block` positions)."""
         t0 = time.perf_counter()
         tokens = check_tokens(tokens, self.cfg.n_vocab)
         T, start = len(tokens), state.position
         state.check_room(T)
+        if into is not None:
+            if any(not start < p <= start + T for p in into) or not block:
+                raise FermoeError(f"snapshot slots at {sorted(into)} (block {block}): each must be in "
+                                  f"({start}, {start + T}], with a block size")
+            snapshot_at = into
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
         self._fit(T, start + T, [p - start for p in boundaries])
         self._upload_state(state)
-        snaps = {p: self.land.pinned_state(state) for p in boundaries}
+        if into is not None:
+            snaps = self.land.slot_states(state, into)
+        else:
+            snaps = {p: self.land.pinned_state(state) for p in boundaries}
         self.land.begin(state, start, T)
         out, snap_logits = [], {}
         for a in range(0, T, self.pass_n):
@@ -137,7 +158,10 @@ class GPUEngine:
         t2 = time.perf_counter()
         self.land.finish(state, T)
         state.set_logits(snap_logits[start + T])
-        self.land.finish_snapshots(snaps, state, snap_logits)
+        if into is not None:
+            self.land.finish_slots(snaps, into, state, snap_logits, block)
+        else:
+            self.land.finish_snapshots(snaps, state, snap_logits)
         result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
         # host-side seconds: enqueueing (with the passes' own waits), waiting for the device, finishing
         self.last_timing = {"enqueue_s": t1 - t0, "wait_s": t2 - t1, "finish_s": time.perf_counter() - t2}

@@ -4,9 +4,14 @@ pass, each attention layer's new K and V after every pass), and the host only mo
 them into the state at the end.
 
 A state made by the engine's new_state() has a page-locked recurrent buffer: the copies
-land in it. Another state's (a snapshot slot, the CPU engine's) land in a staging state
-first. K and V land in page-locked staging rows of the state's KV dtype (fp16 for an
-f16 cache: its pages then take them as they are)."""
+land in it. Another state's (the CPU engine's) land in a staging state first. K and V
+land in page-locked staging rows of the state's KV dtype (fp16 for an f16 cache: its
+pages then take them as they are).
+
+Snapshots written into slots (a worker's snapshot arena) land in the slot itself when
+the arena was registered page-locked (register()), else in page-locked buffers kept
+from one prefill to the next and copied into the slot at the end; each slot then takes
+its own block's K and V rows only."""
 from __future__ import annotations
 
 import weakref
@@ -14,7 +19,9 @@ import weakref
 import numpy as np
 
 from shared.config import ModelConfig
-from shared.state import SequenceState, kv_dtype, recurrent_nbytes
+from shared.state import HEADER_BYTES, SequenceState, kv_dtype, recurrent_nbytes, write_snapshot_kv
+
+PAGE = 4096                 # host pages: what cuMemHostRegister locks
 
 
 class Landing:
@@ -24,6 +31,47 @@ class Landing:
         self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer made here
         self._staging: SequenceState | None = None
         self._kv: list[tuple[np.ndarray, np.ndarray]] = []
+        self._registered: list[tuple[int, int, np.ndarray]] = []     # (start, end, the registered array)
+        self._pool: list[np.ndarray] = []                             # page-locked buffers for staged snapshots
+
+    def register(self, memory) -> None:
+        """Page-lock host memory (its whole pages), so slot_state() lands snapshots in it."""
+        arr = np.frombuffer(memory, np.uint8)
+        start = -(-arr.ctypes.data // PAGE) * PAGE
+        end = (arr.ctypes.data + arr.nbytes) // PAGE * PAGE
+        if end <= start:
+            return
+        pages = arr[start - arr.ctypes.data:end - arr.ctypes.data]
+        self._registered.append((start, end, self.device.register_host_memory(pages)))
+
+    def unregister(self) -> None:
+        for _, _, registered in self._registered:
+            base = getattr(registered, "base", None)
+            if hasattr(base, "unregister"):          # pycuda's RegisteredHostMemory
+                base.unregister()
+        self._registered = []
+
+    def _pagelocked(self, buf: np.ndarray) -> bool:
+        a, b = buf.ctypes.data, buf.ctypes.data + buf.nbytes
+        return any(start <= a and b <= end for start, end, _ in self._registered)
+
+    def slot_states(self, state: SequenceState, slots: dict[int, object]) -> dict[int, SequenceState]:
+        """For each snapshot position, the state its recurrent part lands in: the slot's own
+        bytes if page-locked, else a pooled page-locked buffer (its header `state`'s)."""
+        nbytes = recurrent_nbytes(self.cfg)
+        staged = [p for p, slot in slots.items() if not self._pagelocked(np.frombuffer(slot, np.uint8, nbytes))]
+        while len(self._pool) < len(staged):
+            self._pool.append(self.device.pagelocked_empty((nbytes,), np.uint8))
+        pool = dict(zip(staged, self._pool))
+        out = {}
+        for p, slot in slots.items():
+            buf = pool.get(p)
+            if buf is None:
+                buf = np.frombuffer(slot, np.uint8, nbytes)
+            buf[:HEADER_BYTES] = np.frombuffer(state.buffer, np.uint8, HEADER_BYTES)
+            out[p] = SequenceState(self.cfg, self.fingerprint, buffer=buf, kv_block=state.kv.block,
+                                   kv_dtype=state.kv.dtype_name)
+        return out
 
     def pinned_state(self, state: SequenceState) -> SequenceState:
         """A copy of `state`'s recurrent part in page-locked memory (its KV cache empty);
@@ -59,6 +107,19 @@ class Landing:
         for a, (keys, values) in enumerate(self.kv):
             state.kv.append(a, keys[:T], values[:T])
         state.position = self.start + T
+
+    def finish_slots(self, snaps: dict[int, SequenceState], slots: dict[int, object], state: SequenceState,
+                     logits: dict[int, np.ndarray], block: int) -> None:
+        """The copies have landed and `state` holds the whole prompt: each slot gets its
+        position, logits and recurrent part (copied in if it was staged) and its block's KV."""
+        nbytes = recurrent_nbytes(self.cfg)
+        for p, snap in snaps.items():
+            snap.position = p
+            snap.set_logits(logits[p])
+            dst = np.frombuffer(slots[p], np.uint8, nbytes)
+            if snap.buffer.ctypes.data != dst.ctypes.data:
+                dst[:] = snap.buffer
+            write_snapshot_kv(state, slots[p], block, p)
 
     def finish_snapshots(self, snaps: dict[int, SequenceState], state: SequenceState,
                          logits: dict[int, np.ndarray]) -> None:

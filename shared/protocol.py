@@ -104,12 +104,21 @@ class StatusReply(_Msg, tag="status_reply"):
 
 
 # ---- coordinator <-> worker ---------------------------------------------------
+WorkerKind = Literal["cpu", "gpu"]
+
+
 class Hello(_Msg, tag="hello"):
-    """worker -> coordinator, first message: who the worker is and which model it loaded."""
+    """worker -> coordinator, first message: who the worker is and which model it loaded.
+    A cpu worker prefills and decodes (Assign); a gpu worker only prefills (Prefill), on
+    `device`. The rates are the worker's own measurement at start (0: not measured)."""
     worker_id: str
     pid: int
     threads: int
     fingerprint: str
+    kind: WorkerKind = "cpu"
+    device: str = ""
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -193,6 +202,25 @@ class Goodbye(_Msg, tag="goodbye"):
     was running is replayed elsewhere at once, not after the heartbeat timeout."""
 
 
+class Prefill(_Msg, tag="prefill"):
+    """coordinator -> gpu worker: prefill only. Restore `resume` (as in Assign), run the
+    rest of `tokens`, write each of `snapshots` as the prompt passes its position (the
+    last one, at len(tokens), holds the final state and its logits: a cpu worker decodes
+    from there), then reply Prefilled. Snapshots travel as frames as for an Assign."""
+    request_id: str
+    tokens: list[int]
+    resume: list[SnapshotRef]
+    snapshots: list[SnapshotRef]
+
+
+class Prefilled(_Msg, tag="prefilled"):
+    """gpu worker -> coordinator: a Prefill is done (every SnapshotWritten sent before
+    it), or failed with `error` (then no snapshot of it is to be trusted)."""
+    request_id: str
+    prefill_ms: float
+    error: str | None = None
+
+
 class Heartbeat(_Msg, tag="heartbeat"):
     """worker -> coordinator, every second: still alive, this many sequences."""
     running: int
@@ -200,8 +228,8 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
 CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
-TO_WORKER = Union[Welcome, Assign, Stop, Shutdown]
-FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Heartbeat, Goodbye, Error]
+TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown]
+FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {}

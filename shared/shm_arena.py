@@ -201,6 +201,15 @@ class SnapshotArena:
         self._views.append(weakref.ref(view))
         return view
 
+    def memory(self) -> memoryview:
+        """A writable view of the whole segment (a GPU worker page-locks it, so that
+        snapshots are copied from the device straight into their slots)."""
+        if self._mv is None:
+            raise ArenaError(f"shared-memory arena {self.name!r} is closed")
+        view = self._mv[:]
+        self._views.append(weakref.ref(view))
+        return view
+
     def _check_slot(self, i) -> int:
         try:
             index = operator.index(i)

@@ -119,6 +119,19 @@ class KVCache:
             self._tables = tuple(tables)
         return self._tables
 
+    def copy_rows(self, slot: int, start: int, end: int, k_out: np.ndarray, v_out: np.ndarray) -> None:
+        """Rows [start, end) of layer `slot`'s K and V into k_out, v_out (in the pages'
+        dtype, exact), touching only the pages that hold them."""
+        if end > self.length[slot]:
+            raise StateError(f"rows up to {end} asked of a layer that holds {self.length[slot]}")
+        t = start
+        while t < end:
+            page, row = divmod(t, self.block)
+            n = min(end - t, self.block - row)
+            k_out[t - start:t - start + n] = self.k_pages[slot][page][row:row + n]
+            v_out[t - start:t - start + n] = self.v_pages[slot][page][row:row + n]
+            t += n
+
     def view(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """K, V of all stored positions of layer `slot`, [P, n_head_kv, head_dim] fp32."""
         n = self.length[slot]
@@ -277,22 +290,28 @@ def snapshot_nbytes(cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_K
 
 def write_snapshot(state: SequenceState, slot, block: int) -> None:
     """Copy `state` (at any position) into a slot: recurrent part + KV of its last block."""
+    r = recurrent_nbytes(state.cfg)
+    memoryview(slot).cast("B")[:r] = memoryview(state.buffer).cast("B")[:r]
+    write_snapshot_kv(state, slot, block, state.position)
+
+
+def write_snapshot_kv(state: SequenceState, slot, block: int, position: int) -> None:
+    """The KV part of a snapshot at `position` (at most state.position): the rows of
+    `state`'s pages from the start of the block that holds position - 1 up to position,
+    with the header that says where they start. The slot's recurrent part is left alone."""
     cfg, dtype = state.cfg, state.kv.dtype
     view = memoryview(slot).cast("B")
     r = recurrent_nbytes(cfg)
-    view[:r] = memoryview(state.buffer).cast("B")[:r]
-    pos = state.position
-    start = (pos - 1) // block * block if pos else 0
-    _SNAP.pack_into(view, r, start, pos - start, dtype.itemsize)
+    start = (position - 1) // block * block if position else 0
+    _SNAP.pack_into(view, r, start, position - start, dtype.itemsize)
     shape = (block, cfg.n_head_kv, cfg.head_dim)
     offset = r + 64
     page_bytes = int(np.prod(shape)) * dtype.itemsize
     for layer in range(len(cfg.attention_layers)):
-        k, v = state.kv.view(layer)
-        for src in (k, v):
-            dst = np.frombuffer(view, dtype, int(np.prod(shape)), offset).reshape(shape)
-            dst[:pos - start] = src[start:pos]      # exact: the values came from pages of this dtype
-            offset += page_bytes
+        k, v = (np.frombuffer(view, dtype, int(np.prod(shape)), offset + i * page_bytes).reshape(shape)
+                for i in (0, 1))
+        state.kv.copy_rows(layer, start, position, k, v)
+        offset += 2 * page_bytes
 
 
 def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int,

@@ -164,6 +164,7 @@ class ThreadWorker:
             self.assigns.append((msg, len(data)))
             handle_assign(msg, data)
         self.worker.run_pass, self.worker.handle_assign = recording_pass, recording_assign
+        self.worker.handlers[P.Assign] = recording_assign
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 

@@ -111,7 +111,7 @@ def test_a_served_generation_stops_at_the_context(short_path, short):
     w = CPUWorker(str(short_path), "tcp://127.0.0.1:9", "ctx-worker", threads=1)   # never answered
     try:
         w.sent = []
-        w.send = w.sent.append
+        w.link.send = lambda msg, *frames: w.sent.append(msg)
         prompt = short.tokenizer.encode("The old GPU said")
         w.handle_assign(P.Assign(request_id="a", tokens=prompt, resume=[], snapshots=[], max_tokens=1000,
                                  temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,

@@ -28,7 +28,7 @@ def _assign(model, rid, prompt, max_tokens, temperature, seed):
 def worker(tiny_q4_path):
     w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "test-worker", threads=2)  # never answered
     w.sent = []
-    w.send = w.sent.append
+    w.link.send = lambda msg, *frames: w.sent.append(msg)
     w.passes = []                      # per pass: the number of tokens of each sequence in it
     forward_batch = w.engine.forward_batch
     w.engine.forward_batch = lambda segments: w.passes.append([len(t) for t, _ in segments]) or forward_batch(segments)
@@ -111,7 +111,7 @@ def test_a_long_prompt_does_not_stall_running_generations(worker):
     worker.work_round()                                   # its prompt: decoding from the next pass
     long = _assign(model, "b", "", 4, 0.8, 2)
     long.tokens = list(range(3, 303))
-    worker.arena, worker.block = _Arena(), 8
+    worker.link.arena, worker.link.block = _Arena(), 8
     long.snapshots = [P.SnapshotRef(slot=0, position=100), P.SnapshotRef(slot=1, position=200)]
     worker.handle_assign(long)
     while worker.sequences["b"].state.position < 300:
@@ -164,7 +164,7 @@ def test_a_model_without_batching_still_serves(tiny_q4_path):
     w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "ref-worker", threads=1, engine="reference")
     try:
         w.sent = []
-        w.send = w.sent.append
+        w.link.send = lambda msg, *frames: w.sent.append(msg)
         for req in REQUESTS[:2]:
             w.handle_assign(_assign(Model(str(tiny_q4_path)), *req))
         while w.sequences:

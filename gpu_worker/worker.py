@@ -1,0 +1,145 @@
+"""The GPU worker process: prefills prompts for the coordinator, never decodes.
+
+One DEALER socket to the coordinator's worker endpoint (shared/worker_link.py, as the
+CPU workers have). A Prefill job restores its resume snapshots (or starts empty), runs
+the rest of the prompt through the GPU engine with the planned snapshot positions as
+chunk boundaries, and writes each snapshot (the last one: the final state and its
+logits) into the coordinator's snapshot arena, where a CPU worker resumes from it and
+decodes. Started by the coordinator, or by hand:
+`gpu_worker --connect tcp://HOST:PORT --model MODEL [--gpu N] [--gpu-mem SIZE]`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+
+from shared import protocol as P
+from shared.errors import FermoeError
+from shared.model import Model
+from shared.state import SequenceState, restore_snapshots
+from shared.worker_link import HEARTBEAT_S, WorkerLink
+
+log = logging.getLogger("fermoe.gpu_worker")
+RATE_PROBE_TOKENS = 64      # the prompt timed at start: the prefill rate the worker announces
+
+
+class GPUWorker:
+    def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
+                 shared_memory: bool = True, device=None, probe_tokens: int = RATE_PROBE_TOKENS):
+        from shared.builtin import resolve_model
+        from .engine import GPUEngine
+        self.model = Model(resolve_model(model_path))
+        self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device)
+        self.worker_id, self.probe_tokens = worker_id, probe_tokens
+        self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory)
+        self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
+        self._registered = None             # the arena page-locked for the engine's copies
+        self.running = True
+
+    def prefill_rate(self) -> float:
+        """Tokens/s of a prefill of probe_tokens tokens, timed after one untimed run (the
+        first compiles and uploads what later ones reuse)."""
+        n = min(self.probe_tokens, self.model.config.n_ctx_train)
+        if n <= 0:
+            return 0.0
+        tokens = [t % self.model.config.n_vocab for t in range(1, n + 1)]
+        self.engine.forward(tokens, self.engine.new_state(), all_logits=False)
+        t0 = time.perf_counter()
+        self.engine.forward(tokens, self.engine.new_state(), all_logits=False)
+        return n / (time.perf_counter() - t0)
+
+    def event_loop(self) -> None:
+        rate = self.prefill_rate()
+        log.info("%s: %.0f tok/s prefill (%d-token probe)", self.engine.device.name, rate, self.probe_tokens)
+        self.link.hello(os.getpid(), 1, self.model.fingerprint, kind="gpu", device=self.engine.device.name,
+                        prefill_tok_s=round(rate, 1))
+        while self.running:
+            if not self.link.serve(self.handlers, int(HEARTBEAT_S * 1000)):
+                self.link.beat(0)
+
+    def handle_prefill(self, msg: P.Prefill, data: list[bytes] = ()) -> None:
+        """Run the job; a failure (a bad job, a device error) fails this job, never the worker."""
+        t0 = time.perf_counter()
+        try:
+            self.prefill(msg, data)
+        except Exception as e:                 # report, never die silently
+            log.exception("prefill %s failed", msg.request_id)
+            self.link.send(P.Prefilled(request_id=msg.request_id, prefill_ms=0.0, error=f"{type(e).__name__}: {e}"))
+            return
+        self.link.send(P.Prefilled(request_id=msg.request_id, prefill_ms=1000 * (time.perf_counter() - t0)))
+
+    def prefill(self, msg: P.Prefill, data: list[bytes]) -> None:
+        slots = self.link.resume_slots(msg, data)
+        if slots:
+            state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
+                                      self.engine.kv_cache_dtype)
+        else:       # not the engine's page-locked new_state(): the results land in the slots
+            state = SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.engine.kv_cache_dtype)
+        end = len(msg.tokens)
+        if not msg.snapshots or msg.snapshots[-1].position != end:
+            raise FermoeError(f"a prefill of {end} tokens must end with a snapshot at position {end}")
+        if state.position >= end:
+            raise FermoeError(f"the resumed state is at position {state.position}: nothing of the {end}-token "
+                              "prompt is left to prefill")
+        if self.link.arena is not None and self._registered is not self.link.arena:
+            self.engine.land.register(self.link.arena.memory())      # snapshots land in their slots
+            self._registered = self.link.arena
+        slots = {ref.position: self.link.snapshot_buffer(ref.slot) for ref in msg.snapshots}
+        self.engine.prefill(msg.tokens[state.position:], state, into=slots, block=self.link.block)
+        for ref in msg.snapshots:
+            self.link.snapshot_written(msg.request_id, ref.slot, slots[ref.position])
+
+    def handle_stop(self, msg: P.Stop, data=()) -> None:
+        pass                    # a job runs to its end before the next message is read: nothing to stop
+
+    def handle_shutdown(self, msg: P.Shutdown, data=()) -> None:
+        self.running = False
+
+    def close(self) -> None:
+        self.engine.close()                 # first: it unregisters the arena the link unmaps
+        self.link.close()
+
+
+def run_gpu_worker(args) -> int:
+    from coordinator.options import gpu_engine_options
+    worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
+                       shared_memory=not args.no_shared_memory, **gpu_engine_options(args))
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends it as Ctrl-C does: saying goodbye
+    try:
+        worker.event_loop()
+    finally:
+        worker.close()
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    from coordinator.options import add_gpu_options
+    p = argparse.ArgumentParser(prog="gpu_worker", description="fermoe GPU prefill worker")
+    p.add_argument("--connect", required=True, help="the coordinator's worker endpoint, e.g. tcp://127.0.0.1:5558")
+    p.add_argument("--model", required=True, help="GGUF path or built-in model name (the coordinator's model)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--no-shared-memory", action="store_true",
+                   help="do not map the coordinator's snapshot arena: snapshots travel as message frames")
+    add_gpu_options(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gpu_worker %(levelname)s %(message)s")
+    try:
+        return run_gpu_worker(args)
+    except FermoeError as e:
+        print(f"gpu_worker: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

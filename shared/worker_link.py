@@ -1,0 +1,149 @@
+"""A worker's side of the worker protocol, whatever the worker runs (CPU decode, GPU
+prefill): everything but the work itself.
+
+    worker --Hello--> coordinator --Welcome--> worker --Attached--> (ready)
+    ... Heartbeat every HEARTBEAT_S while alive ... Goodbye when it leaves
+
+The Welcome names the coordinator's snapshot arena (shared memory). A worker that
+can map it reads and writes snapshot slots in place; one that cannot (on another
+host, or told not to) gets an Assign's resume snapshots as raw frames after it and
+sends each snapshot it writes as a raw frame after its SnapshotWritten. Both paths
+live here, so a worker only ever asks for "the slots to resume from" and "write this
+state into that slot".
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from . import protocol as P
+from .errors import FermoeError, ProtocolError
+from .state import SequenceState, kv_dtype, write_snapshot
+
+log = logging.getLogger("fermoe.worker_link")
+HEARTBEAT_S = 1.0
+
+
+class WorkerLink:
+    """One DEALER socket to the coordinator's worker endpoint, named `worker_id`.
+
+    configure(kv_cache_dtype) is called on a Welcome before the worker says it is
+    ready: the snapshot slots hold KV of that type, so the worker's engine must too."""
+
+    def __init__(self, connect: str, worker_id: str, configure: Callable[[str], None],
+                 shared_memory: bool = True):
+        self.worker_id, self.configure, self.shared_memory = worker_id, configure, shared_memory
+        self.arena = None                      # the SnapshotArena, once attached
+        self.block: int | None = None          # from the Welcome: positions a slot's KV covers
+        self.slot_bytes: int | None = None
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(connect)
+        self._last_beat = 0.0
+
+    # ---- sending --------------------------------------------------------------
+    def send(self, msg, *frames: bytes) -> None:
+        if frames:
+            self.sock.send_multipart([P.encode(msg), *frames])
+        else:
+            self.sock.send(P.encode(msg))
+
+    def hello(self, pid: int, threads: int, fingerprint: str, **about) -> None:
+        """The first message; `about`: the worker's kind, device and rates (see Hello)."""
+        self.send(P.Hello(worker_id=self.worker_id, pid=pid, threads=threads, fingerprint=fingerprint, **about))
+
+    def beat(self, running: int) -> None:
+        """A Heartbeat, if HEARTBEAT_S has passed since the last one."""
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_S:
+            self.send(P.Heartbeat(running=running))
+            self._last_beat = now
+
+    def report(self, problem: str) -> None:
+        """An Error the coordinator logs (a message it sent that we cannot take)."""
+        self.send(P.Error(message=f"worker {self.worker_id}: {problem}"))
+
+    # ---- receiving ------------------------------------------------------------
+    def serve(self, handlers: dict, timeout_ms: int) -> bool:
+        """Wait up to timeout_ms for a message and hand it with its data frames to the
+        handler of its type; False if none came. A Welcome is handled here; a message that
+        cannot be decoded, or that this kind of worker does not take, is reported to the
+        coordinator and dropped."""
+        if not self.sock.poll(timeout_ms):
+            return False
+        frames = self.sock.recv_multipart()
+        try:
+            msg = P.decode(frames[0], P.TO_WORKER)
+            if len(frames) > 1 and not isinstance(msg, (P.Assign, P.Prefill)):
+                raise ProtocolError(f"{type(msg).__name__} came with {len(frames) - 1} data frames")
+        except ProtocolError as e:
+            self.report(str(e))
+            return True
+        if isinstance(msg, P.Welcome):
+            self._welcome(msg)
+        elif type(msg) in handlers:
+            handlers[type(msg)](msg, frames[1:])
+        else:
+            self.report(f"this worker does not take {type(msg).__name__} messages")
+        return True
+
+    def _welcome(self, msg: P.Welcome) -> None:
+        from .shm_arena import SnapshotArena
+        try:
+            kv_dtype(msg.kv_cache_dtype)
+        except FermoeError as e:
+            self.report(str(e))
+            return
+        self.configure(msg.kv_cache_dtype)
+        self.block, self.slot_bytes = msg.block, msg.slot_bytes
+        if self.arena is None and msg.n_slots and self.shared_memory:
+            try:
+                self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
+            except FermoeError as e:        # another host: no shared memory with the coordinator
+                log.warning("no snapshot arena here (%s): snapshots travel as message frames", e)
+        self.send(P.Attached(arena=self.arena is not None))
+
+    # ---- snapshots ------------------------------------------------------------
+    def resume_slots(self, msg: P.Assign | P.Prefill, data: list[bytes]) -> list:
+        """The bytes of an Assign's or a Prefill's resume snapshots, in order: arena slots,
+        or the frames that came with it."""
+        if (msg.resume or msg.snapshots) and self.block is None:
+            raise FermoeError("snapshots assigned before the coordinator's Welcome")
+        if self.arena is None:
+            if len(data) != len(msg.resume):
+                raise FermoeError(f"{len(msg.resume)} snapshots to resume from, {len(data)} came with the message")
+            return list(data)
+        return [self.arena.slot(r.slot) for r in msg.resume]
+
+    def snapshot_buffer(self, slot: int):
+        """Where a snapshot for `slot` is to be written: the arena's slot, or without the
+        arena a buffer of a slot's size that snapshot_written() sends."""
+        return self.arena.slot(slot) if self.arena is not None else bytearray(self.slot_bytes)
+
+    def snapshot_written(self, request_id: str, slot: int, buffer) -> None:
+        """SnapshotWritten for a buffer from snapshot_buffer(slot), now holding the snapshot;
+        without the arena the snapshot rides as a frame after it."""
+        written = P.SnapshotWritten(request_id=request_id, slot=slot)
+        if self.arena is not None:
+            self.send(written)
+        else:
+            self.send(written, buffer)
+
+    def write_snapshot(self, request_id: str, slot: int, state: SequenceState) -> None:
+        """The state into snapshot `slot` (its recurrent part and its last block's KV)."""
+        buffer = self.snapshot_buffer(slot)
+        write_snapshot(state, buffer, self.block)
+        self.snapshot_written(request_id, slot, buffer)
+
+    def close(self) -> None:
+        try:
+            self.send(P.Goodbye())              # delivered within the socket's linger
+        except zmq.ZMQError:
+            pass
+        self.sock.close()
+        if self.arena is not None:
+            self.arena.close()

@@ -1,0 +1,196 @@
+"""The GPU worker: prefill jobs whose snapshots (the last one the final state with its
+logits) land in the snapshot slots, where a CPU worker resumes and decodes; and the
+worker link both worker kinds speak to the coordinator with. The workers run in this
+process; their messages are collected instead of sent."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import zmq
+
+from cpu_worker.worker import CPUWorker
+from gpu_worker.worker import GPUWorker
+from shared import protocol as P
+from shared.engine import ReferenceEngine
+from shared.generate import generate
+from shared.model import Model
+from shared.sampling import SamplingParams
+from shared.shm_arena import SnapshotArena
+from shared.state import restore_snapshots, snapshot_nbytes
+from shared.worker_link import WorkerLink
+from tests.gpu_device import DEVICES, assert_close, open_test_device
+
+BLOCK = 8
+GPU_RTOL = 3e-5          # the GPU engine's fp32 logits against the reference (as test_gpu_engine)
+PROMPT = np.random.default_rng(1).integers(3, 500, 30).tolist()
+MORE = np.random.default_rng(2).integers(3, 500, 10).tolist()
+
+
+def _collecting(worker, arena):
+    """The worker's link as a Welcome leaves it, with the snapshot `arena`; sends collected."""
+    worker.sent = []
+    worker.link.send = lambda msg, *frames: worker.sent.append(msg)
+    worker.link.arena, worker.link.block, worker.link.slot_bytes = arena, BLOCK, arena.slot_bytes
+    return worker
+
+
+@pytest.fixture
+def arena(tiny):
+    arena = SnapshotArena.create(snapshot_nbytes(tiny.config, BLOCK, "f16"), 8)
+    yield arena
+    arena.close()
+    arena.unlink()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_q4_path):
+    return Model(tiny_q4_path)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny):
+    ref = ReferenceEngine(tiny)
+    return ref.forward(PROMPT + MORE, ref.new_state())
+
+
+@pytest.fixture(params=DEVICES)
+def gpu_worker(request, tiny_q4_path, arena):
+    device = open_test_device(request.param)
+    w = GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-test", device=device, probe_tokens=8)
+    yield _collecting(w, arena)
+    w.close()
+
+
+def _refs(first_slot: int, positions) -> list[P.SnapshotRef]:
+    return [P.SnapshotRef(slot=first_slot + i, position=p) for i, p in enumerate(positions)]
+
+
+def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(gpu_worker, tiny, tiny_q4_path,
+                                                                                 reference_logits):
+    """Each slot restores to the state at its position (its logits the reference's
+    there); an extended prompt resumes from them on the GPU; a CPU worker handed the
+    chain samples what a CPU-only run samples."""
+    slots = gpu_worker.link.arena
+    first = _refs(0, [8, 16, 24, 30])
+    gpu_worker.handle_prefill(P.Prefill(request_id="a", tokens=PROMPT, resume=[], snapshots=first))
+    assert [m.slot for m in gpu_worker.sent if isinstance(m, P.SnapshotWritten)] == [0, 1, 2, 3]
+    done = gpu_worker.sent[-1]
+    assert isinstance(done, P.Prefilled) and done.error is None and done.prefill_ms > 0
+    for k, ref in enumerate(first):
+        state = restore_snapshots(tiny.config, tiny.fingerprint, [slots.slot(r.slot) for r in first[:k + 1]], BLOCK)
+        assert state.position == ref.position
+        assert_close(state.logits, reference_logits[ref.position - 1], GPU_RTOL, floor=1.0)
+
+    chain = first + _refs(4, [32, 40])                    # the extension resumes from all four
+    gpu_worker.handle_prefill(P.Prefill(request_id="b", tokens=PROMPT + MORE, resume=first, snapshots=chain[4:]))
+    assert gpu_worker.sent[-1] == P.Prefilled(request_id="b", prefill_ms=gpu_worker.sent[-1].prefill_ms)
+    state = restore_snapshots(tiny.config, tiny.fingerprint, [slots.slot(r.slot) for r in chain[:3] + chain[4:]],
+                              BLOCK)
+    assert state.position == 40
+    assert_close(state.logits, reference_logits[39], GPU_RTOL, floor=1.0)
+
+    cpu = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "cpu-test", threads=1)
+    _collecting(cpu, SnapshotArena.attach(slots.name, slots.slot_bytes, slots.n_slots))    # as another process
+    try:
+        cpu.handle_assign(P.Assign(request_id="a", tokens=PROMPT, resume=first, snapshots=[], max_tokens=12,
+                                   temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1,
+                                   ignore_eos=True))
+        while cpu.sequences:
+            cpu.work_round()
+        sampled = [m.token for m in cpu.sent if isinstance(m, P.Sampled)]
+        assert sampled == list(generate(cpu.engine, PROMPT, 12, SamplingParams(temperature=0.0)))
+    finally:
+        cpu.close()
+
+
+def test_snapshots_land_in_their_slots_or_through_reused_staging(gpu_worker, tiny_q4_path, monkeypatch):
+    """With the arena page-locked the device copies into the slots themselves; without,
+    through page-locked buffers kept from one prefill to the next: the same bytes, and no
+    page-locked allocation after the first prefill either way."""
+    device, allocated = gpu_worker.engine.device, []
+    pagelocked_empty = device.pagelocked_empty
+    monkeypatch.setattr(device, "pagelocked_empty", lambda *a: allocated.append(a) or pagelocked_empty(*a))
+    arena, refs = gpu_worker.link.arena, _refs(0, [8, 16, 24, 30])
+    job = P.Prefill(request_id="a", tokens=PROMPT, resume=[], snapshots=refs)
+    written = []
+    for staged in (False, True, True):
+        if staged:
+            gpu_worker.engine.land.unregister()
+        for r in refs:                                    # nothing left from the run before
+            arena.slot(r.slot)[:] = bytes(arena.slot_bytes)
+        gpu_worker.handle_prefill(job)
+        assert gpu_worker.sent[-1].error is None
+        written.append([bytes(arena.slot(r.slot)) for r in refs])
+        if not staged:
+            assert gpu_worker.engine.land._registered, "the arena was not page-locked"
+    assert written[0] == written[1] == written[2]
+    first = len(allocated)
+    gpu_worker.handle_prefill(job)
+    assert len(allocated) == first                        # staging and landing rows reused
+
+
+@pytest.mark.parametrize("snapshots, problem", [
+    (_refs(0, [8, 16]), "must end with a snapshot at position 30"),
+    ([], "must end with a snapshot at position 30"),
+])
+def test_a_bad_job_fails_alone_and_the_worker_serves_on(gpu_worker, snapshots, problem):
+    gpu_worker.handle_prefill(P.Prefill(request_id="bad", tokens=PROMPT, resume=[], snapshots=snapshots))
+    assert gpu_worker.sent[-1].request_id == "bad" and problem in gpu_worker.sent[-1].error
+    gpu_worker.handle_prefill(P.Prefill(request_id="ok", tokens=PROMPT[:8], resume=[], snapshots=_refs(0, [8])))
+    assert gpu_worker.sent[-1] == P.Prefilled(request_id="ok", prefill_ms=gpu_worker.sent[-1].prefill_ms)
+
+
+def test_the_gpu_worker_announces_its_kind_device_and_rate(tiny_q4_path, monkeypatch):
+    """Its Hello, read by a stand-in coordinator: kind gpu, the device's name, the
+    prefill rate it measured; then the Welcome is answered with Attached."""
+    monkeypatch.setenv("FERMOE_GPU", "emulate")
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    worker = GPUWorker(str(tiny_q4_path), f"tcp://127.0.0.1:{port}", "gpu-hello", probe_tokens=8)
+    try:
+        worker.link.hello(os.getpid(), 1, worker.model.fingerprint, kind="gpu", device=worker.engine.device.name,
+                          prefill_tok_s=round(worker.prefill_rate(), 1))
+        assert router.poll(10000)
+        wid, frame = router.recv_multipart()
+        hello = P.decode(frame, P.FROM_WORKER)
+        assert (wid, hello.kind, hello.device) == (b"gpu-hello", "gpu", worker.engine.device.name)
+        assert hello.prefill_tok_s > 0 and hello.fingerprint == worker.model.fingerprint
+    finally:
+        worker.close()
+        router.close()
+
+
+def test_the_worker_link_reports_what_it_cannot_take():
+    """Over a real socket: a Welcome is answered with Attached (no arena offered); a
+    message with stray data frames and one this worker kind does not take are reported
+    to the coordinator as errors, and the link goes on."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    configured, handled = [], []
+    link = WorkerLink(f"tcp://127.0.0.1:{port}", "w1", configured.append)
+    try:
+        link.hello(1, 1, "fp")
+        assert router.poll(5000) and P.decode(router.recv_multipart()[1], P.FROM_WORKER).worker_id == "w1"
+
+        def exchange(*frames) -> P.Error | P.Attached:
+            router.send_multipart([b"w1", *frames])
+            assert link.serve({P.Stop: lambda m, d: handled.append(m)}, 5000)
+            assert router.poll(5000)
+            return P.decode(router.recv_multipart()[1], P.FROM_WORKER)
+
+        welcome = P.Welcome(arena="", slot_bytes=0, n_slots=0, block=BLOCK, kv_cache_dtype="f32")
+        assert exchange(P.encode(welcome)) == P.Attached(arena=False) and configured == ["f32"]
+        assert "Stop came with 1 data frames" in exchange(P.encode(P.Stop(request_id="r")), b"x").message
+        prefill = P.Prefill(request_id="r", tokens=[1], resume=[], snapshots=[])
+        assert "does not take Prefill messages" in exchange(P.encode(prefill)).message
+        router.send_multipart([b"w1", P.encode(P.Stop(request_id="r"))])
+        assert link.serve({P.Stop: lambda m, d: handled.append(m)}, 5000) and handled == [P.Stop(request_id="r")]
+        bad = P.Welcome(arena="", slot_bytes=0, n_slots=0, block=BLOCK, kv_cache_dtype="f8")
+        assert "f8" in exchange(P.encode(bad)).message and configured == ["f32"]
+    finally:
+        link.sock.close()
+        router.close()
