@@ -3,6 +3,7 @@ emulation in emulator.py has the same one). pycuda is an optional dependency:
 `pip install -e '.[gpu]'`."""
 from __future__ import annotations
 
+import ctypes
 import os
 
 from shared.errors import FermoeError
@@ -36,8 +37,15 @@ class CudaDevice:
         self._module = None
         for name in ("mem_alloc", "mem_get_info", "memcpy_htod", "memcpy_htod_async", "memcpy_dtoh",
                      "memcpy_dtoh_async", "memcpy_dtod", "memcpy_dtod_async", "memset_d8", "memset_d8_async",
-                     "pagelocked_empty", "register_host_memory"):
+                     "pagelocked_empty"):
             setattr(self, name, getattr(drv, name))
+
+    def register_host_memory(self, array, flags: int = 0) -> "HostRegistration":
+        """Page-lock the memory under a C-contiguous array (whole host pages) for the
+        device's asynchronous copies, until unregister(). Straight through the driver API:
+        pycuda's register_host_memory fails on arrays that already have a base under
+        numpy 2 ("Cannot set the NumPy array 'base' dependency more than once")."""
+        return HostRegistration(array, flags)
 
     def stream(self, role: str):
         return self.drv.Stream()
@@ -72,3 +80,21 @@ def open_device(index: int = 0):
     if mode:
         raise FermoeError(f"FERMOE_GPU={mode!r}: expected emulate (or unset for the CUDA device)")
     return CudaDevice(index)
+
+
+class HostRegistration:
+    """cuMemHostRegister of an array's memory; the array is kept alive until unregister()."""
+
+    def __init__(self, array, flags: int = 0):
+        self._lib = ctypes.CDLL("libcuda.so.1")
+        self._lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        self.array = array
+        rc = self._lib.cuMemHostRegister_v2(array.ctypes.data, array.nbytes, flags)
+        if rc != 0:
+            raise FermoeError(f"cuMemHostRegister of {array.nbytes} bytes failed (CUresult {rc})")
+
+    def unregister(self) -> None:
+        if self.array is not None:
+            self._lib.cuMemHostUnregister(self.array.ctypes.data)
+            self.array = None

@@ -268,7 +268,8 @@ class EmulatedDevice:
         return np.empty(shape, dtype)
 
     def register_host_memory(self, array, flags=0):
-        return array
+        """As CudaDevice's: host memory needs no locking here."""
+        return _Registration(array)
 
     # copies
     def _copy_op(self, dst: int, src: int, nbytes: int, what: str, check_dst: bool, check_src: bool, host=None):
@@ -366,3 +367,11 @@ def _contiguous(a: np.ndarray, what: str) -> np.ndarray:
     if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
         raise EmulationError(f"{what}: host memory must be a C-contiguous numpy array")
     return a
+
+
+class _Registration:
+    def __init__(self, array):
+        self.array = array
+
+    def unregister(self) -> None:
+        self.array = None

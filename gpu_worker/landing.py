@@ -31,7 +31,7 @@ class Landing:
         self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer made here
         self._staging: SequenceState | None = None
         self._kv: list[tuple[np.ndarray, np.ndarray]] = []
-        self._registered: list[tuple[int, int, np.ndarray]] = []     # (start, end, the registered array)
+        self._registered: list[tuple] = []      # (start, end, the device's registration)
         self._pool: list[np.ndarray] = []                             # page-locked buffers for staged snapshots
 
     def register(self, memory) -> None:
@@ -45,10 +45,8 @@ class Landing:
         self._registered.append((start, end, self.device.register_host_memory(pages)))
 
     def unregister(self) -> None:
-        for _, _, registered in self._registered:
-            base = getattr(registered, "base", None)
-            if hasattr(base, "unregister"):          # pycuda's RegisteredHostMemory
-                base.unregister()
+        for _, _, registration in self._registered:
+            registration.unregister()
         self._registered = []
 
     def _pagelocked(self, buf: np.ndarray) -> bool:
