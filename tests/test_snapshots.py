@@ -203,7 +203,7 @@ def test_one_off_short_prompts_never_evict_a_long_prompts_blocks():
     extension = long_prompt + [rng.randrange(1000) for _ in range(20)]
     assert lookup_position(idx, extension) == block * 16
     s = idx.stats()
-    assert s["entries"] == slots and s["evictions"] == 500 - (slots - 17)  # the long prompt's end went too
+    assert s["entries"] == slots and s["evictions"] == 500 - (slots - 17)     # the long prompt's end went too
     idx.check_invariants()
 
 
