@@ -45,19 +45,22 @@ def gpu_engine_options(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coordinator", description="fermoe coordinator daemon")
+    p = argparse.ArgumentParser(prog="coordinator", description="The fermoe daemon: loads a model, starts its CPU "
+                                "workers, keeps the prefix snapshot cache and serves clients (`fermoe submit`, "
+                                "ZeroMQ; the OpenAI-compatible HTTP API with --http) until SIGTERM or Ctrl-C.")
     p.add_argument("--model", required=True, help="GGUF path or built-in model name (tiny)")
-    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: loopback)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: tcp://127.0.0.1:5557)")
     p.add_argument("--worker-bind", default="tcp://127.0.0.1:*",
                    help="worker endpoint; loopback by default, a routable address lets other hosts' workers in")
-    p.add_argument("--cpu-workers-per-socket", type=int, default=1)
+    p.add_argument("--cpu-workers-per-socket", type=int, default=1,
+                   help="CPU worker processes on each NUMA node (default 1)")
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="default: the node's physical cores divided among its workers")
     p.add_argument("--snapshot-mem", default=None,
                    help="shared memory (/dev/shm) for prefix snapshots, e.g. 2GiB; 0 = no cache (default: an "
                         "eighth of the host's memory, at most half of /dev/shm's free space and 8 GiB)")
-    p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens")
-    p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves")
+    p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens (default 256)")
+    p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions a sequence may hold, prompt and output (default: the model's context "
                         "length, or less if max-sequences such sequences per worker would not fit in memory)")
