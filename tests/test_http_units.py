@@ -309,3 +309,51 @@ def test_timings_are_llama_servers():
     assert t.final(done) == {"cache_n": 8, "prompt_n": 4, "prompt_ms": 20.0, "prompt_per_token_ms": 5.0,
                              "prompt_per_second": 200.0, "predicted_n": 4, "predicted_ms": 80.0,
                              "predicted_per_token_ms": 20.0, "predicted_per_second": 50.0}
+
+
+# ---- sizes: one limit, and a full context within it --------------------------------
+def test_a_whole_context_of_token_ids_fits_in_an_assign():
+    tokens = [248319] * 262144                       # the largest ids of Qwen3.5's vocabulary: 5 bytes each
+    msg = P.Assign(request_id="r", tokens=tokens, resume=[], snapshots=[], max_tokens=1, temperature=0.8, top_k=40,
+                   top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1)
+    data = P.encode(msg)
+    assert len(data) > 1 << 20 and P.decode(data, P.TO_WORKER).tokens == tokens
+
+
+def test_the_message_limit_names_the_option_that_raises_it():
+    data = P.encode(P.Generate(request_id="r", prompt="x" * 5000))
+    P.set_max_message_bytes(4096)
+    try:
+        with pytest.raises(FermoeError, match=r"the message is \d+ bytes, over the limit of 4096 bytes .*"
+                                              r"--max-request-size"):
+            P.decode(data, P.CLIENT_MESSAGES)
+    finally:
+        P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
+    assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
+
+
+@pytest.mark.parametrize("text, expected", [("*", ("*",)), ("", ()), ("http://a.b:3000/, https://c", (
+    "http://a.b:3000", "https://c"))])
+def test_cors_origins(text, expected):
+    from coordinator.http.options import parse_origins
+    assert parse_origins(text) == expected
+
+
+@pytest.mark.parametrize("text", ["*,http://a", "localhost", "http://a/path"])
+def test_bad_cors_origins_are_named(text):
+    from coordinator.http.options import parse_origins
+    with pytest.raises(FermoeError, match="--cors-origins"):
+        parse_origins(text)
+
+
+def test_http_options_on_the_coordinators_command_line():
+    from coordinator.options import parse_options
+    opts = parse_options(["--model", "tiny", "--alias", "qwen", "--max-request-size", "8MiB", "--http", "8080",
+                          "--cors-origins", "http://localhost:3000"])
+    assert (opts.alias, opts.max_request_size, opts.cors_origins) == ("qwen", 8 << 20, ("http://localhost:3000",))
+    opts = parse_options(["--model", "tiny"])
+    assert (opts.model, opts.alias, opts.max_request_size) == ("tiny", None, P.MAX_MESSAGE_BYTES)
+    for bad, word in [(["--max-request-size", "12"], "at least"), (["--max-request-size", "lots"], "size"),
+                      (["--cors-origins", "*"], "needs --http")]:
+        with pytest.raises(FermoeError, match=f"--(max-request-size|cors-origins).*{word}"):
+            parse_options(["--model", "tiny", *bad])
