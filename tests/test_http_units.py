@@ -357,3 +357,75 @@ def test_http_options_on_the_coordinators_command_line():
                       (["--cors-origins", "*"], "needs --http")]:
         with pytest.raises(FermoeError, match=f"--(max-request-size|cors-origins).*{word}"):
             parse_options(["--model", "tiny", *bad])
+
+
+# ---- /metrics: a request whose client left is counted, once, as an abort ----------
+class _Cancelling:
+    """An upstream whose request is still open: cancel() takes the Done callback."""
+
+    def __init__(self):
+        self.on_done = None
+
+    def cancel(self, rid, on_done=None):
+        if self.on_done is None and on_done is not None:
+            self.on_done = on_done
+            return True
+        return False
+
+
+def test_a_request_whose_client_left_is_counted_as_an_abort_once():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    async def go():
+        metrics, stream, upstream = Metrics(), RequestStream("r"), _Cancelling()
+        response = GenerationResponse(upstream, stream, TextFormat(), "m", True, False, metrics)
+        stream.push(token("r", 1))
+        stream.push(token("r", 2))
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            left.set()                              # the client leaves once the stream has begun
+        await response(None, receive, send)
+        upstream.on_done(P.Done(request_id="r", finish_reason="cancelled", prompt_tokens=7, completion_tokens=5))
+        upstream.on_done(P.Done(request_id="r", finish_reason="cancelled", prompt_tokens=7, completion_tokens=5))
+        return metrics
+
+    metrics = run(go())
+    get = metrics.registry.get_sample_value
+    assert get("fermoe:request_success_total", {"finished_reason": "abort"}) == 1
+    assert (get("fermoe:generation_tokens_total"), get("fermoe:prompt_tokens_total")) == (5, 7)
+    assert get("fermoe:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_cancelled_requests_done_reaches_whoever_cancelled_it():
+    fake = FakeCoordinator()
+
+    async def go():
+        up = Upstream(fake.addr)
+        up.start()
+        up.submit(P.Generate(request_id="a", prompt="x"))
+        fake.recv()
+        got = []
+        assert up.cancel("a", got.append) and not up.cancel("a", got.append)
+        assert isinstance(fake.recv(), P.Cancel)
+        fake.send(token("a", 1))                                    # late: dropped
+        fake.send(P.Done(request_id="a", finish_reason="cancelled", completion_tokens=1))
+        await asyncio.sleep(0.2)
+        assert [d.finish_reason for d in got] == ["cancelled"] and not up.draining
+        await up.close()
+    run(go())
+    fake.close()
+
+
+# ---- system_fingerprint ------------------------------------------------------------
+def test_system_fingerprint_is_one_per_model():
+    from coordinator.http.app import system_fingerprint
+    a = system_fingerprint("df81f6403566e03a")
+    assert a == system_fingerprint("df81f6403566e03a") != system_fingerprint("0123456789abcdef")
+    assert a.startswith("fp_") and len(a) == 13
