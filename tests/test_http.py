@@ -82,7 +82,7 @@ def test_system_fingerprint_and_timings(daemon, client):
     assert t["prompt_n"] + t["cache_n"] == whole.usage.prompt_tokens and t["predicted_n"] == 4
     assert t["prompt_ms"] > 0 and t["predicted_per_second"] > 0
     with httpx.stream("POST", f"{daemon.url}/v1/chat/completions", timeout=60,
-                      json={"messages": CHAT, "n_predict": 5, "ignore_eos": True, "stream": True,
+                      json={"messages": CHAT, "n_predict": 5, "max_tokens": 40, "ignore_eos": True, "stream": True,
                             "timings_per_token": True, "cache_prompt": True, "id_slot": -1}) as r:
         chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert {c["system_fingerprint"] for c in chunks} == {fingerprint}

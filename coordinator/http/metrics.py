@@ -33,7 +33,8 @@ class Metrics:
     def __init__(self, waiting=lambda: 0):
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("fermoe:prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("fermoe:generation_tokens", "Generated tokens of finished and aborted requests",
+        self.generation_tokens = Counter("fermoe:generation_tokens",
+                                         "Generated tokens of finished and aborted requests",
                                          registry=r)
         self.prefix_cache_queries = Counter("fermoe:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix snapshot cache", registry=r)
