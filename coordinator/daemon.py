@@ -23,7 +23,7 @@ import time
 import zmq
 
 from shared import protocol as P
-from shared.errors import FermoeError, ProtocolError
+from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.model import Model
 from shared.sampling import WIRE_FIELDS, SamplingParams
 from shared.state import snapshot_nbytes
@@ -71,7 +71,10 @@ class Coordinator:
     def _socket(self, endpoint: str, mandatory: bool = False):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 * P.MAX_MESSAGE_BYTES)
+        # a client message over --max-request-size is refused by P.decode with an Error naming
+        # the option; ZeroMQ's own cut, which drops the connection unanswered, lies well above it
+        P.set_max_message_bytes(self.opts.max_request_size)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.opts.max_request_size + (1 << 20))
         if mandatory:           # sending to a vanished client raises, so its request is freed
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -154,7 +157,7 @@ class Coordinator:
             if msg.request_id in self.requests:
                 raise FermoeError(f"request_id {msg.request_id!r} is already running")
         except FermoeError as e:
-            self.reply(client, P.Error(message=str(e), request_id=msg.request_id))
+            self.reply(client, P.Error(message=str(e), request_id=msg.request_id, **getattr(e, "wire_fields", {})))
             return
         seed = msg.seed if msg.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, seed, TextStream(self.tokenizer, msg.stop))
@@ -180,7 +183,8 @@ class Coordinator:
         if len(tokens) > self.max_model_len:
             limit = (f"the model's context length of {self.max_model_len}"
                      if self.max_model_len == self.model.config.n_ctx_train else f"--max-model-len {self.max_model_len}")
-            raise FermoeError(f"the prompt is {len(tokens)} tokens, longer than {limit}")
+            raise PromptTooLong(f"the prompt is {len(tokens)} tokens, longer than {limit}", len(tokens),
+                                self.max_model_len)
         return tokens
 
     def handle_cancel(self, client: bytes, msg: P.Cancel) -> None:
@@ -195,7 +199,10 @@ class Coordinator:
                               alive=w.alive and w.ready) for w in self.workers.values()]
         stats = {k: int(v) for k, v in self.index.stats().items()}
         self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=len(self.queue),
-                                         running=len(self.requests) - len(self.queue), snapshots=stats))
+                                         running=len(self.requests) - len(self.queue), snapshots=stats,
+                                         name=self.opts.alias or self.opts.model,
+                                         fingerprint=self.model.fingerprint,
+                                         max_request_size=P.max_message_bytes()))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:
