@@ -85,6 +85,8 @@ class Done(_Msg, tag="done"):
     prefill_ms: float = 0.0             # the prompt's forward passes (0: resumed whole from a snapshot)
     decode_tok_s: float = 0.0           # tokens after the first one, per second
     stop_reason: str | None = None      # as vLLM's: the stop string matched (None: end of generation or other)
+    prefill_device: str | None = None   # where the uncached part of the prompt ran: gpu or cpu (None: no prefill)
+    prefill_estimates_ms: dict[str, float] = {}     # what the choice was made on, by device
 
 
 class Error(_Msg, tag="error"):
@@ -104,6 +106,10 @@ class WorkerInfo(msgspec.Struct):
     threads: int
     running: int
     alive: bool
+    kind: str = "cpu"                   # cpu (prefill and decode) or gpu (prefill only)
+    device: str = ""
+    prefill_tok_s: float = 0.0          # measured at start, then as it serves
+    decode_tok_s: float = 0.0
 
 
 class StatusReply(_Msg, tag="status_reply"):
