@@ -4,6 +4,8 @@ store, with the tokens a CPU-only run samples; the cache and --prefill decide wh
 the GPU is used."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from coordinator.client import Client
-from tests.serving_harness import Daemon, streamed_ids, wait_until
+from tests.serving_harness import Daemon, local_ids, streamed_ids, wait_until
 
 NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
 PROMPT = "A long enough prompt, prefilled on the graphics card and then decoded on the CPU."
@@ -119,3 +121,59 @@ def test_impossible_gpu_options_are_refused(tiny_q4_path, monkeypatch):
         out = subprocess.run([sys.executable, "-m", "coordinator.daemon", "--model", str(tiny_q4_path), *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and problem in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_prefill_the_gpu_cannot_hold_fails_over_to_a_cpu_worker(tiny_q4_path):
+    """--gpu-mem just enough for the GPU worker's first plan: a longer prompt does not fit
+    there (as an out-of-memory would fail), is prefilled on a CPU worker instead with the
+    reason logged, and samples exactly the CPU-only tokens; a short one still goes to the GPU."""
+    budget = smallest_gpu_mem(tiny_q4_path)
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu", "--gpu-mem", str(budget))
+    try:
+        gpu_ready(daemon)
+        long = [3 + i % 500 for i in range(200)]
+        with Client(daemon.addr, timeout_s=300) as c:
+            msgs = list(c.generate(tokens=long, max_tokens=6, temperature=0.0))
+            short = list(c.generate(tokens=long[:20], max_tokens=2, temperature=0.0))[-1]
+        assert msgs[-1].prefill_device == "cpu" and msgs[-1].finish_reason == "length"
+        assert streamed_ids(msgs) == local_ids(tiny_q4_path, long, 6, temperature=0.0)
+        assert any("its prefill on gpu0 failed" in line and "too small" in line for line in daemon.log)
+        assert short.prefill_device == "gpu"
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_gpu_worker_killed_mid_prefill_is_restarted_and_its_request_completes(tiny_q4_path):
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu")
+    try:
+        old = gpu_ready(daemon)["gpu0"].pid
+        prompt = [3 + i % 500 for i in range(400)]           # seconds of emulated prefill
+        with Client(daemon.addr, timeout_s=300) as c:
+            rid = c.submit(tokens=prompt, max_tokens=4, temperature=0.0)
+            wait_until(lambda: any(w.worker_id == "gpu0" and w.running for w in c.status().workers), 60,
+                       "the prompt never reached the GPU worker")
+            os.kill(old, signal.SIGKILL)
+            msgs = list(c.stream(rid))
+            assert msgs[-1].finish_reason == "length" and msgs[-1].prefill_device == "cpu"
+            assert streamed_ids(msgs) == local_ids(tiny_q4_path, prompt, 4, temperature=0.0)
+            wait_until(lambda: any(w.worker_id == "gpu0" and w.alive and w.pid != old for w in c.status().workers),
+                       300, "the GPU worker was not restarted")
+    finally:
+        assert daemon.stop() == 0
+
+
+def smallest_gpu_mem(model_path) -> int:
+    """The least --gpu-mem (to 64 KiB) a GPU engine on the model starts with."""
+    from gpu_worker.emulator import EmulatedDevice
+    from gpu_worker.engine import GPUEngine
+    from shared.errors import FermoeError
+    from shared.model import Model
+    model, lo, hi = Model(str(model_path)), 1 << 20, 1 << 30
+    while hi - lo > 1 << 16:
+        mid = (lo + hi) // 2
+        try:
+            GPUEngine(model, gpu_mem=mid, device=EmulatedDevice()).close()
+            hi = mid
+        except FermoeError:
+            lo = mid
+    return hi
