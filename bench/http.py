@@ -6,7 +6,10 @@ sending its share of the requests one after another): requests/s, generated toke
 time to first token's percentiles. Then the HTTP path's added latency against the
 ZeroMQ client in the same run: one-token requests on a cached prompt, the two
 paths alternated pair by pair, each timed from sending to the first token.
-Clients, server, coordinator and worker share this machine's cores."""
+Clients, server, coordinator and worker share this machine's cores.
+
+With --soak MINUTES it runs bench/soak.py's mixed load instead and reports each
+server process's resident memory over the time."""
 from __future__ import annotations
 
 import argparse
@@ -144,6 +147,20 @@ def run(model: str, prompt_tokens: int, max_tokens: int, requests: int, pairs: i
             "concurrency": load, "added_latency_vs_zmq": added}
 
 
+def run_soak(model: str, args, extra: list[str]) -> dict:
+    from .soak import soak
+    idle_s = args.idle if args.idle is not None else min(60.0, args.soak * 60 * 0.2)
+    with tempfile.TemporaryFile("w+") as log:
+        daemon, _, url = _start(model, extra, log)
+        try:
+            result = soak(url, daemon.pid, args.soak, args.clients, args.sample_every, idle_s, args.prompt,
+                          args.tokens)
+        finally:
+            stop_coordinator(daemon)
+    return {"model": model, "prompt_tokens": args.prompt, "max_tokens": args.tokens, "server_options": extra,
+            **result}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fermoe bench http")
     p.add_argument("model", nargs="?", default="tiny", help="GGUF file or built-in model (default: tiny)")
@@ -152,11 +169,25 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=64,
                    help="requests at each concurrency, shared out among the clients (default 64)")
     p.add_argument("--pairs", type=int, default=200, help="alternated HTTP/ZeroMQ pairs for the added latency")
+    p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                   help="instead: a mixed load (streamed, plain, dropped and malformed requests) for MINUTES, and "
+                        "every server process's resident memory over it")
+    p.add_argument("--clients", type=int, default=16, help="--soak: concurrent clients (default 16)")
+    p.add_argument("--sample-every", type=float, default=5.0, help="--soak: seconds between memory samples "
+                                                                    "(default 5)")
+    p.add_argument("--idle", type=float, default=None, help="--soak: seconds sampled after the load, the server "
+                                                            "idle (default: a fifth of the soak, at most 60)")
     args, daemon_options = p.parse_known_args(argv)          # the rest goes to the coordinator
     if httpx is None:
         raise FermoeError("fermoe bench http needs httpx: pip install -e '.[test]'")
     if min(args.prompt, args.tokens, args.requests, args.pairs) < 1:
         p.error("--prompt, --tokens, --requests and --pairs must be at least 1")
+    if args.soak is not None:
+        if args.soak <= 0 or args.clients < 1 or args.sample_every <= 0 or (args.idle or 0) < 0:
+            p.error("--soak and --sample-every must be positive, --clients at least 1, --idle at least 0")
+        from .soak import dumps
+        print(dumps(run_soak(args.model, args, daemon_options)))
+        return 0
     print(json.dumps(run(args.model, args.prompt, args.tokens, args.requests, args.pairs, daemon_options), indent=2))
     return 0
 

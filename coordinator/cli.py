@@ -7,10 +7,23 @@ import sys
 
 import numpy as np
 
+from coordinator.escapes import process_escapes
 from coordinator.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
 from shared.errors import FermoeError
 
 DEFAULT_MODEL = "tiny"
+DESCRIPTION = """\
+fermoe runs Qwen3.5/3.6-35B-A3B-class mixture-of-experts models (GGUF files) on CPUs, from
+the command line or as a daemon serving many clients (ZeroMQ and an OpenAI-compatible HTTP API)."""
+EPILOG = r"""examples:
+  fermoe demo
+      start a coordinator on the built-in model, print a prompt and its continuation, stop
+  fermoe generate model.gguf -p "def fib(n):\n" -n 64
+      print 64 tokens after a prompt (\n: a newline, as in llama.cpp)
+
+serving: `coordinator --model model.gguf --http 127.0.0.1:8080` starts the daemon and its
+HTTP API; `fermoe submit -p "Hello" --stop "\n\n"` sends it a prompt.
+`fermoe COMMAND --help` lists a command's options."""
 
 
 def _add_model(p: argparse.ArgumentParser):
@@ -47,6 +60,23 @@ def _add_n_predict(p: argparse.ArgumentParser):
                         "and as max_tokens left out over ZeroMQ and HTTP)")
 
 
+def _add_prompt(p: argparse.ArgumentParser, required: bool = False, default: str | None = None):
+    p.add_argument("-p", "--prompt", required=required, default=default,
+                   help="the prompt; escapes such as \\n, \\t, \\\\ and \\xHH are read as llama.cpp's "
+                        "CLI reads them" + (f" (default: {default!r})" if default else ""))
+    p.add_argument("--no-escape", dest="escape", action="store_false",
+                   help="take -p (and --stop) as given, backslashes and all (as llama.cpp's --no-escape)")
+
+
+def _escaped(args) -> None:
+    """-p and --stop with their escapes read (unless --no-escape)."""
+    if not args.escape:
+        return
+    args.prompt = process_escapes(args.prompt, "-p")
+    if getattr(args, "stop", None):
+        args.stop = [process_escapes(s, "--stop") for s in args.stop]
+
+
 def _max_tokens(args) -> int | None:
     if args.n_predict < -1:
         raise FermoeError(f"-n {args.n_predict}: must be >= 0, or -1 for no limit")
@@ -58,50 +88,69 @@ def _seed(args) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fermoe", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="fermoe", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="print a continuation of a prompt")
+    p = sub.add_parser("generate", help="print a continuation of a prompt, in this process (no daemon)",
+                       description="Print a continuation of a prompt, in this process (no daemon).")
     _add_model(p)
-    p.add_argument("-p", "--prompt", required=True)
+    _add_prompt(p, required=True)
     _add_n_predict(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     _add_sampling(p)
 
-    p = sub.add_parser("logits", help="write the float32 [T, vocab] logits of every prompt position")
+    p = sub.add_parser("logits", help="write the float32 [T, vocab] logits of every prompt position",
+                       description="Write the float32 [T, vocab] logits of every prompt position as a .npy file.")
     _add_model(p)
     p.add_argument("--tokens", help="comma-separated token ids")
-    p.add_argument("--prompt", help="text to tokenize (instead of --tokens)")
+    p.add_argument("--prompt", help="text to tokenize (instead of --tokens), taken as given")
     p.add_argument("--out", required=True, help="output .npy file")
 
-    p = sub.add_parser("convert", help="Hugging Face checkpoint -> GGUF")
-    p.add_argument("hf_dir")
-    p.add_argument("out")
-    p.add_argument("--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"])
+    p = sub.add_parser("convert", help="Hugging Face checkpoint -> GGUF",
+                       description="Convert a Hugging Face Qwen3.5/3.6-MoE checkpoint (safetensors) to a GGUF file.")
+    p.add_argument("hf_dir", help="the checkpoint's directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("out", help="the GGUF file to write")
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"],
+                   help="element type of the large matrices (default f32)")
 
-    p = sub.add_parser("synth", help="write a seeded random model with the real structure")
-    p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-35b-a3b"])
+    p = sub.add_parser("synth", help="write a model of random weights with the real structure (for speed tests)",
+                       description="Write a seeded model of random weights with the real structure, as GGUF: "
+                                   "for speed and memory measurements (what it generates is noise).")
+    p.add_argument("out", help="the GGUF file to write")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-35b-a3b"],
+                   help="tiny (a few MB) or the real model's dimensions (default tiny)")
     p.add_argument("--experts", type=int, default=None, help="experts per layer (REAP-style count)")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"])
-    p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("submit", help="send a prompt to a running coordinator and stream the reply")
+    p.add_argument("--layers", type=int, default=None, help="layers (default: the preset's)")
+    p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"],
+                   help="element type of the large matrices (default q4_0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p = sub.add_parser("submit", help="send a prompt to a running coordinator and stream the reply",
+                       description="Send a prompt to a running coordinator (started with `coordinator --model "
+                                   "MODEL`) and stream the reply; a summary line on stderr says why it stopped.")
     p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="coordinator address (default: loopback 5557)")
-    p.add_argument("-p", "--prompt", required=True)
+    _add_prompt(p, required=True)
     _add_n_predict(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message (model's template)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string, with escapes as -p (repeatable), e.g. --stop '\n\n'")
     p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the coordinator")
     _add_sampling(p)
 
-    p = sub.add_parser("demo", help="start a coordinator on a model, submit a prompt, stream it, stop")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("-p", "--prompt", default="This module provides")
-    p.add_argument("-n", "--n-predict", type=int, default=32)
-    p.add_argument("--addr", default="tcp://127.0.0.1:5557")
+    p = sub.add_parser("demo", help="start a coordinator on a model, stream one prompt's continuation, stop",
+                       description="Start a coordinator on a model, print a prompt and its continuation as it "
+                                   "streams (greedy), say why it stopped, and stop the coordinator.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="GGUF file, or the name of a built-in model (default: tiny)")
+    _add_prompt(p, default="This module provides")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default 32; -1: until "
+                                                                     "end of generation or of the context)")
+    p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="where the coordinator listens "
+                                                                  "(default: loopback 5557)")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API for a running coordinator")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API for a running coordinator",
+                       description="Serve the OpenAI-compatible HTTP API for a running coordinator (or start "
+                                   "the coordinator with --http).")
     from coordinator.http.options import add_http_options
     add_http_options(p, standalone=True)
 
@@ -109,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub, _add_model, _add_engine)
 
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                     "| http [MODEL]")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http"])
+                                     "| http [MODEL]",
+                       description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http"],
+                   help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
+                        "(the daemon: time to first token, clients) or http (the HTTP API end to end)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -136,6 +188,7 @@ def cmd_generate(args) -> None:
     from shared.tokenizer import StreamDecoder
 
     max_tokens = _max_tokens(args)
+    _escaped(args)
     model, engine = _open(args)
     prefill = None
     if args.engine == "gpu":        # the prompt on the GPU, the tokens on the CPU from the state it hands over
@@ -147,7 +200,9 @@ def cmd_generate(args) -> None:
                             repeat_penalty=args.repeat_penalty, seed=_seed(args))
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
-    for token in generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill):
+    for i, token in enumerate(generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill)):
+        if i == 0:              # the options all checked: any error came as the only line
+            _notices(args, model.file.metadata, model.path)
         if token in stop_ids:
             break
         sys.stdout.write(stream.feed(token))
@@ -188,7 +243,42 @@ def cmd_synth(args) -> None:
           file=sys.stderr)
 
 
-def _stream(client, request_id) -> None:
+def _notices(args, metadata: dict, model_path: str) -> None:
+    """One line on stderr where the output will be noise: random weights, or chat turns
+    to the built-in model (trained on docstrings)."""
+    from shared.builtin import BUILTIN
+    from shared.synth import has_random_weights, random_weights_notice
+    if has_random_weights(metadata):
+        print(f"fermoe: {random_weights_notice(args.model)}", file=sys.stderr)
+    elif getattr(args, "chat", False) and model_path in {str(p) for p in BUILTIN.values()}:
+        print(chat_notice(model_path), file=sys.stderr)
+
+
+def chat_notice(model_path: str) -> str:
+    from shared.builtin import BUILTIN
+    name = next(n for n, p in BUILTIN.items() if str(p) == model_path)
+    return (f"fermoe: the built-in model {name} was trained on Python docstrings, not on chat turns: "
+            "its --chat replies are noise")
+
+
+def stop_words(done, max_tokens: int | None) -> str:
+    """Why a request stopped, in words."""
+    if done.finish_reason == "length":
+        return f"{max_tokens} tokens (-n)" if max_tokens is not None else "end of the context"
+    if done.finish_reason == "stop":
+        return f"stop string {done.stop_reason!r}" if done.stop_reason is not None else "end of generation"
+    return f"error: {done.error}" if done.finish_reason == "error" else done.finish_reason
+
+
+def summary(done, max_tokens: int | None) -> str:
+    """The line `fermoe submit` and `fermoe demo` end with: why it stopped, then the counts and timings."""
+    decode = f" at {done.decode_tok_s:.1f} tok/s" if done.completion_tokens > 1 else ""
+    return (f"stopped: {stop_words(done, max_tokens)}; prompt {done.prompt_tokens} tokens "
+            f"({done.cached_prompt_tokens} cached), prefill {done.prefill_ms:.0f} ms, "
+            f"{done.completion_tokens} tokens generated{decode}")
+
+
+def _stream(client, request_id, max_tokens: int | None) -> None:
     done = None
     for msg in client.stream(request_id):
         if hasattr(msg, "text"):
@@ -197,43 +287,65 @@ def _stream(client, request_id) -> None:
         else:
             done = msg
     sys.stdout.write("\n")
-    print(f"[{done.finish_reason}] prompt {done.prompt_tokens} tokens ({done.cached_prompt_tokens} cached), "
-          f"prefill {done.prefill_ms:.0f} ms, {done.completion_tokens} tokens at {done.decode_tok_s:.1f} tok/s"
-          + (f", error: {done.error}" if done.error else ""), file=sys.stderr)
+    sys.stdout.flush()
+    print(summary(done, max_tokens), file=sys.stderr)
 
 
 def cmd_submit(args) -> None:
     from coordinator.client import Client
+    from shared.builtin import BUILTIN
 
+    max_tokens = _max_tokens(args)
+    _escaped(args)
     with Client(args.addr) as client:
         if args.wait:
-            client.wait_ready(args.wait)
+            status = client.wait_ready(args.wait)
         else:
-            client.status(timeout_s=5.0)    # nothing there: one clear error now, not after minutes
+            status = client.status(timeout_s=5.0)    # nothing there: one clear error now, not after minutes
+        if args.chat and status.model in {str(p) for p in BUILTIN.values()}:
+            print(chat_notice(status.model), file=sys.stderr)
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
-        rid = client.submit(max_tokens=_max_tokens(args), temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+        rid = client.submit(max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=_seed(args), stop=args.stop,
                             ignore_eos=args.ignore_eos, **kwargs)
-        _stream(client, rid)
+        _stream(client, rid, max_tokens)
 
 
 def cmd_demo(args) -> None:
-    """The daemon path end to end: coordinator up, one streamed request, clean stop."""
-    import signal
-    import subprocess
+    """The daemon path end to end: coordinator up, one streamed request, clean stop. The
+    coordinator's log goes to a file, shown only if it fails: the output is the prompt,
+    its continuation and why it stopped."""
+    import tempfile
 
+    from bench.serve import last_words, start_coordinator, stop_coordinator
     from coordinator.client import Client
+    from shared.builtin import resolve_model
+    from shared.gguf_file import GGUFFile
 
-    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", args.model,
-                               "--bind", args.addr, "--snapshot-mem", "64MiB"])
+    max_tokens = _max_tokens(args)
+    _escaped(args)
+    path = resolve_model(args.model)
     try:
-        with Client(args.addr) as client:
-            client.wait_ready(300, alive=lambda: daemon.poll() is None)
-            _stream(client, client.submit(args.prompt, max_tokens=args.n_predict, temperature=0.0))
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        if daemon.wait(timeout=30) != 0:
-            raise FermoeError(f"the coordinator exited with status {daemon.returncode}")
+        metadata = GGUFFile(path).metadata
+    except OSError as e:
+        raise FermoeError(f"{args.model}: {e.strerror or e}") from None
+    _notices(args, metadata, path)
+    with tempfile.TemporaryFile("w+") as log:
+        daemon = start_coordinator(args.model, args.addr, ["--snapshot-mem", "64MiB"], log)
+        try:
+            with Client(args.addr) as client:
+                try:
+                    client.wait_ready(300, alive=lambda: daemon.poll() is None)
+                except FermoeError as e:
+                    last = last_words(log)
+                    raise FermoeError(f"{e}" + (f": {last}" if last else "")) from None
+                sys.stdout.write(args.prompt)
+                _stream(client, client.submit(args.prompt, max_tokens=max_tokens, temperature=0.0), max_tokens)
+        finally:
+            stop_coordinator(daemon)
+        if daemon.returncode != 0:
+            last = last_words(log)
+            raise FermoeError(f"the coordinator exited with status {daemon.returncode}" + (f": {last}" if last else ""))
 
 
 def cmd_bench(args) -> None:

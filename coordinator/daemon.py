@@ -27,6 +27,7 @@ from shared.errors import FermoeError, ProtocolError
 from shared.model import Model
 from shared.sampling import WIRE_FIELDS, SamplingParams
 from shared.state import snapshot_nbytes
+from shared.synth import has_random_weights, random_weights_notice
 
 from .memory import resolve_max_model_len
 from .requests import Request, TextStream
@@ -45,6 +46,8 @@ class Coordinator:
     def __init__(self, opts):
         self.opts = opts
         self.model = Model(opts.model_path)
+        if has_random_weights(self.model.file.metadata):
+            log.warning("%s", random_weights_notice(opts.model))
         self.tokenizer = self.model.tokenizer
         sequences = opts.max_sequences * len(worker_plan(opts))     # on this host
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
@@ -85,8 +88,10 @@ class Coordinator:
         n_slots = self.opts.snapshot_mem // slot
         self.index = SnapshotIndex(n_slots, self.opts.block)
         self.arena = SnapshotArena.create(slot, n_slots) if n_slots else None
-        log.info("snapshot store: %d slots of %.1f MiB (budget %.1f MiB, block %d)",
-                 n_slots, slot / 2**20, self.opts.snapshot_mem / 2**20, self.opts.block)
+        how = (f"default: {self.opts.snapshot_mem_default}" if self.opts.snapshot_mem_default
+               else "--snapshot-mem")
+        log.info("snapshot store: %d slots of %.1f MiB, block %d: %.1f MiB of /dev/shm (%s)",
+                 n_slots, slot / 2**20, self.opts.block, n_slots * slot / 2**20, how)
 
     # ---- the loop -----------------------------------------------------------
     def event_loop(self) -> None:
@@ -250,6 +255,11 @@ class Coordinator:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
             return                               # ended meanwhile (cancel raced the token)
+        now = time.monotonic()
+        if req.first_token is None:
+            req.first_token = now       # a worker that does not report its prefill: the time since dispatch
+            req.prefill_ms = msg.prefill_ms if msg.prefill_ms is not None else 1000 * (now - req.dispatched)
+        req.last_token, req.sampled = now, req.sampled + 1
         if req.skip:
             req.skip -= 1                        # a replay re-samples what was already sent
             return
@@ -279,10 +289,8 @@ class Coordinator:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
             return
-        req.prefill_ms += msg.prefill_ms
-        tok_s = msg.completion_tokens / msg.decode_ms * 1000 if msg.decode_ms > 0 else 0.0
-        reason = "error" if msg.finish_reason == "error" else msg.finish_reason
-        self.end(req, reason, error=msg.error, decode_tok_s=tok_s)
+        # its timings are not taken: Request.timings, from the tokens, serves every finish reason alike
+        self.end(req, msg.finish_reason, error=msg.error)
 
     # ---- lifecycle ------------------------------------------------------------
     def schedule(self) -> None:
@@ -298,11 +306,15 @@ class Coordinator:
 
     def assign(self, req: Request, wid: str) -> None:
         cache = self.arena is not None
-        resume = self.index.lookup(req.tokens) if cache else None
-        req.resume, req.cached_tokens = resume, (resume.position if resume else 0)
-        start = req.cached_tokens
-        req.planned = self.index.plan(req.tokens, start) if cache else []
+        replay = req.attempts > 0               # its own snapshots, not a client-visible cache hit
+        resume = self.index.lookup(req.tokens, replay=replay) if cache else None
+        req.resume = resume
+        if not replay:
+            req.cached_tokens = resume.position if resume else 0
+        req.planned = self.index.plan(req.tokens, resume.position if resume else 0) if cache else []
         req.worker, req.attempts = wid, req.attempts + 1
+        req.dispatched, req.prefill_ms, req.first_token, req.last_token, req.sampled = \
+            time.monotonic(), None, None, None, 0
         self.workers[wid].requests.add(req.rid)
         m = req.msg
         until_context_end = self.max_model_len - len(req.tokens) + 1
@@ -317,9 +329,11 @@ class Coordinator:
             ignore_eos=m.ignore_eos,
             **{name: getattr(m, name) for name in WIRE_FIELDS if name != "seed"}, seed=req.seed), data)
 
-    def end(self, req: Request, reason: str, error: str | None = None, decode_tok_s: float = 0.0,
-            notify: bool = True) -> None:
-        """Free everything the request holds and tell the client (unless it is gone)."""
+    def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
+        """Free everything the request holds, log it and tell the client (unless it is gone)."""
+        now = time.monotonic()
+        prefill_ms, decode_tok_s = req.timings(now)
+        self._log_finished(req, reason, error, prefill_ms, decode_tok_s, now)
         self.requests.pop(req.rid, None)
         if req.rid in self.queue:
             self.queue.remove(req.rid)
@@ -335,8 +349,24 @@ class Coordinator:
             self.reply(req.client, P.Token(request_id=req.rid, token=-1, text=tail))
         self.reply(req.client, P.Done(request_id=req.rid, finish_reason=reason, error=error,
                                       prompt_tokens=len(req.tokens), cached_prompt_tokens=req.cached_tokens,
-                                      completion_tokens=req.sent, prefill_ms=round(req.prefill_ms, 3),
-                                      decode_tok_s=round(decode_tok_s, 3)))
+                                      completion_tokens=req.sent, prefill_ms=round(prefill_ms, 3),
+                                      decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by))
+
+    @staticmethod
+    def _log_finished(req: Request, reason: str, error: str | None, prefill_ms: float, decode_tok_s: float,
+                      now: float) -> None:
+        """One line per request, as llama-server and vLLM print: what it was, why it
+        ended, how fast its prompt and its tokens went."""
+        n_prompt = len(req.tokens)
+        prefilled = n_prompt - (req.resume.position if req.resume else req.cached_tokens)
+        prefill_tok_s = prefilled / prefill_ms * 1000 if prefill_ms > 0 and req.first_token is not None else 0.0
+        why = reason if req.stream.stopped_by is None else f"{reason}: stop string {req.stream.stopped_by!r}"
+        queued = (req.dispatched if req.dispatched is not None else now) - req.arrived
+        log.log(logging.WARNING if reason == "error" else logging.INFO,
+                "request %s finished (%s): prompt %d tokens (%d cached), %d generated; prefill %d tokens in "
+                "%.0f ms (%.1f tok/s), decode %.1f tok/s; total %.0f ms (%.0f ms queued)%s",
+                req.rid, why, n_prompt, req.cached_tokens, req.sent, prefilled, prefill_ms, prefill_tok_s,
+                decode_tok_s, 1000 * (now - req.arrived), 1000 * queued, f"; error: {error}" if error else "")
 
     def _release_snapshots(self, req: Request) -> None:
         if req.resume is not None:

@@ -1,4 +1,5 @@
-"""How many positions a served sequence may hold (vLLM's max_model_len).
+"""How much of the host the coordinator plans for: how many positions a served
+sequence may hold (vLLM's max_model_len), and the snapshot arena's default size.
 
 KV pages are allocated as a sequence grows, so the limit is what keeps the host's
 memory from running out: max_sequences sequences on every local worker, each at
@@ -30,6 +31,32 @@ def host_memory_bytes() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise FermoeError("cannot read MemTotal from /proc/meminfo")
+
+
+# The snapshot arena lives in /dev/shm: memory the kernel can neither swap nor reclaim
+# while the coordinator runs, taken beside the weights and the workers' KV. By default
+# it gets an eighth of the host's memory, at most half of what /dev/shm has free (other
+# programs use it too) and at most 8 GiB (a few thousand full-size snapshots: past that,
+# more cache rarely means more hits).
+SNAPSHOT_MEM_HOST_FRACTION = 8
+SNAPSHOT_MEM_SHM_FRACTION = 2
+SNAPSHOT_MEM_CAP = 8 << 30
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def default_snapshot_mem() -> tuple[int, str]:
+    """--snapshot-mem when not given: (bytes, why, in words for the log)."""
+    host, shm = host_memory_bytes(), shm_free_bytes()
+    size = min(host // SNAPSHOT_MEM_HOST_FRACTION, shm // SNAPSHOT_MEM_SHM_FRACTION, SNAPSHOT_MEM_CAP)
+    gib = 1 << 30
+    why = (f"1/{SNAPSHOT_MEM_HOST_FRACTION} of this host's {host / gib:.1f} GiB, at most 1/{SNAPSHOT_MEM_SHM_FRACTION} "
+           f"of the {shm / gib:.1f} GiB free in {SHM_DIR} and {SNAPSHOT_MEM_CAP // gib} GiB")
+    return size, why
 
 
 def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequences: int, memory: int) -> int:

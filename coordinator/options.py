@@ -45,17 +45,22 @@ def gpu_engine_options(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coordinator", description="fermoe coordinator daemon")
+    p = argparse.ArgumentParser(prog="coordinator", description="The fermoe daemon: loads a model, starts its CPU "
+                                "workers, keeps the prefix snapshot cache and serves clients (`fermoe submit`, "
+                                "ZeroMQ; the OpenAI-compatible HTTP API with --http) until SIGTERM or Ctrl-C.")
     p.add_argument("--model", required=True, help="GGUF path or built-in model name (tiny)")
-    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: loopback)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: tcp://127.0.0.1:5557)")
     p.add_argument("--worker-bind", default="tcp://127.0.0.1:*",
                    help="worker endpoint; loopback by default, a routable address lets other hosts' workers in")
-    p.add_argument("--cpu-workers-per-socket", type=int, default=1)
+    p.add_argument("--cpu-workers-per-socket", type=int, default=1,
+                   help="CPU worker processes on each NUMA node (default 1)")
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="default: the node's physical cores divided among its workers")
-    p.add_argument("--snapshot-mem", default="8GiB", help="shared memory for prefix snapshots (0 = no cache)")
-    p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens")
-    p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves")
+    p.add_argument("--snapshot-mem", default=None,
+                   help="shared memory (/dev/shm) for prefix snapshots, e.g. 2GiB; 0 = no cache (default: an "
+                        "eighth of the host's memory, at most half of /dev/shm's free space and 8 GiB)")
+    p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens (default 256)")
+    p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions a sequence may hold, prompt and output (default: the model's context "
                         "length, or less if max-sequences such sequences per worker would not fit in memory)")
@@ -94,6 +99,10 @@ def parse_options(argv=None):
         if opts.cpu_workers_per_socket > cores:
             raise FermoeError(f"--cpu-workers-per-socket {opts.cpu_workers_per_socket}: node {node} has {cores} "
                               f"physical cores, and a worker needs one at least")
-    opts.snapshot_mem = parse_size(opts.snapshot_mem)
+    from .memory import default_snapshot_mem
+    if opts.snapshot_mem is None:
+        opts.snapshot_mem, opts.snapshot_mem_default = default_snapshot_mem()
+    else:
+        opts.snapshot_mem, opts.snapshot_mem_default = parse_size(opts.snapshot_mem), None
     opts.model_path = resolve_model(opts.model)
     return opts

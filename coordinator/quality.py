@@ -19,18 +19,22 @@ dequantised at a time; random needs no text."""
 
 def add_parsers(sub, add_model, add_engine) -> None:
     """The three subcommands, on the `fermoe` parser's subparsers."""
-    p = sub.add_parser("ppl", help="perplexity over a text, in llama-perplexity's windows")
+    p = sub.add_parser("ppl", help="perplexity over a text, in llama-perplexity's windows",
+                       description="Perplexity of a model over a text, scored in llama-perplexity's windows "
+                                   "(the second half of each window).")
     add_model(p)
     _add_text(p)
 
-    p = sub.add_parser("compare", help="perplexity of two models, their top-1 agreement and KL(A || B)")
-    p.add_argument("model_a")
-    p.add_argument("model_b")
+    p = sub.add_parser("compare", help="perplexity of two models, their top-1 agreement and KL(A || B)",
+                       description="Perplexity of two models over a text, how often their most likely next token "
+                                   "agrees, and the KL divergence of B's distribution from A's.")
+    p.add_argument("model_a", help="GGUF file or built-in model name: the reference")
+    p.add_argument("model_b", help="GGUF file or built-in model name: compared with A (e.g. a pruned A)")
     add_engine(p)
     _add_text(p)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
-    p = sub.add_parser("prune", help=PRUNE_HELP.splitlines()[0], description=PRUNE_HELP,
+    p = sub.add_parser("prune", help=PRUNE_HELP.splitlines()[0].rstrip("."), description=PRUNE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="GGUF file or built-in model name")
     p.add_argument("--keep", type=int, required=True, help="experts to keep in every layer")

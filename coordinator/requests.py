@@ -20,15 +20,32 @@ class Request:
     worker: str | None = None
     resume: object = None            # pinned SnapshotIndex lookup, released when the request ends
     planned: list = field(default_factory=list)    # snapshot slots being written for it
-    cached_tokens: int = 0
+    cached_tokens: int = 0           # reused from before the request started (its first lookup)
     sent: int = 0                    # tokens streamed to the client
     skip: int = 0                    # tokens a replaying worker will re-sample before new ones
     attempts: int = 0
-    prefill_ms: float = 0.0
+    # Timings of the current attempt, kept here so that every finish reason (a stop string
+    # or a cancel ends a request before its worker reports) has them.
+    dispatched: float | None = None  # sent to a worker
+    prefill_ms: float | None = None  # the worker's, with its first token
+    first_token: float | None = None
+    last_token: float | None = None
+    sampled: int = 0                 # tokens the worker sampled (replayed and end-of-generation ones too)
 
     @property
     def rid(self) -> str:
         return self.msg.request_id
+
+    def timings(self, now: float) -> tuple[float, float]:
+        """(prefill_ms, decode_tok_s) of the current attempt: the worker's prefill time (the
+        time since dispatch while no token came yet), then the rate of the tokens after the
+        first one as they arrived here (0 with fewer than two)."""
+        if self.dispatched is None:
+            return 0.0, 0.0
+        if self.first_token is None:
+            return 1000 * (now - self.dispatched), 0.0
+        span = self.last_token - self.first_token
+        return self.prefill_ms, (self.sampled - 1) / span if span > 0 else 0.0
 
 
 class TextStream:
@@ -40,13 +57,15 @@ class TextStream:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
         self.stopped = False
+        self.stopped_by: str | None = None          # the stop string that ended the text
 
     def feed(self, token: int) -> str:
         """The text that can be shown now; sets `stopped` when a stop string appeared."""
         self.pending += self.decoder.feed(token)
         # the first place any stop string starts (one token's text may hold several)
-        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, self.stopped_by = min(found, key=lambda f: f[0])
             out, self.pending, self.stopped = self.pending[:cut], "", True
             return out
         keep = min(self.hold, len(self.pending))

@@ -27,6 +27,15 @@ Life of a slot:
     cached, unpinned --evicted by plan--> removed from the index, then re-planned
 An entry leaves the index before its slot is handed out again, and pinned or
 planned slots are never evicted, so a lookup can never return a reused slot.
+
+What is evicted first (least recently used within each tier, tiers in this order):
+    0. end entries no client lookup has reused: the last snapshot of a one-off prompt
+    1. block entries no client lookup has reused: shared by every extension of a prompt
+    2. entries a client lookup has reused
+so a stream of one-off short prompts recycles its own slots and never pushes out a
+long prompt's blocks, and what was reused once (a system prompt, a conversation)
+outlives what never was. A replay's lookup (a request restarted after its worker
+died) reuses the request's own snapshots: it is counted apart and promotes nothing.
 """
 from __future__ import annotations
 
@@ -107,7 +116,8 @@ class SnapshotIndex:
         self.n_slots = n_slots
         self.block = block
         self._entries: dict[bytes, Entry] = {}            # committed, visible
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed and unpinned, oldest first
+        self._lru = _EvictionOrder()                     # committed and unpinned, by tier, oldest first
+        self._reused: set[bytes] = set()                 # committed keys a client lookup returned
         self._pins: dict[bytes, int] = {}                # committed key -> Resumes holding it
         self._planned: dict[bytes, Planned] = {}         # being written, pinned, invisible
         self._planned_slots: dict[int, Planned] = {}
@@ -115,7 +125,7 @@ class SnapshotIndex:
         self._resumes: dict[int, Resume] = {}
         self._tickets = itertools.count(1)
         self._free = list(range(n_slots - 1, -1, -1))   # pop() hands out slot 0 first
-        self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, skipped=0)
+        self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, skipped=0, replays=0, replay_hit_tokens=0)
 
     # ---- keys ----------------------------------------------------------------
     def chain_keys(self, tokens) -> list[bytes]:
@@ -142,8 +152,10 @@ class SnapshotIndex:
         return _hash(base, b"end", memoryview(data)[4 * begin:4 * stop])
 
     # ---- lookup --------------------------------------------------------------
-    def lookup(self, tokens) -> Resume | None:
-        """The longest usable cached prefix of tokens, pinned until release(); None if none."""
+    def lookup(self, tokens, replay: bool = False) -> Resume | None:
+        """The longest usable cached prefix of tokens, pinned until release(); None if none.
+        replay: the lookup of a request restarted after its worker died, counted as
+        `replays` and `replay_hit_tokens`, not as a hit or a miss, and promoting nothing."""
         data = token_bytes(tokens)
         n = len(data) // 4
         keys = self._chain(data)
@@ -155,16 +167,23 @@ class SnapshotIndex:
             end = self._longest_end(keys[m - 1] if m else b"", data, position, n)
             if end is not None:
                 position = end.position
-        if position == 0:
+        if replay:
+            self._counts["replays"] += 1
+            self._counts["replay_hit_tokens"] += position
+        elif position == 0:
             self._counts["misses"] += 1
+        else:
+            self._counts["hits"] += 1
+            self._counts["hit_tokens"] += position
+        if position == 0:
             return None
         chain = tuple(self._entries[k] for k in keys[:m])
         resume = Resume(position, position == n, chain, end, next(self._tickets))
         for e in resume.entries:
             self._pin(e.key)
+            if not replay:
+                self._reused.add(e.key)
         self._resumes[resume.ticket] = resume
-        self._counts["hits"] += 1
-        self._counts["hit_tokens"] += position
         return resume
 
     def _longest_end(self, base: bytes, data: bytes, begin: int, n: int) -> Entry | None:
@@ -191,7 +210,7 @@ class SnapshotIndex:
 
     def _pin(self, key: bytes) -> None:
         if key not in self._pins:
-            self._lru.pop(key)
+            self._lru.remove(key)
             self._pins[key] = 0
         self._pins[key] += 1
 
@@ -199,7 +218,13 @@ class SnapshotIndex:
         self._pins[key] -= 1
         if self._pins[key] == 0:
             del self._pins[key]
-            self._lru[key] = None
+            self._lru.add(key, self._tier(key))
+
+    def _tier(self, key: bytes) -> int:
+        """Eviction tier of a committed entry (see the module's docstring)."""
+        if key in self._reused:
+            return 2
+        return 1 if self._entries[key].position % self.block == 0 else 0
 
     # ---- writing -------------------------------------------------------------
     def plan(self, tokens, start: int) -> list[Planned]:
@@ -222,7 +247,7 @@ class SnapshotIndex:
         # later ones (a gap would make those useless): hold them out of the LRU.
         held = [k for k in keys + [end] if k in self._lru]
         for k in held:
-            del self._lru[k]
+            self._lru.remove(k)
         planned = []
         for key, position, parent in wanted:
             slot = self._take_slot()
@@ -233,7 +258,7 @@ class SnapshotIndex:
             self._planned[key] = self._planned_slots[slot] = p
             planned.append(p)
         for k in reversed(held):
-            self._lru[k] = None
+            self._lru.add(k, self._tier(k))
         return planned
 
     def _take_slot(self) -> int | None:
@@ -241,8 +266,9 @@ class SnapshotIndex:
             return self._free.pop()
         if not self._lru:
             return None
-        key, _ = self._lru.popitem(last=False)
+        key = self._lru.pop_oldest()
         entry = self._entries.pop(key)
+        self._reused.discard(key)
         if entry.position % self.block:
             self._forget_end(entry)
         self._counts["evictions"] += 1
@@ -265,7 +291,7 @@ class SnapshotIndex:
         for p in self._claim(planned):
             entry = Entry(p.key, p.slot, p.position, p.parent)
             self._entries[p.key] = entry
-            self._lru[p.key] = None
+            self._lru.add(p.key, self._tier(p.key))
             if p.position % self.block:
                 base, r = self._end_base(entry)
                 tails = self._ends.setdefault(base, {})
@@ -297,7 +323,7 @@ class SnapshotIndex:
         key = entry.parent
         while key is not None and key in self._entries:
             if key in self._lru:
-                self._lru.move_to_end(key)
+                self._lru.touch(key)
             key = self._entries[key].parent
 
     def planned_in(self, slot: int) -> Planned | None:
@@ -318,6 +344,8 @@ class SnapshotIndex:
         assert all(0 <= s < self.n_slots for s in slots + self._free)
         assert set(self._lru) | set(self._pins) == set(self._entries)
         assert not set(self._lru) & set(self._pins), "a pinned entry is evictable"
+        assert self._reused <= set(self._entries), "a reuse mark outlived its entry"
+        assert all(self._lru.tier_of(k) == self._tier(k) for k in self._lru), "an entry in the wrong tier"
         assert not set(self._planned) & set(self._entries)
         assert {p.slot: p for p in self._planned.values()} == self._planned_slots
         pins: dict[bytes, int] = {}
@@ -332,3 +360,49 @@ class SnapshotIndex:
                 base, r = self._end_base(e)
                 ends.setdefault(base, {})[r] = ends.get(base, {}).get(r, 0) + 1
         assert ends == self._ends, "end-entry index out of date"
+
+
+class _EvictionOrder:
+    """Unpinned committed keys in eviction tiers, each least recently used first."""
+
+    TIERS = 3
+
+    def __init__(self):
+        self._tiers = [OrderedDict() for _ in range(self.TIERS)]
+        self._tier: dict[bytes, int] = {}
+
+    def add(self, key: bytes, tier: int) -> None:
+        """Put key last (most recent) in `tier`."""
+        self.remove(key)
+        self._tiers[tier][key] = None
+        self._tier[key] = tier
+
+    def remove(self, key: bytes) -> None:
+        tier = self._tier.pop(key, None)
+        if tier is not None:
+            del self._tiers[tier][key]
+
+    def touch(self, key: bytes, last: bool = True) -> None:
+        """Make key the most (last=False: the least) recent of its tier."""
+        self._tiers[self._tier[key]].move_to_end(key, last)
+
+    def tier_of(self, key: bytes) -> int:
+        return self._tier[key]
+
+    def pop_oldest(self) -> bytes:
+        """The key to evict: the least recently used of the lowest non-empty tier."""
+        for tier in self._tiers:
+            if tier:
+                key, _ = tier.popitem(last=False)
+                del self._tier[key]
+                return key
+        raise KeyError("nothing to evict")
+
+    def __contains__(self, key) -> bool:
+        return key in self._tier
+
+    def __len__(self) -> int:
+        return len(self._tier)
+
+    def __iter__(self):
+        return iter(list(self._tier))

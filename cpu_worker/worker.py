@@ -164,12 +164,14 @@ class CPUWorker:
             return False
 
     def sample(self, rid: str, seq: Sequence) -> None:
-        if seq.decoder is None:
+        first = seq.decoder is None
+        if first:
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
             seq.decoder = Decoder(self.engine, seq.state, seq.state.logits.copy(), seq.msg.tokens, seq.params,
                                   seq.msg.max_tokens, stop_ids)
         if seq.decoder.finish_reason is None:
-            self.send(P.Sampled(request_id=rid, token=seq.decoder.sample()))
+            token = seq.decoder.sample()
+            self.send(P.Sampled(request_id=rid, token=token, prefill_ms=seq.prefill_ms if first else None))
 
     def write_snapshots(self, rid: str, seq: Sequence) -> None:
         """Every planned snapshot at the position the prompt has reached."""

@@ -76,8 +76,9 @@ class Done(_Msg, tag="done"):
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_tok_s: float = 0.0
+    prefill_ms: float = 0.0             # the prompt's forward passes (0: resumed whole from a snapshot)
+    decode_tok_s: float = 0.0           # tokens after the first one, per second
+    stop_reason: str | None = None      # as vLLM's: the stop string matched (None: end of generation or other)
 
 
 class Error(_Msg, tag="error"):
@@ -176,9 +177,11 @@ class Shutdown(_Msg, tag="shutdown"):
 
 
 class Sampled(_Msg, tag="sampled"):
-    """worker -> coordinator: the next token of a sequence."""
+    """worker -> coordinator: the next token of a sequence; the first one says how long
+    the sequence's prompt took (milliseconds of its forward passes)."""
     request_id: str
     token: int
+    prefill_ms: float | None = None
 
 
 class SnapshotWritten(_Msg, tag="snapshot_written"):

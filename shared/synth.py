@@ -20,6 +20,10 @@ from .ggml_types import GGMLType
 from .model import _expected_shapes, _gguf_tensor_name
 from .synth_vocab import synth_tokenizer_metadata
 
+# Set (true) in the files synth writes, so every command can say that what such a model
+# prints is noise; llama.cpp and other GGUF readers ignore keys they do not know.
+RANDOM_WEIGHTS_KEY = "fermoe.random_weights"
+
 # Bumped whenever the same preset and seed would give different weights, so a cached
 # built-in model is regenerated rather than silently stale.
 SYNTH_VERSION = 2
@@ -38,6 +42,15 @@ PRESETS = {
         n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
     ),
 }
+
+
+def has_random_weights(metadata: dict) -> bool:
+    return bool(metadata.get(RANDOM_WEIGHTS_KEY, False))
+
+
+def random_weights_notice(model: str) -> str:
+    """The one line every command prints (or logs) for a model of random weights."""
+    return f"{model} has random weights (written by fermoe synth): its output is noise, for speed measurements only"
 
 
 def preset_config(preset: str, experts: int | None = None, layers: int | None = None) -> ModelConfig:
@@ -134,6 +147,8 @@ def synth(out_path, preset: str = "tiny", experts=None, layers=None, out_type: s
             items.append(Item(name, shape, lambda n=name, s=shape, r=rng: _init(n, s, r)))
     meta = cfg.to_metadata()
     meta["general.name"] = f"fermoe-synth-{preset}"
+    meta["general.description"] = "random weights written by fermoe synth: its output is noise"
+    meta[RANDOM_WEIGHTS_KEY] = True
     meta["general.file_type"] = FILE_TYPE[qtype]
     meta.update(synth_tokenizer_metadata(cfg.n_vocab, seed))
     write_gguf(out_path, meta, items, qtype, progress)

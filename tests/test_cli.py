@@ -159,9 +159,61 @@ def test_generate_sampling_options_act_as_the_sampler_does(tiny_q4_path, capsys)
         assert out == decode(ids) + "\n", option
 
 
-def test_generate_makes_32_tokens_unless_told(tiny_q4_path, capsys):
-    out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", "How many", "--seed", 1, "--ignore-eos")
-    assert out == local_text(tiny_q4_path, "How many", 32, temperature=0.8, seed=1) + "\n"
+def test_generate_runs_until_end_of_generation_unless_told(tiny_q4_path, capsys):
+    seed = seed_with_early_eos(tiny_q4_path, "How many", 48, 0.8)
+    out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", "How many", "--seed", seed)
+    assert out == local_text(tiny_q4_path, "How many", 48, eos=True, temperature=0.8, seed=seed) + "\n"
+
+
+@pytest.mark.parametrize("given, read", [
+    (r"a\nb", "a\nb"), (r"\t\r\'\"\?\a\b\f\v", "\t\r'\"?\a\b\f\v"), (r"\\n", "\\n"), (r"\x41\x7e", "A~"),
+    (r"\xc3\xa9t\xc3\xa9", "été"), (r"\q \x4 \xg1 end\\", r"\q \x4 \xg1 end\\"[:-1]), ("tail\\", "tail\\"),
+])
+def test_escapes_are_read_as_llama_cpp_reads_them(given, read):
+    from coordinator.escapes import process_escapes
+    assert process_escapes(given) == read
+
+
+def test_prompt_and_stop_escapes_on_the_command_line(tiny_q4_path, capsys):
+    """-p "a\\nb" is a newline, as in llama.cpp; --no-escape takes it as given. \\x bytes
+    that are no UTF-8 are one line of error."""
+    def gen(*args):
+        return _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-n", 8, "--seed", 2, "--ignore-eos", *args)
+    newline = local_text(tiny_q4_path, "Line one\nLine two", 8, temperature=0.8, seed=2)
+    literal = local_text(tiny_q4_path, "Line one\\nLine two", 8, temperature=0.8, seed=2)
+    assert newline != literal
+    assert gen("-p", r"Line one\nLine two") == newline + "\n"
+    assert gen("-p", r"Line one\nLine two", "--no-escape") == literal + "\n"
+    run = fermoe("generate", tiny_q4_path, "-p", r"bad \xff byte", check=False)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1
+    assert run.stderr.startswith(r"fermoe: error: -p 'bad \\xff byte': its \x escapes give bytes that are not UTF-8")
+
+
+def test_help_says_what_fermoe_is_and_lists_every_command():
+    from coordinator.cli import COMMANDS, build_parser
+    text = fermoe("--help").stdout
+    assert text.count("fermoe runs Qwen3.5/3.6-35B-A3B-class mixture-of-experts models") == 1
+    assert "examples:" in text and "fermoe demo" in text and "--stop \"\\n\\n\"" in text
+    listed = re.findall(r"^    (\w+) +\S", text, re.M)
+    assert sorted(listed) == sorted(COMMANDS), listed
+    parser = build_parser()
+    for command in COMMANDS:                     # each command's own help: a description, every option explained
+        sub = parser._subparsers._group_actions[0].choices[command]
+        assert sub.description, command
+        unexplained = [a.dest for a in sub._actions if not a.help and a.dest != "help"]
+        assert not unexplained, (command, unexplained)
+
+
+def test_random_weights_and_chat_on_the_builtin_model_are_noted_once(tiny_q4_path, tmp_path):
+    """A model of `fermoe synth` (random weights) says so on stderr, once; so does --chat on
+    the built-in model (trained on docstrings); a trained model's plain run says nothing."""
+    synth = fermoe("generate", tiny_q4_path, "-p", "Hi", "-n", 4, "--ignore-eos")
+    assert synth.stderr == (f"fermoe: {tiny_q4_path} has random weights (written by fermoe synth): its output is "
+                            "noise, for speed measurements only\n")
+    assert fermoe("generate", "-p", "Hi", "-n", 4, "--ignore-eos").stderr == ""
+    chat = fermoe("generate", "-p", "Hi", "-n", 4, "--ignore-eos", "--chat").stderr
+    assert chat == ("fermoe: the built-in model tiny was trained on Python docstrings, not on chat turns: its --chat "
+                    "replies are noise\n")
 
 
 def test_generate_engine_reference(tiny_q4_path, capsys):
@@ -190,12 +242,23 @@ def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
     monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
     leaked_before = _dead_arenas()
     addr = f"tcp://127.0.0.1:{free_port()}"
-    run = fermoe("demo", "-p", "The old GPU said", "-n", 12, "--addr", addr)
+    run = fermoe("demo", "-p", r"The old GPU\tsaid", "-n", 12, "--addr", addr)
     from shared.builtin import resolve_model
-    expected = local_text(resolve_model("tiny"), "The old GPU said", 12, eos=True, temperature=0.0)
-    assert expected.strip() and run.stdout == expected + "\n"
-    assert re.search(r"^\[(length|stop)\] prompt \d+ tokens", run.stderr, re.M) and "ready: 1 worker(s)" in run.stderr
+    ids = local_ids(resolve_model("tiny"), "The old GPU\tsaid", 12, eos=True, temperature=0.0)
+    expected = Model(resolve_model("tiny")).tokenizer.decode(ids)
+    assert expected.strip() and run.stdout == "The old GPU\tsaid" + expected + "\n"   # the prompt, its continuation
+    why = "12 tokens (-n)" if len(ids) == 12 else "end of generation"
+    assert re.fullmatch(rf"stopped: {re.escape(why)}; prompt \d+ tokens \(0 cached\), prefill \d+ ms, "
+                        rf"{len(ids)} tokens generated at [\d.]+ tok/s\n", run.stderr), run.stderr
     assert _dead_arenas() <= leaked_before
+
+
+def test_demo_on_a_random_model_says_its_output_is_noise(tiny_q4_path):
+    run = fermoe("demo", tiny_q4_path, "-n", 3, "--addr", f"tcp://127.0.0.1:{free_port()}")
+    notice, summary = run.stderr.splitlines()
+    assert notice == f"fermoe: {tiny_q4_path} has random weights (written by fermoe synth): its output is noise, " \
+                     "for speed measurements only"
+    assert summary.startswith("stopped: ") and run.stdout.startswith("This module provides")
 
 
 def _expected_type(name: str, shape, matrices: str) -> str:

@@ -176,7 +176,7 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
                                          completion_tokens=4, error="late"),
                               P.Attached(arena=False))
             for token in (40, 41, 42, 43, 44):       # the replay samples the same tokens again, then new ones
-                beating.send(P.Sampled(request_id=rid, token=token))
+                beating.send(P.Sampled(request_id=rid, token=token, prefill_ms=5.0 if token == 40 else None))
             beating.send(P.Finished(request_id=rid, finish_reason="length", prefill_ms=5.0, decode_ms=10.0,
                                     completion_tokens=5))
             rest = list(stream)
@@ -186,8 +186,9 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
     assert [m.token for m in rest[:-1] if m.token >= 0] == [43, 44]
     done = rest[-1]
     assert (done.finish_reason, done.completion_tokens, done.cached_prompt_tokens) == ("length", 5, 0)
-    # the timings are those of the attempt that finished: its prefill, and its 5 tokens in 10 ms
-    assert (done.prefill_ms, done.decode_tok_s) == (5.0, 5 / 10.0 * 1000)
+    # the timings are those of the attempt that finished: the prefill its first token reported (not
+    # its Finished's), and its tokens as they came (the test sent them at once: fast)
+    assert done.prefill_ms == 5.0 and done.decode_tok_s > 0
     assert done.prompt_tokens == len(first.tokens)
     assert any("worker a-silent died" in r.getMessage() for r in caplog.records)
 
@@ -277,6 +278,7 @@ def test_a_hung_worker_process_is_killed_replaced_and_its_request_resumed(tiny_q
     with running_coordinator(tiny_q4_path, "--snapshot-mem", "32MiB", "--block", "8",
                              fake_supervisor=False) as coord, Client(coord.addr, timeout_s=60) as c:
         old = c.wait_ready(60).workers[0].pid
+        before = c.status().snapshots
         rid = c.submit(prompt, **params)
         stream = c.stream(rid)
         tokens = [next(stream).token]
@@ -291,9 +293,15 @@ def test_a_hung_worker_process_is_killed_replaced_and_its_request_resumed(tiny_q
         rest = list(stream)
         tokens += [m.token for m in rest[:-1] if m.token >= 0]
         done = rest[-1]
+        after = c.status().snapshots
         with pytest.raises(ProcessLookupError):      # killed, not left hanging
             os.kill(old, 0)
-    assert done.finish_reason == "cancelled" and done.cached_prompt_tokens == done.prompt_tokens
+    # the replay resumed from the snapshots the first attempt wrote: the client's prompt was not cached,
+    # and the replay's lookup is no cache hit
+    assert done.finish_reason == "cancelled" and done.cached_prompt_tokens == 0
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (0, 1)
+    assert after["replays"] - before["replays"] == 1 and after["replay_hit_tokens"] > before["replay_hit_tokens"]
+    assert done.prefill_ms == 0.0 and done.decode_tok_s > 0       # the replay's: resumed at the prompt's end
     assert tokens == local_ids(tiny_q4_path, prompt, len(tokens), temperature=params["temperature"],
                                seed=params["seed"])
 
@@ -336,3 +344,30 @@ def test_the_daemon_binds_to_loopback_by_default(tiny_q4_path):
     from coordinator.cli import build_parser
     from coordinator.client import DEFAULT_ADDR
     assert build_parser().parse_args(["submit", "-p", "x"]).addr == DEFAULT_ADDR == opts.bind
+
+
+def test_the_snapshot_store_defaults_to_a_share_of_this_host(tiny_q4_path, monkeypatch, caplog):
+    """Without --snapshot-mem the arena takes an eighth of the host's memory (at most half
+    of /dev/shm's free space, at most 8 GiB), and the log says how much and why."""
+    import coordinator.memory as memory
+    monkeypatch.setenv("FERMOE_HOST_MEMORY", str(1 << 30))
+    monkeypatch.setattr(memory, "shm_free_bytes", lambda: 64 << 30)
+    assert memory.default_snapshot_mem()[0] == 128 << 20                 # an eighth of 1 GiB
+    monkeypatch.setattr(memory, "shm_free_bytes", lambda: 100 << 20)
+    assert memory.default_snapshot_mem()[0] == 50 << 20                  # half of a small /dev/shm
+    monkeypatch.setenv("FERMOE_HOST_MEMORY", str(1 << 40))
+    monkeypatch.setattr(memory, "shm_free_bytes", lambda: 1 << 40)
+    assert memory.default_snapshot_mem()[0] == 8 << 30                   # the cap
+    monkeypatch.setenv("FERMOE_HOST_MEMORY", str(1 << 30))
+    caplog.set_level(logging.INFO, logger="fermoe.coordinator")
+    opts = parse_options(["--model", str(tiny_q4_path), "--bind", f"tcp://127.0.0.1:{free_port()}",
+                          "--max-model-len", "256"])           # a 1 GiB host fits no full context
+    assert opts.snapshot_mem == 128 << 20
+    coord = daemon.Coordinator(opts)
+    try:
+        slot = coord.arena.slot_bytes
+        assert coord.arena.n_slots == (128 << 20) // slot
+    finally:
+        coord.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("snapshot store:")]
+    assert f"{(128 << 20) // slot} slots" in line and "(default: 1/8 of this host's 1.0 GiB" in line, line

@@ -103,6 +103,29 @@ def test_several_stop_strings(daemon):
     assert done.finish_reason == "stop" and cut == full[:full.index(late)] and len(cut) > full.index(early)
 
 
+def test_every_finish_reason_has_its_timings_and_one_log_line(daemon, tiny_q4_path):
+    """A request ended by a stop string (here, before its worker reports) has the timings
+    of one that ran to its length: its prompt's prefill and its tokens' rate. The daemon
+    logs one line for each finished request, saying what it was and why it ended."""
+    prompt = "Timings of a request a stop string ends, on a prompt new to the cache"
+    params = dict(max_tokens=40, seed=21, ignore_eos=True)
+    stop = stop_string_at(local_text(tiny_q4_path, prompt, 40, seed=21), 60)    # what the daemon will stream
+    cut, done = run(daemon.addr, prompt, stop=[stop], **params)
+    _, whole = run(daemon.addr, "Another prompt new to the cache, which runs to its length", **params)
+    assert (whole.finish_reason, done.finish_reason, done.stop_reason, whole.stop_reason) == \
+        ("length", "stop", stop, None)
+    for d in (whole, done):
+        assert d.prefill_ms > 0 and d.decode_tok_s > 0 and d.completion_tokens > 2, d
+
+    def logged(d, why):
+        start = f"request {d.request_id} finished ({why}): prompt {d.prompt_tokens} tokens " \
+                f"({d.cached_prompt_tokens} cached), {d.completion_tokens} generated; prefill "
+        return [line for line in daemon.log if start in line and " tok/s; total " in line]
+    wait_until(lambda: logged(done, f"stop: stop string {stop!r}") and logged(whole, "length"), 30,
+               "a log line for each finished request")
+    assert len(logged(whole, "length")) == 1
+
+
 def test_messages_are_rendered_with_the_chat_template(daemon, tiny_q4_path):
     """`messages` become the model's chat template rendered: the very tokens of that text
     sent as a plain prompt (which is then an exact cache hit of the first request), and
@@ -193,7 +216,7 @@ def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
     assert {r["type"] for r in replies} <= {"token", "done"} and replies[-1]["request_id"] == "plain"
     done, tokens = replies[-1], [r["token"] for r in replies[:-1] if r["token"] >= 0]
     assert set(done) == {"type", "request_id", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens",
-                         "completion_tokens", "prefill_ms", "decode_tok_s"}
+                         "completion_tokens", "prefill_ms", "decode_tok_s", "stop_reason"}
     assert done["finish_reason"] == "length" and done["completion_tokens"] == len(tokens) == 128
     assert tokens == local_ids(tiny_q4_path, "hello", 128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                                repeat_penalty=1.0, seed=1)
@@ -242,7 +265,7 @@ def test_done_timings_and_snapshot_counters_make_sense(daemon, tiny_q4_path):
                 assert done.prefill_ms == 0.0                   # a repeated prompt needs no prefill
             else:
                 assert 0 < done.prefill_ms <= wall * 1000
-            assert done.decode_tok_s >= n / wall                # its decode passes ran within the wait
+            assert done.decode_tok_s >= (n - 1) / wall          # the tokens after the first came within the wait
             assert (moved["hits"], moved["misses"], moved["hit_tokens"]) == (hits, misses, cached)
             assert (moved["entries"] + moved["evictions"], moved["skipped"]) == (written, 0)
         status = c.status()
@@ -270,8 +293,25 @@ def test_submit_chat_and_stop_strings(daemon, tiny_q4_path, capsys):
     args = ("-p", "Stop strings from the command line", "-n", 48, "--seed", 4, "--ignore-eos")
     full, _ = _submit(daemon.addr, capsys, *args)
     early, late, later = (stop_string_at(full, len(full) * k // 8) for k in (2, 4, 6))
-    cut, err = _submit(daemon.addr, capsys, *args, "--stop", late, "--stop", early, "--stop", later)
-    assert cut == full[:full.index(early)] and err.startswith("[stop]")
+    cut, err = _submit(daemon.addr, capsys, *args, "--stop", _escaped(late), "--stop", early.replace("\\", "\\\\"),
+                       "--stop", later.replace("\\", "\\\\"))
+    assert cut == full[:full.index(early)] and err.startswith(f"stopped: stop string {early!r}; prompt ")
+    cut, err = _submit(daemon.addr, capsys, *args, "--stop", _escaped(late), "--no-escape")
+    assert cut == full and err.startswith("stopped: 48 tokens (-n); prompt ")     # no "\\x.." in the text
+
+
+def _escaped(text: str) -> str:
+    """text with every ASCII character written as a \\xHH escape, as a user may type it."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 128 else c for c in text)
+
+
+def test_submit_escapes_its_stop_strings(daemon, tiny_q4_path, capsys):
+    """--stop "\\x..": the escapes are read as -p's are (llama.cpp's), so the stop fires."""
+    args = ("-p", "Escaped stop strings", "-n", 40, "--seed", 5, "--ignore-eos")
+    full, _ = _submit(daemon.addr, capsys, *args)
+    stop = stop_string_at(full, len(full) // 2)
+    cut, err = _submit(daemon.addr, capsys, *args, "--stop", _escaped(stop))
+    assert cut == full[:full.index(stop)] and err.startswith(f"stopped: stop string {stop!r}; ")
 
 
 def test_submit_passes_each_sampling_option(daemon, tiny_q4_path, capsys):

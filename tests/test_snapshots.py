@@ -165,11 +165,62 @@ def test_chain_evicted_from_its_deep_end():
     idx = SnapshotIndex(3, block=4)
     chain = list(range(12))
     cache(idx, chain)
-    assert lookup_position(idx, chain) == 12
     cache(idx, [9] * 4)
     cache(idx, [8] * 4)
     assert lookup_position(idx, chain) == 4
     assert lookup_position(idx, [9] * 4) == 4
+
+
+def test_reused_entries_outlive_those_never_reused():
+    idx = SnapshotIndex(4, block=4)
+    chain = list(range(12))
+    cache(idx, chain)
+    assert lookup_position(idx, chain) == 12           # reused: now behind everything never reused
+    cache(idx, [9] * 4)
+    cache(idx, [8] * 4)                                # evicts [9] * 4, the oldest never reused
+    assert lookup_position(idx, [9] * 4) == 0
+    assert lookup_position(idx, chain) == 12
+    cache(idx, [7] * 4)                                # evicts [8] * 4 ([9] * 4's miss cached nothing)
+    cache(idx, [6] * 4)
+    assert lookup_position(idx, chain) == 12 and idx.stats()["evictions"] == 3
+    idx.check_invariants()
+
+
+def test_one_off_short_prompts_never_evict_a_long_prompts_blocks():
+    """A long prompt's block snapshots are shared by every extension of it; the end
+    snapshots of a stream of one-off short prompts (none ever asked for again) take
+    each other's slots, never those blocks, however many of them come."""
+    block, slots = 8, 24
+    idx = SnapshotIndex(slots, block=block)
+    rng = random.Random(5)
+    long_prompt = [rng.randrange(1000) for _ in range(block * 16 + 3)]     # 16 blocks and an end
+    cache(idx, long_prompt)
+    for i in range(500):                                                   # each one new
+        short = [1000 + i] + [rng.randrange(1000) for _ in range(rng.randrange(block - 1))]
+        res = idx.lookup(short)
+        cache(idx, short, res.position if res else 0)
+        idx.release(res)
+    extension = long_prompt + [rng.randrange(1000) for _ in range(20)]
+    assert lookup_position(idx, extension) == block * 16
+    s = idx.stats()
+    assert s["entries"] == slots and s["evictions"] == 500 - (slots - 17)     # the long prompt's end went too
+    idx.check_invariants()
+
+
+def test_a_replays_lookup_is_no_cache_hit():
+    idx = SnapshotIndex(4, block=4)
+    prompt = list(range(6))
+    assert idx.lookup(prompt) is None                  # the request's own lookup: a miss
+    cache(idx, prompt)
+    res = idx.lookup(prompt, replay=True)              # its replay finds what it wrote itself
+    assert res.position == 6
+    idx.release(res)
+    s = idx.stats()
+    assert (s["hits"], s["misses"], s["hit_tokens"], s["replays"], s["replay_hit_tokens"]) == (0, 1, 0, 1, 6)
+    for k in (9, 8, 7):
+        cache(idx, [k] * 4)                            # the last evicts the prompt's end entry: a replay
+    assert lookup_position(idx, prompt) == 4           # promoted nothing (a reused one would stay)
+    idx.check_invariants()
 
 
 def test_a_prompt_never_evicts_its_own_blocks():
@@ -233,7 +284,7 @@ def test_eviction_inside_a_chain_truncates_lookups():
     idx = SnapshotIndex(4, block=4)
     prompt = list(range(16))
     planned = cache(idx, prompt)
-    idx._lru.move_to_end(planned[1].key, last=False)   # force block 2 to go first
+    idx._lru.touch(planned[1].key, last=False)   # force block 2 to go first
     (other,) = idx.plan([7] * 4, 0)
     assert other.slot == planned[1].slot               # its slot is reused ...
     res = idx.lookup(prompt)                           # ... and never returned for block 2
