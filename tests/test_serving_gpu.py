@@ -177,3 +177,13 @@ def smallest_gpu_mem(model_path) -> int:
         except FermoeError:
             lo = mid
     return hi
+
+
+def test_bench_serve_with_a_gpu_worker(tiny_q4_path):
+    from bench.serve import run as bench_serve
+    out = bench_serve(str(tiny_q4_path), prompt_tokens=40, decode_tokens=4,
+                      extra=["--block", "8", "--gpu", "auto", "--prefill", "gpu"])
+    assert out["prefill_device"] == {"cold": "gpu", "extended16": "gpu"}
+    assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
+    assert 0 < out["cold_prefill_s"] < out["ttft_cold_s"] and out["cold_rest_s"] > 0
+    assert {w["kind"] for w in out["workers_detail"]} == {"cpu", "gpu"}
