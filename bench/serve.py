@@ -41,10 +41,15 @@ def stop_coordinator(daemon: subprocess.Popen) -> None:
     daemon.wait(timeout=60)
 
 
+def _read(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()
+
+
 def last_words(log) -> str | None:
     """The coordinator's last log line: why it did not come up."""
-    log.seek(0)
-    lines = [line for line in log.read().splitlines() if line.strip()]
+    lines = [line for line in _read(log).splitlines() if line.strip()]
     return lines[-1] if lines else None
 
 
@@ -55,7 +60,8 @@ def ttft(client: Client, tokens: list[int], max_tokens: int = 1) -> tuple[float,
         if first is None:
             first = time.perf_counter() - t0
         done = msg
-    return first, {"cached_prompt_tokens": done.cached_prompt_tokens, "prefill_ms": done.prefill_ms}
+    return first, {"cached_prompt_tokens": done.cached_prompt_tokens, "prefill_ms": done.prefill_ms,
+                   "prefill_device": done.prefill_device}
 
 
 def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> float:
@@ -128,6 +134,8 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             except FermoeError as e:            # say why: the coordinator's own last words
                 last = last_words(log)
                 raise FermoeError(f"{e}: {last}" if last else str(e)) from None
+            if "started gpu worker" in _read(log):   # they take longer to join: they time a prompt first
+                status = _wait_for_gpu(c, daemon, log)
             from shared.builtin import resolve_model
             from shared.model import Model
             vocab_hi = min(1000, Model(resolve_model(model)).config.n_vocab)
@@ -142,6 +150,13 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             "model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens,
             "ttft_cold_s": round(cold, 3), "ttft_repeated_s": round(repeat, 3),
             "ttft_extended16_s": round(extended, 3),
+            "prefill_device": {"cold": cold_info["prefill_device"], "extended16": ext_info["prefill_device"]},
+            # of the cold time to first token, what is not the prefill itself: the hand-over to a
+            # CPU worker (its resume from the snapshot) and the first token's sampling
+            "cold_prefill_s": round(cold_info["prefill_ms"] / 1000, 3),
+            "cold_rest_s": round(cold - cold_info["prefill_ms"] / 1000, 3),
+            "workers_detail": [{"id": w.worker_id, "kind": w.kind, "device": w.device,
+                                "prefill_tok_s": w.prefill_tok_s} for w in status.workers],
             "cached_tokens": {"cold": cold_info["cached_prompt_tokens"],
                               "repeated": repeat_info["cached_prompt_tokens"],
                               "extended16": ext_info["cached_prompt_tokens"]},
@@ -152,6 +167,18 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
     finally:
         stop_coordinator(daemon)
         log.close()
+
+
+def _wait_for_gpu(client: Client, daemon, log):
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        status = client.status()
+        if any(w.kind == "gpu" and w.alive for w in status.workers):
+            return status
+        if daemon.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise FermoeError(f"no GPU worker joined: {last_words(log)}")
 
 
 def main(argv=None) -> int:

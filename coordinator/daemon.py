@@ -7,7 +7,10 @@ workers, streams tokens back to clients.
 
 A request: tokenise -> look up the longest cached prefix -> queue -> a worker
 restores it, prefills the rest writing the planned snapshots, decodes -> tokens
-are detokenised here (stop strings too) and streamed -> Done. Workers that die
+are detokenised here (stop strings too) and streamed -> Done. With GPU workers the
+uncached part may be prefilled on one instead (placement.py decides): it writes the
+snapshots, the last one at the prompt's end, and a CPU worker resumes from that one
+and decodes. Workers that die
 are restarted; their requests replay from the snapshots with the same seed and
 the tokens already sent are not sent again.
 """
@@ -23,15 +26,16 @@ import time
 import zmq
 
 from shared import protocol as P
-from shared.errors import FermoeError, ProtocolError
+from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.model import Model
 from shared.sampling import WIRE_FIELDS, SamplingParams
 from shared.state import snapshot_nbytes
 from shared.synth import has_random_weights, random_weights_notice
 
 from .memory import resolve_max_model_len
+from .placement import place_prefill
 from .requests import Request, TextStream
-from .scheduler import WorkerView, pick_worker
+from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
 
@@ -65,13 +69,19 @@ class Coordinator:
         self.last_seen: dict[str, float] = {}
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
+        # request id -> the snapshot slots a GPU worker may still be writing for a request
+        # that ended meanwhile: reused only once its Prefilled (or its death) says it stopped
+        self.unfinished: dict[str, tuple[str, list]] = {}
         self.supervisor = Supervisor(opts, self.worker_endpoint)
         self.stopping = False
 
     def _socket(self, endpoint: str, mandatory: bool = False):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 * P.MAX_MESSAGE_BYTES)
+        # a client message over --max-request-size is refused by P.decode with an Error naming
+        # the option; ZeroMQ's own cut, which drops the connection unanswered, lies well above it
+        P.set_max_message_bytes(self.opts.max_request_size)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.opts.max_request_size + (1 << 20))
         if mandatory:           # sending to a vanished client raises, so its request is freed
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -154,7 +164,7 @@ class Coordinator:
             if msg.request_id in self.requests:
                 raise FermoeError(f"request_id {msg.request_id!r} is already running")
         except FermoeError as e:
-            self.reply(client, P.Error(message=str(e), request_id=msg.request_id))
+            self.reply(client, P.Error(message=str(e), request_id=msg.request_id, **getattr(e, "wire_fields", {})))
             return
         seed = msg.seed if msg.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, seed, TextStream(self.tokenizer, msg.stop))
@@ -180,7 +190,8 @@ class Coordinator:
         if len(tokens) > self.max_model_len:
             limit = (f"the model's context length of {self.max_model_len}"
                      if self.max_model_len == self.model.config.n_ctx_train else f"--max-model-len {self.max_model_len}")
-            raise FermoeError(f"the prompt is {len(tokens)} tokens, longer than {limit}")
+            raise PromptTooLong(f"the prompt is {len(tokens)} tokens, longer than {limit}", len(tokens),
+                                self.max_model_len)
         return tokens
 
     def handle_cancel(self, client: bytes, msg: P.Cancel) -> None:
@@ -192,10 +203,15 @@ class Coordinator:
 
     def handle_status(self, client: bytes, msg: P.Status) -> None:
         infos = [P.WorkerInfo(worker_id=w.worker_id, pid=w.pid, threads=w.threads, running=len(w.requests),
-                              alive=w.alive and w.ready) for w in self.workers.values()]
+                              alive=w.alive and w.ready, kind=w.kind, device=w.device,
+                              prefill_tok_s=round(w.prefill_tok_s, 1), decode_tok_s=round(w.decode_tok_s, 1))
+                 for w in self.workers.values()]
         stats = {k: int(v) for k, v in self.index.stats().items()}
         self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=len(self.queue),
-                                         running=len(self.requests) - len(self.queue), snapshots=stats))
+                                         running=len(self.requests) - len(self.queue), snapshots=stats,
+                                         name=self.opts.alias or self.opts.model,
+                                         fingerprint=self.model.fingerprint,
+                                         max_request_size=P.max_message_bytes()))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:
@@ -232,12 +248,15 @@ class Coordinator:
             log.error("worker %s runs another model (%s); sending it away", wid, msg.fingerprint)
             self.send_worker(wid, P.Shutdown())
             return
-        self.workers[wid] = WorkerView(wid, alive=True, ready=False, threads=msg.threads, pid=msg.pid)
+        self.workers[wid] = WorkerView(wid, alive=True, ready=False, threads=msg.threads, pid=msg.pid, kind=msg.kind,
+                                       device=msg.device, prefill_tok_s=msg.prefill_tok_s,
+                                       decode_tok_s=msg.decode_tok_s)
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
                                         n_slots=arena.n_slots if arena else 0, block=self.opts.block,
                                         kv_cache_dtype=self.opts.kv_cache_dtype))
-        log.info("worker %s (pid %d, %d threads) joined", wid, msg.pid, msg.threads)
+        log.info("%s worker %s (pid %d, %s) joined: prefill %.0f tok/s", msg.kind, wid, msg.pid,
+                 msg.device or f"{msg.threads} threads", msg.prefill_tok_s)
 
     def handle_attached(self, wid: str, msg: P.Attached) -> None:
         view = self.workers[wid]
@@ -259,6 +278,10 @@ class Coordinator:
         if req.first_token is None:
             req.first_token = now       # a worker that does not report its prefill: the time since dispatch
             req.prefill_ms = msg.prefill_ms if msg.prefill_ms is not None else 1000 * (now - req.dispatched)
+            prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
+            if prefilled > 0 and req.prefill_ms > 0:
+                view = self.workers[wid]
+                view.prefill_tok_s = update_rate(view.prefill_tok_s, 1000 * prefilled / req.prefill_ms)
         req.last_token, req.sampled = now, req.sampled + 1
         if req.skip:
             req.skip -= 1                        # a replay re-samples what was already sent
@@ -299,19 +322,99 @@ class Coordinator:
                 self.end(self.requests[rid], "error", error="no CPU worker could be started (see the coordinator log)")
             return
         while self.queue:
+            req = self.requests[self.queue[0]]
+            placed = self._place(req)
+            if placed == "wait":
+                return
+            if placed == "gpu":
+                continue
             wid = pick_worker(self.workers, self.opts.max_sequences)
             if wid is None:
                 return
             self.assign(self.requests[self.queue.pop(0)], wid)
 
+    def _place(self, req: Request) -> str:
+        """Where the head of the queue's prompt is prefilled: "gpu" (sent to a GPU worker,
+        off the queue), "cpu" (the CPU worker that decodes it), or "wait" (--prefill gpu,
+        every GPU worker busy)."""
+        gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
+        if req.handoff is not None or req.gpu_failed or self.arena is None or not self.opts.gpus:
+            return "cpu"
+        uncached = len(req.tokens) - self.index.cached(req.tokens)
+        cpus = [w.prefill_tok_s for w in self.workers.values() if w.kind == "cpu" and w.ready and w.prefill_tok_s]
+        placement = place_prefill(self.opts.prefill, uncached, gpus, sum(cpus) / len(cpus) if cpus else 0.0)
+        if placement is None:
+            return "wait"
+        req.estimates = placement.estimates
+        if placement.device == "cpu":
+            return "cpu"
+        self.queue.pop(0)
+        self.prefill_on_gpu(req, placement.worker)
+        return "gpu"
+
+    def prefill_on_gpu(self, req: Request, wid: str) -> None:
+        """A Prefill job: the cached prefix to resume from, the planned snapshots up to the
+        prompt's end. One whose end cannot be stored (the arena full of pinned entries) is
+        prefilled on a CPU worker instead, before any token is sent."""
+        replay = req.attempts > 0
+        resume = self.index.lookup(req.tokens, replay=replay)
+        if not replay:
+            req.cached_tokens = resume.position if resume else 0
+        planned = self.index.plan(req.tokens, resume.position if resume else 0)
+        if not planned or planned[-1].position != len(req.tokens):
+            log.warning("request %s: no snapshot slot free for the end of its prompt: prefilling it on a CPU worker",
+                        req.rid)
+            self.index.release(resume)
+            self.index.abort(planned)
+            req.gpu_failed = True
+            self.queue.insert(0, req.rid)
+            return
+        req.resume, req.planned, req.worker, req.prefill_device = resume, planned, wid, "gpu"
+        req.attempts += 1
+        self.workers[wid].requests.add(req.rid)
+        refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
+        data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
+        self.send_worker(wid, P.Prefill(request_id=req.rid, tokens=req.tokens, resume=refs,
+                                        snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned]),
+                         data)
+
+    def handle_prefilled(self, wid: str, msg: P.Prefilled) -> None:
+        if self.unfinished.get(msg.request_id, (None,))[0] == wid:
+            self.index.abort(self.unfinished.pop(msg.request_id)[1])
+        req = self.requests.get(msg.request_id)
+        view = self.workers[wid]
+        view.requests.discard(msg.request_id)
+        if req is None or req.worker != wid:
+            return                                      # cancelled meanwhile
+        req.worker = None
+        if msg.error is not None or req.planned:
+            why = msg.error or f"{len(req.planned)} planned snapshots never written"
+            log.warning("request %s: its prefill on %s failed (%s): prefilling it on a CPU worker", req.rid, wid, why)
+            self._release_snapshots(req)
+            req.gpu_failed, req.prefill_device = True, None
+        else:
+            prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
+            if msg.prefill_ms > 0:
+                view.prefill_tok_s = update_rate(view.prefill_tok_s, 1000 * prefilled / msg.prefill_ms)
+            req.gpu_prefill_ms = msg.prefill_ms
+            self._release_snapshots(req)
+            # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it
+            req.handoff = self.index.lookup(req.tokens, replay=True)
+        self.queue.insert(0, req.rid)
+
     def assign(self, req: Request, wid: str) -> None:
         cache = self.arena is not None
         replay = req.attempts > 0               # its own snapshots, not a client-visible cache hit
-        resume = self.index.lookup(req.tokens, replay=replay) if cache else None
+        if req.handoff is not None:
+            resume, req.handoff = req.handoff, None
+        else:
+            resume = self.index.lookup(req.tokens, replay=replay) if cache else None
         req.resume = resume
         if not replay:
             req.cached_tokens = resume.position if resume else 0
         req.planned = self.index.plan(req.tokens, resume.position if resume else 0) if cache else []
+        if req.prefill_device != "gpu":
+            req.prefill_device = "cpu" if not resume or resume.position < len(req.tokens) else None
         req.worker, req.attempts = wid, req.attempts + 1
         req.dispatched, req.prefill_ms, req.first_token, req.last_token, req.sampled = \
             time.monotonic(), None, None, None, 0
@@ -341,6 +444,8 @@ class Coordinator:
             self.workers[req.worker].requests.discard(req.rid)
             if reason in ("cancelled", "stop") and self.workers[req.worker].alive:
                 self.send_worker(req.worker, P.Stop(request_id=req.rid))
+            if self.workers[req.worker].kind == "gpu" and req.planned:
+                self.unfinished[req.rid], req.planned = (req.worker, req.planned), []
         self._release_snapshots(req)
         if not notify:
             return
@@ -350,7 +455,9 @@ class Coordinator:
         self.reply(req.client, P.Done(request_id=req.rid, finish_reason=reason, error=error,
                                       prompt_tokens=len(req.tokens), cached_prompt_tokens=req.cached_tokens,
                                       completion_tokens=req.sent, prefill_ms=round(prefill_ms, 3),
-                                      decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by))
+                                      decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by,
+                                      prefill_device=req.prefill_device,
+                                      prefill_estimates_ms={k: round(v, 1) for k, v in req.estimates.items()}))
 
     @staticmethod
     def _log_finished(req: Request, reason: str, error: str | None, prefill_ms: float, decode_tok_s: float,
@@ -372,6 +479,9 @@ class Coordinator:
         if req.resume is not None:
             self.index.release(req.resume)
             req.resume = None
+        if req.handoff is not None:
+            self.index.release(req.handoff)
+            req.handoff = None
         for planned in req.planned:
             self.index.abort(planned)
         req.planned = []
@@ -399,8 +509,13 @@ class Coordinator:
         """Forget a worker; its requests go back to the front of the queue, to be replayed."""
         view = self.workers.pop(wid, None)
         self.last_seen.pop(wid, None)
+        if view is not None and view.kind == "gpu":       # it writes nothing more
+            for rid in [r for r, (w, _) in self.unfinished.items() if w == wid]:
+                self.index.abort(self.unfinished.pop(rid)[1])
         for rid in list(view.requests if view else []):
             req = self.requests[rid]
+            if view.kind == "gpu":                       # its prompt runs on a CPU worker now
+                req.gpu_failed, req.prefill_device = True, None
             self._release_snapshots(req)
             if req.attempts >= MAX_ATTEMPTS:
                 self.end(req, "error", error=f"worker {wid} died {req.attempts} times running this request")

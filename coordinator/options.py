@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numa-interleave", action="store_true",
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")
+    p.add_argument("--gpu", default="auto",
+                   help="GPUs to prefill on, one gpu_worker each: auto (every CUDA device, when pycuda and a driver "
+                        "are there; FERMOE_GPU=emulate counts as one), none, or indices such as 0 or 0,1 "
+                        "(default auto)")
+    p.add_argument("--gpu-mem", default=None,
+                   help="GPU memory each gpu_worker may use, e.g. 6GiB (default: all that is free)")
+    p.add_argument("--prefill", default="auto",
+                   help="where prompts are prefilled: auto (the GPU when its estimate is shorter, per request), "
+                        "gpu (whenever a GPU worker is ready) or cpu (default auto)")
     add_kv_cache_dtype(p)
     from .http.options import add_http_options
     add_http_options(p)                          # --http, --api-key, --max-queue: the HTTP front end
@@ -105,4 +114,33 @@ def parse_options(argv=None):
     else:
         opts.snapshot_mem, opts.snapshot_mem_default = parse_size(opts.snapshot_mem), None
     opts.model_path = resolve_model(opts.model)
+    opts.gpus = _gpus(opts)
     return opts
+
+
+def _gpus(opts) -> list[int]:
+    """--gpu and --gpu-mem checked; the device indices to start a gpu_worker on."""
+    from shared.devices import gpu_devices
+
+    from .placement import PREFILL_MODES
+    if opts.prefill not in PREFILL_MODES:
+        raise FermoeError(f"--prefill {opts.prefill!r}: expected {', '.join(PREFILL_MODES)}")
+    if opts.gpu_mem is not None and parse_size(opts.gpu_mem) <= 0:
+        raise FermoeError(f"--gpu-mem {opts.gpu_mem}: must be positive")
+    if opts.gpu == "none":
+        if opts.prefill == "gpu":
+            raise FermoeError("--prefill gpu: no GPU to prefill on (--gpu none)")
+        return []
+    found, why = gpu_devices()
+    if opts.gpu == "auto":
+        if not found and opts.prefill == "gpu":
+            raise FermoeError(f"--prefill gpu: no GPU to prefill on ({why})")
+        return found
+    try:
+        asked = [int(i) for i in opts.gpu.split(",")]
+    except ValueError:
+        raise FermoeError(f"--gpu {opts.gpu!r}: expected auto, none or device indices such as 0,1") from None
+    missing = [i for i in asked if i not in found]
+    if missing or len(set(asked)) != len(asked):
+        raise FermoeError(f"--gpu {opts.gpu}: this machine's GPUs are {found or 'none'}" + (f" ({why})" if why else ""))
+    return asked

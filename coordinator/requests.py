@@ -31,6 +31,13 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
     sampled: int = 0                 # tokens the worker sampled (replayed and end-of-generation ones too)
+    # Prefill on a GPU worker: where it ran and on what estimates, the GPU's time, and the
+    # snapshot lookup a CPU worker decodes from afterwards (pinned from the hand-off on).
+    prefill_device: str | None = None
+    estimates: dict = field(default_factory=dict)
+    gpu_prefill_ms: float | None = None
+    handoff: object = None
+    gpu_failed: bool = False         # a GPU worker failed it: the prompt runs on a CPU worker
 
     @property
     def rid(self) -> str:
@@ -40,12 +47,13 @@ class Request:
         """(prefill_ms, decode_tok_s) of the current attempt: the worker's prefill time (the
         time since dispatch while no token came yet), then the rate of the tokens after the
         first one as they arrived here (0 with fewer than two)."""
+        gpu = self.gpu_prefill_ms or 0.0            # a GPU worker's part, before the CPU worker's
         if self.dispatched is None:
-            return 0.0, 0.0
+            return gpu, 0.0
         if self.first_token is None:
-            return 1000 * (now - self.dispatched), 0.0
+            return gpu + 1000 * (now - self.dispatched), 0.0
         span = self.last_token - self.first_token
-        return self.prefill_ms, (self.sampled - 1) / span if span > 0 else 0.0
+        return gpu + self.prefill_ms, (self.sampled - 1) / span if span > 0 else 0.0
 
 
 class TextStream:

@@ -17,10 +17,23 @@ class WorkerView:
     pid: int = 0
     arena: bool = False          # mapped the snapshot arena; else snapshots go to it and back as frames
     requests: set = field(default_factory=set)
+    kind: str = "cpu"            # cpu: prefills and decodes; gpu: prefills only
+    device: str = ""
+    prefill_tok_s: float = 0.0   # measured at start, then a running average of what it served
+    decode_tok_s: float = 0.0
+
+
+RATE_WEIGHT = 0.3           # of the newest measurement in a worker's running rates
+
+
+def update_rate(old: float, new: float) -> float:
+    return new if old <= 0 else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * new
 
 
 def pick_worker(workers: dict[str, WorkerView], max_sequences: int) -> str | None:
-    candidates = [w for w in workers.values() if w.alive and w.ready and len(w.requests) < max_sequences]
+    """The CPU worker that takes the next sequence (GPU workers only prefill)."""
+    candidates = [w for w in workers.values()
+                  if w.kind == "cpu" and w.alive and w.ready and len(w.requests) < max_sequences]
     if not candidates:
         return None
     return min(candidates, key=lambda w: (len(w.requests), w.worker_id)).worker_id

@@ -156,17 +156,7 @@ class SnapshotIndex:
         """The longest usable cached prefix of tokens, pinned until release(); None if none.
         replay: the lookup of a request restarted after its worker died, counted as
         `replays` and `replay_hit_tokens`, not as a hit or a miss, and promoting nothing."""
-        data = token_bytes(tokens)
-        n = len(data) // 4
-        keys = self._chain(data)
-        m = 0
-        while m < len(keys) and keys[m] in self._entries:
-            m += 1
-        position, end = m * self.block, None
-        if position < n:
-            end = self._longest_end(keys[m - 1] if m else b"", data, position, n)
-            if end is not None:
-                position = end.position
+        position, n, keys, m, end = self._find(tokens)
         if replay:
             self._counts["replays"] += 1
             self._counts["replay_hit_tokens"] += position
@@ -185,6 +175,25 @@ class SnapshotIndex:
                 self._reused.add(e.key)
         self._resumes[resume.ticket] = resume
         return resume
+
+    def cached(self, tokens) -> int:
+        """The position lookup() would resume tokens from, without pinning or counting."""
+        return self._find(tokens)[0]
+
+    def _find(self, tokens):
+        """(position, n tokens, the chain's keys, how many of them are cached, the end entry)."""
+        data = token_bytes(tokens)
+        n = len(data) // 4
+        keys = self._chain(data)
+        m = 0
+        while m < len(keys) and keys[m] in self._entries:
+            m += 1
+        position, end = m * self.block, None
+        if position < n:
+            end = self._longest_end(keys[m - 1] if m else b"", data, position, n)
+            if end is not None:
+                position = end.position
+        return position, n, keys, m, end
 
     def _longest_end(self, base: bytes, data: bytes, begin: int, n: int) -> Entry | None:
         # An end entry of a prefix of tokens that starts after the chain run: the

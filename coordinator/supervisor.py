@@ -1,5 +1,6 @@
-"""Starts the CPU workers (one per NUMA node by default, each pinned to its node's
-physical cores), notices when one exits, restarts it, and stops them all."""
+"""Starts the workers (a CPU worker per NUMA node by default, each pinned to its node's
+physical cores; a GPU worker per GPU of --gpu), notices when one exits, restarts it,
+and stops them all."""
 from __future__ import annotations
 
 import logging
@@ -48,10 +49,14 @@ class Supervisor:
         self.opts, self.endpoint = opts, endpoint
         self.procs: dict[str, subprocess.Popen] = {}
         self.plan = worker_plan(opts)
+        self.gpu_plan = {f"gpu{i}": i for i in getattr(opts, "gpus", [])}
         self.restarts: dict[str, RestartBudget] = {}
         self.given_up: set[str] = set()
 
     def start(self, wid: str) -> None:
+        if wid in self.gpu_plan:
+            self._start_gpu(wid)
+            return
         node, cpus = self.plan[wid]
         cmd = [sys.executable, "-m", "cpu_worker.worker", "--connect", self.endpoint, "--model",
                self.opts.model_path, "--worker-id", wid, "--threads", str(len(cpus)),
@@ -63,8 +68,16 @@ class Supervisor:
         self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("started worker %s (pid %d) on node %d, CPUs %s", wid, self.procs[wid].pid, node, cpus)
 
+    def _start_gpu(self, wid: str) -> None:
+        cmd = [sys.executable, "-m", "gpu_worker.worker", "--connect", self.endpoint, "--model", self.opts.model_path,
+               "--worker-id", wid, "--gpu", str(self.gpu_plan[wid])]
+        if self.opts.gpu_mem:
+            cmd += ["--gpu-mem", self.opts.gpu_mem]
+        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.info("started gpu worker %s (pid %d) on GPU %d", wid, self.procs[wid].pid, self.gpu_plan[wid])
+
     def start_all(self) -> None:
-        for wid in self.plan:
+        for wid in [*self.plan, *self.gpu_plan]:
             self.start(wid)
 
     def reap(self) -> list[str]:
@@ -79,7 +92,7 @@ class Supervisor:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-        if wid not in self.plan or wid in self.given_up:
+        if (wid not in self.plan and wid not in self.gpu_plan) or wid in self.given_up:
             return
         budget = self.restarts.setdefault(wid, RestartBudget())
         if not budget.spend():
@@ -91,7 +104,8 @@ class Supervisor:
 
     @property
     def all_given_up(self) -> bool:
-        return bool(self.plan) and self.given_up == set(self.plan)
+        """Every CPU worker (the ones that decode) given up."""
+        return bool(self.plan) and set(self.plan) <= self.given_up
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         for wid, proc in self.procs.items():

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared import protocol as P
+from shared.engine import measure_prefill_rate
 from shared.errors import FermoeError
 from shared.generate import Decoder
 from shared.model import Model
@@ -40,6 +41,7 @@ log = logging.getLogger("fermoe.cpu_worker")
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
 DECODING_PASS_TOKENS = 64   # ... and while sequences decode: the pause a prompt chunk puts in their streams
 MIN_PROMPT_TOKENS = 8       # prompt tokens a pass takes however many sequences decode: no prompt starves
+RATE_PROBE_TOKENS = 32      # the prompt timed at start: the prefill rate the worker announces
 
 
 @dataclass
@@ -55,12 +57,12 @@ class Sequence:
 
 class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
-                 cpus: list[int] | None = None, shared_memory: bool = True):
+                 cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS):
         from shared.builtin import resolve_model
         from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
         self.engine = cpu_engine(engine, self.model, threads=threads, cpus=cpus)
-        self.worker_id = worker_id
+        self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self.sequences: dict[str, Sequence] = {}
@@ -74,7 +76,9 @@ class CPUWorker:
         self.link.send(msg)
 
     def event_loop(self) -> None:
-        self.link.hello(os.getpid(), getattr(self.engine, "threads", 1), self.model.fingerprint)
+        rate = measure_prefill_rate(self.engine, self.model.config, self.probe_tokens)
+        self.link.hello(os.getpid(), getattr(self.engine, "threads", 1), self.model.fingerprint,
+                        prefill_tok_s=round(rate, 1))
         while self.running:
             busy = bool(self.sequences)
             if self.link.serve(self.handlers, 0 if busy else int(HEARTBEAT_S * 1000)):

@@ -19,6 +19,7 @@ import time
 import uuid
 
 from shared import protocol as P
+from shared.engine import measure_prefill_rate
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.state import SequenceState, restore_snapshots
@@ -42,16 +43,7 @@ class GPUWorker:
         self.running = True
 
     def prefill_rate(self) -> float:
-        """Tokens/s of a prefill of probe_tokens tokens, timed after one untimed run (the
-        first compiles and uploads what later ones reuse)."""
-        n = min(self.probe_tokens, self.model.config.n_ctx_train)
-        if n <= 0:
-            return 0.0
-        tokens = [t % self.model.config.n_vocab for t in range(1, n + 1)]
-        self.engine.forward(tokens, self.engine.new_state(), all_logits=False)
-        t0 = time.perf_counter()
-        self.engine.forward(tokens, self.engine.new_state(), all_logits=False)
-        return n / (time.perf_counter() - t0)
+        return measure_prefill_rate(self.engine, self.model.config, self.probe_tokens)
 
     def event_loop(self) -> None:
         rate = self.prefill_rate()

@@ -7,6 +7,7 @@ by one is decoded on by another. The registry that picks one by name is
 coordinator/engines.py (this package imports no worker package)."""
 from __future__ import annotations
 
+import time
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -75,3 +76,17 @@ class ReferenceEngine:
 
     def close(self) -> None:
         pass
+
+
+def measure_prefill_rate(engine: Engine, cfg, n_tokens: int) -> float:
+    """Prefill tokens/s of an n_tokens prompt, timed after one untimed run (the first
+    compiles, uploads or faults in what later ones reuse); 0 for n_tokens <= 0. What a
+    worker announces in its Hello, for the coordinator to place prompts by."""
+    n = min(n_tokens, cfg.n_ctx_train)
+    if n <= 0:
+        return 0.0
+    tokens = [t % cfg.n_vocab for t in range(1, n + 1)]
+    engine.forward(tokens, engine.new_state(), all_logits=False)
+    t0 = time.perf_counter()
+    engine.forward(tokens, engine.new_state(), all_logits=False)
+    return n / (time.perf_counter() - t0)

@@ -26,5 +26,14 @@ class ContextLengthError(FermoeError):
     """A sequence would run past its model's context length (context_length, n_ctx_train)."""
 
 
+class PromptTooLong(ContextLengthError):
+    """A request's prompt has more tokens than a sequence may hold: OpenAI's
+    context_length_exceeded, with llama-server's counts (wire_fields, for an Error)."""
+
+    def __init__(self, message: str, n_prompt_tokens: int, n_ctx: int):
+        super().__init__(message)
+        self.wire_fields = {"code": "context_length_exceeded", "n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}
+
+
 class ChatTemplateError(FermoeError, ValueError):
     """A model's chat template refused the messages (its raise_exception())."""

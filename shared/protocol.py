@@ -18,7 +18,13 @@ import msgspec
 from .errors import ProtocolError
 from .sampling import SamplingParams as _Defaults
 
-MAX_MESSAGE_BYTES = 1 << 20        # a prompt of a few hundred thousand tokens fits
+# The largest message a process decodes by default, and the default of the coordinator's
+# --max-request-size (its limit on a client's message, set with set_max_message_bytes).
+# A prompt of a whole 262144-token context is about 1.3 MB as token ids (an Assign, up
+# to 5 bytes a token) and a few MB as text, JSON-escaped; 64 MiB leaves room for far
+# longer contexts and for text of many bytes a token.
+MAX_MESSAGE_BYTES = 64 << 20
+_limit = MAX_MESSAGE_BYTES
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -79,12 +85,19 @@ class Done(_Msg, tag="done"):
     prefill_ms: float = 0.0             # the prompt's forward passes (0: resumed whole from a snapshot)
     decode_tok_s: float = 0.0           # tokens after the first one, per second
     stop_reason: str | None = None      # as vLLM's: the stop string matched (None: end of generation or other)
+    prefill_device: str | None = None   # where the uncached part of the prompt ran: gpu or cpu (None: no prefill)
+    prefill_estimates_ms: dict[str, float] = {}     # what the choice was made on, by device
 
 
 class Error(_Msg, tag="error"):
-    """coordinator -> client: a message was refused (malformed, unknown, duplicate id...)."""
+    """coordinator -> client: a message was refused (malformed, unknown, duplicate id...).
+    A prompt longer than the context has code "context_length_exceeded" (OpenAI's) and
+    llama-server's counts: the prompt's tokens and the positions a sequence may hold."""
     message: str
     request_id: str | None = None
+    code: str | None = None
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
 
 
 class WorkerInfo(msgspec.Struct):
@@ -93,15 +106,23 @@ class WorkerInfo(msgspec.Struct):
     threads: int
     running: int
     alive: bool
+    kind: str = "cpu"                   # cpu (prefill and decode) or gpu (prefill only)
+    device: str = ""
+    prefill_tok_s: float = 0.0          # measured at start, then as it serves
+    decode_tok_s: float = 0.0
 
 
 class StatusReply(_Msg, tag="status_reply"):
-    """coordinator -> client: the daemon's state."""
+    """coordinator -> client: the daemon's state. `model` is the file it serves; `name` the
+    model's name for clients (--alias, else --model as given); `fingerprint` the file's."""
     model: str
     workers: list[WorkerInfo]
     queued: int
     running: int
     snapshots: dict[str, int]
+    name: str = ""
+    fingerprint: str = ""
+    max_request_size: int = MAX_MESSAGE_BYTES        # the largest client message it takes
 
 
 # ---- coordinator <-> worker ---------------------------------------------------
@@ -242,10 +263,21 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def set_max_message_bytes(n: int) -> None:
+    """The largest message this process decodes (the coordinator's --max-request-size)."""
+    global _limit
+    _limit = n
+
+
+def max_message_bytes() -> int:
+    return _limit
+
+
 def decode(data: bytes, kind):
     """Decode one message of the union `kind`; any defect is a ProtocolError naming it."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    if len(data) > _limit:
+        raise ProtocolError(f"the message is {len(data)} bytes, over the limit of {_limit} bytes "
+                            f"(the coordinator's --max-request-size raises it)")
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)

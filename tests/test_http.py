@@ -6,7 +6,6 @@ the same generation computed in this process (tests/http_server.py)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import uuid
 
@@ -18,12 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.http_server import HttpDaemon, LocalEngine, sse_events
 
 MAX_SEQUENCES = 4           # a worker decoding several at once, as served (no test here counts on four)
+MAX_REQUEST = 4 << 20       # --max-request-size: small enough to exceed cheaply, above the old 1 MiB message cap
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
 def daemon(tiny_q4_path):
-    d = HttpDaemon(tiny_q4_path, "--max-sequences", str(MAX_SEQUENCES))
+    d = HttpDaemon(tiny_q4_path, "--max-sequences", str(MAX_SEQUENCES), "--max-request-size", str(MAX_REQUEST))
     yield d
     assert d.stop() == 0
 
@@ -56,9 +56,85 @@ def scrape(daemon) -> dict[str, float]:
 
 def test_models_and_health(daemon, client, tiny_q4_path):
     models = client.models.list().data
-    assert [m.id for m in models] == [os.path.basename(tiny_q4_path)]
+    assert [m.id for m in models] == [str(tiny_q4_path)]                   # --model as given, as llama-server
     assert client.models.retrieve(models[0].id).id == models[0].id
-    assert httpx.get(f"{daemon.url}/health").json()["status"] == "ok"
+    assert client.models.retrieve("gpt-4o").id == models[0].id             # one model, under any name
+    assert httpx.get(f"{daemon.url}/models").json()["data"][0]["id"] == models[0].id
+    for path in ("/health", "/v1/health"):
+        assert httpx.get(f"{daemon.url}{path}").json()["status"] == "ok"
+
+
+def test_any_model_name_is_the_model_served(daemon, client, tiny_q4_path):
+    r = client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert r.model == str(tiny_q4_path) and r.choices[0].finish_reason in ("length", "stop")
+    for path, body in [("/chat/completions", {"messages": CHAT}), ("/completions", {"prompt": "x"})]:
+        r = post(daemon, path, body | {"model": "tiny", "max_tokens": 2, "seed": 1})
+        assert r.status_code == 200 and r.json()["model"] == str(tiny_q4_path), (path, r.text)
+        assert r.json()["choices"] == post(daemon, f"/v1{path}", body | {"max_tokens": 2, "seed": 1}).json()["choices"]
+
+
+def test_system_fingerprint_and_timings(daemon, client):
+    whole = client.completions.create(model="x", prompt="The old GPU said", max_tokens=4, seed=2,
+                                      extra_body={"ignore_eos": True})
+    fingerprint = whole.system_fingerprint
+    assert fingerprint.startswith("fp_") and len(fingerprint) == 13
+    t = whole.model_extra["timings"]
+    assert t["prompt_n"] + t["cache_n"] == whole.usage.prompt_tokens and t["predicted_n"] == 4
+    assert t["prompt_ms"] > 0 and t["predicted_per_second"] > 0
+    with httpx.stream("POST", f"{daemon.url}/v1/chat/completions", timeout=60,
+                      json={"messages": CHAT, "n_predict": 5, "max_tokens": 40, "ignore_eos": True, "stream": True,
+                            "timings_per_token": True, "cache_prompt": True, "id_slot": -1}) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert {c["system_fingerprint"] for c in chunks} == {fingerprint}
+    texts = [c for c in chunks if c["choices"][0]["delta"].get("content")]
+    assert [c["timings"]["predicted_n"] for c in texts] == list(range(1, len(texts) + 1))
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "length" and last["timings"]["predicted_n"] == 5
+    assert set(last["timings"]) == {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+                                    "predicted_n", "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
+    assert "timings" not in chunks[0]
+
+
+def test_cors_lets_any_page_call_by_default(daemon):
+    origin = {"Origin": "http://page.example:3000"}
+    pre = httpx.options(f"{daemon.url}/v1/chat/completions", headers=origin | {
+        "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert pre.headers["access-control-allow-headers"] == "authorization, content-type"
+    r = httpx.get(f"{daemon.url}/v1/models", headers=origin)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(f"{daemon.url}/v1/models").headers   # not a page
+
+
+def test_the_chat_page_has_its_icon(daemon):
+    assert '<link rel="icon" type="image/svg+xml" href="favicon.ico">' in httpx.get(daemon.url).text
+    r = httpx.get(f"{daemon.url}/favicon.ico")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/svg+xml" and r.text.startswith("<svg")
+
+
+def test_an_over_long_prompt_is_context_length_exceeded(daemon):
+    chat = post(daemon, "/v1/chat/completions", {"messages": [{"role": "user", "content": "sky blue " * 140000}]})
+    text = post(daemon, "/v1/completions", {"prompt": [1] * 262145})
+    for r, param in [(chat, "messages"), (text, "prompt")]:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"], error["n_ctx"]) == ("context_length_exceeded", param, 262144)
+        assert error["n_prompt_tokens"] > 262144 and error["type"] == "invalid_request_error"
+        assert f"{error['n_prompt_tokens']} tokens" in error["message"] and "262144" in error["message"]
+    assert text.json()["error"]["n_prompt_tokens"] == 262145
+
+
+def test_a_request_over_1_mib_within_the_limit_reaches_the_coordinator(daemon):
+    prompt = "The old GPU said hello to the new one. " * 54000                    # 2.1 MB: 972k tokens
+    r = post(daemon, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    body = json.dumps({"prompt": "x" * MAX_REQUEST})
+    r = post(daemon, "/v1/completions", body)
+    assert r.status_code == 413, r.text
+    message = r.json()["error"]["message"]
+    assert f"is {len(body)} bytes, over the limit of {MAX_REQUEST} bytes (4 MiB)" in message
+    assert "--max-request-size" in message and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_chat_completion_is_the_local_generation(client, local):
@@ -159,7 +235,6 @@ def test_tokenize_and_detokenize_use_the_models_tokenizer(daemon, local):
     assert post(daemon, "/detokenize", {"tokens": ids}).json() == {"content": text}
 
 
-LONG = {"prompt": [1] * 262145}         # one token past the tiny model's context of 262144
 ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "length"),
@@ -176,16 +251,21 @@ ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream"),
-    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": 2**64}, 400, "seed", "18446744073709551615"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2**64}, 400, "max_tokens", "<="),
+    ("/v1/chat/completions", {"messages": CHAT, "top_k": -(2**70)}, 400, "top_k", ">= -1"),
+    ("/v1/chat/completions", {"messages": CHAT, "n_predict": 2**64}, 400, "n_predict", "<="),
+    ("/v1/chat/completions", {"messages": CHAT, "mirostat": 2}, 400, "mirostat", "mirostat"),
+    ("/v1/chat/completions", {"messages": CHAT, "samplers": ["dry", "tfs_z"]}, 400, "samplers", "tfs_z"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, 400, None, "chat template"),
     ("/v1/chat/completions", b'{"messages": [', 400, None, "JSON"),
-    ("/v1/completions", LONG, 400, None, "longer than the model's context length of 262144"),
-    ("/v1/completions", LONG | {"stream": True}, 400, None, "longer than"),   # refused before any stream
+    ("/v1/completions", {"prompt": [1] * 262145, "stream": True}, 400, "prompt", "longer than"),  # before a stream
     ("/v1/completions", {"prompt": [[1], [2]]}, 400, "prompt", "batch"),
     ("/v1/completions", {"prompt": [10**6]}, 400, None, "token ids"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, None, "top_p"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "echo"),
-    ("/v1/completions", b"x" * (5 << 20), 413, None, "exceeds"),
+    ("/v1/completions", b"x" * (MAX_REQUEST + 1), 413, None, "--max-request-size"),
+    ("/detokenize", {"tokens": [2**64]}, 400, "tokens[0]", "<="),
     ("/tokenize", {"text": "x"}, 400, "text", "Unrecognized"),
     ("/tokenize", {}, 400, "content", "Missing"),
     ("/detokenize", {"tokens": [10**6]}, 400, "tokens", "token ids"),
@@ -197,7 +277,7 @@ def test_bad_requests_get_openai_errors(daemon, path, body, status, param, word)
     r = post(daemon, path, body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and word in error["message"]
+    assert {"message", "type", "param", "code"} <= set(error) and word in error["message"]
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
 
@@ -223,7 +303,10 @@ def _fuzzed(rng: random.Random) -> tuple[str, bytes]:
         body["".join(rng.choices("abcdefghij_", k=rng.randint(1, 12))) + "_zz"] = rng.choice(junk)
     elif kind == 2:                             # a sampling field out of its range
         body.update(rng.choice([{"temperature": -0.1}, {"top_p": 1.5}, {"n": 3}, {"max_tokens": -5},
-                                {"presence_penalty": 9}, {"seed": -7}, {"stop": 5}, {"stream": "yes"}]))
+                                {"presence_penalty": 9}, {"seed": -7}, {"stop": 5}, {"stream": "yes"},
+                                {"seed": 2**64 + rng.randrange(2**80)}, {"max_tokens": 2**63},
+                                {"top_k": rng.choice([2**64, -(2**70)])}, {"n_predict": 2**70},
+                                {"id_slot": -(2**64)}, {"n_keep": 2**90}, {"dry_multiplier": 1.5}]))
         if path in ("/tokenize", "/detokenize"):
             body["no_such_field"] = 1
     raw = json.dumps(body).encode()

@@ -18,9 +18,11 @@ import threading
 import httpx
 import openai
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Client
+from shared import protocol as P
 from tests.http_server import HttpDaemon, LocalEngine, Serve
 from tests.serving_harness import free_port, wait_until
 
@@ -31,11 +33,15 @@ KEY = "sk-test-key"
 CANCEL_DEADLINE_S = 15.0
 ENDLESS = {"prompt": "Go on and on", "max_tokens": 200000, "ignore_eos": True, "stream": True}
 STREAMS, STREAM_TOKENS = 32, 8
+ALIAS = "tiny-load"
+MAX_REQUEST = 8 << 20       # the coordinator's --max-request-size; a front end of its own takes more
+PAGE = "http://page.example"
 
 
 @pytest.fixture(scope="module")
 def daemon(tiny_q4_path):
-    d = HttpDaemon(tiny_q4_path, "--max-sequences", str(MAX_SEQUENCES))
+    d = HttpDaemon(tiny_q4_path, "--max-sequences", str(MAX_SEQUENCES), "--alias", ALIAS, "--max-request-size",
+                   "8MiB")
     yield d
     assert d.stop() == 0
 
@@ -95,14 +101,83 @@ def test_disconnect_before_the_first_token_leaves_the_queue(daemon):
     wait_until(lambda: idle(daemon), CANCEL_DEADLINE_S, "streams not cancelled")
 
 
+def test_disconnected_streams_are_counted_as_aborts_with_their_tokens(daemon):
+    def sample(name):
+        text = httpx.get(f"{daemon.url}/metrics", timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+                   and s.labels.get("finished_reason", "abort") == "abort")
+    names = ["fermoe:request_success_total", "fermoe:generation_tokens_total", "fermoe:prompt_tokens_total"]
+    prompt_tokens = httpx.post(f"{daemon.url}/v1/completions", json=ENDLESS | {"stream": False, "max_tokens": 1},
+                               timeout=60).json()["usage"]["prompt_tokens"]
+    before = {n: sample(n) for n in names}
+    received = 0
+    for _ in range(2):                                 # each left after 5 chunks of text
+        with httpx.stream("POST", f"{daemon.url}/v1/completions", json=ENDLESS, timeout=60) as r:
+            data = (line for line in r.iter_lines() if line.startswith("data: "))
+            received += sum(1 for _, _ in zip(data, range(5)))
+    wait_until(lambda: idle(daemon), CANCEL_DEADLINE_S, "streams not cancelled")
+    grew = wait_until(lambda: (g := {n: sample(n) - before[n] for n in names})["fermoe:request_success_total"] == 2
+                      and g, CANCEL_DEADLINE_S, "two aborts counted")
+    assert grew["fermoe:prompt_tokens_total"] == 2 * prompt_tokens
+    assert grew["fermoe:generation_tokens_total"] >= received
+
+
 def test_api_key_and_max_queue_on_a_front_end_of_its_own(daemon):
-    front = Serve(daemon.addr, "--api-key", KEY, "--max-queue", "1")
+    front = Serve(daemon.addr, "--api-key", KEY, "--max-queue", "1", "--alias", "served", "--cors-origins", PAGE)
     try:
         front.wait_http(front.url)                     # /health needs no key
         _check_the_key(front.url)
+        _check_cors_under_the_key(front.url)
         _check_the_queue_limit(daemon, front.url)
     finally:
         assert front.stop() == 0
+
+
+def test_the_model_is_named_by_its_alias(daemon):
+    assert [m["id"] for m in httpx.get(f"{daemon.url}/v1/models").json()["data"]] == [ALIAS]
+    r = httpx.post(f"{daemon.url}/v1/completions", json={"model": "anything", "prompt": "x", "max_tokens": 1})
+    assert r.json()["model"] == ALIAS
+
+
+def _check_cors_under_the_key(url: str) -> None:
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    r = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": PAGE} | preflight)
+    assert r.status_code == 204 and r.headers["access-control-allow-origin"] == PAGE     # no key asked
+    assert r.headers["vary"] == "Origin"
+    r = httpx.get(f"{url}/v1/models", headers={"Origin": PAGE})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == PAGE     # the page reads the 401
+    r = httpx.get(f"{url}/v1/models", headers={"Origin": PAGE, "Authorization": f"Bearer {KEY}"})
+    assert r.json()["data"][0]["id"] == "served" and r.headers["access-control-allow-origin"] == PAGE
+    r = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "http://elsewhere.example"} | preflight)
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert "--cors-origins" in r.json()["error"]["message"]
+    r = httpx.get(f"{url}/v1/models", headers={"Origin": "http://elsewhere.example"})
+    assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
+
+
+def test_one_request_size_limit_over_http_and_zeromq(daemon):
+    prompt = "x" * (MAX_REQUEST + 1)
+    r = httpx.post(f"{daemon.url}/v1/completions", json={"prompt": prompt}, timeout=60)
+    assert r.status_code == 413 and "the server's --max-request-size" in r.json()["error"]["message"]
+    front = Serve(daemon.addr)                         # its own limit, the default: above the coordinator's
+    try:
+        front.wait_http(front.url)
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": prompt}, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 413 and f"over the limit of {MAX_REQUEST} bytes (8 MiB)" in message
+        assert "the coordinator's --max-request-size" in message
+    finally:
+        assert front.stop() == 0
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.addr)
+    try:
+        sock.send(P.encode(P.Generate(request_id="big", prompt=prompt)))
+        assert sock.poll(30000)
+        error = P.decode(sock.recv(), P.CLIENT_REPLIES)
+    finally:
+        sock.close()
+    assert isinstance(error, P.Error) and "--max-request-size" in error.message and str(MAX_REQUEST) in error.message
 
 
 def _check_the_key(url: str) -> None:

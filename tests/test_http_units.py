@@ -11,7 +11,8 @@ import zmq
 
 from coordinator.http import params
 from coordinator.http.options import parse_listen
-from coordinator.http.schemas import APIError, ChatCompletionRequest, CompletionRequest, decode_body
+from coordinator.http.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       decode_body)
 from coordinator.http.upstream import Upstream
 from shared import protocol as P
 from shared.errors import FermoeError
@@ -168,8 +169,8 @@ def test_bad_listen_addresses_are_named(text):
 
 
 class _NoUpstream:
-    def cancel(self, rid):
-        pass
+    def cancel(self, rid, on_done=None):
+        return False
 
 
 def test_a_request_that_fails_is_counted_once():
@@ -217,3 +218,214 @@ def test_a_front_end_that_keeps_exiting_is_restarted_within_the_workers_budget(m
         front.poll()
     front.stop()
     assert front.given_up and len(starts) == supervisor.MAX_RESTARTS + 1
+
+
+# ---- llama-server's fields --------------------------------------------------------
+def test_llama_server_fields_that_mean_something_here_are_honoured():
+    assert completion(n_predict=5).max_tokens == 5
+    assert completion(n_predict=-1, max_tokens=9).max_tokens is None        # -1: until the end, as llama.cpp's
+    assert completion(n_predict=7, max_tokens=3).max_tokens == 7            # n_predict first, as llama-server
+    assert chat(n_predict=4, max_completion_tokens=2).max_tokens == 4
+    g = completion(samplers=["top_k", "temperature"], top_p=0.5, min_p=0.2)  # left out: not used
+    assert (g.top_k, g.top_p, g.min_p) == (SamplingParams().top_k, 1.0, 0.0)
+    g = completion(samplers="edkypmxt", top_p=0.5)                           # llama-server's default chain
+    assert (g.top_k, g.top_p, g.min_p) == (SamplingParams().top_k, 0.5, SamplingParams().min_p)
+
+
+def test_llama_server_fields_without_effect_are_accepted_and_logged(caplog):
+    web_page = dict(cache_prompt=True, id_slot=-1, timings_per_token=True, return_progress=True, verbose=False,
+                    n_keep=0, dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1,
+                    dry_sequence_breakers=["\n"], typical_p=1.0, xtc_probability=0.0, xtc_threshold=0.1,
+                    mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, dynatemp_range=0.0, dynatemp_exponent=1.0,
+                    n_probs=0, post_sampling_probs=False, return_tokens=False, top_n_sigma=-1.0, repeat_last_n=64,
+                    reasoning_format="none", min_keep=0)
+    with caplog.at_level("INFO", logger="fermoe.http"):
+        g = chat(**web_page)
+    assert msgspec.structs.replace(g, request_id="") == msgspec.structs.replace(chat(), request_id="")
+    lines = [r.getMessage() for r in caplog.records if "ignored llama-server fields" in r.getMessage()]
+    assert len(lines) == 1 and "cache_prompt" in lines[0] and "id_slot" in lines[0] and "mirostat" in lines[0]
+    assert "timings_per_token" not in lines[0]                              # honoured, not ignored
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fermoe.http"):
+        completion(seed=3)
+    assert not caplog.records                                               # nothing to say
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(dry_multiplier=0.8), "dry_multiplier"), (dict(mirostat=2), "mirostat"),
+    (dict(xtc_probability=0.5), "xtc_probability"), (dict(typical_p=0.9), "typical_p"),
+    (dict(dynatemp_range=0.5), "dynatemp_range"), (dict(top_n_sigma=1.5), "top_n_sigma"),
+    (dict(n_probs=3), "n_probs"), (dict(n_indent=4), "n_indent"), (dict(n_cmpl=2), "n_cmpl"),
+    (dict(t_max_predict_ms=100), "t_max_predict_ms"), (dict(grammar="root ::= [a]"), "grammar"),
+    (dict(json_schema={}), "json_schema"), (dict(lora=[{"id": 0, "scale": 1}]), "lora"),
+    (dict(min_keep=5), "min_keep"), (dict(n_predict=0), "n_predict"),
+    (dict(repeat_last_n=128, repeat_penalty=1.1), "repeat_last_n"), (dict(samplers=["top_k", "bogus"]), "samplers"),
+    (dict(samplers="kpm"), "samplers"), (dict(chat_template_kwargs={"enable_thinking": False}), "chat_template_kwargs"),
+])
+def test_llama_server_settings_we_cannot_honour_are_refused_by_name(fields, param):
+    with pytest.raises(APIError) as e:
+        chat(**fields)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+def test_xtc_is_off_above_its_threshold_as_in_llama_cpp():
+    assert chat(xtc_probability=0.5, xtc_threshold=0.6).max_tokens is None
+
+
+# ---- integers: bounded before they reach MessagePack -------------------------------
+@pytest.mark.parametrize("fields, param", [
+    (dict(seed=2**64), "seed"), (dict(max_tokens=2**64), "max_tokens"), (dict(max_tokens=2**63), "max_tokens"),
+    (dict(top_k=2**70), "top_k"), (dict(n_predict=2**64), "n_predict"), (dict(n_predict=-(2**70)), "n_predict"),
+    (dict(id_slot=2**64), "id_slot"), (dict(n_keep=-(2**64)), "n_keep"), (dict(n=2**64), "n"),
+    (dict(top_logprobs=2**64), "top_logprobs"), (dict(best_of=-(2**70)), "best_of"),
+    (dict(prompt=[2**64]), "prompt"), (dict(prompt=[[1, -(2**64)]]), "prompt"),
+])
+def test_integers_out_of_range_are_a_400_naming_the_field(fields, param):
+    with pytest.raises(APIError) as e:
+        completion(**fields)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_integers_at_their_bounds_reach_the_coordinator_whole():
+    g = completion(seed=2**64 - 1, max_tokens=2**63 - 1, top_k=2**63 - 1, id_slot=-(2**63))
+    assert P.decode(P.encode(g), P.CLIENT_MESSAGES) == g
+    with pytest.raises(APIError) as e:
+        decode_body(msgspec.json.encode({"tokens": [2**64]}), DetokenizeRequest)
+    assert e.value.param == "tokens[0]"
+
+
+# ---- llama-server's timings -------------------------------------------------------
+def test_timings_are_llama_servers():
+    from coordinator.http.llama_server import Timings
+    t = Timings()
+    assert t.partial() == {}
+    t.arrived = 10.0
+    for now in (10.5, 10.6, 10.7):
+        t.token(now)
+    part = t.partial()
+    assert part["prompt_ms"] == 500.0 and part["predicted_n"] == 3 and part["predicted_ms"] == pytest.approx(200.0)
+    done = P.Done(request_id="r", finish_reason="length", prompt_tokens=12, cached_prompt_tokens=8,
+                  completion_tokens=4, prefill_ms=20.0, decode_tok_s=50.0)
+    assert t.final(done) == {"cache_n": 8, "prompt_n": 4, "prompt_ms": 20.0, "prompt_per_token_ms": 5.0,
+                             "prompt_per_second": 200.0, "predicted_n": 4, "predicted_ms": 80.0,
+                             "predicted_per_token_ms": 20.0, "predicted_per_second": 50.0}
+
+
+# ---- sizes: one limit, and a full context within it --------------------------------
+def test_a_whole_context_of_token_ids_fits_in_an_assign():
+    tokens = [248319] * 262144                       # the largest ids of Qwen3.5's vocabulary: 5 bytes each
+    msg = P.Assign(request_id="r", tokens=tokens, resume=[], snapshots=[], max_tokens=1, temperature=0.8, top_k=40,
+                   top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1)
+    data = P.encode(msg)
+    assert len(data) > 1 << 20 and P.decode(data, P.TO_WORKER).tokens == tokens
+
+
+def test_the_message_limit_names_the_option_that_raises_it():
+    data = P.encode(P.Generate(request_id="r", prompt="x" * 5000))
+    P.set_max_message_bytes(4096)
+    try:
+        with pytest.raises(FermoeError, match=r"the message is \d+ bytes, over the limit of 4096 bytes .*"
+                                              r"--max-request-size"):
+            P.decode(data, P.CLIENT_MESSAGES)
+    finally:
+        P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
+    assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
+
+
+@pytest.mark.parametrize("text, expected", [("*", ("*",)), ("", ()), ("http://a.b:3000/, https://c", (
+    "http://a.b:3000", "https://c"))])
+def test_cors_origins(text, expected):
+    from coordinator.http.options import parse_origins
+    assert parse_origins(text) == expected
+
+
+@pytest.mark.parametrize("text", ["*,http://a", "localhost", "http://a/path"])
+def test_bad_cors_origins_are_named(text):
+    from coordinator.http.options import parse_origins
+    with pytest.raises(FermoeError, match="--cors-origins"):
+        parse_origins(text)
+
+
+def test_http_options_on_the_coordinators_command_line():
+    from coordinator.options import parse_options
+    opts = parse_options(["--model", "tiny", "--alias", "qwen", "--max-request-size", "8MiB", "--http", "8080",
+                          "--cors-origins", "http://localhost:3000"])
+    assert (opts.alias, opts.max_request_size, opts.cors_origins) == ("qwen", 8 << 20, ("http://localhost:3000",))
+    opts = parse_options(["--model", "tiny"])
+    assert (opts.model, opts.alias, opts.max_request_size) == ("tiny", None, P.MAX_MESSAGE_BYTES)
+    for bad, word in [(["--max-request-size", "12"], "at least"), (["--max-request-size", "lots"], "size"),
+                      (["--cors-origins", "*"], "needs --http")]:
+        with pytest.raises(FermoeError, match=f"--(max-request-size|cors-origins).*{word}"):
+            parse_options(["--model", "tiny", *bad])
+
+
+# ---- /metrics: a request whose client left is counted, once, as an abort ----------
+class _Cancelling:
+    """An upstream whose request is still open: cancel() takes the Done callback."""
+
+    def __init__(self):
+        self.on_done = None
+
+    def cancel(self, rid, on_done=None):
+        if self.on_done is None and on_done is not None:
+            self.on_done = on_done
+            return True
+        return False
+
+
+def test_a_request_whose_client_left_is_counted_as_an_abort_once():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    async def go():
+        metrics, stream, upstream = Metrics(), RequestStream("r"), _Cancelling()
+        response = GenerationResponse(upstream, stream, TextFormat(), "m", True, False, metrics)
+        stream.push(token("r", 1))
+        stream.push(token("r", 2))
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            left.set()                              # the client leaves once the stream has begun
+        await response(None, receive, send)
+        upstream.on_done(P.Done(request_id="r", finish_reason="cancelled", prompt_tokens=7, completion_tokens=5))
+        upstream.on_done(P.Done(request_id="r", finish_reason="cancelled", prompt_tokens=7, completion_tokens=5))
+        return metrics
+
+    metrics = run(go())
+    get = metrics.registry.get_sample_value
+    assert get("fermoe:request_success_total", {"finished_reason": "abort"}) == 1
+    assert (get("fermoe:generation_tokens_total"), get("fermoe:prompt_tokens_total")) == (5, 7)
+    assert get("fermoe:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_cancelled_requests_done_reaches_whoever_cancelled_it():
+    fake = FakeCoordinator()
+
+    async def go():
+        up = Upstream(fake.addr)
+        up.start()
+        up.submit(P.Generate(request_id="a", prompt="x"))
+        fake.recv()
+        got = []
+        assert up.cancel("a", got.append) and not up.cancel("a", got.append)
+        assert isinstance(fake.recv(), P.Cancel)
+        fake.send(token("a", 1))                                    # late: dropped
+        fake.send(P.Done(request_id="a", finish_reason="cancelled", completion_tokens=1))
+        await asyncio.sleep(0.2)
+        assert [d.finish_reason for d in got] == ["cancelled"] and not up.draining
+        await up.close()
+    run(go())
+    fake.close()
+
+
+# ---- system_fingerprint ------------------------------------------------------------
+def test_system_fingerprint_is_one_per_model():
+    from coordinator.http.app import system_fingerprint
+    a = system_fingerprint("df81f6403566e03a")
+    assert a == system_fingerprint("df81f6403566e03a") != system_fingerprint("0123456789abcdef")
+    assert a.startswith("fp_") and len(a) == 13

@@ -27,9 +27,12 @@ from tests.serving_harness import (BLOCK, Daemon, local, local_ids, local_text, 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
 
 
+MAX_REQUEST = 1 << 20           # the fuzz's oversized messages need not be 64 MiB each
+
+
 @pytest.fixture(scope="module")
 def daemon(tiny_q4_path):
-    d = Daemon(tiny_q4_path)
+    d = Daemon(tiny_q4_path, "--max-request-size", str(MAX_REQUEST))
     yield d
     if d.proc.poll() is None:
         d.stop()
@@ -180,7 +183,7 @@ def test_fuzz_malformed_messages(daemon):
         lambda: msgpack.packb({"type": "generate", "request_id": "r", "prompt": "x", "extra": 1}),
         lambda: msgpack.packb({"type": "cancel"}),
         lambda: b"\xc1" * rng.randint(1, 10),
-        lambda: msgpack.packb({"type": "generate", "request_id": "big", "prompt": "x" * (P.MAX_MESSAGE_BYTES + 1)}),
+        lambda: msgpack.packb({"type": "generate", "request_id": "big", "prompt": "x" * (MAX_REQUEST + 1)}),
     ]
     n = 1200
     for _ in range(n):
@@ -216,7 +219,8 @@ def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
     assert {r["type"] for r in replies} <= {"token", "done"} and replies[-1]["request_id"] == "plain"
     done, tokens = replies[-1], [r["token"] for r in replies[:-1] if r["token"] >= 0]
     assert set(done) == {"type", "request_id", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens",
-                         "completion_tokens", "prefill_ms", "decode_tok_s", "stop_reason"}
+                         "completion_tokens", "prefill_ms", "decode_tok_s", "stop_reason", "prefill_device",
+                         "prefill_estimates_ms"}
     assert done["finish_reason"] == "length" and done["completion_tokens"] == len(tokens) == 128
     assert tokens == local_ids(tiny_q4_path, "hello", 128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                                repeat_penalty=1.0, seed=1)

@@ -1,20 +1,28 @@
-"""The Starlette application: routes, the API key, request limits.
+"""The Starlette application: routes, the API key, CORS, request limits.
 
     GET  /                      the chat page (static/chat.html)
-    GET  /health                200 once the coordinator has a ready worker, else 503 (never needs the key)
+    GET  /favicon.ico           its icon, an SVG (never needs the key)
+    GET  /health, /v1/health    200 once the coordinator has a ready worker, else 503 (never needs the key)
     GET  /metrics               Prometheus text format (metrics.py)
-    GET  /v1/models[/{id}]      the one model the coordinator serves
+    GET  /v1/models[/{id}]      the one model the coordinator serves, under its name (--alias, else
+                                the coordinator's --model as given); any {id} is that model
     POST /v1/chat/completions   messages rendered with the model's chat template (by the coordinator)
     POST /v1/completions        a prompt string or token ids
     POST /tokenize, /detokenize llama-server's, with the model's tokenizer loaded here
+
+/models, /chat/completions and /completions answer as their /v1 forms (llama-server
+takes both). One model is served, so a request's `model`, whatever it names, is that
+model, as llama-server serves its one model under any name. Request bodies and the
+messages they become are bounded by one limit, --max-request-size.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
+import importlib.metadata
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +37,7 @@ from shared import protocol as P
 from shared.errors import FermoeError, ProtocolError
 
 from . import params
+from .cors import CORS
 from .metrics import Metrics
 from .schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                       decode_body)
@@ -36,11 +45,10 @@ from .streaming import ChatFormat, GenerationResponse, TextFormat, send_json
 from .upstream import Upstream
 
 log = logging.getLogger("fermoe.http")
-# A body this large is no request we could serve (the coordinator takes messages up to 1 MiB)
-MAX_BODY_BYTES = 4 * P.MAX_MESSAGE_BYTES
-OPEN_PATHS = frozenset({"/health", "/"})     # the page is static; it asks for the key itself
+# the page and its icon are static (the page asks for the key itself)
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/favicon.ico"})
 RETRY_AFTER_S = 1
-CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
+STATIC = Path(__file__).with_name("static")
 
 
 @dataclass
@@ -48,6 +56,9 @@ class Settings:
     connect: str
     api_key: str | None = None
     max_queue: int | None = None
+    alias: str | None = None                     # the model's name; None: the coordinator's
+    cors_origins: tuple[str, ...] = ("*",)
+    max_request_size: int = P.MAX_MESSAGE_BYTES  # bytes of a request body
 
 
 class Server:
@@ -58,6 +69,9 @@ class Server:
         self.upstream: Upstream | None = None
         self.metrics: Metrics | None = None
         self.model_path: str | None = None
+        self.name: str | None = None
+        self.system_fingerprint = ""
+        self.coordinator_limit = P.MAX_MESSAGE_BYTES
         self.started = int(time.time())
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
@@ -69,18 +83,15 @@ class Server:
             raise APIError(503, f"the coordinator at {self.settings.connect} does not answer"
                                 f"{': ' + str(e) if str(e) else ''}", headers={"Retry-After": RETRY_AFTER_S}) from None
         self.model_path = st.model
+        self.name = self.settings.alias or st.name or st.model
+        self.system_fingerprint = system_fingerprint(st.fingerprint)
+        self.coordinator_limit = st.max_request_size
         return st
 
     async def model_id(self) -> str:
-        if self.model_path is None:
+        if self.name is None:
             await self.status()
-        return os.path.basename(self.model_path)
-
-    async def check_model(self, name: str | None) -> str:
-        model = await self.model_id()
-        if name is not None and name not in (model, self.model_path, Path(model).stem):
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        return model
+        return self.name
 
     async def tokenizer(self):
         async with self._tokenizer_lock:
@@ -88,6 +99,19 @@ class Server:
                 await self.model_id()
                 self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.model_path)
         return self._tokenizer
+
+
+def system_fingerprint(model_fingerprint: str) -> str:
+    """OpenAI's system_fingerprint: one value per fermoe version and model file."""
+    try:
+        version = importlib.metadata.version("fermoe")
+    except importlib.metadata.PackageNotFoundError:
+        version = "source"
+    return "fp_" + hashlib.sha256(f"fermoe {version} {model_fingerprint}".encode()).hexdigest()[:10]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.4g} MiB" if n >= 2**20 else f"{n / 2**10:.4g} KiB"
 
 
 def _load_tokenizer(path: str):
@@ -106,15 +130,21 @@ def _load_tokenizer(path: str):
 
 
 async def read_body(request: Request) -> bytes:
+    limit = request.app.state.server.settings.max_request_size
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"the request body is {declared} bytes", limit)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+        if len(body) > limit:
+            raise _too_large(f"the request body is over {len(body)} bytes", limit)
     return bytes(body)
+
+
+def _too_large(what: str, limit: int, whose: str = "the server's") -> APIError:
+    return APIError(413, f"{what}, over the limit of {limit} bytes ({_size(limit)}); {whose} --max-request-size "
+                         f"raises it", code="request_too_large")
 
 
 # ---- generation ------------------------------------------------------------------------
@@ -131,18 +161,18 @@ async def completions(request: Request):
 
 
 async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationResponse:
-    model = await server.check_model(body.model)
+    model = await server.model_id()
     data = P.encode(msg)
-    if len(data) > P.MAX_MESSAGE_BYTES:
-        raise APIError(400, f"the request is {len(data)} bytes as a coordinator message, over its limit of "
-                            f"{P.MAX_MESSAGE_BYTES}")
+    if len(data) > server.coordinator_limit:        # a coordinator of its own, with a lower limit
+        raise _too_large(f"the request is {len(data)} bytes as a message to the coordinator",
+                         server.coordinator_limit, "the coordinator's")
     limit, upstream = server.settings.max_queue, server.upstream
     if limit is not None and upstream.waiting >= limit:
         raise APIError(503, f"{upstream.waiting} requests are already waiting (--max-queue {limit}); "
                             f"retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return GenerationResponse(upstream, upstream.submit(msg, data), fmt, model, body.stream, include_usage,
-                              server.metrics)
+                              server.metrics, server.system_fingerprint, bool(body.timings_per_token))
 
 
 # ---- the rest ------------------------------------------------------------------------
@@ -168,9 +198,7 @@ async def list_models(request: Request):
 
 
 async def get_model(request: Request):
-    server: Server = request.app.state.server
-    await server.check_model(request.path_params["model"])
-    return JSONResponse(await _model_card(server))
+    return JSONResponse(await _model_card(request.app.state.server))
 
 
 async def _model_card(server: Server) -> dict:
@@ -197,7 +225,12 @@ async def detokenize(request: Request):
 
 
 async def chat_page(request: Request):
-    return HTMLResponse(CHAT_PAGE.read_text())
+    return HTMLResponse((STATIC / "chat.html").read_text())
+
+
+async def favicon(request: Request):
+    return Response((STATIC / "favicon.svg").read_bytes(), media_type="image/svg+xml",
+                    headers={"Cache-Control": "max-age=86400"})
 
 
 # ---- errors, the key, accounting -------------------------------------------------------
@@ -264,13 +297,16 @@ def build_app(settings: Settings) -> Starlette:
         await server.upstream.close()
 
     server.metrics = Metrics(waiting=lambda: server.upstream.waiting if server.upstream else 0)
-    routes = [Route("/", chat_page), Route("/health", health), Route("/metrics", metrics),
-              Route("/v1/models", list_models), Route("/v1/models/{model:path}", get_model),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]),
+    routes = [Route("/", chat_page), Route("/favicon.ico", favicon), Route("/metrics", metrics),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+    for prefix in ("/v1", ""):                   # llama-server answers on both
+        routes += [Route(f"{prefix}/health", health), Route(f"{prefix}/models", list_models),
+                   Route(f"{prefix}/models/{{model:path}}", get_model),
+                   Route(f"{prefix}/chat/completions", chat_completions, methods=["POST"]),
+                   Route(f"{prefix}/completions", completions, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.server = server
     app.add_middleware(Gate, server=server, endpoints=frozenset(r.path for r in routes if "{" not in r.path))
+    app.add_middleware(CORS, origins=settings.cors_origins)     # outermost: a preflight never meets the key
     return app

@@ -21,6 +21,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's finished_reason labels where ours differ: a request cancelled by its client is aborted
+FINISHED_REASONS = {"cancelled": "abort"}
 # StatusReply.snapshots entries that are levels; the others count events since start
 SNAPSHOT_LEVELS = {"slots": "snapshot slots in the store", "free_slots": "snapshot slots holding nothing",
                    "entries": "cached prefix snapshots", "pinned": "snapshots in use by running requests",
@@ -31,13 +33,15 @@ class Metrics:
     def __init__(self, waiting=lambda: 0):
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("fermoe:prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("fermoe:generation_tokens", "Generated tokens of finished requests",
+        self.generation_tokens = Counter("fermoe:generation_tokens",
+                                         "Generated tokens of finished and aborted requests",
                                          registry=r)
         self.prefix_cache_queries = Counter("fermoe:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix snapshot cache", registry=r)
         self.prefix_cache_hits = Counter("fermoe:prefix_cache_hits",
                                          "Prompt tokens served from the prefix snapshot cache", registry=r)
-        self.request_success = Counter("fermoe:request_success", "Finished requests by finish reason",
+        self.request_success = Counter("fermoe:request_success", "Finished requests by finish reason "
+                                       "(abort: the client went away or cancelled it)",
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram("fermoe:time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -52,12 +56,14 @@ class Metrics:
         self.status = StatusCollector()
         r.register(self.status)
 
-    def finished(self, done: P.Done, e2e_s: float) -> None:
+    def finished(self, done: P.Done, e2e_s: float, reason: str | None = None) -> None:
+        """One request's end; `reason` "abort" (vLLM's) for one whose client went away."""
+        reason = reason or done.finish_reason
         self.prompt_tokens.inc(done.prompt_tokens)
         self.generation_tokens.inc(done.completion_tokens)
         self.prefix_cache_queries.inc(done.prompt_tokens)
         self.prefix_cache_hits.inc(done.cached_prompt_tokens)
-        self.request_success.labels(finished_reason=done.finish_reason).inc()
+        self.request_success.labels(finished_reason=FINISHED_REASONS.get(reason, reason)).inc()
         self.e2e.observe(e2e_s)
 
     def render(self, status: P.StatusReply | None) -> bytes:

@@ -15,10 +15,13 @@ from shared.errors import FermoeError
 log = logging.getLogger("fermoe.http")
 DEFAULT_HTTP = "127.0.0.1:8080"
 API_KEY_ENV = "FERMOE_API_KEY"
+DEFAULT_CORS = "*"
+DEFAULT_MAX_REQUEST = "64MiB"
 
 
 def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> None:
-    """--http, --api-key, --max-queue (and --connect for a front end of its own)."""
+    """--http, --api-key, --max-queue, --alias, --cors-origins, --max-request-size (and --connect
+    for a front end of its own)."""
     g = p.add_argument_group("HTTP API (OpenAI-compatible)")
     if standalone:
         g.add_argument("--connect", default="tcp://127.0.0.1:5557", help="the coordinator's client endpoint")
@@ -26,10 +29,24 @@ def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> No
                    help=f"serve the OpenAI-compatible HTTP API here (loopback unless told otherwise"
                         f"{'; default ' + DEFAULT_HTTP if standalone else ', e.g. ' + DEFAULT_HTTP})")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health and the chat page "
-                        f"(default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health, the chat page and "
+                        f"its icon, and CORS preflights (default: ${API_KEY_ENV})")
     g.add_argument("--max-queue", type=int, default=None,
                    help="answer 503 with Retry-After while this many requests wait for their first token")
+    g.add_argument("-a", "--alias", default=None,
+                   help="the model's name in the API, as llama-server's --alias (default: "
+                        + ("the coordinator's" if standalone else "--model as given") +
+                        "); whatever name a request gives, the one model served answers it")
+    g.add_argument("--cors-origins", metavar="ORIGINS", default=None,
+                   help=f"origins whose web pages may call the API: a comma-separated list "
+                        f"(e.g. http://localhost:3000), or * for any (default {DEFAULT_CORS}, as llama-server and "
+                        f"vLLM); an empty value ('') turns CORS off")
+    g.add_argument("--max-request-size", metavar="SIZE", default=None,
+                   help=("the largest HTTP request body taken (the coordinator's own --max-request-size bounds "
+                         "the messages it takes)" if standalone else
+                         "the largest request taken, as an HTTP body and as a client's message over ZeroMQ")
+                        + f" (default {DEFAULT_MAX_REQUEST}: a prompt of a whole 262144-token context, as JSON text, "
+                          f"fits many times over)")
 
 
 def check_http_options(opts) -> None:
@@ -39,8 +56,36 @@ def check_http_options(opts) -> None:
         raise FermoeError("--max-queue needs --http")
     if opts.api_key is not None and not opts.api_key.strip():
         raise FermoeError("--api-key: empty")
+    if opts.http is None and opts.cors_origins is not None:
+        raise FermoeError("--cors-origins needs --http")
+    opts.cors_origins = parse_origins(DEFAULT_CORS if opts.cors_origins is None else opts.cors_origins)
+    if opts.alias is not None and not opts.alias.strip():
+        raise FermoeError("--alias: empty")
+    opts.max_request_size = parse_request_size(opts.max_request_size or DEFAULT_MAX_REQUEST)
     if opts.http is not None:
         parse_listen(opts.http)
+
+
+def parse_request_size(text: str) -> int:
+    from ..options import parse_size
+    try:
+        size = parse_size(text)
+    except FermoeError as e:
+        raise FermoeError(f"--max-request-size: {e}") from None
+    if size < 1024:
+        raise FermoeError(f"--max-request-size {text}: must be at least 1KiB")
+    return size
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """--cors-origins: () off, ("*",) any, else the origins as browsers send them (no trailing /)."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    if "*" in origins and len(origins) > 1:
+        raise FermoeError(f"--cors-origins {text!r}: * stands alone")
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", o):
+            raise FermoeError(f"--cors-origins {text!r}: {o!r} is not an origin (scheme://host[:port])")
+    return origins
 
 
 def parse_listen(text: str) -> tuple[str, int]:

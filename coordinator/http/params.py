@@ -5,7 +5,8 @@ temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Penalties map as llama-serve
 maps them: `repeat_penalty` is llama.cpp's multiplicative penalty_repeat,
 `frequency_penalty` and `presence_penalty` its additive penalty_freq and
 penalty_present, all three over the last 64 tokens. Features we cannot honour are
-refused by name rather than silently ignored.
+refused by name rather than silently ignored; llama-server's own fields are
+checked and mapped in llama_server.py.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import uuid
 
 from shared import protocol as P
 
+from . import llama_server
+from .fields import UINT64_MAX
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest
 
 _SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
@@ -38,10 +41,12 @@ def _sampling(body, max_tokens: int | None) -> dict:
     fields = {name: getattr(body, name) for name in _SAMPLING if getattr(body, name) is not None}
     if body.top_k is not None:
         fields["top_k"] = max(body.top_k, 0)
+    if body.seed is not None and body.seed > UINT64_MAX:
+        raise APIError(400, f"Invalid 'seed': Expected `int` <= {UINT64_MAX}", param="seed", code="invalid_value")
     if body.seed is not None and body.seed != -1:
         fields["seed"] = body.seed
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    return dict(max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, **fields)
+    return llama_server.apply(body, dict(max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, **fields))
 
 
 def _message_text(i: int, message) -> str:

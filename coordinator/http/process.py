@@ -40,6 +40,8 @@ class FrontEnd:
         cmd = [sys.executable, "-m", "coordinator.http", "--connect", self.connect, "--listen-fd", str(fd)]
         if self.opts.max_queue is not None:
             cmd += ["--max-queue", str(self.opts.max_queue)]
+        cmd += ["--cors-origins", ",".join(self.opts.cors_origins), "--max-request-size",
+                str(self.opts.max_request_size)]
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         if self.opts.api_key:

@@ -1,11 +1,11 @@
-"""OpenAI's request bodies as strict msgspec Structs, and OpenAI's error JSON.
+"""OpenAI's request bodies as strict msgspec Structs, and their decoding into 400s.
 
 Field names and ranges are OpenAI's; `top_k`, `min_p`, `repeat_penalty` and
-`ignore_eos` are the llama-server/vLLM extensions. Unknown fields are refused, as
-OpenAI refuses them ("Unrecognized request argument supplied"); fields OpenAI
-defines that change nothing here (`user`, `metadata`, `store`...) are accepted,
-and ones whose meaning we cannot honour (`logprobs`, `tools`, `n` > 1...) are
-refused by name in params.py.
+`ignore_eos` are the llama-server/vLLM extensions, and llama-server's own fields are
+declared in llama_server.py. Unknown fields are refused, as OpenAI refuses them
+("Unrecognized request argument supplied"); fields OpenAI defines that change
+nothing here (`user`, `metadata`, `store`...) are accepted, and ones whose meaning
+we cannot honour (`logprobs`, `tools`, `n` > 1...) are refused by name in params.py.
 """
 from __future__ import annotations
 
@@ -15,18 +15,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-RepeatPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
-TopK = Annotated[int, Meta(ge=-1)]                          # vLLM's -1 and llama.cpp's 0: off
-MaxTokens = Annotated[int, Meta(ge=1)]
-Seed = Annotated[int, Meta(ge=-1)]                          # -1: random, as llama.cpp's
-Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+from .errors import APIError
+from .fields import Body as _Body
+from .fields import Int, MaxTokens, Penalty, RepeatPenalty, Seed, Stop, Temperature, TokenId, TopK, TopP
+from .llama_server import LlamaServerFields
 
-
-class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",
+           "decode_body"]
 
 
 class StreamOptions(_Body):
@@ -49,7 +44,7 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class _Sampling(_Body, kw_only=True):
+class _Sampling(LlamaServerFields, kw_only=True):
     """The fields chat and text completions share."""
     model: str | None = None               # OpenAI requires it; llama-server does not: the one model
     stream: bool = False
@@ -64,14 +59,13 @@ class _Sampling(_Body, kw_only=True):
     repeat_penalty: RepeatPenalty | None = None
     seed: Seed | None = None
     stop: Stop = None
-    n: int | None = None
+    n: Int | None = None
     logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # accepted and without effect here: everything is cached, and nothing is stored
-    cache_prompt: bool | None = None
+    # accepted and without effect here: nothing is stored
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -90,7 +84,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class TokenizeRequest(_Body):
@@ -102,26 +96,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     """llama-server's /detokenize."""
-    tokens: list[Annotated[int, Meta(ge=0)]]
-
-
-# ---- errors ----------------------------------------------------------------------
-class APIError(Exception):
-    """An error answered as OpenAI answers it: {"error": {message, type, param, code}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 501: "server_error", 503: "server_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+    tokens: list[TokenId]
 
 
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$(.*)`)?")

@@ -9,7 +9,13 @@ its first token or mid-stream, has its request cancelled in the coordinator.
 Streams are framed as OpenAI frames them: for chat a first chunk carrying the
 role, a chunk per piece of text, one chunk with `finish_reason`, the usage chunk
 with empty `choices` when `stream_options.include_usage` asks for it, then
-`data: [DONE]`.
+`data: [DONE]`. Every body and chunk carries `system_fingerprint`; the final body
+and the `finish_reason` chunk carry llama-server's `timings` (llama_server.py), and
+with `timings_per_token` every chunk of text does.
+
+Every request that got past its refusal is counted once in /metrics: by its own
+finish reason, or as "abort" (vLLM's) with the tokens the coordinator had generated
+when its client went away (the Done that answers our Cancel).
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ import msgspec
 
 from shared import protocol as P
 
-from .schemas import APIError
+from .errors import APIError
+from .llama_server import Timings
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 _json = msgspec.json.Encoder()
@@ -35,6 +42,7 @@ def usage(done: P.Done) -> dict:
 class ChatFormat:
     """/v1/chat/completions."""
     object, chunk_object = "chat.completion", "chat.completion.chunk"
+    prompt_param = "messages"
 
     def opening(self) -> list[dict]:
         return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
@@ -53,6 +61,7 @@ class ChatFormat:
 class TextFormat:
     """/v1/completions."""
     object = chunk_object = "text_completion"
+    prompt_param = "prompt"
 
     def opening(self) -> list[dict]:
         return []
@@ -75,14 +84,18 @@ async def send_json(send, status: int, body: dict, headers: dict | None = None) 
 
 
 class GenerationResponse:
-    def __init__(self, upstream, stream, fmt, model: str, streaming: bool, include_usage: bool, metrics):
+    def __init__(self, upstream, stream, fmt, model: str, streaming: bool, include_usage: bool, metrics,
+                 fingerprint: str = "", timings_per_token: bool = False):
         self.upstream, self.stream, self.fmt, self.model = upstream, stream, fmt, model
         self.streaming, self.include_usage, self.metrics = streaming, include_usage, metrics
+        self.fingerprint, self.timings_per_token = fingerprint, timings_per_token
         self.rid = stream.request_id
         self.created = int(time.time())
         self.arrived = time.perf_counter()
         self.last_token: float | None = None
+        self.timings = Timings()
         self.gone = False
+        self.counted = False
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.create_task(self._watch(receive))
@@ -91,7 +104,7 @@ class GenerationResponse:
             if self.gone:
                 return
             if isinstance(first, P.Error):           # refused: bad input the coordinator names
-                await send_json(send, 400, APIError(400, first.message).body())
+                await send_json(send, 400, _refusal(first, self.fmt.prompt_param).body())
             elif isinstance(first, P.Done) and first.finish_reason == "error":    # _next() has counted it
                 await send_json(send, 500, _failure(first))
             elif self.streaming:
@@ -100,15 +113,25 @@ class GenerationResponse:
                 await self._whole(first, send)
         finally:
             watcher.cancel()
-            self.upstream.cancel(self.rid)           # nothing to do unless it is still open
+            self.upstream.cancel(self.rid, self._aborted)     # nothing to do unless it is still open
 
     async def _watch(self, receive) -> None:
         """The request body has been read: what receive() gives now is the disconnect."""
         while (await receive())["type"] != "http.disconnect":
             pass
         self.gone = True
-        self.upstream.cancel(self.rid)
+        if not self.upstream.cancel(self.rid, self._aborted) and self.stream.done is not None:
+            self._count(self.stream.done)           # it had ended: its Done waits, unread, in the queue
         self.stream.fail("the client disconnected")
+
+    def _aborted(self, done: P.Done) -> None:
+        """The coordinator's Done for a request we cancelled (its client gone, or a failure here)."""
+        self._count(done, "abort")
+
+    def _count(self, done: P.Done, reason: str | None = None) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.finished(done, time.perf_counter() - self.arrived, reason)
 
     async def _next(self):
         msg = await self.stream.get()
@@ -119,8 +142,9 @@ class GenerationResponse:
             else:
                 self.metrics.itl.observe(now - self.last_token)
             self.last_token = now
+            self.timings.token(now)
         elif isinstance(msg, P.Done) and not self.gone:
-            self.metrics.finished(msg, time.perf_counter() - self.arrived)
+            self._count(msg)
         return msg
 
     # ---- one JSON body ----------------------------------------------------------
@@ -135,7 +159,8 @@ class GenerationResponse:
             await send_json(send, 500, _failure(msg))
             return
         await send_json(send, 200, self._envelope(self.fmt.object, [self.fmt.whole("".join(texts), _reason(msg))],
-                                                  usage=usage(msg)), {"x-request-id": self.rid})
+                                                  usage=usage(msg), timings=self.timings.final(msg)),
+                        {"x-request-id": self.rid})
 
     # ---- server-sent events -------------------------------------------------------
     async def _stream_events(self, msg, send) -> None:
@@ -145,7 +170,8 @@ class GenerationResponse:
         events = [self._chunk([choice]) for choice in self.fmt.opening()]
         while not isinstance(msg, P.Done):
             if msg.text:
-                events.append(self._chunk([self.fmt.delta(msg.text)]))
+                timings = {"timings": self.timings.partial()} if self.timings_per_token else {}
+                events.append(self._chunk([self.fmt.delta(msg.text)], **timings))
             if self.stream.queue.empty() and events:        # write what has come in one send
                 await self._send_events(send, events)
                 events = []
@@ -159,7 +185,7 @@ class GenerationResponse:
         if done.finish_reason == "error":                   # OpenAI's error object, as vLLM sends it
             events = [b"data: " + _json.encode(_failure(done)) + b"\n\n"]
         else:
-            events = [self._chunk([self.fmt.final(_reason(done))])]
+            events = [self._chunk([self.fmt.final(_reason(done))], timings=self.timings.final(done))]
             if self.include_usage:
                 events.append(self._chunk([], usage=usage(done)))
         return events + [b"data: [DONE]\n\n"]
@@ -170,11 +196,20 @@ class GenerationResponse:
         return b"data: " + _json.encode(self._envelope(self.fmt.chunk_object, choices, **extra)) + b"\n\n"
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     async def _send_events(self, send, events: list[bytes], more: bool = True) -> None:
         await send({"type": "http.response.body", "body": b"".join(events), "more_body": more})
+
+
+def _refusal(error: P.Error, prompt_param: str) -> APIError:
+    """The coordinator's refusal of a request as a 400: an over-long prompt as OpenAI's
+    context_length_exceeded, with llama-server's n_prompt_tokens and n_ctx."""
+    if error.code == "context_length_exceeded":
+        return APIError(400, error.message, param=prompt_param, code=error.code,
+                        extra={"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx})
+    return APIError(400, error.message, code=error.code)
 
 
 def _failure(done: P.Done) -> dict:

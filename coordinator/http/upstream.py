@@ -6,6 +6,8 @@ the order they asked (the coordinator answers one client's messages in order). A
 request whose client reads too slowly to keep its queue below the bound is
 cancelled upstream and ends with an error, so one slow client never stalls the
 reader. A watchdog fails every open request when the coordinator stops answering.
+A request cancelled here may still have its Done handed to whoever cancelled it
+(for /metrics: the tokens an aborted request had).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -29,6 +32,9 @@ QUEUE_BOUND = 1024
 # long without any reply while requests are open means it is gone.
 COORDINATOR_TIMEOUT_S = 30.0
 WATCH_INTERVAL_S = 2.0
+# Cancelled requests whose Done is awaited; past this many (a coordinator that stopped
+# answering), the oldest are forgotten
+MAX_DRAINING = 4096
 
 
 class RequestStream:
@@ -39,10 +45,13 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue(bound)
         self.failure: str | None = None     # set when the request ends without a Done of its own
         self.answered = False               # a first reply came (it no longer waits)
+        self.done: P.Done | None = None     # the coordinator's Done, once it came
 
     def push(self, msg) -> bool:
         """From the reader; False when the queue is full (the client is not reading)."""
         self.answered = True
+        if isinstance(msg, P.Done):
+            self.done = msg
         try:
             self.queue.put_nowait(msg)
             return True
@@ -76,6 +85,7 @@ class Upstream:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
         self.streams: dict[str, RequestStream] = {}
+        self.draining: dict[str, Callable[[P.Done], None]] = {}     # cancelled, their Done awaited
         self.status_waiters: deque[asyncio.Future] = deque()
         self.last_reply = time.monotonic()
         self.tasks: list[asyncio.Task] = []
@@ -89,6 +99,7 @@ class Upstream:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for stream in list(self.streams.values()):
             stream.fail("the HTTP server is shutting down")
+        self.draining.clear()
         self.sock.close()
 
     @property
@@ -103,10 +114,17 @@ class Upstream:
         self.sock.send(P.encode(msg) if data is None else data)
         return stream
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request that is still open upstream (its Done is then dropped)."""
-        if self.streams.pop(request_id, None) is not None:     # open: its Done or Error has not come
-            self.sock.send(P.encode(P.Cancel(request_id=request_id)))
+    def cancel(self, request_id: str, on_done: Callable[[P.Done], None] | None = None) -> bool:
+        """Stop a request that is still open upstream; True if it was. Its Done, which
+        the coordinator sends in answer, goes to `on_done` (else it is dropped)."""
+        if self.streams.pop(request_id, None) is None:         # closed: its Done or Error has come
+            return False
+        self.sock.send(P.encode(P.Cancel(request_id=request_id)))
+        if on_done is not None:
+            if len(self.draining) >= MAX_DRAINING:
+                del self.draining[next(iter(self.draining))]
+            self.draining[request_id] = on_done
+        return True
 
     async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
         """The coordinator's StatusReply; TimeoutError when it does not answer in time."""
@@ -132,8 +150,11 @@ class Upstream:
             self._answer_status(msg)
             return
         stream = self.streams.get(msg.request_id)
-        if stream is None:
-            return                          # cancelled meanwhile: its late replies are dropped
+        if stream is None:                  # cancelled meanwhile: its late replies are dropped, but its Done
+            if isinstance(msg, (P.Done, P.Error)) and (on_done := self.draining.pop(msg.request_id, None)):
+                if isinstance(msg, P.Done):
+                    on_done(msg)
+            return
         if isinstance(msg, (P.Done, P.Error)):
             self.streams.pop(msg.request_id, None)              # closed: nothing to cancel any more
         if not stream.push(msg):
@@ -173,3 +194,4 @@ class Upstream:
         for rid, stream in list(self.streams.items()):
             self.cancel(rid)                # should it come back, it need not finish them
             stream.fail(reason)
+        self.draining.clear()

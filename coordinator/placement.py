@@ -1,0 +1,44 @@
+"""Where a prompt is prefilled, pure policy: on a GPU worker or on the CPU worker that
+will decode it.
+
+Each kind's time for the part of the prompt not in the snapshot cache is estimated from
+the rates the workers measured at start and update as they serve (tokens per second of
+prefill). A GPU worker runs one prompt at a time, so its estimate includes the prompts
+queued on it; a CPU worker interleaves a prompt with its running sequences, so its
+estimate is the prompt alone. `--prefill gpu|cpu` overrides the choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_MODES = ("auto", "gpu", "cpu")
+GPU_QUEUE = 1               # prompts a GPU worker holds at once (one running)
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str                  # "gpu" or "cpu"
+    worker: str | None           # the GPU worker's id ("gpu"), or None: the CPU scheduler picks
+    estimates: dict              # {"gpu": ms, "cpu": ms} of what could be estimated
+
+
+def estimate_ms(tokens: int, tok_s: float) -> float | None:
+    return 1000.0 * tokens / tok_s if tok_s > 0 else None
+
+
+def place_prefill(mode: str, uncached: int, gpu_workers: list, cpu_tok_s: float) -> Placement | None:
+    """The placement of a prefill of `uncached` tokens; None: wait (only `--prefill gpu`
+    with every GPU worker busy). gpu_workers: the ready GPU workers' views (their
+    prefill_tok_s and running prompts)."""
+    cpu_ms = estimate_ms(uncached, cpu_tok_s)
+    free = [w for w in gpu_workers if len(w.requests) < GPU_QUEUE]
+    if uncached == 0 or mode == "cpu" or not gpu_workers:
+        return Placement("cpu", None, {"cpu": cpu_ms} if cpu_ms is not None else {})
+    if not free:
+        return None if mode == "gpu" else Placement("cpu", None, {"cpu": cpu_ms} if cpu_ms is not None else {})
+    best = max(free, key=lambda w: (w.prefill_tok_s, w.worker_id))
+    gpu_ms = estimate_ms(uncached, best.prefill_tok_s)
+    estimates = {k: v for k, v in (("gpu", gpu_ms), ("cpu", cpu_ms)) if v is not None}
+    if mode == "gpu" or cpu_ms is None or (gpu_ms is not None and gpu_ms < cpu_ms):
+        return Placement("gpu", best.worker_id, estimates)
+    return Placement("cpu", None, estimates)

@@ -1,0 +1,189 @@
+"""A coordinator with a GPU worker (the host emulation of the kernels, FERMOE_GPU=emulate):
+prompts prefilled on it, decoded by a CPU worker from the snapshot it leaves in the
+store, with the tokens a CPU-only run samples; the cache and --prefill decide when
+the GPU is used."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from coordinator.client import Client
+from tests.serving_harness import Daemon, local_ids, streamed_ids, wait_until
+
+NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
+PROMPT = "A long enough prompt, prefilled on the graphics card and then decoded on the CPU."
+
+
+@pytest.fixture(autouse=True)
+def emulated_gpu(monkeypatch):
+    monkeypatch.setenv("FERMOE_GPU", "emulate")
+
+
+def gpu_ready(daemon) -> dict:
+    """The daemon's workers by id, once its GPU worker has joined (it compiles the
+    emulation and times a prompt first)."""
+    with Client(daemon.addr) as c:
+        workers = wait_until(lambda: {w.worker_id: w for w in c.status().workers if w.alive}.get("gpu0")
+                             and {w.worker_id: w for w in c.status().workers}, 300, "the GPU worker never joined")
+    return workers
+
+
+def assert_greedy_as_cpu_only(model_path, prompt: str, ids: list[int]) -> None:
+    """The greedy tokens of a CPU-only run, tie-aware: the GPU prefills with fp32
+    activations where the CPU engine rounds them to 8 bits (W4A8), so the state it hands
+    over differs by that rounding; the streams may part only where the CPU-only run's
+    two best logits were within NEAR_TIE of each other."""
+    from cpu_worker.native_engine import NativeEngine
+    from shared.model import Model
+    model = Model(str(model_path))
+    engine = NativeEngine(model, threads=1)
+    try:
+        state, history = engine.new_state(), model.tokenizer.encode(prompt)
+        logits = engine.forward(history, state, all_logits=False)[-1]
+        for i, token in enumerate(ids):
+            best = int(np.argmax(logits))
+            if token != best:
+                margin = logits[best] - logits[token]
+                assert margin < NEAR_TIE, f"token {i}: {token} where CPU-only took {best}, {margin:.3f} ahead"
+                return
+            logits = engine.forward([token], state, all_logits=False)[-1]
+    finally:
+        engine.close()
+
+
+def generate(daemon, prompt, **params):
+    with Client(daemon.addr, timeout_s=300) as c:
+        msgs = list(c.generate(prompt, **params))
+    return streamed_ids(msgs), msgs[-1]
+
+
+def test_a_prompt_prefilled_on_the_gpu_is_decoded_on_a_cpu_worker(tiny_q4_path):
+    """--prefill gpu: the GPU worker is listed with its device and rate; the prompt runs
+    there, a CPU worker decodes from its final snapshot and samples what `fermoe generate
+    --engine cpu` samples; the same prompt again, and extended, reuse the cache: the
+    repeat needs no prefill at all, the extension only its new tokens (on the GPU)."""
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu")
+    try:
+        workers = gpu_ready(daemon)
+        gpu = workers["gpu0"]
+        assert (gpu.kind, gpu.device, gpu.alive) == ("gpu", "host emulation", True) and gpu.prefill_tok_s > 0
+        assert all(w.kind == "cpu" and w.prefill_tok_s > 0 for k, w in workers.items() if k != "gpu0")
+
+        params = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
+        ids, done = generate(daemon, PROMPT, **params)
+        assert done.prefill_device == "gpu" and done.cached_prompt_tokens == 0 and done.finish_reason == "length"
+        assert done.prefill_ms > 0 and "gpu" in done.prefill_estimates_ms
+        assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, ids)
+
+        again_ids, again = generate(daemon, PROMPT, **params)
+        assert again_ids == ids and again.prefill_device is None
+        assert again.cached_prompt_tokens == again.prompt_tokens
+
+        longer = PROMPT + " And a few more words."
+        _, extended = generate(daemon, longer, **params)
+        assert extended.prefill_device == "gpu" and extended.cached_prompt_tokens == again.prompt_tokens
+        gpu_lines = [line for line in daemon.log if "gpu worker gpu0" in line and "joined" in line]
+        assert gpu_lines, "".join(daemon.log)
+    finally:
+        assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("mode", ["cpu", "auto"])
+def test_prefill_cpu_never_uses_the_gpu_and_auto_says_what_it_chose(tiny_q4_path, mode):
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", mode)
+    try:
+        gpu_ready(daemon)
+        ids, done = generate(daemon, PROMPT, max_tokens=6, temperature=0.0)
+        assert done.prefill_device in (("cpu",) if mode == "cpu" else ("cpu", "gpu"))
+        if mode == "auto":       # both were estimated, and the faster one taken
+            est = done.prefill_estimates_ms
+            assert set(est) == {"gpu", "cpu"} and done.prefill_device == min(est, key=est.get)
+        assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, ids)
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_impossible_gpu_options_are_refused(tiny_q4_path, monkeypatch):
+    for env, args, problem in [
+        ("emulate", ["--gpu", "3"], "--gpu 3: this machine's GPUs are [0]"),
+        ("emulate", ["--gpu", "x"], "--gpu 'x': expected auto, none or device indices"),
+        ("emulate", ["--prefill", "tpu"], "--prefill 'tpu': expected auto, gpu, cpu"),
+        ("emulate", ["--gpu-mem", "0"], "--gpu-mem 0: must be positive"),
+        ("emulate", ["--gpu", "none", "--prefill", "gpu"], "--prefill gpu: no GPU to prefill on (--gpu none)"),
+        ("tpu", ["--prefill", "gpu"], "--prefill gpu: no GPU to prefill on (FERMOE_GPU='tpu' is not emulate)"),
+    ]:
+        monkeypatch.setenv("FERMOE_GPU", env)
+        out = subprocess.run([sys.executable, "-m", "coordinator.daemon", "--model", str(tiny_q4_path), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and problem in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_prefill_the_gpu_cannot_hold_fails_over_to_a_cpu_worker(tiny_q4_path):
+    """--gpu-mem just enough for the GPU worker's first plan: a longer prompt does not fit
+    there (as an out-of-memory would fail), is prefilled on a CPU worker instead with the
+    reason logged, and samples exactly the CPU-only tokens; a short one still goes to the GPU."""
+    budget = smallest_gpu_mem(tiny_q4_path)
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu", "--gpu-mem", str(budget))
+    try:
+        gpu_ready(daemon)
+        long = [3 + i % 500 for i in range(200)]
+        with Client(daemon.addr, timeout_s=300) as c:
+            msgs = list(c.generate(tokens=long, max_tokens=6, temperature=0.0))
+            short = list(c.generate(tokens=long[:20], max_tokens=2, temperature=0.0))[-1]
+        assert msgs[-1].prefill_device == "cpu" and msgs[-1].finish_reason == "length"
+        assert streamed_ids(msgs) == local_ids(tiny_q4_path, long, 6, temperature=0.0)
+        assert any("its prefill on gpu0 failed" in line and "too small" in line for line in daemon.log)
+        assert short.prefill_device == "gpu"
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_gpu_worker_killed_mid_prefill_is_restarted_and_its_request_completes(tiny_q4_path):
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu")
+    try:
+        old = gpu_ready(daemon)["gpu0"].pid
+        prompt = [3 + i % 500 for i in range(400)]           # seconds of emulated prefill
+        with Client(daemon.addr, timeout_s=300) as c:
+            rid = c.submit(tokens=prompt, max_tokens=4, temperature=0.0)
+            wait_until(lambda: any(w.worker_id == "gpu0" and w.running for w in c.status().workers), 60,
+                       "the prompt never reached the GPU worker")
+            os.kill(old, signal.SIGKILL)
+            msgs = list(c.stream(rid))
+            assert msgs[-1].finish_reason == "length" and msgs[-1].prefill_device == "cpu"
+            assert streamed_ids(msgs) == local_ids(tiny_q4_path, prompt, 4, temperature=0.0)
+            wait_until(lambda: any(w.worker_id == "gpu0" and w.alive and w.pid != old for w in c.status().workers),
+                       300, "the GPU worker was not restarted")
+    finally:
+        assert daemon.stop() == 0
+
+
+def smallest_gpu_mem(model_path) -> int:
+    """The least --gpu-mem (to 64 KiB) a GPU engine on the model starts with."""
+    from gpu_worker.emulator import EmulatedDevice
+    from gpu_worker.engine import GPUEngine
+    from shared.errors import FermoeError
+    from shared.model import Model
+    model, lo, hi = Model(str(model_path)), 1 << 20, 1 << 30
+    while hi - lo > 1 << 16:
+        mid = (lo + hi) // 2
+        try:
+            GPUEngine(model, gpu_mem=mid, device=EmulatedDevice()).close()
+            hi = mid
+        except FermoeError:
+            lo = mid
+    return hi
+
+
+def test_bench_serve_with_a_gpu_worker(tiny_q4_path):
+    from bench.serve import run as bench_serve
+    out = bench_serve(str(tiny_q4_path), prompt_tokens=40, decode_tokens=4,
+                      extra=["--block", "8", "--gpu", "auto", "--prefill", "gpu"])
+    assert out["prefill_device"] == {"cold": "gpu", "extended16": "gpu"}
+    assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
+    assert 0 < out["cold_prefill_s"] < out["ttft_cold_s"] and out["cold_rest_s"] > 0
+    assert {w["kind"] for w in out["workers_detail"]} == {"cpu", "gpu"}
