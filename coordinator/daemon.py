@@ -370,6 +370,7 @@ class Coordinator:
             self.queue.insert(0, req.rid)
             return
         req.resume, req.planned, req.worker, req.prefill_device = resume, planned, wid, "gpu"
+        req.first_dispatch = req.first_dispatch or time.monotonic()
         req.attempts += 1
         self.workers[wid].requests.add(req.rid)
         refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
@@ -465,10 +466,14 @@ class Coordinator:
         """One line per request, as llama-server and vLLM print: what it was, why it
         ended, how fast its prompt and its tokens went."""
         n_prompt = len(req.tokens)
-        prefilled = n_prompt - (req.resume.position if req.resume else req.cached_tokens)
+        if req.prefill_device == "gpu":           # the CPU worker resumed from the GPU worker's last snapshot
+            prefilled = n_prompt - req.cached_tokens
+        else:
+            prefilled = n_prompt - (req.resume.position if req.resume else req.cached_tokens)
         prefill_tok_s = prefilled / prefill_ms * 1000 if prefill_ms > 0 and req.first_token is not None else 0.0
         why = reason if req.stream.stopped_by is None else f"{reason}: stop string {req.stream.stopped_by!r}"
-        queued = (req.dispatched if req.dispatched is not None else now) - req.arrived
+        first = req.first_dispatch if req.first_dispatch is not None else req.dispatched
+        queued = (first if first is not None else now) - req.arrived
         log.log(logging.WARNING if reason == "error" else logging.INFO,
                 "request %s finished (%s): prompt %d tokens (%d cached), %d generated; prefill %d tokens in "
                 "%.0f ms (%.1f tok/s), decode %.1f tok/s; total %.0f ms (%.0f ms queued)%s",

@@ -27,6 +27,7 @@ class Request:
     # Timings of the current attempt, kept here so that every finish reason (a stop string
     # or a cancel ends a request before its worker reports) has them.
     dispatched: float | None = None  # sent to a worker
+    first_dispatch: float | None = None   # sent to a GPU worker first, if it was
     prefill_ms: float | None = None  # the worker's, with its first token
     first_token: float | None = None
     last_token: float | None = None

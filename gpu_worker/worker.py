@@ -26,12 +26,16 @@ from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import HEARTBEAT_S, WorkerLink
 
 log = logging.getLogger("fermoe.gpu_worker")
-RATE_PROBE_TOKENS = 64      # the prompt timed at start: the prefill rate the worker announces
+# The prompts timed at start, each while the one before took under PROBE_BUDGET_S: the
+# rate the worker announces is the largest's, and prompts up to its size find the memory
+# planned and the streamed expert layers packed (a first long prompt would pay for both).
+PROBE_TOKENS = (64, 256, 1024)
+PROBE_BUDGET_S = 1.0
 
 
 class GPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
-                 shared_memory: bool = True, device=None, probe_tokens: int = RATE_PROBE_TOKENS):
+                 shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS):
         from shared.builtin import resolve_model
         from .engine import GPUEngine
         self.model = Model(resolve_model(model_path))
@@ -42,12 +46,12 @@ class GPUWorker:
         self._registered = None             # the arena page-locked for the engine's copies
         self.running = True
 
-    def prefill_rate(self) -> float:
-        return measure_prefill_rate(self.engine, self.model.config, self.probe_tokens)
+    def prefill_rate(self) -> tuple[float, int]:
+        return measure_prefill_rate(self.engine, self.model.config, self.probe_tokens, PROBE_BUDGET_S)
 
     def event_loop(self) -> None:
-        rate = self.prefill_rate()
-        log.info("%s: %.0f tok/s prefill (%d-token probe)", self.engine.device.name, rate, self.probe_tokens)
+        rate, size = self.prefill_rate()
+        log.info("%s: %.0f tok/s prefill (%d-token probe)", self.engine.device.name, rate, size)
         self.link.hello(os.getpid(), 1, self.model.fingerprint, kind="gpu", device=self.engine.device.name,
                         prefill_tok_s=round(rate, 1))
         while self.running:

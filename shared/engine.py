@@ -78,15 +78,26 @@ class ReferenceEngine:
         pass
 
 
-def measure_prefill_rate(engine: Engine, cfg, n_tokens: int) -> float:
-    """Prefill tokens/s of an n_tokens prompt, timed after one untimed run (the first
-    compiles, uploads or faults in what later ones reuse); 0 for n_tokens <= 0. What a
-    worker announces in its Hello, for the coordinator to place prompts by."""
-    n = min(n_tokens, cfg.n_ctx_train)
-    if n <= 0:
-        return 0.0
-    tokens = [t % cfg.n_vocab for t in range(1, n + 1)]
-    engine.forward(tokens, engine.new_state(), all_logits=False)
-    t0 = time.perf_counter()
-    engine.forward(tokens, engine.new_state(), all_logits=False)
-    return n / (time.perf_counter() - t0)
+def measure_prefill_rate(engine: Engine, cfg, sizes, budget_s: float = float("inf")) -> tuple[float, int]:
+    """(prefill tokens/s, the prompt size it was timed on): each size in turn, timed after
+    one untimed run (the first compiles, uploads or faults in what later ones reuse), the
+    next only while its time, extrapolated, stays under budget_s and it fits the engine's
+    memory. What a worker announces in its Hello, for the coordinator to place prompts
+    by; a GPU engine's runs also leave its memory planned, and its host copies packed, for
+    prompts up to the last size."""
+    rate, timed = 0.0, 0
+    for n in sizes:
+        n = min(n, cfg.n_ctx_train)
+        if n <= 0 or (timed and n / rate > budget_s):
+            break
+        tokens = [t % cfg.n_vocab for t in range(1, n + 1)]
+        try:
+            engine.forward(tokens, engine.new_state(), all_logits=False)
+        except FermoeError:
+            if not timed:
+                raise
+            break                                   # larger than its memory holds: the smaller one's rate
+        t0 = time.perf_counter()
+        engine.forward(tokens, engine.new_state(), all_logits=False)
+        rate, timed = n / (time.perf_counter() - t0), n
+    return rate, timed

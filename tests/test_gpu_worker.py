@@ -58,7 +58,7 @@ def reference_logits(tiny):
 @pytest.fixture(params=DEVICES)
 def gpu_worker(request, tiny_q4_path, arena):
     device = open_test_device(request.param)
-    w = GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-test", device=device, probe_tokens=8)
+    w = GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-test", device=device, probe_tokens=[8])
     yield _collecting(w, arena)
     w.close()
 
@@ -149,10 +149,10 @@ def test_the_gpu_worker_announces_its_kind_device_and_rate(tiny_q4_path, monkeyp
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    worker = GPUWorker(str(tiny_q4_path), f"tcp://127.0.0.1:{port}", "gpu-hello", probe_tokens=8)
+    worker = GPUWorker(str(tiny_q4_path), f"tcp://127.0.0.1:{port}", "gpu-hello", probe_tokens=[8])
     try:
         worker.link.hello(os.getpid(), 1, worker.model.fingerprint, kind="gpu", device=worker.engine.device.name,
-                          prefill_tok_s=round(worker.prefill_rate(), 1))
+                          prefill_tok_s=round(worker.prefill_rate()[0], 1))
         assert router.poll(10000)
         wid, frame = router.recv_multipart()
         hello = P.decode(frame, P.FROM_WORKER)
