@@ -53,6 +53,10 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return list(zip([0] + cuts, cuts + [len(rows)]))
 
 
+class PrefillStopped(FermoeError):
+    """A prefill ended early because its caller asked (a cancelled request)."""
+
+
 class GPUEngine:
     name = "gpu"
 
@@ -120,12 +124,14 @@ class GPUEngine:
 
     # ---- prefill ------------------------------------------------------------------------
     def prefill(self, tokens, state: SequenceState, snapshot_at=(), all_logits: bool = False,
-                into: dict | None = None, block: int | None = None):
+                into: dict | None = None, block: int | None = None, should_stop=None):
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
         the snapshot positions in (state.position, state.position + len(tokens)].
 
         into: {position: slot} instead of snapshot_at: each snapshot is written into its
-        slot (shared/state.py's snapshot layout, KV pages of `block` positions)."""
+        slot (shared/state.py's snapshot layout, KV pages of `block` positions).
+        should_stop(): asked before each pass after the first; true ends the prefill with
+        PrefillStopped once the device is idle (the state and the slots are then unusable)."""
         t0 = time.perf_counter()
         tokens = check_tokens(tokens, self.cfg.n_vocab)
         T, start = len(tokens), state.position
@@ -145,6 +151,9 @@ class GPUEngine:
         self.land.begin(state, start, T)
         out, snap_logits = [], {}
         for a in range(0, T, self.pass_n):
+            if a and should_stop is not None and should_stop():
+                self.device.synchronize()
+                raise PrefillStopped(f"stopped after {a} of {T} tokens")
             b = min(T, a + self.pass_n)
             cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
             rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 
@@ -24,6 +25,8 @@ from shared.errors import FermoeError
 from shared.model import Model
 from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import HEARTBEAT_S, WorkerLink
+
+from .engine import GPUEngine, PrefillStopped
 
 log = logging.getLogger("fermoe.gpu_worker")
 # The prompts timed at start, each while the one before took under PROBE_BUDGET_S: the
@@ -37,7 +40,6 @@ class GPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
                  shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS):
         from shared.builtin import resolve_model
-        from .engine import GPUEngine
         self.model = Model(resolve_model(model_path))
         self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device)
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
@@ -59,17 +61,25 @@ class GPUWorker:
                 self.link.beat(0)
 
     def handle_prefill(self, msg: P.Prefill, data: list[bytes] = ()) -> None:
-        """Run the job; a failure (a bad job, a device error) fails this job, never the worker."""
-        t0 = time.perf_counter()
+        """Run the job, heartbeating meanwhile (a long prompt takes a minute), stopped
+        between passes by a Stop of it or a Shutdown; a failure (a bad job, a device error)
+        fails this job, never the worker."""
+        t0, stop = time.perf_counter(), threading.Event()
+
+        def urgent(m):
+            if isinstance(m, P.Shutdown) or (isinstance(m, P.Stop) and m.request_id == msg.request_id):
+                stop.set()
         try:
-            self.prefill(msg, data)
+            with self.link.keepalive(1, urgent):
+                self.prefill(msg, data, stop.is_set)
         except Exception as e:                 # report, never die silently
-            log.exception("prefill %s failed", msg.request_id)
+            if not isinstance(e, PrefillStopped):
+                log.exception("prefill %s failed", msg.request_id)
             self.link.send(P.Prefilled(request_id=msg.request_id, prefill_ms=0.0, error=f"{type(e).__name__}: {e}"))
             return
         self.link.send(P.Prefilled(request_id=msg.request_id, prefill_ms=1000 * (time.perf_counter() - t0)))
 
-    def prefill(self, msg: P.Prefill, data: list[bytes]) -> None:
+    def prefill(self, msg: P.Prefill, data: list[bytes], should_stop=None) -> None:
         slots = self.link.resume_slots(msg, data)
         if slots:
             state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
@@ -86,12 +96,13 @@ class GPUWorker:
             self.engine.land.register(self.link.arena.memory())      # snapshots land in their slots
             self._registered = self.link.arena
         slots = {ref.position: self.link.snapshot_buffer(ref.slot) for ref in msg.snapshots}
-        self.engine.prefill(msg.tokens[state.position:], state, into=slots, block=self.link.block)
+        self.engine.prefill(msg.tokens[state.position:], state, into=slots, block=self.link.block,
+                            should_stop=should_stop)
         for ref in msg.snapshots:
             self.link.snapshot_written(msg.request_id, ref.slot, slots[ref.position])
 
     def handle_stop(self, msg: P.Stop, data=()) -> None:
-        pass                    # a job runs to its end before the next message is read: nothing to stop
+        pass                    # of a job already over (one running is stopped by handle_prefill's urgent)
 
     def handle_shutdown(self, msg: P.Shutdown, data=()) -> None:
         self.running = False

@@ -13,8 +13,11 @@ state into that slot".
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -44,13 +47,16 @@ class WorkerLink:
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(connect)
         self._last_beat = 0.0
+        self._lock = threading.Lock()          # the socket is used by keepalive()'s thread too
+        self._early: deque = deque()           # messages keepalive() received, to be served next
 
     # ---- sending --------------------------------------------------------------
     def send(self, msg, *frames: bytes) -> None:
-        if frames:
-            self.sock.send_multipart([P.encode(msg), *frames])
-        else:
-            self.sock.send(P.encode(msg))
+        with self._lock:
+            if frames:
+                self.sock.send_multipart([P.encode(msg), *frames])
+            else:
+                self.sock.send(P.encode(msg))
 
     def hello(self, pid: int, threads: int, fingerprint: str, **about) -> None:
         """The first message; `about`: the worker's kind, device and rates (see Hello)."""
@@ -73,9 +79,13 @@ class WorkerLink:
         handler of its type; False if none came. A Welcome is handled here; a message that
         cannot be decoded, or that this kind of worker does not take, is reported to the
         coordinator and dropped."""
-        if not self.sock.poll(timeout_ms):
-            return False
-        frames = self.sock.recv_multipart()
+        if self._early:
+            frames = self._early.popleft()
+        else:
+            with self._lock:
+                if not self.sock.poll(timeout_ms):
+                    return False
+                frames = self.sock.recv_multipart()
         try:
             msg = P.decode(frames[0], P.TO_WORKER)
             if len(frames) > 1 and not isinstance(msg, (P.Assign, P.Prefill)):
@@ -90,6 +100,34 @@ class WorkerLink:
         else:
             self.report(f"this worker does not take {type(msg).__name__} messages")
         return True
+
+    @contextlib.contextmanager
+    def keepalive(self, running: int, urgent: Callable[[object], None] | None = None):
+        """While the worker is busy with one long step (a GPU prefill): a thread sends the
+        heartbeats and receives the messages that arrive, which serve() hands out after;
+        urgent(msg) sees each of them at once (a Stop of the running job, say)."""
+        done = threading.Event()
+
+        def run():
+            while not done.wait(0.05):
+                with self._lock:
+                    while self.sock.poll(0):
+                        frames = self.sock.recv_multipart()
+                        self._early.append(frames)
+                        if urgent is not None:
+                            try:
+                                urgent(P.decode(frames[0], P.TO_WORKER))
+                            except ProtocolError:
+                                pass            # serve() reports it
+                self.beat(running)
+
+        thread = threading.Thread(target=run, name="keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _welcome(self, msg: P.Welcome) -> None:
         from .shm_arena import SnapshotArena

@@ -5,6 +5,7 @@ process; their messages are collected instead of sent."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -193,4 +194,47 @@ def test_the_worker_link_reports_what_it_cannot_take():
         assert "f8" in exchange(P.encode(bad)).message and configured == ["f32"]
     finally:
         link.sock.close()
+        router.close()
+
+
+def test_a_long_prefill_heartbeats_and_stops_between_passes(tiny_q4_path, tiny, arena):
+    """Over a real socket: while a prefill of many passes runs, the worker heartbeats
+    (running 1), and a Stop of it ends it at the next pass with a Prefilled naming why;
+    a Stop of another request does not."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    worker = GPUWorker(str(tiny_q4_path), f"tcp://127.0.0.1:{port}", "gpu-long", device=open_test_device("emulate"),
+                       probe_tokens=[8])
+    worker.link.arena, worker.link.block, worker.link.slot_bytes = arena, BLOCK, arena.slot_bytes
+    worker.engine.max_pass_tokens = 8                     # 64 tokens: 8 passes
+    prompt = (PROMPT + MORE + PROMPT)[:64]
+    job = P.Prefill(request_id="long", tokens=prompt, resume=[], snapshots=_refs(0, range(8, 65, 8)))
+    runner = threading.Thread(target=worker.handle_prefill, args=(job,))
+    try:
+        runner.start()
+
+        def next_message():
+            assert router.poll(30000), "the worker fell silent"
+            return P.decode(router.recv_multipart()[1], P.FROM_WORKER)
+        msg = next_message()
+        while not isinstance(msg, P.Heartbeat):
+            msg = next_message()
+        assert msg.running == 1
+        router.send_multipart([b"gpu-long", P.encode(P.Stop(request_id="other"))])
+        router.send_multipart([b"gpu-long", P.encode(P.Stop(request_id="long"))])
+        while not isinstance(msg, P.Prefilled):
+            msg = next_message()
+        assert msg.request_id == "long" and "PrefillStopped: stopped after" in msg.error
+        assert "of 64 tokens" in msg.error and "after 64" not in msg.error
+        runner.join(30)
+        served = []
+        handlers = {P.Stop: lambda m, d: served.append(m.request_id)}
+        while worker.link.serve(handlers, 0):             # what came meanwhile is served after
+            pass
+        assert served == ["other", "long"]
+    finally:
+        runner.join(30)
+        worker.link.arena = None                          # the fixture's, closed there
+        worker.close()
         router.close()
