@@ -73,6 +73,13 @@ class Coordinator:
         # that ended meanwhile: reused only once its Prefilled (or its death) says it stopped
         self.unfinished: dict[str, tuple[str, list]] = {}
         self.supervisor = Supervisor(opts, self.worker_endpoint)
+        self.client_handlers = {P.Generate: self.handle_generate, P.Cancel: self.handle_cancel,
+                                P.Status: self.handle_status}
+        # every worker message but Hello; data: the frames after it (only a SnapshotWritten has any)
+        self.worker_handlers = {
+            P.Attached: self.handle_attached, P.Heartbeat: self.handle_heartbeat, P.Error: self.handle_error,
+            P.Sampled: self.handle_sampled, P.SnapshotWritten: self.handle_snapshotwritten,
+            P.Finished: self.handle_finished, P.Prefilled: self.handle_prefilled, P.Goodbye: self.handle_goodbye}
         self.stopping = False
 
     def _socket(self, endpoint: str, mandatory: bool = False):
@@ -152,7 +159,7 @@ class Coordinator:
         except ProtocolError as e:
             self.reply(client, P.Error(message=str(e)))
             return
-        getattr(self, f"handle_{type(msg).__name__.lower()}")(client, msg)
+        self.client_handlers[type(msg)](client, msg)
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
@@ -238,10 +245,8 @@ class Coordinator:
         self.last_seen[wid] = time.monotonic()
         if isinstance(msg, P.Hello):
             self.handle_hello(wid, msg)
-        elif isinstance(msg, P.SnapshotWritten) and wid in self.workers:
-            self.handle_snapshotwritten(wid, msg, frames[2:])
-        elif wid in self.workers:
-            getattr(self, f"handle_{type(msg).__name__.lower()}")(wid, msg)
+        elif wid in self.workers:                   # (a stranger says hello first)
+            self.worker_handlers[type(msg)](wid, msg, frames[2:])
 
     def handle_hello(self, wid: str, msg: P.Hello) -> None:
         if msg.fingerprint != self.model.fingerprint:
@@ -258,19 +263,19 @@ class Coordinator:
         log.info("%s worker %s (pid %d, %s) joined: prefill %.0f tok/s", msg.kind, wid, msg.pid,
                  msg.device or f"{msg.threads} threads", msg.prefill_tok_s)
 
-    def handle_attached(self, wid: str, msg: P.Attached) -> None:
+    def handle_attached(self, wid: str, msg: P.Attached, data=()) -> None:
         view = self.workers[wid]
         view.ready, view.arena = True, msg.arena and self.arena is not None
         if self.arena is not None and not msg.arena:
             log.info("worker %s has no access to the snapshot arena: its snapshots travel as message frames", wid)
 
-    def handle_heartbeat(self, wid: str, msg: P.Heartbeat) -> None:
+    def handle_heartbeat(self, wid: str, msg: P.Heartbeat, data=()) -> None:
         pass                                    # last_seen is updated for every message
 
-    def handle_error(self, wid: str, msg: P.Error) -> None:
+    def handle_error(self, wid: str, msg: P.Error, data=()) -> None:
         log.error("worker %s: %s", wid, msg.message)
 
-    def handle_sampled(self, wid: str, msg: P.Sampled) -> None:
+    def handle_sampled(self, wid: str, msg: P.Sampled, data=()) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
             return                               # ended meanwhile (cancel raced the token)
@@ -308,7 +313,7 @@ class Coordinator:
             self.index.commit(planned)
             req.planned.remove(planned)
 
-    def handle_finished(self, wid: str, msg: P.Finished) -> None:
+    def handle_finished(self, wid: str, msg: P.Finished, data=()) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
             return
@@ -379,7 +384,7 @@ class Coordinator:
                                         snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned]),
                          data)
 
-    def handle_prefilled(self, wid: str, msg: P.Prefilled) -> None:
+    def handle_prefilled(self, wid: str, msg: P.Prefilled, data=()) -> None:
         if self.unfinished.get(msg.request_id, (None,))[0] == wid:
             self.index.abort(self.unfinished.pop(msg.request_id)[1])
         req = self.requests.get(msg.request_id)
@@ -506,7 +511,7 @@ class Coordinator:
         self.drop_worker(wid)
         self.supervisor.restart(wid)
 
-    def handle_goodbye(self, wid: str, msg: P.Goodbye) -> None:
+    def handle_goodbye(self, wid: str, msg: P.Goodbye, data=()) -> None:
         log.info("worker %s left", wid)        # one of ours that exits is restarted when reaped
         self.drop_worker(wid)
 
