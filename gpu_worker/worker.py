@@ -33,7 +33,7 @@ log = logging.getLogger("fermoe.gpu_worker")
 # rate the worker announces is the largest's, and prompts up to its size find the memory
 # planned and the streamed expert layers packed (a first long prompt would pay for both).
 PROBE_TOKENS = (64, 256, 1024)
-PROBE_BUDGET_S = 1.0
+PROBE_BUDGET_S = 2.0
 
 
 class GPUWorker:
