@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 import uuid
@@ -33,7 +32,7 @@ from shared.generate import Decoder
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.state import SequenceState, restore_snapshots
-from shared.worker_link import HEARTBEAT_S, WorkerLink
+from shared.worker_link import HEARTBEAT_S, WorkerLink, add_worker_options, serve_until_stopped, worker_main
 
 from .topology import allowed_cpus, default_cpus, numa_nodes
 
@@ -216,40 +215,18 @@ def run_cpu_worker(args) -> int:
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends it as Ctrl-C does: saying goodbye
-    try:
-        worker.event_loop()
-    finally:
-        worker.close()
-    return 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    return serve_until_stopped(worker)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="cpu_worker", description="fermoe CPU decode worker")
-    p.add_argument("--connect", required=True, help="the coordinator's worker endpoint, e.g. tcp://127.0.0.1:5558")
-    p.add_argument("--model", required=True, help="GGUF path or built-in model name (the coordinator's model)")
+    add_worker_options(p)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--worker-id", default=None)
     p.add_argument("--engine", default="cpu", help="cpu (default) or reference")
     p.add_argument("--cpus", default=None, help="comma-separated CPUs to pin to (default: the node's physical cores)")
     p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
     p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
-    p.add_argument("--no-shared-memory", action="store_true",
-                   help="do not map the coordinator's snapshot arena, as a worker on another host cannot: "
-                        "snapshots then travel as message frames")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_worker %(levelname)s %(message)s")
-    try:
-        return run_cpu_worker(args)
-    except FermoeError as e:
-        print(f"cpu_worker: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
+    return worker_main("cpu_worker", p, run_cpu_worker, argv)
 
 
 if __name__ == "__main__":

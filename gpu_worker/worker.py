@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ from shared.engine import measure_prefill_rate
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.state import SequenceState, restore_snapshots
-from shared.worker_link import HEARTBEAT_S, WorkerLink
+from shared.worker_link import HEARTBEAT_S, WorkerLink, add_worker_options, serve_until_stopped, worker_main
 
 from .engine import GPUEngine, PrefillStopped
 
@@ -116,36 +115,15 @@ def run_gpu_worker(args) -> int:
     from coordinator.options import gpu_engine_options
     worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
                        shared_memory=not args.no_shared_memory, **gpu_engine_options(args))
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends it as Ctrl-C does: saying goodbye
-    try:
-        worker.event_loop()
-    finally:
-        worker.close()
-    return 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    return serve_until_stopped(worker)
 
 
 def main(argv=None) -> int:
     from coordinator.options import add_gpu_options
     p = argparse.ArgumentParser(prog="gpu_worker", description="fermoe GPU prefill worker")
-    p.add_argument("--connect", required=True, help="the coordinator's worker endpoint, e.g. tcp://127.0.0.1:5558")
-    p.add_argument("--model", required=True, help="GGUF path or built-in model name (the coordinator's model)")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--no-shared-memory", action="store_true",
-                   help="do not map the coordinator's snapshot arena: snapshots travel as message frames")
+    add_worker_options(p)
     add_gpu_options(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s gpu_worker %(levelname)s %(message)s")
-    try:
-        return run_gpu_worker(args)
-    except FermoeError as e:
-        print(f"gpu_worker: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
+    return worker_main("gpu_worker", p, run_gpu_worker, argv)
 
 
 if __name__ == "__main__":

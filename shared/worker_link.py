@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -185,3 +187,40 @@ class WorkerLink:
         self.sock.close()
         if self.arena is not None:
             self.arena.close()
+
+
+# ---- the worker processes' command line -------------------------------------------
+def add_worker_options(p) -> None:
+    """The options every worker process takes (argparse)."""
+    p.add_argument("--connect", required=True, help="the coordinator's worker endpoint, e.g. tcp://127.0.0.1:5558")
+    p.add_argument("--model", required=True, help="GGUF path or built-in model name (the coordinator's model)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--no-shared-memory", action="store_true",
+                   help="do not map the coordinator's snapshot arena, as a worker on another host cannot: "
+                        "snapshots then travel as message frames")
+
+
+def serve_until_stopped(worker) -> int:
+    """The worker's loop until a Shutdown, Ctrl-C or SIGTERM; it says goodbye either way."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)      # `kill` ends it as Ctrl-C does
+    try:
+        worker.event_loop()
+    finally:
+        worker.close()
+    return 0
+
+
+def worker_main(prog: str, parser, run, argv=None) -> int:
+    """Parse, log as `prog`, run(args); an error we can name is one line, never a traceback."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog} %(levelname)s %(message)s")
+    try:
+        return run(args)
+    except FermoeError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0

@@ -215,7 +215,8 @@ def _run_workers_the_supervisor_starts(monkeypatch, argv):
     monkeypatch.setattr(supervisor, "subprocess", types.SimpleNamespace(Popen=started.Popen,
                                                                         DEVNULL=subprocess.DEVNULL))
     monkeypatch.setattr(worker_module, "CPUWorker", _Worker)
-    monkeypatch.setattr(worker_module, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGTERM=15))
+    import shared.worker_link
+    monkeypatch.setattr(shared.worker_link, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGTERM=15))
     _Worker.made = []
     Supervisor(_opts(*argv), "tcp://127.0.0.1:9").start_all()
     for cmd in started.commands:
