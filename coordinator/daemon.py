@@ -49,7 +49,7 @@ MAX_ATTEMPTS = 3
 class Coordinator:
     def __init__(self, opts):
         self.opts = opts
-        self.model = Model(opts.model_path)
+        self.model = Model(opts.model_path, convert=False)     # its shapes, tokenizer, fingerprint: no tensor copied
         if has_random_weights(self.model.file.metadata):
             log.warning("%s", random_weights_notice(opts.model))
         self.tokenizer = self.model.tokenizer

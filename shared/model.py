@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .errors import GGUFError
 from .ggml_types import GGMLType, row_nbytes
 from .gguf_file import GGUFFile
-from .quants import dequantize, quantize
+from .quants import DEQUANTIZABLE, dequantize, quantize
 
 NATIVE_TYPES = {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q8_0}
 # Dequantising a whole expert tensor at once is fine below this; above it, per expert.
@@ -120,8 +120,10 @@ def _gguf_tensor_name(layer: int, attr: str) -> str:
 class Model:
     """A loaded model: `config`, `token_embd`, `output_norm`, `output`, `layers`."""
 
-    def __init__(self, path):
-        self.path = str(path)
+    def __init__(self, path, convert: bool = True):
+        """convert=False: tensors of types the engines do not run are checked readable but
+        left as they are, not converted (for a process that runs no layer: the coordinator)."""
+        self.path, self.convert = str(path), convert
         self.file = GGUFFile(path)
         self.config = ModelConfig.from_metadata(self.file.metadata, self.path)
         cfg = self.config
@@ -177,7 +179,14 @@ class Model:
             raise GGUFError(self.path, f"tensor {name} has shape {list(info.shape)}, "
                             f"but the metadata implies {list(shape)}")
         w = Weight(name, info.qtype, tuple(shape), self.file.raw(name))
-        return w if info.qtype in NATIVE_TYPES else _convert_at_load(w, self.path)
+        if info.qtype in NATIVE_TYPES:
+            return w
+        if not self.convert:
+            if info.qtype not in DEQUANTIZABLE:
+                raise GGUFError(self.path, f"tensor {name}: cannot dequantize {GGMLType(info.qtype).name}: only "
+                                           f"{', '.join(t.name for t in DEQUANTIZABLE)}")
+            return w
+        return _convert_at_load(w, self.path)
 
 
 def _convert_at_load(w: Weight, path: str) -> Weight:

@@ -218,6 +218,7 @@ _DEQUANTIZE = {
     GGMLType.Q4_0: _dq_q4_0, GGMLType.Q8_0: _dq_q8_0, GGMLType.Q5_0: _dq_q5_0,
     GGMLType.Q4_K: _dq_q4_k, GGMLType.Q5_K: _dq_q5_k, GGMLType.Q6_K: _dq_q6_k,
 }
+DEQUANTIZABLE = frozenset(_DEQUANTIZE)       # the types a model may hold: converted at load if not run as they are
 
 
 # ---------------------------------------------------------------- row-level drivers

@@ -53,11 +53,25 @@ def test_a_tensor_type_we_cannot_read_is_one_error_naming_the_tensor(tiny_path, 
     bad = tmp_path / "q4_1.gguf"
     q4_1 = np.zeros(rows * cols // 32 * 20, np.uint8)
     rewrite_gguf(tiny_path, bad, tensors={name: (info.shape, GGMLType.Q4_1, q4_1)})
-    with pytest.raises(GGUFError, match=f"tensor {name}: cannot dequantize Q4_1"):
-        Model(bad)
+    for convert in (True, False):
+        with pytest.raises(GGUFError, match=f"tensor {name}: cannot dequantize Q4_1"):
+            Model(bad, convert=convert)
     out = fermoe("generate", bad, "-p", "x", "-n", 1, check=False)
     assert out.returncode == 1 and f"tensor {name}: cannot dequantize Q4_1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_process_that_runs_no_layer_converts_nothing(tiny_path, tmp_path):
+    """A K-quant LM head (as llama.cpp's Q4_0 files have) is converted to Q8_0 at load for
+    the engines, and left as it is, only checked, with convert=False (the coordinator)."""
+    path = tmp_path / "q6_k-head.gguf"
+    with GGUFFile(tiny_path) as f:
+        shape = f.tensors["output.weight"].shape
+    q6_k = np.zeros(int(np.prod(shape)) // 256 * 210, np.uint8)
+    rewrite_gguf(tiny_path, path, tensors={"output.weight": (shape, GGMLType.Q6_K, q6_k)})
+    assert Model(path).output.qtype == GGMLType.Q8_0
+    light = Model(path, convert=False)
+    assert light.output.qtype == GGMLType.Q6_K and light.fingerprint == Model(path).fingerprint
 
 
 def test_missing_tensor_named(tiny_path, tmp_path):
