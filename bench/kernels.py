@@ -125,7 +125,7 @@ def default_matrix_mb(root: str = "/sys/devices/system/cpu") -> int:
 
 def _bench_cpus(n: int) -> list[int]:
     """n CPUs to pin to, the way the engine picks them (physical cores of the node)."""
-    from cpu_worker.topology import default_cpus
+    from shared.topology import default_cpus
     cpus = default_cpus()
     return (cpus * n)[:n]
 

@@ -102,7 +102,7 @@ def parse_options(argv=None):
             raise FermoeError(problem)
     from .http.options import check_http_options
     check_http_options(opts)
-    from cpu_worker.topology import numa_nodes, physical_cores
+    from shared.topology import numa_nodes, physical_cores
     for node, cpus in numa_nodes().items():
         cores = len(physical_cores(cpus))
         if opts.cpu_workers_per_socket > cores:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from cpu_worker.topology import numa_nodes, physical_cores
+from shared.topology import numa_nodes, physical_cores
 
 log = logging.getLogger("fermoe.coordinator")
 # A child process that dies this often within the window is not restarted again:

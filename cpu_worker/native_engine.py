@@ -17,7 +17,7 @@ from shared.ggml_types import GGMLType, row_nbytes
 from shared.model import Model, Weight
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
-from .topology import default_cpus
+from shared.topology import default_cpus
 
 COMPUTE_TYPES = {GGMLType.F32, GGMLType.Q4_0, GGMLType.Q8_0}
 MAX_BATCH = 256         # tokens per native call: scratch grows with it (~60 MB at 256 for the

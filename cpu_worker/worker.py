@@ -34,7 +34,7 @@ from shared.sampling import SamplingParams
 from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import HEARTBEAT_S, WorkerLink, add_worker_options, serve_until_stopped, worker_main
 
-from .topology import allowed_cpus, default_cpus, numa_nodes
+from shared.topology import allowed_cpus, default_cpus, numa_nodes
 
 log = logging.getLogger("fermoe.cpu_worker")
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...

@@ -15,7 +15,7 @@ import time
 import zmq
 
 from coordinator.client import Client
-from cpu_worker.topology import allowed_cpus
+from shared.topology import allowed_cpus
 from cpu_worker.worker import CPUWorker
 from shared import protocol as P
 from coordinator.engines import load_engine

@@ -326,7 +326,7 @@ def test_every_isa_gives_the_same_tokens(tiny_q4_path, isa):
 def test_a_second_engine_gets_every_cpu_too(tiny_q4_path):
     """A pool pins the thread that creates it to its first CPU while it lives: an
     engine made after it from the same thread must still default to every core."""
-    from cpu_worker.topology import default_cpus
+    from shared.topology import default_cpus
     cpus = default_cpus()
     if len(cpus) < 2:
         pytest.skip("needs two cores")

@@ -19,9 +19,10 @@ import pytest
 from coordinator import supervisor
 from coordinator.options import parse_options
 from coordinator.supervisor import Supervisor, worker_plan
-from cpu_worker import numa_placement, topology
+from cpu_worker import numa_placement
 from cpu_worker import worker as worker_module
 from cpu_worker.native_engine import NativeEngine
+from shared import topology
 from shared.errors import FermoeError
 
 # Two layouts of the same machine: Linux on Intel numbers a core's second thread

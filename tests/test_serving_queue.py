@@ -11,7 +11,7 @@ import re
 import pytest
 
 from coordinator.client import Client
-from cpu_worker.topology import numa_nodes, physical_cores
+from shared.topology import numa_nodes, physical_cores
 from shared import protocol as P
 from tests.serving_harness import Daemon, OrderedClient, free_port, local_ids, streamed_ids, wait_until
 

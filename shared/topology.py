@@ -1,5 +1,6 @@
-"""Which CPUs a decode worker should run on: the physical cores of a NUMA node,
-one hardware thread per core (the paper found hyper-thread siblings catastrophic)."""
+"""This machine's CPUs, as the coordinator plans its workers and a decode worker pins
+itself: the physical cores of a NUMA node, one hardware thread per core (the paper
+found hyper-thread siblings catastrophic)."""
 from __future__ import annotations
 
 import os
