@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together in one pass (default 1)")
     p.add_argument("--context", type=int, default=None,
                    help="decode at this position, the KV cache extended with zeros (default: right after the prompt)")
-    from coordinator.options import add_kv_cache_dtype
+    from shared.options import add_kv_cache_dtype
     add_kv_cache_dtype(p)
     args = p.parse_args(argv)
     if args.batch < 1 or args.tokens < 1 or args.prompt < 1:

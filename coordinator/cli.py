@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from coordinator.escapes import process_escapes
-from coordinator.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
+from shared.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
 from shared.errors import FermoeError
 
 DEFAULT_MODEL = "tiny"

@@ -112,14 +112,14 @@ class GPUWorker:
 
 
 def run_gpu_worker(args) -> int:
-    from coordinator.options import gpu_engine_options
+    from shared.options import gpu_engine_options
     worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
                        shared_memory=not args.no_shared_memory, **gpu_engine_options(args))
     return serve_until_stopped(worker)
 
 
 def main(argv=None) -> int:
-    from coordinator.options import add_gpu_options
+    from shared.options import add_gpu_options
     p = argparse.ArgumentParser(prog="gpu_worker", description="fermoe GPU prefill worker")
     add_worker_options(p)
     add_gpu_options(p)

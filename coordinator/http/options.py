@@ -67,7 +67,7 @@ def check_http_options(opts) -> None:
 
 
 def parse_request_size(text: str) -> int:
-    from ..options import parse_size
+    from shared.options import parse_size
     try:
         size = parse_size(text)
     except FermoeError as e:
