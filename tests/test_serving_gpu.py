@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from coordinator.client import Client
+from coordinator.supervisor import MAX_RESTARTS
 from tests.serving_harness import Daemon, local_ids, streamed_ids, wait_until
 
 NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
@@ -187,3 +188,18 @@ def test_bench_serve_with_a_gpu_worker(tiny_q4_path):
     assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
     assert 0 < out["cold_prefill_s"] < out["ttft_cold_s"] and out["cold_rest_s"] > 0
     assert {w["kind"] for w in out["workers_detail"]} == {"cpu", "gpu"}
+
+
+def test_a_gpu_worker_that_keeps_failing_is_given_up_and_prompts_stay_on_the_cpu(tiny_q4_path):
+    """A GPU worker that cannot start (here: --gpu-mem too small for its weights) is
+    restarted within the restart budget, then given up; requests are served throughout,
+    prefilled on the CPU."""
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--gpu-mem", "1MiB")
+    try:
+        wait_until(lambda: any("gpu0 died" in line and "not restarting it" in line for line in daemon.log), 300,
+                   "the failing GPU worker was never given up")
+        ids, done = generate(daemon, PROMPT, max_tokens=4, temperature=0.0)
+        assert done.prefill_device == "cpu" and ids == local_ids(tiny_q4_path, PROMPT, 4, temperature=0.0)
+        assert sum("started gpu worker gpu0" in line for line in daemon.log) == 1 + MAX_RESTARTS
+    finally:
+        assert daemon.stop() == 0
