@@ -332,6 +332,23 @@ def test_the_message_limit_names_the_option_that_raises_it():
     assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
 
 
+def test_the_coordinators_sockets_take_a_snapshot_frame_whatever_the_request_limit(tiny_q4_path):
+    from shared.state import snapshot_nbytes
+    from coordinator.daemon import Coordinator
+    from coordinator.options import parse_options
+    from tests.serving_harness import free_port
+    opts = parse_options(["--model", str(tiny_q4_path), "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem",
+                          "0", "--block", "4096", "--max-request-size", "1KiB"])
+    coord = Coordinator(opts)
+    try:
+        slot = snapshot_nbytes(coord.model.config, 4096, opts.kv_cache_dtype)
+        assert slot > 2 << 20 and coord.workers_sock.getsockopt(zmq.MAXMSGSIZE) > slot
+        assert P.max_message_bytes() == 1024
+    finally:
+        coord.shutdown()
+        P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
+
+
 @pytest.mark.parametrize("text, expected", [("*", ("*",)), ("", ()), ("http://a.b:3000/, https://c", (
     "http://a.b:3000", "https://c"))])
 def test_cors_origins(text, expected):
