@@ -85,10 +85,13 @@ class Coordinator:
     def _socket(self, endpoint: str, mandatory: bool = False):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # a client message over --max-request-size is refused by P.decode with an Error naming
-        # the option; ZeroMQ's own cut, which drops the connection unanswered, lies well above it
+        # the largest frame either socket takes: a client's message (one over --max-request-size is
+        # refused by P.decode with an Error naming the option, while ZeroMQ's own cut drops the
+        # connection unanswered, so that cut lies well above it), or a snapshot that a worker
+        # without the arena sends as a frame
         P.set_max_message_bytes(self.opts.max_request_size)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.opts.max_request_size + (1 << 20))
+        slot = snapshot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(2 * self.opts.max_request_size, slot) + (1 << 20))
         if mandatory:           # sending to a vanished client raises, so its request is freed
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:

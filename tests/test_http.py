@@ -87,7 +87,9 @@ def test_system_fingerprint_and_timings(daemon, client):
         chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert {c["system_fingerprint"] for c in chunks} == {fingerprint}
     texts = [c for c in chunks if c["choices"][0]["delta"].get("content")]
-    assert [c["timings"]["predicted_n"] for c in texts] == list(range(1, len(texts) + 1))
+    counts = [c["timings"]["predicted_n"] for c in texts]         # a token of no text yet makes no chunk
+    assert counts == sorted(set(counts)) and 1 <= counts[0] and counts[-1] <= 5
+    assert all(c["timings"]["predicted_ms"] >= 0 and c["timings"]["prompt_ms"] > 0 for c in texts)
     last = chunks[-1]
     assert last["choices"][0]["finish_reason"] == "length" and last["timings"]["predicted_n"] == 5
     assert set(last["timings"]) == {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",

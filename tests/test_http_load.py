@@ -188,6 +188,8 @@ def _check_the_key(url: str) -> None:
             assert r.status_code == 401 and r.json()["error"]["code"] == code, (path, headers)
         r = httpx.post(f"{url}/v1/completions", headers=headers, json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 401
+    for path in ("/health", "/v1/health", "/", "/favicon.ico"):    # what a browser loads before the key is typed
+        assert httpx.get(f"{url}{path}").status_code == 200, path
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)

@@ -332,6 +332,23 @@ def test_the_message_limit_names_the_option_that_raises_it():
     assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
 
 
+def test_the_coordinators_sockets_take_a_snapshot_frame_whatever_the_request_limit(tiny_q4_path):
+    from shared.state import snapshot_nbytes
+    from coordinator.daemon import Coordinator
+    from coordinator.options import parse_options
+    from tests.serving_harness import free_port
+    opts = parse_options(["--model", str(tiny_q4_path), "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem",
+                          "0", "--block", "4096", "--max-request-size", "1KiB"])
+    coord = Coordinator(opts)
+    try:
+        slot = snapshot_nbytes(coord.model.config, 4096, opts.kv_cache_dtype)
+        assert slot > 2 << 20 and coord.workers_sock.getsockopt(zmq.MAXMSGSIZE) > slot
+        assert P.max_message_bytes() == 1024
+    finally:
+        coord.shutdown()
+        P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
+
+
 @pytest.mark.parametrize("text, expected", [("*", ("*",)), ("", ()), ("http://a.b:3000/, https://c", (
     "http://a.b:3000", "https://c"))])
 def test_cors_origins(text, expected):
@@ -361,16 +378,16 @@ def test_http_options_on_the_coordinators_command_line():
 
 # ---- /metrics: a request whose client left is counted, once, as an abort ----------
 class _Cancelling:
-    """An upstream whose request is still open: cancel() takes the Done callback."""
+    """An upstream whose one request is open until the first cancel(), which keeps its callback."""
 
     def __init__(self):
-        self.on_done = None
+        self.open, self.on_done = True, None
 
     def cancel(self, rid, on_done=None):
-        if self.on_done is None and on_done is not None:
+        was_open, self.open = self.open, False
+        if was_open:
             self.on_done = on_done
-            return True
-        return False
+        return was_open
 
 
 def test_a_request_whose_client_left_is_counted_as_an_abort_once():
@@ -401,6 +418,38 @@ def test_a_request_whose_client_left_is_counted_as_an_abort_once():
     assert get("fermoe:request_success_total", {"finished_reason": "abort"}) == 1
     assert (get("fermoe:generation_tokens_total"), get("fermoe:prompt_tokens_total")) == (5, 7)
     assert get("fermoe:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_request_that_had_ended_when_its_client_left_is_counted_by_its_own_reason():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    class Closed:                                   # its Done came: nothing left to cancel
+        def cancel(self, rid, on_done=None):
+            return False
+
+    async def go():
+        metrics, stream = Metrics(), RequestStream("r")
+        for msg in (token("r", 1), token("r", 2), P.Done(request_id="r", finish_reason="length", prompt_tokens=3,
+                                                          completion_tokens=2)):
+            stream.push(msg)
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            left.set()
+            await asyncio.sleep(0.05)               # the client is gone before the Done is read
+        await GenerationResponse(Closed(), stream, TextFormat(), "m", True, False, metrics)(None, receive, send)
+        return metrics
+
+    get = run(go()).registry.get_sample_value
+    assert get("fermoe:request_success_total", {"finished_reason": "length"}) == 1
+    assert get("fermoe:request_success_total", {"finished_reason": "abort"}) is None
+    assert get("fermoe:generation_tokens_total") == 2
 
 
 def test_a_cancelled_requests_done_reaches_whoever_cancelled_it():

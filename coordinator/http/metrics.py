@@ -21,8 +21,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# vLLM's finished_reason labels where ours differ: a request cancelled by its client is aborted
-FINISHED_REASONS = {"cancelled": "abort"}
 # StatusReply.snapshots entries that are levels; the others count events since start
 SNAPSHOT_LEVELS = {"slots": "snapshot slots in the store", "free_slots": "snapshot slots holding nothing",
                    "entries": "cached prefix snapshots", "pinned": "snapshots in use by running requests",
@@ -63,7 +61,7 @@ class Metrics:
         self.generation_tokens.inc(done.completion_tokens)
         self.prefix_cache_queries.inc(done.prompt_tokens)
         self.prefix_cache_hits.inc(done.cached_prompt_tokens)
-        self.request_success.labels(finished_reason=FINISHED_REASONS.get(reason, reason)).inc()
+        self.request_success.labels(finished_reason=reason).inc()
         self.e2e.observe(e2e_s)
 
     def render(self, status: P.StatusReply | None) -> bytes:
