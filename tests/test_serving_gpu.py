@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.client import Client
 from coordinator.supervisor import MAX_RESTARTS
-from tests.serving_harness import Daemon, local_ids, streamed_ids, wait_until
+from tests.serving_harness import Daemon, free_port, local_ids, streamed_ids, wait_until
 
 NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
 PROMPT = "A long enough prompt, prefilled on the graphics card and then decoded on the CPU."
@@ -201,5 +201,25 @@ def test_a_gpu_worker_that_keeps_failing_is_given_up_and_prompts_stay_on_the_cpu
         ids, done = generate(daemon, PROMPT, max_tokens=4, temperature=0.0)
         assert done.prefill_device == "cpu" and ids == local_ids(tiny_q4_path, PROMPT, 4, temperature=0.0)
         assert sum("started gpu worker gpu0" in line for line in daemon.log) == 1 + MAX_RESTARTS
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_the_http_api_on_top(tiny_q4_path):
+    """An OpenAI request over HTTP is prefilled on the GPU worker; /metrics counts where
+    prompts were prefilled, on what estimate, and each worker's rate."""
+    import httpx
+    port = free_port()
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu", "--http", f"127.0.0.1:{port}")
+    try:
+        gpu_ready(daemon)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "the front end never became healthy")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'fermoe:prefills_total{device="gpu"} 1.0' in metrics
+        assert 'fermoe:prefill_estimate_seconds_count{device="gpu"} 1.0' in metrics
+        assert 'fermoe:worker_prefill_tokens_per_second{kind="gpu",worker_id="gpu0"}' in metrics
     finally:
         assert daemon.stop() == 0

@@ -47,6 +47,11 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("fermoe:e2e_request_latency_seconds", "Time from arrival to the end of a request",
                              buckets=E2E_BUCKETS, registry=r)
+        self.prefills = Counter("fermoe:prefills", "Finished requests by where their prompt was prefilled "
+                                "(gpu, cpu, or none: resumed whole from the snapshot cache)", ["device"], registry=r)
+        self.prefill_estimate = Histogram("fermoe:prefill_estimate_seconds",
+                                          "The chosen device's estimate of a prompt's prefill, by device",
+                                          ["device"], buckets=TTFT_BUCKETS, registry=r)
         self.http_requests = Counter("fermoe:http_requests", "HTTP requests answered, by endpoint and status",
                                      ["endpoint", "status"], registry=r)
         Gauge("fermoe:http_requests_waiting", "Requests of this HTTP server without a first reply yet "
@@ -63,6 +68,10 @@ class Metrics:
         self.prefix_cache_hits.inc(done.cached_prompt_tokens)
         self.request_success.labels(finished_reason=reason).inc()
         self.e2e.observe(e2e_s)
+        device = done.prefill_device or "none"
+        self.prefills.labels(device=device).inc()
+        if device in done.prefill_estimates_ms:
+            self.prefill_estimate.labels(device=device).observe(done.prefill_estimates_ms[device] / 1000)
 
     def render(self, status: P.StatusReply | None) -> bytes:
         self.status.latest = status
@@ -115,9 +124,12 @@ def _worker_metrics(workers: list[P.WorkerInfo]):
     running = GaugeMetricFamily("fermoe:worker_num_requests_running", "Sequences the worker runs",
                                 labels=["worker_id"])
     threads = GaugeMetricFamily("fermoe:worker_threads", "Engine threads of the worker", labels=["worker_id"])
+    rate = GaugeMetricFamily("fermoe:worker_prefill_tokens_per_second", "The worker's measured prefill rate, "
+                             "by worker and kind (cpu, gpu)", labels=["worker_id", "kind"])
     for w in workers:
         alive.add_metric([w.worker_id], int(w.alive))
         running.add_metric([w.worker_id], w.running)
         threads.add_metric([w.worker_id], w.threads)
+        rate.add_metric([w.worker_id, w.kind], w.prefill_tok_s)
     yield from (_gauge("fermoe:num_workers", "Workers known to the coordinator", len(workers)), alive, running,
-                threads)
+                threads, rate)
