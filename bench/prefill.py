@@ -155,7 +155,7 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
 
 def main(argv=None) -> None:
     """The command line; a FermoeError (a bad --gpu-mem, a budget too small) goes up to
-    coordinator/cli.main, which reports it."""
+    fermoe.cli.main, which reports it."""
     from shared.options import add_gpu_options, gpu_engine_options
     p = argparse.ArgumentParser(prog="fermoe bench prefill", description=__doc__.splitlines()[0])
     p.add_argument("model", help="GGUF file or built-in model name")

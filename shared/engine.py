@@ -4,7 +4,7 @@ Each advances a SequenceState by tokens and returns logits: `reference` is the
 numpy spec (here); `cpu` the native W4A8 engine (cpu_worker); `gpu` the GPU
 prefill engine (gpu_worker). They share the state's layout, so a state prefilled
 by one is decoded on by another. The registry that picks one by name is
-coordinator/engines.py (this package imports no worker package)."""
+fermoe/engines.py (this package imports no worker package)."""
 from __future__ import annotations
 
 import time

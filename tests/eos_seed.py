@@ -3,7 +3,7 @@
 (any change to the numerics moves which seeds do it)."""
 from __future__ import annotations
 
-from coordinator.engines import load_engine
+from fermoe.engines import load_engine
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams

@@ -64,7 +64,7 @@ class Serve(Process):
 
     def __init__(self, connect: str, *extra):
         self.url = f"http://127.0.0.1:{free_port()}"
-        super().__init__([sys.executable, "-m", "coordinator.cli", "serve", "--connect", connect,
+        super().__init__([sys.executable, "-m", "fermoe.cli", "serve", "--connect", connect,
                           "--http", self.url.removeprefix("http://"), *extra])
 
 

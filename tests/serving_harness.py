@@ -18,7 +18,7 @@ from coordinator.client import Client
 from shared.topology import allowed_cpus
 from cpu_worker.worker import CPUWorker
 from shared import protocol as P
-from coordinator.engines import load_engine
+from fermoe.engines import load_engine
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
@@ -103,7 +103,7 @@ def fermoe(*args, env: dict | None = None, check: bool = True, timeout_s: float 
     bytes decoded, newlines untranslated (a "\r" the model generates stays one). With
     check, a failure is an AssertionError showing its stderr."""
     environ = None if env is None else {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    run = subprocess.run([sys.executable, "-m", "coordinator.cli", *map(str, args)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "fermoe.cli", *map(str, args)], capture_output=True,
                          env=environ, timeout=timeout_s, preexec_fn=unpinned)
     run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
     if check and run.returncode != 0:

@@ -135,7 +135,7 @@ def test_cpu_engine_from_the_command_line(tiny_q4_path, tmp_path):
 
 def _cli(capsys, *args) -> str:
     """A `fermoe` command in this process (argparse to output): its stdout."""
-    from coordinator.cli import main
+    from fermoe.cli import main
     assert main([str(a) for a in args]) == 0
     return capsys.readouterr().out
 
@@ -170,7 +170,7 @@ def test_generate_runs_until_end_of_generation_unless_told(tiny_q4_path, capsys)
     (r"\xc3\xa9t\xc3\xa9", "été"), (r"\q \x4 \xg1 end\\", r"\q \x4 \xg1 end\\"[:-1]), ("tail\\", "tail\\"),
 ])
 def test_escapes_are_read_as_llama_cpp_reads_them(given, read):
-    from coordinator.escapes import process_escapes
+    from fermoe.escapes import process_escapes
     assert process_escapes(given) == read
 
 
@@ -190,7 +190,7 @@ def test_prompt_and_stop_escapes_on_the_command_line(tiny_q4_path, capsys):
 
 
 def test_help_says_what_fermoe_is_and_lists_every_command():
-    from coordinator.cli import COMMANDS, build_parser
+    from fermoe.cli import COMMANDS, build_parser
     text = fermoe("--help").stdout
     assert text.count("fermoe runs Qwen3.5/3.6-35B-A3B-class mixture-of-experts models") == 1
     assert "examples:" in text and "fermoe demo" in text and "--stop \"\\n\\n\"" in text

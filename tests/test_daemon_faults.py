@@ -341,7 +341,7 @@ def test_the_daemon_binds_to_loopback_by_default(tiny_q4_path):
     """Clients on 127.0.0.1:5557, workers on a free loopback port, unless told otherwise."""
     opts = parse_options(["--model", str(tiny_q4_path)])
     assert (opts.bind, opts.worker_bind) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:*")
-    from coordinator.cli import build_parser
+    from fermoe.cli import build_parser
     from coordinator.client import DEFAULT_ADDR
     assert build_parser().parse_args(["submit", "-p", "x"]).addr == DEFAULT_ADDR == opts.bind
 

@@ -268,6 +268,6 @@ def test_a_port_in_use_is_one_clear_error(tiny_q4_path):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (f"coordinator: error: --http 127.0.0.1:{port}: cannot listen "
                                                    f"there: Address already in use")
-    bad = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--max-queue", "0"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "fermoe.cli", "serve", "--max-queue", "0"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.strip() == "fermoe: error: --max-queue 0: must be >= 1"

@@ -24,7 +24,7 @@ from tests.serving_harness import free_port, shm_names, unpinned
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "<!-- test_readme: run -->"
 TIMEOUT_S = 120
-COMMANDS = {"fermoe": "coordinator.cli", "coordinator": "coordinator.daemon", "cpu_worker": "cpu_worker.worker"}
+COMMANDS = {"fermoe": "fermoe.cli", "coordinator": "coordinator.daemon", "cpu_worker": "cpu_worker.worker"}
 
 
 def marked_blocks() -> list[tuple[str, str]]:

@@ -279,7 +279,7 @@ def test_done_timings_and_snapshot_counters_make_sense(daemon, tiny_q4_path):
 
 def _submit(addr, capsys, *args) -> tuple[str, str]:
     """`fermoe submit` in this process: (stdout without its final newline, stderr)."""
-    from coordinator.cli import main
+    from fermoe.cli import main
     assert main(["submit", "--addr", addr, "--wait", "30", *map(str, args)]) == 0
     out = capsys.readouterr()
     return out.out[:-1], out.err

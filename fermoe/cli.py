@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 
-from coordinator.escapes import process_escapes
-from shared.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
+from fermoe.escapes import process_escapes
 from shared.errors import FermoeError
+from shared.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
 
 DEFAULT_MODEL = "tiny"
 DESCRIPTION = """\
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.http.options import add_http_options
     add_http_options(p, standalone=True)
 
-    from coordinator.quality import add_parsers
+    from fermoe.quality import add_parsers
     add_parsers(sub, _add_model, _add_engine)
 
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
@@ -177,7 +177,7 @@ def _open(args, name: str | None = None):
 
 
 def _engine(args, model, name: str):
-    from coordinator.engines import load_engine
+    from fermoe.engines import load_engine
     return load_engine(name, model, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
                        **(gpu_engine_options(args) if name == "gpu" else {}))
 
@@ -369,17 +369,17 @@ def cmd_serve(args) -> None:
 
 
 def cmd_ppl(args) -> None:
-    from coordinator.quality import cmd_ppl as run
+    from fermoe.quality import cmd_ppl as run
     run(args, _open)
 
 
 def cmd_compare(args) -> None:
-    from coordinator.quality import cmd_compare as run
+    from fermoe.quality import cmd_compare as run
     run(args, _open)
 
 
 def cmd_prune(args) -> None:
-    from coordinator.quality import cmd_prune as run
+    from fermoe.quality import cmd_prune as run
     run(args)
 
 
