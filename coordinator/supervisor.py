@@ -29,13 +29,26 @@ class RestartBudget:
         return len(self.times) <= MAX_RESTARTS
 
 
+def gpu_cores(opts) -> dict[str, list[int]]:
+    """gpu worker id -> the physical core its host thread has to itself: the last ones of
+    node 0, while the node keeps a core for each of its CPU workers (else none: it shares)."""
+    nodes = numa_nodes()
+    cores = physical_cores(nodes[min(nodes)]) if nodes else []
+    gpus = getattr(opts, "gpus", [])
+    if len(cores) - len(gpus) < opts.cpu_workers_per_socket:
+        return {f"gpu{i}": [] for i in gpus}
+    return {f"gpu{i}": [cores[len(cores) - len(gpus) + k]] for k, i in enumerate(gpus)}
+
+
 def worker_plan(opts) -> dict[str, tuple[int, list[int]]]:
-    """worker id -> (node, CPUs): each node's physical cores split among its workers
-    (options.py has checked that every worker gets one at least)."""
+    """worker id -> (node, CPUs): each node's physical cores split among its CPU workers,
+    but for the cores the GPU workers' host threads have (options.py has checked that
+    every worker gets one at least)."""
     plan = {}
     per = opts.cpu_workers_per_socket
+    taken = {c for cpus in gpu_cores(opts).values() for c in cpus}
     for node, cpus in numa_nodes().items():
-        cores = physical_cores(cpus)
+        cores = [c for c in physical_cores(cpus) if c not in taken]
         for i in range(per):
             share = cores[i::per]
             if opts.threads_per_worker:
@@ -50,6 +63,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}
         self.plan = worker_plan(opts)
         self.gpu_plan = {f"gpu{i}": i for i in getattr(opts, "gpus", [])}
+        self.gpu_cpus = gpu_cores(opts)
         self.restarts: dict[str, RestartBudget] = {}
         self.given_up: set[str] = set()
 
@@ -73,8 +87,12 @@ class Supervisor:
                "--worker-id", wid, "--gpu", str(self.gpu_plan[wid])]
         if self.opts.gpu_mem:
             cmd += ["--gpu-mem", self.opts.gpu_mem]
+        cpus = self.gpu_cpus[wid]
+        if cpus:
+            cmd += ["--cpus", ",".join(map(str, cpus))]
         self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.info("started gpu worker %s (pid %d) on GPU %d", wid, self.procs[wid].pid, self.gpu_plan[wid])
+        log.info("started gpu worker %s (pid %d) on GPU %d, CPUs %s", wid, self.procs[wid].pid, self.gpu_plan[wid],
+                 cpus or "shared")
 
     def start_all(self) -> None:
         for wid in [*self.plan, *self.gpu_plan]:

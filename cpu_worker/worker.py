@@ -34,7 +34,7 @@ from shared.sampling import SamplingParams
 from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import HEARTBEAT_S, WorkerLink, add_worker_options, serve_until_stopped, worker_main
 
-from shared.topology import allowed_cpus, default_cpus, numa_nodes
+from shared.topology import cpu_list, default_cpus, numa_nodes
 
 log = logging.getLogger("fermoe.cpu_worker")
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
@@ -193,21 +193,8 @@ class CPUWorker:
             close()
 
 
-def _cpu_list(text: str) -> list[int]:
-    """--cpus: CPUs this process may run on, or a FermoeError naming the bad ones."""
-    try:
-        cpus = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise FermoeError(f"--cpus {text!r}: expected comma-separated CPU numbers") from None
-    allowed = allowed_cpus()
-    bad = [c for c in cpus if c not in allowed]
-    if not cpus or bad:
-        raise FermoeError(f"--cpus {text}: {bad or 'no CPUs'} not among the CPUs this process may run on {allowed}")
-    return cpus
-
-
 def run_cpu_worker(args) -> int:
-    cpus = _cpu_list(args.cpus) if args.cpus else None
+    cpus = cpu_list(args.cpus) if args.cpus else None
     if args.node is not None and args.node not in numa_nodes():
         raise FermoeError(f"--node {args.node}: this machine's NUMA nodes are {sorted(numa_nodes())}")
     if cpus is not None or args.node is not None:

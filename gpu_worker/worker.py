@@ -113,6 +113,11 @@ class GPUWorker:
 
 def run_gpu_worker(args) -> int:
     from shared.options import gpu_engine_options
+    if args.cpus:               # the host thread that feeds the GPU, on a core no decode thread takes
+        from shared.topology import cpu_list
+        cpus = cpu_list(args.cpus)
+        os.sched_setaffinity(0, cpus)
+        log.info("placement: CPUs %s", cpus)
     worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
                        shared_memory=not args.no_shared_memory, **gpu_engine_options(args))
     return serve_until_stopped(worker)
@@ -123,6 +128,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpu_worker", description="fermoe GPU prefill worker")
     add_worker_options(p)
     add_gpu_options(p)
+    p.add_argument("--cpus", default=None, help="comma-separated CPUs to run on (default: any)")
     return worker_main("gpu_worker", p, run_gpu_worker, argv)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import FermoeError
+
 SYS = Path("/sys/devices/system")
 
 # The CPUs this process may run on, as it started. A native thread pool pins the
@@ -58,3 +60,16 @@ def default_cpus(node: int | None = None) -> list[int]:
     """Physical cores of `node` (default: the first node)."""
     nodes = numa_nodes()
     return physical_cores(nodes[node if node is not None else min(nodes)])
+
+
+def cpu_list(text: str) -> list[int]:
+    """--cpus: CPUs this process may run on, or a FermoeError naming the bad ones."""
+    try:
+        cpus = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise FermoeError(f"--cpus {text!r}: expected comma-separated CPU numbers") from None
+    allowed = allowed_cpus()
+    bad = [c for c in cpus if c not in allowed]
+    if not cpus or bad:
+        raise FermoeError(f"--cpus {text}: {bad or 'no CPUs'} not among the CPUs this process may run on {allowed}")
+    return cpus

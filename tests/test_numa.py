@@ -297,3 +297,17 @@ def test_py_libnuma_without_libnuma_still_pins_the_cpus(monkeypatch, tmp_path):
     monkeypatch.setattr(numa_placement.os, "sched_setaffinity", lambda pid, cpus: pinned.append(list(cpus)))
     line = numa_placement.place(0, [0, 1])
     assert pinned == [[0, 1]] and "libnuma unavailable" in line and "numa_available" in line
+
+
+def test_a_gpu_workers_host_thread_has_a_core_of_its_own(machine, monkeypatch):
+    """With a GPU, node 0's last physical core goes to the gpu worker's host thread and
+    no CPU worker decodes on it; where a node has no core to spare, the gpu worker shares."""
+    from coordinator.supervisor import gpu_cores
+    monkeypatch.setenv("FERMOE_GPU", "emulate")
+    opts = _opts("--gpu", "0")
+    spare = machine.cores(0)[-1]
+    assert gpu_cores(opts) == {"gpu0": [spare]}
+    assert worker_plan(opts) == {"cpu0.0": (0, machine.cores(0)[:-1]), "cpu1.0": (1, machine.cores(1))}
+    per = str(len(machine.cores(0)))                 # every core of node 0 taken by a CPU worker
+    assert gpu_cores(_opts("--gpu", "0", "--cpu-workers-per-socket", per)) == {"gpu0": []}
+    assert gpu_cores(_opts("--gpu", "none")) == {}
