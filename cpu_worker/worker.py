@@ -41,6 +41,7 @@ PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's m
 DECODING_PASS_TOKENS = 64   # ... and while sequences decode: the pause a prompt chunk puts in their streams
 MIN_PROMPT_TOKENS = 8       # prompt tokens a pass takes however many sequences decode: no prompt starves
 RATE_PROBE_TOKENS = 32      # the prompt timed at start: the prefill rate the worker announces
+SPARE_STATES = 2            # finished sequences' recurrent buffers kept for restores (a large model's: 63 MB)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class CPUWorker:
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self.sequences: dict[str, Sequence] = {}
+        self._spare: list[bytearray] = []          # recurrent buffers of finished sequences
         self.running = True
 
     def _configure(self, kv_cache_dtype: str) -> None:
@@ -106,7 +108,7 @@ class CPUWorker:
         slots = self.link.resume_slots(msg, data)
         if slots:
             state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
-                                      self.engine.kv_cache_dtype)
+                                      self.engine.kv_cache_dtype, self._spare.pop() if self._spare else None)
         else:
             state = self.engine.new_state()
         params = SamplingParams.of(msg)
@@ -182,6 +184,8 @@ class CPUWorker:
             self.link.write_snapshot(rid, seq.pending.pop(0).slot, seq.state)
 
     def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if isinstance(seq.state.buffer, bytearray) and len(self._spare) < SPARE_STATES:
+            self._spare.append(seq.state.buffer)         # the next restore copies into it
         done = seq.decoder.history[len(seq.msg.tokens):] if seq.decoder else []
         self.send(P.Finished(request_id=rid, finish_reason=reason, prefill_ms=seq.prefill_ms,
                              decode_ms=1000 * seq.decode_s, completion_tokens=len(done), error=error))

@@ -315,14 +315,19 @@ def write_snapshot_kv(state: SequenceState, slot, block: int, position: int) -> 
 
 
 def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int,
-                      kv_dtype_name: str = DEFAULT_KV_DTYPE) -> SequenceState:
-    """A fresh state from snapshots in block order; the last one gives the recurrent part."""
+                      kv_dtype_name: str = DEFAULT_KV_DTYPE, buffer: bytearray | None = None) -> SequenceState:
+    """A fresh state from snapshots in block order; the last one gives the recurrent part.
+    buffer: a recurrent buffer to reuse (a finished sequence's), which spares the page
+    faults of a new one: most of a large model's restore time."""
     if not slots:
         raise StateError("no snapshot to restore")
     r = recurrent_nbytes(cfg)
     dtype = kv_dtype(kv_dtype_name)
     last = memoryview(slots[-1]).cast("B")
-    state = SequenceState(cfg, fingerprint, bytearray(last[:r]), kv_block=block, kv_dtype=kv_dtype_name)
+    if buffer is None or len(buffer) != r:
+        buffer = bytearray(r)
+    memoryview(buffer)[:] = last[:r]
+    state = SequenceState(cfg, fingerprint, buffer, kv_block=block, kv_dtype=kv_dtype_name)
     shape = (block, cfg.n_head_kv, cfg.head_dim)
     page_bytes = int(np.prod(shape)) * dtype.itemsize
     expected = 0

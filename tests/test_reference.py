@@ -101,6 +101,9 @@ def test_snapshots_restore_a_state_that_continues_identically(tiny_path, kv):
         write_snapshot(state, slots[-1], block)
     restored = restore_snapshots(cfg, fp, slots, block, kv)
     assert restored.position == 19 and restored.kv.dtype == state.kv.dtype
+    spare = bytearray(b"\xff") * len(restored.buffer)           # a finished sequence's buffer, reused
+    again = restore_snapshots(cfg, fp, slots, block, kv, buffer=spare)
+    assert again.buffer is spare and bytes(spare) == bytes(restored.buffer)
     np.testing.assert_array_equal(engine.forward(PROMPT[19:], restored), engine.forward(PROMPT[19:], state))
     other = "f32" if kv == "f16" else "f16"
     with pytest.raises(StateError, match=f"expected {other}"):

@@ -187,3 +187,25 @@ def _assert_served_as_alone(worker, requests):
         params = SamplingParams(temperature=temperature, seed=seed)
         alone = list(generate(worker.engine, encode(prompt), max_tokens, params))
         assert sampled == alone, rid
+
+
+def test_a_finished_sequences_state_buffer_is_reused_by_the_next_restore(worker):
+    """Restoring a large model's state into a fresh buffer is mostly page faults: a
+    finished sequence's recurrent buffer is kept and the next restore copies into it."""
+    model = worker.model
+    worker.link.arena, worker.link.block = _Arena(), 8
+    first = _assign(model, "a", "The old GPU said", 2, 0.0, 1)
+    first.tokens = list(range(3, 19))
+    first.snapshots = [P.SnapshotRef(slot=0, position=8), P.SnapshotRef(slot=1, position=16)]
+    worker.handle_assign(first)
+    buffer = worker.sequences["a"].state.buffer
+    while worker.sequences:
+        worker.work_round()
+    again = _assign(model, "b", "", 2, 0.0, 1)
+    again.tokens, again.resume = list(range(3, 19)), first.snapshots
+    worker.handle_assign(again)
+    assert worker.sequences["b"].state.buffer is buffer and worker.sequences["b"].state.position == 16
+    while worker.sequences:
+        worker.work_round()
+    assert [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == "b"] == \
+        [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == "a"]
