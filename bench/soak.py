@@ -83,6 +83,8 @@ class Sampler:
     def sample(self) -> None:
         t = round(time.monotonic() - self.t0, 2)
         for name, pid in self.pids.items():
+            if self.series[name] and self.series[name][-1][0] >= t:
+                continue                # stop()'s own sample, within the rounding of the thread's last
             kb = _status_kb(pid)
             if kb is not None:
                 self.series[name].append([t, kb.get("VmRSS", 0), kb.get("RssAnon", 0), kb.get("RssShmem", 0)])
