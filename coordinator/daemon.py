@@ -408,7 +408,7 @@ class Coordinator:
             req.gpu_prefill_ms = msg.prefill_ms
             self._release_snapshots(req)
             # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it
-            req.handoff = self.index.lookup(req.tokens, replay=True)
+            req.handoff = self.index.lookup(req.tokens, counted=False)
         self.queue.insert(0, req.rid)
 
     def assign(self, req: Request, wid: str) -> None:

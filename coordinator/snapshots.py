@@ -152,26 +152,29 @@ class SnapshotIndex:
         return _hash(base, b"end", memoryview(data)[4 * begin:4 * stop])
 
     # ---- lookup --------------------------------------------------------------
-    def lookup(self, tokens, replay: bool = False) -> Resume | None:
+    def lookup(self, tokens, replay: bool = False, counted: bool = True) -> Resume | None:
         """The longest usable cached prefix of tokens, pinned until release(); None if none.
         replay: the lookup of a request restarted after its worker died, counted as
-        `replays` and `replay_hit_tokens`, not as a hit or a miss, and promoting nothing."""
+        `replays` and `replay_hit_tokens`, not as a hit or a miss, and promoting nothing.
+        counted=False: a request's own snapshots handed from a GPU worker to a CPU worker,
+        neither counted nor promoting anything."""
         position, n, keys, m, end = self._find(tokens)
-        if replay:
+        if counted and replay:
             self._counts["replays"] += 1
             self._counts["replay_hit_tokens"] += position
-        elif position == 0:
+        elif counted and position == 0:
             self._counts["misses"] += 1
-        else:
+        elif counted:
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += position
+        promote = counted and not replay            # a client's reuse protects what it reused
         if position == 0:
             return None
         chain = tuple(self._entries[k] for k in keys[:m])
         resume = Resume(position, position == n, chain, end, next(self._tickets))
         for e in resume.entries:
             self._pin(e.key)
-            if not replay:
+            if promote:
                 self._reused.add(e.key)
         self._resumes[resume.ticket] = resume
         return resume

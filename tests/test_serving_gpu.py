@@ -76,7 +76,13 @@ def test_a_prompt_prefilled_on_the_gpu_is_decoded_on_a_cpu_worker(tiny_q4_path):
         assert all(w.kind == "cpu" and w.prefill_tok_s > 0 for k, w in workers.items() if k != "gpu0")
 
         params = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
+        with Client(daemon.addr) as c:
+            before = c.status().snapshots
         ids, done = generate(daemon, PROMPT, **params)
+        with Client(daemon.addr) as c:
+            after = c.status().snapshots         # the hand-over's lookup is neither a hit nor a replay
+        assert (after["hits"], after["replays"], after["misses"]) == (before["hits"], before["replays"],
+                                                                      before["misses"] + 1)
         assert done.prefill_device == "gpu" and done.cached_prompt_tokens == 0 and done.finish_reason == "length"
         assert done.prefill_ms > 0 and "gpu" in done.prefill_estimates_ms
         assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, ids)
