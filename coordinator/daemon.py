@@ -258,13 +258,13 @@ class Coordinator:
             return
         self.workers[wid] = WorkerView(wid, alive=True, ready=False, threads=msg.threads, pid=msg.pid, kind=msg.kind,
                                        device=msg.device, prefill_tok_s=msg.prefill_tok_s,
-                                       decode_tok_s=msg.decode_tok_s)
+                                       prefill_fixed_ms=msg.prefill_fixed_ms, decode_tok_s=msg.decode_tok_s)
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
                                         n_slots=arena.n_slots if arena else 0, block=self.opts.block,
                                         kv_cache_dtype=self.opts.kv_cache_dtype))
-        log.info("%s worker %s (pid %d, %s) joined: prefill %.0f tok/s", msg.kind, wid, msg.pid,
-                 msg.device or f"{msg.threads} threads", msg.prefill_tok_s)
+        log.info("%s worker %s (pid %d, %s) joined: prefill %.0f ms + %.0f tok/s", msg.kind, wid, msg.pid,
+                 msg.device or f"{msg.threads} threads", msg.prefill_fixed_ms, msg.prefill_tok_s)
 
     def handle_attached(self, wid: str, msg: P.Attached, data=()) -> None:
         view = self.workers[wid]
@@ -403,8 +403,9 @@ class Coordinator:
             req.gpu_failed, req.prefill_device = True, None
         else:
             prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
-            if msg.prefill_ms > 0:
-                view.prefill_tok_s = update_rate(view.prefill_tok_s, 1000 * prefilled / msg.prefill_ms)
+            if msg.prefill_ms > view.prefill_fixed_ms:          # the rate of what the fixed cost leaves
+                view.prefill_tok_s = update_rate(view.prefill_tok_s,
+                                                 1000 * prefilled / (msg.prefill_ms - view.prefill_fixed_ms))
             req.gpu_prefill_ms = msg.prefill_ms
             self._release_snapshots(req)
             # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it

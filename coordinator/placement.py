@@ -2,8 +2,9 @@
 will decode it.
 
 Each kind's time for the part of the prompt not in the snapshot cache is estimated from
-the rates the workers measured at start and update as they serve (tokens per second of
-prefill). A GPU worker runs one prompt at a time, so its estimate includes the prompts
+what the workers measured at start and update as they serve: a fixed cost (a GPU worker
+streams the expert layers it does not hold, however short the prompt) plus the tokens at
+the worker's prefill rate. A GPU worker runs one prompt at a time, so its estimate includes the prompts
 queued on it; a CPU worker interleaves a prompt with its running sequences, so its
 estimate is the prompt alone. `--prefill gpu|cpu` overrides the choice.
 """
@@ -22,8 +23,8 @@ class Placement:
     estimates: dict              # {"gpu": ms, "cpu": ms} of what could be estimated
 
 
-def estimate_ms(tokens: int, tok_s: float) -> float | None:
-    return 1000.0 * tokens / tok_s if tok_s > 0 else None
+def estimate_ms(tokens: int, tok_s: float, fixed_ms: float = 0.0) -> float | None:
+    return fixed_ms + 1000.0 * tokens / tok_s if tok_s > 0 else None
 
 
 def place_prefill(mode: str, uncached: int, gpu_workers: list, cpu_tok_s: float) -> Placement | None:
@@ -36,8 +37,9 @@ def place_prefill(mode: str, uncached: int, gpu_workers: list, cpu_tok_s: float)
         return Placement("cpu", None, {"cpu": cpu_ms} if cpu_ms is not None else {})
     if not free:
         return None if mode == "gpu" else Placement("cpu", None, {"cpu": cpu_ms} if cpu_ms is not None else {})
-    best = max(free, key=lambda w: (w.prefill_tok_s, w.worker_id))
-    gpu_ms = estimate_ms(uncached, best.prefill_tok_s)
+    best = min(free, key=lambda w: (estimate_ms(uncached, w.prefill_tok_s, w.prefill_fixed_ms) or float("inf"),
+                                    w.worker_id))
+    gpu_ms = estimate_ms(uncached, best.prefill_tok_s, best.prefill_fixed_ms)
     estimates = {k: v for k, v in (("gpu", gpu_ms), ("cpu", cpu_ms)) if v is not None}
     if mode == "gpu" or cpu_ms is None or (gpu_ms is not None and gpu_ms < cpu_ms):
         return Placement("gpu", best.worker_id, estimates)

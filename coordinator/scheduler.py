@@ -20,6 +20,7 @@ class WorkerView:
     kind: str = "cpu"            # cpu: prefills and decodes; gpu: prefills only
     device: str = ""
     prefill_tok_s: float = 0.0   # measured at start, then a running average of what it served
+    prefill_fixed_ms: float = 0.0  # a prompt's cost beyond its tokens (measured at start)
     decode_tok_s: float = 0.0
 
 

@@ -77,7 +77,7 @@ class CPUWorker:
         self.link.send(msg)
 
     def event_loop(self) -> None:
-        rate, _ = measure_prefill_rate(self.engine, self.model.config, [self.probe_tokens])
+        rate, _, _ = measure_prefill_rate(self.engine, self.model.config, [self.probe_tokens])
         self.link.hello(os.getpid(), getattr(self.engine, "threads", 1), self.model.fingerprint,
                         prefill_tok_s=round(rate, 1))
         while self.running:

@@ -47,14 +47,15 @@ class GPUWorker:
         self._registered = None             # the arena page-locked for the engine's copies
         self.running = True
 
-    def prefill_rate(self) -> tuple[float, int]:
+    def prefill_rate(self) -> tuple[float, float, int]:
         return measure_prefill_rate(self.engine, self.model.config, self.probe_tokens, PROBE_BUDGET_S)
 
     def event_loop(self) -> None:
-        rate, size = self.prefill_rate()
-        log.info("%s: %.0f tok/s prefill (%d-token probe)", self.engine.device.name, rate, size)
+        rate, fixed_s, size = self.prefill_rate()
+        log.info("%s: prefill %.0f ms + %.0f tok/s (probes up to %d tokens)", self.engine.device.name,
+                 1000 * fixed_s, rate, size)
         self.link.hello(os.getpid(), 1, self.model.fingerprint, kind="gpu", device=self.engine.device.name,
-                        prefill_tok_s=round(rate, 1))
+                        prefill_tok_s=round(rate, 1), prefill_fixed_ms=round(1000 * fixed_s, 2))
         while self.running:
             if not self.link.serve(self.handlers, int(HEARTBEAT_S * 1000)):
                 self.link.beat(0)

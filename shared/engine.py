@@ -78,26 +78,35 @@ class ReferenceEngine:
         pass
 
 
-def measure_prefill_rate(engine: Engine, cfg, sizes, budget_s: float = float("inf")) -> tuple[float, int]:
-    """(prefill tokens/s, the prompt size it was timed on): each size in turn, timed after
-    one untimed run (the first compiles, uploads or faults in what later ones reuse), the
-    next only while its time, extrapolated, stays under budget_s and it fits the engine's
-    memory. What a worker announces in its Hello, for the coordinator to place prompts
-    by; a GPU engine's runs also leave its memory planned, and its host copies packed, for
-    prompts up to the last size."""
-    rate, timed = 0.0, 0
+def measure_prefill_rate(engine: Engine, cfg, sizes, budget_s: float = float("inf")) -> tuple[float, float, int]:
+    """(prefill tokens/s, fixed seconds a prompt costs whatever its length, the largest
+    size timed): each size in turn, timed after one untimed run (the first compiles,
+    uploads or faults in what later ones reuse), the next only while its time,
+    extrapolated, stays under budget_s and it fits the engine's memory; with two sizes
+    or more, a line through the times. What a worker announces in its Hello, for the
+    coordinator to place prompts by; a GPU engine's runs also leave its memory planned,
+    and its host copies packed, for prompts up to the last size."""
+    points = []                                     # (tokens, seconds)
     for n in sizes:
         n = min(n, cfg.n_ctx_train)
-        if n <= 0 or (timed and n / rate > budget_s):
+        if n <= 0 or (points and points[-1][1] * n / points[-1][0] > budget_s):
             break
         tokens = [t % cfg.n_vocab for t in range(1, n + 1)]
         try:
             engine.forward(tokens, engine.new_state(), all_logits=False)
         except FermoeError:
-            if not timed:
+            if not points:
                 raise
-            break                                   # larger than its memory holds: the smaller one's rate
+            break                                   # larger than its memory holds: what the smaller ones gave
         t0 = time.perf_counter()
         engine.forward(tokens, engine.new_state(), all_logits=False)
-        rate, timed = n / (time.perf_counter() - t0), n
-    return rate, timed
+        points.append((n, time.perf_counter() - t0))
+    if not points:
+        return 0.0, 0.0, 0
+    if len(points) == 1:
+        return points[0][0] / points[0][1], 0.0, points[0][0]
+    per_token, fixed = np.polyfit([n for n, _ in points], [t for _, t in points], 1)
+    if per_token <= 0:                              # noise: no slope to speak of
+        n, t = points[-1]
+        return n / t, 0.0, n
+    return float(1.0 / per_token), max(0.0, float(fixed)), points[-1][0]

@@ -132,7 +132,8 @@ WorkerKind = Literal["cpu", "gpu"]
 class Hello(_Msg, tag="hello"):
     """worker -> coordinator, first message: who the worker is and which model it loaded.
     A cpu worker prefills and decodes (Assign); a gpu worker only prefills (Prefill), on
-    `device`. The rates are the worker's own measurement at start (0: not measured)."""
+    `device`. The rates are the worker's own measurement at start (0: not measured): a
+    prompt of n tokens takes about prefill_fixed_ms + n / prefill_tok_s."""
     worker_id: str
     pid: int
     threads: int
@@ -140,6 +141,7 @@ class Hello(_Msg, tag="hello"):
     kind: WorkerKind = "cpu"
     device: str = ""
     prefill_tok_s: float = 0.0
+    prefill_fixed_ms: float = 0.0       # what any prompt costs on top of its tokens (a GPU streaming its experts)
     decode_tok_s: float = 0.0
 
 

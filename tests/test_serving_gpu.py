@@ -29,9 +29,11 @@ def gpu_ready(daemon) -> dict:
     """The daemon's workers by id, once its GPU worker has joined (it compiles the
     emulation and times a prompt first)."""
     with Client(daemon.addr) as c:
-        workers = wait_until(lambda: {w.worker_id: w for w in c.status().workers if w.alive}.get("gpu0")
-                             and {w.worker_id: w for w in c.status().workers}, 300, "the GPU worker never joined")
-    return workers
+        try:
+            return wait_until(lambda: {w.worker_id: w for w in c.status().workers if w.alive}.get("gpu0")
+                              and {w.worker_id: w for w in c.status().workers}, 300, "the GPU worker never joined")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the daemon's log:\n{''.join(daemon.log)}") from None
 
 
 def assert_greedy_as_cpu_only(model_path, prompt: str, ids: list[int]) -> None:

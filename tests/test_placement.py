@@ -1,0 +1,92 @@
+"""Where a prompt is prefilled (coordinator/placement.py), and what the workers measure
+at start to decide it by (shared/engine.measure_prefill_rate), on fake workers and a
+fake clock."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from coordinator.placement import place_prefill
+from coordinator.scheduler import WorkerView
+from shared import engine as engine_module
+from shared.engine import measure_prefill_rate
+from shared.errors import FermoeError
+
+GPU = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, prefill_fixed_ms=280.0)
+CPU_TOK_S = 120.0
+
+
+def test_a_short_prompt_stays_on_the_cpu_and_a_long_one_goes_to_the_gpu():
+    """The GPU's fixed cost (streaming its expert layers) outweighs its rate for a few
+    tokens: 16 tokens take 133 ms on the CPU and 285 ms on the GPU; 947 take 7.9 s and 0.6 s."""
+    short = place_prefill("auto", 16, [GPU], CPU_TOK_S)
+    assert short.device == "cpu" and short.estimates == pytest.approx({"gpu": 285.33, "cpu": 133.33}, abs=0.01)
+    long = place_prefill("auto", 947, [GPU], CPU_TOK_S)
+    assert (long.device, long.worker) == ("gpu", "gpu0")
+    assert place_prefill("gpu", 16, [GPU], CPU_TOK_S).device == "gpu"          # overridden
+    assert place_prefill("cpu", 947, [GPU], CPU_TOK_S).device == "cpu"
+    assert place_prefill("auto", 947, [GPU], 0.0).device == "gpu"             # the CPU's rate unknown yet
+
+
+def test_a_busy_gpu_sends_auto_to_the_cpu_and_makes_gpu_wait():
+    busy = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, requests={"r"})
+    assert place_prefill("auto", 947, [busy], CPU_TOK_S).device == "cpu"
+    assert place_prefill("gpu", 947, [busy], CPU_TOK_S) is None
+    assert place_prefill("auto", 0, [GPU], CPU_TOK_S).device == "cpu"          # nothing to prefill
+    faster = WorkerView("gpu1", ready=True, kind="gpu", prefill_tok_s=6000.0, prefill_fixed_ms=280.0)
+    assert place_prefill("gpu", 947, [GPU, faster], CPU_TOK_S).worker == "gpu1"
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class _Engine:
+    """A prompt of n tokens takes fixed_s + n / tok_s on the fake clock; over max_tokens
+    it does not fit."""
+
+    def __init__(self, clock, fixed_s, tok_s, max_tokens=1 << 20):
+        self.clock, self.fixed_s, self.tok_s, self.max_tokens, self.runs = clock, fixed_s, tok_s, max_tokens, []
+
+    def new_state(self):
+        return None
+
+    def forward(self, tokens, state, all_logits=True):
+        if len(tokens) > self.max_tokens:
+            raise FermoeError("does not fit")
+        self.runs.append(len(tokens))
+        self.clock.now += self.fixed_s + len(tokens) / self.tok_s
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    return clock
+
+
+CFG = types.SimpleNamespace(n_ctx_train=4096, n_vocab=512)
+
+
+def test_the_probe_fits_a_fixed_cost_and_a_rate(clock):
+    eng = _Engine(clock, fixed_s=0.28, tok_s=3000.0)
+    rate, fixed, size = measure_prefill_rate(eng, CFG, (64, 256, 1024), budget_s=2.0)
+    assert (rate, fixed, size) == (pytest.approx(3000.0), pytest.approx(0.28), 1024)
+    assert eng.runs == [64, 64, 256, 256, 1024, 1024]                 # each size once untimed, once timed
+    assert type(rate) is float and type(fixed) is float               # they go into a Hello: msgpack takes no numpy
+    one = measure_prefill_rate(_Engine(clock, 0.0, 100.0), CFG, (32,))
+    assert one == (pytest.approx(100.0), 0.0, 32)
+
+
+def test_the_probe_stops_before_a_size_over_its_budget_or_its_memory(clock):
+    slow = _Engine(clock, fixed_s=0.5, tok_s=100.0)                  # 64 tokens: 1.14 s; 256 would take 4.6
+    assert measure_prefill_rate(slow, CFG, (64, 256, 1024), budget_s=2.0)[2] == 64
+    small = _Engine(clock, fixed_s=0.1, tok_s=3000.0, max_tokens=300)
+    assert measure_prefill_rate(small, CFG, (64, 256, 1024), budget_s=2.0)[2] == 256
+    with pytest.raises(FermoeError):
+        measure_prefill_rate(_Engine(clock, 0.1, 3000.0, max_tokens=10), CFG, (64, 256))
