@@ -44,8 +44,9 @@ def dense_shapes(cfg) -> list[dict]:
 
 
 def expert_shapes(cfg) -> list[dict]:
+    """gate|up: 2 ff outputs an expert (its SwiGLU in the epilogue); down reads ff."""
     return [{"name": "experts_gate_up", "N": 2 * cfg.n_ff_exp, "K": cfg.n_embd},
-            {"name": "experts_down", "N": cfg.n_embd, "K": cfg.n_ff_exp, "swiglu": True}]
+            {"name": "experts_down", "N": cfg.n_embd, "K": cfg.n_ff_exp}]
 
 
 def bench_config(preset: str):
@@ -145,8 +146,8 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng) -> list[dict]:
     n_tiles = int(g.n_tiles.download()[0])
     useful = moe_useful_fraction(g.tile_rows.download()[:n_tiles], g.bm)
     x = DeviceArray.of(dev, rng.standard_normal((T, d)).astype(np.float32))
-    act, y = DeviceArray(dev, (P, 2 * ff)), DeviceArray(dev, (P, d))
-    act.upload(rng.standard_normal((P, 2 * ff)).astype(np.float32))
+    act, y = DeviceArray(dev, (P, ff)), DeviceArray(dev, (P, d))
+    act.upload(rng.standard_normal((P, ff)).astype(np.float32))
     results = {s["name"]: {"name": s["name"], "M": P, "N": s["N"], "K": s["K"], "experts": E,
                            "rows_per_expert": round(P / E, 1), "tile_rows": g.bm,
                            "useful_fraction": {key: round(v, 3) for key, v in useful.items()}}

@@ -114,13 +114,14 @@ class Ops:
                            g.topk_ids, P, k)
 
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
-        """act [P, 2N]: each grouped row's gate (N) then up (N) outputs."""
-        _need(act.shape[-1] == 2 * N, f"moe_gateup: act {act.shape} for [gate | up] of {N} each")
-        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(2 * N, GEMM_BN), g.max_tiles), (256,), self.stream, act, x,
+        """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
+        _need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
+        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, GEMM_BN // 2), g.max_tiles), (256,), self.stream, act, x,
                                                slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
-                                               g.tile_rows, g.n_tiles, g.pair_token, 2 * N, K, K)
+                                               g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
+        _need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
         self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, GEMM_BN), g.max_tiles), (256,), self.stream, y, act, slot,
                                              slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                              g.tile_rows, g.n_tiles, N, K)

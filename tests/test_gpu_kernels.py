@@ -189,13 +189,15 @@ def test_moe_route_and_group(ops):
     assert all(offsets[e] <= r0 and r0 + r <= offsets[e + 1] for e, r0, r in tiles)
 
 
-@pytest.mark.parametrize("kind, T", [("q4_0", 90), ("q8_0", 90), ("f16", 90), ("q4_0", 700)])
-def test_moe_experts_and_combine(ops, kind, T):
-    """The whole routed block from device routing: grouped gate/up and down products
-    over every expert in one launch each, weighted combine with the shared expert,
-    against the reference's loop over experts (T = 700: 233 rows an expert, 128-row tiles)."""
+@pytest.mark.parametrize("kind, T, ff, d", [("q4_0", 90, 32, 64), ("q8_0", 90, 32, 64), ("f16", 90, 32, 64),
+                                            ("q4_0", 700, 32, 64), ("q8_0", 150, 96, 160)])
+def test_moe_experts_and_combine(ops, kind, T, ff, d):
+    """The whole routed block from device routing: grouped gate/up (its SwiGLU in the
+    epilogue) and down products over every expert in one launch each, weighted combine
+    with the shared expert, against the reference's loop over experts (T = 700: 233 rows
+    an expert, 128-row tiles; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
     rng = np.random.default_rng(7)
-    E, k, d, ff = 6, 2, 64, 32
+    E, k = 6, 2
     x = rng.standard_normal((T, d)).astype(np.float32)
     h0 = rng.standard_normal((T, d)).astype(np.float32)
     logits = (3 * rng.standard_normal((T, E))).astype(np.float32)
@@ -215,7 +217,7 @@ def test_moe_experts_and_combine(ops, kind, T):
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
     ops.moe_group(g, T, E, k)
     assert g.bm == (128 if T == 700 else 64)
-    act, y, h = empty(ops, (T * k, 2 * ff)), empty(ops, (T * k, d)), dev(ops, h0)
+    act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)
     ops.moe_down(y, act, dslot, dmap, expert_bytes, 2 * gate_b, g, d, ff, kind)

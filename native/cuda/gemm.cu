@@ -37,10 +37,10 @@
  *   gemm_narrow_T     the same for outputs of a few columns (the GDN's beta and alpha): a
  *                     block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
  *                     long prompt still spreads over every SM (no FM_SWIGLU)
- *   moe_gateup_mBM_T  act[p] = x [Wg_e; Wu_e]^T for the grouped rows p of each expert e
- *                     (BM 64, 128), x gathered by token (pair_token[p]): an expert's gate
- *                     and up rows are contiguous, so they are one matrix of N = 2 ff rows
- *   moe_down_mBM_T    y[p] = (silu(act_gate[p]) * act_up[p]) Wd_e^T
+ *   moe_gateup_mBM_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of each
+ *                     expert e (BM 64, 128), x gathered by token (pair_token[p]); a tile
+ *                     holds 64 gate and the matching 64 up columns (GLU below), N = ff
+ *   moe_down_mBM_T    y[p] = act[p] Wd_e^T
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to BM
  * of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
@@ -48,7 +48,7 @@
  * and up at offset 0, down at down_offset. A tile's rows past the expert's last run
  * no FMAs (whole warps skip), so the padding of a tile costs loads, not arithmetic.
  * grid: (ceil(N / 128), ceil(M / BM)) dense, (ceil(M / 8), ceil(N / 32)) narrow,
- * (ceil(N / 128), max tiles) MoE. */
+ * (ceil(ff / 64), max tiles) MoE gate|up, (ceil(N / 128), max tiles) MoE down. */
 #include "prelude.cuh"
 #include "weights.cuh"
 
@@ -178,8 +178,13 @@ FM_DEVICE void fm_mma(float acc[TM][8], float (*As)[BM + 4], float (*Ws)[FM_BN +
 }
 
 /* One BM x 128 tile: rows [m0, m0 + rows) of A (or its gathered rows) against W
- * rows [n0, n0 + 128). The result rows go to C rows c0 + m. */
-template <int WT, int BM>
+ * rows [n0, n0 + 128). The result rows go to C rows c0 + m.
+ *
+ * GLU: W is [gate; up], N rows each, and the tile takes gate rows [n0, n0 + 64) and
+ * the up rows N further as its columns 0..63 and 64..127, so that a thread holds
+ * gate column c and up column c together (fm_col: j and j + 4) and writes
+ * silu(gate) * up to C column n0 + c: the SwiGLU in the epilogue, C [M, N]. */
+template <int WT, int BM, bool GLU>
 FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A, int lda, const int *rows_map,
                             int m0, int rows, const uint8_t *W, int n0, int N, int K)
 {
@@ -190,8 +195,13 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A
     for (int i = 0; i < TM; i++)
         for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
     bool swiglu = flags & FM_SWIGLU;
-    int nw = n0 + (threadIdx.x >> 1);
-    const uint8_t *wrow = nw < N ? W + (long long)nw * fm_row_bytes(WT, K) : 0;
+    int nw = n0 + (threadIdx.x >> 1), valid = nw < N;
+    if (GLU) {
+        int c = (threadIdx.x >> 1) % (FM_BN / 2);
+        valid = n0 + c < N;
+        nw = n0 + c + ((threadIdx.x >> 1) < FM_BN / 2 ? 0 : N);
+    }
+    const uint8_t *wrow = valid ? W + (long long)nw * fm_row_bytes(WT, K) : 0;
     int kw = 8 * (threadIdx.x & 1);
     bool busy = (int)(threadIdx.x >> 5) * 2 * TM < rows;     /* this warp has rows of the tile */
     int steps = (K + FM_BK - 1) / FM_BK;
@@ -221,9 +231,16 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A
         int m = ty * TM + i;
         if (m >= rows) break;
         float *c = C + (long long)(c0 + m) * ldc;
-        for (int j = 0; j < 8; j++) {
-            int n = n0 + fm_col(tx, j);
-            if (n < N) c[n] = add ? c[n] + acc[i][j] : acc[i][j];
+        if (GLU) {
+            for (int j = 0; j < 4; j++) {
+                int n = n0 + fm_col(tx, j);
+                if (n < N) c[n] = fm_siluf(acc[i][j]) * acc[i][j + 4];
+            }
+        } else {
+            for (int j = 0; j < 8; j++) {
+                int n = n0 + fm_col(tx, j);
+                if (n < N) c[n] = add ? c[n] + acc[i][j] : acc[i][j];
+            }
         }
     }
 }
@@ -281,7 +298,8 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
                                                                        int flags)                                  \
     {                                                                                                              \
         int m0 = blockIdx.y * BM;                                                                                  \
-        fm_gemm_tile<WT, BM>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(BM, M - m0), W, blockIdx.x * FM_BN, N, K);  \
+        fm_gemm_tile<WT, BM, false>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(BM, M - m0), W, blockIdx.x * FM_BN, N, \
+                                    K);                                                                            \
     }
 
 #define FM_GEMM_MOE(T, WT, BM, BLOCKS)                                                                           \
@@ -293,7 +311,8 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                       \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                  \
         const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                    \
-        fm_gemm_tile<WT, BM>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * FM_BN, N, K);      \
+        fm_gemm_tile<WT, BM, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * (FM_BN / 2), \
+                                   N, K);                                                                        \
     }                                                                                                            \
     FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_down_m##BM##_##T(                                      \
         float *y, const float *act, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
@@ -303,7 +322,7 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                       \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                  \
         const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                      \
-        fm_gemm_tile<WT, BM>(y, N, row0, FM_SWIGLU, act, 2 * K, 0, row0, rows, w, blockIdx.x * FM_BN, N, K);     \
+        fm_gemm_tile<WT, BM, false>(y, N, row0, 0, act, K, 0, row0, rows, w, blockIdx.x * FM_BN, N, K);          \
     }
 
 /* Blocks an SM is asked to hold (caps registers: 64 accumulators at BM 128 need ~120) */
