@@ -179,19 +179,25 @@ def run(preset: str = "qwen3.6-35b-a3b", prompts=PROMPTS, reps: int = 5, batch: 
     from gpu_worker.cuda import open_device
     from gpu_worker.ops import Ops
     cfg = bench_config(preset)
+    owns_device = device is None
     device = device or open_device(0)
-    ops = Ops(device)
-    timer = Timer(device, ops.stream, reps, batch)
-    rng = np.random.default_rng(0)
-    peak = fma_tflops(device, ops.k, ops.stream, probe_ms)
-    out = {"device": device.name, "multiprocessors": device.multiprocessors, "preset": preset,
-           "experts": cfg.n_expert, "fp32_fma_tflops": round(peak, 2),
-           "setup": {"reps": reps, "launches_a_timing": batch, "weights": ["q4_0", "f32"]}, "prompts": {}}
-    for T in prompts:
-        out["prompts"][str(T)] = {
-            "dense": [_dense(ops, timer, s, T, peak, rng, sweep) for s in dense_shapes(cfg)],
-            "experts": _experts(ops, timer, cfg, T, peak, rng),
-        }
+    try:
+        ops = Ops(device)
+        timer = Timer(device, ops.stream, reps, batch)
+        rng = np.random.default_rng(0)
+        peak = fma_tflops(device, ops.k, ops.stream, probe_ms)
+        out = {"device": device.name, "multiprocessors": device.multiprocessors, "preset": preset,
+               "experts": cfg.n_expert, "fp32_fma_tflops": round(peak, 2),
+               "setup": {"reps": reps, "launches_a_timing": batch, "weights": ["q4_0", "f32"]}, "prompts": {}}
+        for T in prompts:
+            out["prompts"][str(T)] = {
+                "dense": [_dense(ops, timer, s, T, peak, rng, sweep) for s in dense_shapes(cfg)],
+                "experts": _experts(ops, timer, cfg, T, peak, rng),
+            }
+    finally:
+        if owns_device and hasattr(device, "close"):
+            device.synchronize()
+            device.close()          # pycuda aborts the process at exit if its context is still current
     return out
 
 
