@@ -2,6 +2,7 @@
 
     python -m bench.kernels [--matrix-mb M] [--threads 2] [--pairs 15] [--reps 5]
     python -m bench.kernels --matmul-sweep [--threads 2] [--reps 5] [--isa avx2]
+    python -m bench.kernels --gpu [--gpu-prompts 947,8192] [--reps 5]   (bench/gpu_kernels.py)
 
 prints JSON. Measured in the same process (these machines are noisy: their clock and
 memory bandwidth drift within minutes, so only ratios measured together mean much):
@@ -336,7 +337,17 @@ def main(argv=None) -> None:
     ap.add_argument("--isa", action="append", choices=native.ISAS, help="only these ISAs (repeatable)")
     ap.add_argument("--matmul-sweep", action="store_true",
                     help="only time fm_matmul_q4_0 at several batch sizes and shapes (GMAC/s, tokens/s)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="instead: the GPU GEMM kernels on a prefill's shapes, Q4_0 and fp32 weights, and the "
+                         "FMA probe (TFLOP/s; bench/gpu_kernels.py)")
+    ap.add_argument("--gpu-prompts", default="947,8192", help="--gpu: prompt lengths (the GEMMs' rows)")
+    ap.add_argument("--gpu-preset", default="qwen3.6-35b-a3b", help="--gpu: the model dimensions (a synth preset)")
+    ap.add_argument("--no-sweep", action="store_true", help="--gpu: only the tile height the engine picks")
     args = ap.parse_args(argv)
+    if args.gpu:
+        from bench.gpu_kernels import main as gpu_main
+        gpu_main(args)
+        return
     if not 1 <= args.threads <= (os.cpu_count() or 1):
         ap.error(f"--threads {args.threads}: must be in [1, {os.cpu_count()}] (the CPUs of this machine)")
     if args.cols < 32 or args.cols % 32:

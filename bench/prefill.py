@@ -5,7 +5,9 @@ The floor of a prefill is the larger of two: the expert bytes it streams over th
 page-locked host-to-device bandwidth (measured here, with the same copy calls), and
 its fp32 FLOPs over the FMA rate of this GPU (a kernel of independent FMA chains,
 measured here). Time by phase comes from events on the compute stream
-(`copy_wait`: the compute stream stalled for an expert layer's copy).
+(`copy_wait`: the compute stream stalled for an expert layer's copy), and by kernel;
+`kernel_families` gives each family's (dense GEMMs, routed experts, attention, GDN)
+achieved TFLOP/s and its fraction of the FMA rate.
 
 Switches for the paper's ablations: --pageable (expert memory not page-locked),
 --chunk N (passes of at most N tokens instead of one), --no-overlap (copies on the
@@ -68,23 +70,20 @@ def copy_gbps(device, nbytes: int, pinned: bool, reps: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def fma_tflops(engine, ms_target: float = 200.0) -> float:
-    """The fp32 FMA rate of the fma_peak kernel over the whole GPU."""
-    from gpu_worker.buffers import DeviceArray
-    device, k, stream = engine.device, engine.ops.k, engine.ops.stream
-    blocks, threads = device.multiprocessors * 16, 256
-    out = DeviceArray(device, (blocks * threads,))
-    iters = 64
-    while True:
-        a, b = device.event(), device.event()
-        a.record(stream)
-        k.fma_peak((blocks,), (threads,), stream, out, iters, 1.0)
-        b.record(stream)
-        b.synchronize()
-        ms = b.time_since(a)
-        if ms >= ms_target or iters >= 1 << 20:
-            return blocks * threads * iters * 128 / (ms / 1000) / 1e12
-        iters *= max(2, int(ms_target / max(ms, 1e-3)))
+# Kernel families: the FLOPs of prefill_flops' parts over the time of their kernels
+FAMILIES = {"dense": (("gemm_",), ("dense", "lm_head")), "experts": (("moe_gateup_", "moe_down_"), ("experts",)),
+            "attention": (("attn_",), ("attention",)), "gdn": (("gdn_chunk_", "gdn_recurrent"), ("gdn",))}
+
+
+def family_rates(by_kernel: dict[str, float], flops: dict[str, float], fma: float) -> dict:
+    """Each kernel family's milliseconds, achieved TFLOP/s and fraction of the FMA rate."""
+    out = {}
+    for family, (prefixes, parts) in FAMILIES.items():
+        ms = sum(v for k, v in by_kernel.items() if k.startswith(prefixes))
+        if ms > 0:
+            tflops = sum(flops[p] for p in parts) / (ms / 1000) / 1e12
+            out[family] = {"ms": round(ms, 2), "tflops": round(tflops, 2), "fraction_of_fma": round(tflops / fma, 3)}
+    return out
 
 
 def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, gpu: int = 0, reps: int = 3,
@@ -120,7 +119,8 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
     engine.ops.k.timer = None
     pinned_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), True)
     pageable_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), False)
-    tflops = fma_tflops(engine)
+    from bench.gpu_kernels import fma_tflops
+    tflops = fma_tflops(engine.device, engine.ops.k, engine.ops.stream)
     flops = prefill_flops(model, prompt_tokens)
     prefill_s, streamed = float(np.median(times)), int(np.median(copied))
     floor = {"copy_s": streamed / (pinned_gbps * 1e9), "compute_s": sum(flops.values()) / (tflops * 1e12)}
@@ -145,6 +145,7 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         "fraction_of_floor": round(floor["floor_s"] / prefill_s, 3),
         "phases_ms": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
         "kernels_ms": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_SHOWN]},
+        "kernel_families": family_rates(by_kernel, flops, tflops),
         "memory": {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
                    "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
                    "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1)},

@@ -33,16 +33,15 @@ SIGNATURES = {
     "fma_peak": "Pif",
     "to_f16": "PPi",
 }
+# gemm.cu's tile rows (BM) of the dense and the grouped-expert GEMMs
+DENSE_BM, MOE_BM = (32, 64, 128), (64, 128)
 for _t in KERNEL_TYPES.values():
-    SIGNATURES.update({
-        f"gemm_{_t}": "PPPiiiiii",
-        f"gemm_wide_{_t}": "PPPiiiiii",
-        f"moe_gateup_{_t}": "PPPPqPPPPPiii",
-        f"moe_gateup_wide_{_t}": "PPPPqPPPPPiii",
-        f"moe_down_wide_{_t}": "PPPPqqPPPPii",
-        f"gemm_narrow_{_t}": "PPPiiiiii",
-        f"moe_down_{_t}": "PPPPqqPPPPii",
-    })
+    SIGNATURES[f"gemm_narrow_{_t}"] = "PPPiiiiii"
+    for _bm in DENSE_BM:
+        SIGNATURES[f"gemm_m{_bm}_{_t}"] = "PPPiiiiii"
+    for _bm in MOE_BM:
+        SIGNATURES[f"moe_gateup_m{_bm}_{_t}"] = "PPPPqPPPPPiii"
+        SIGNATURES[f"moe_down_m{_bm}_{_t}"] = "PPPPqqPPPPii"
 
 
 class LaunchError(FermoeError):
@@ -87,6 +86,7 @@ class Kernels:
         for name, signature in SIGNATURES.items():
             setattr(self, name, Kernel(module.get_function(name), name, signature, device, debug, self))
 
-    def gemm(self, wtype: str, kind: str = "gemm"):
-        """The GEMM entry of `kind` (gemm, gemm_wide, gemm_narrow, moe_gateup, moe_down) for a weight type."""
-        return getattr(self, f"{kind}_{wtype}")
+    def gemm(self, wtype: str, kind: str = "gemm", bm: int | None = None):
+        """The GEMM entry of `kind` (gemm, gemm_narrow, moe_gateup, moe_down) for a weight
+        type, with tiles of `bm` rows (all but gemm_narrow)."""
+        return getattr(self, f"{kind}_{wtype}" if bm is None else f"{kind}_m{bm}_{wtype}")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from .buffers import DeviceArray
-from .kernels import KERNEL_TYPES, Kernels, LaunchError
+from .kernels import DENSE_BM, KERNEL_TYPES, MOE_BM, Kernels, LaunchError
 
-GEMM_TILE = 64          # gemm.cu's BM = BN
-WIDE_FROM_ROWS, WIDE_FROM_COLS = 256, 1024   # from these sizes the dense GEMM takes 128 x 128 tiles
+GEMM_BN = 128           # gemm.cu's tile columns (FM_BN)
+# A tile's fixed cost a K step, in rows of FMAs: the 128 weight columns' loads and
+# dequantisation, the A stores and the barrier are ~60 instructions a thread against
+# 8 x TM x 16 FMAs, about 16 rows' worth (an instruction count, not a timing).
+TILE_OVERHEAD_ROWS = 16
 NARROW_COLS = 64                             # up to this many columns, the narrow kernel
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
 WIDE_TILE_ROWS_PER_EXPERT = 192              # tokens an expert from which its tiles take 128 rows
@@ -23,6 +26,32 @@ GGML_TYPE = {name: int(t) for t, name in KERNEL_TYPES.items()}    # embed_rows's
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def dense_tile_rows(M: int, N: int, sms: int) -> int:
+    """The dense GEMM's tile rows BM for C [M, N] on `sms` multiprocessors: the smallest
+    modelled time, ceil(blocks / sms) tiles one after another on the busiest SM, each
+    costing BM + TILE_OVERHEAD_ROWS; ties to the larger tile."""
+    def cost(bm):
+        blocks = _cdiv(M, bm) * _cdiv(N, GEMM_BN)
+        return _cdiv(blocks, max(1, sms)) * (bm + TILE_OVERHEAD_ROWS), -bm
+    return min(DENSE_BM, key=cost)
+
+
+def moe_tile_rows(T: int, E: int, k: int) -> int:
+    """The grouped expert GEMMs' tile rows: 128 when an expert averages enough tokens."""
+    return MOE_BM[-1] if T * k >= WIDE_TILE_ROWS_PER_EXPERT * E else MOE_BM[0]
+
+
+def moe_useful_fraction(tile_rows, bm: int) -> dict[str, float]:
+    """Of the rows a grouped launch's tiles hold (n_tiles x bm), and of those its warps
+    compute (a warp holds bm / 8 rows and skips when all are past the tile's end),
+    the fraction that are routed rows."""
+    rows = np.asarray(tile_rows, np.int64)
+    warp = bm // 8
+    useful = int(rows.sum())
+    return {"of_tiles": useful / max(1, len(rows) * bm),
+            "of_computed": useful / max(1, int((-(-rows // warp) * warp).sum()))}
 
 
 def _need(ok: bool, what: str):
@@ -52,20 +81,21 @@ class Ops:
 
     # ---- products ------------------------------------------------------------
     def gemm(self, C: DeviceArray, A: DeviceArray, W, M: int, N: int, K: int, wtype: str, accumulate: bool = False,
-             swiglu: bool = False):
+             swiglu: bool = False, bm: int | None = None):
         """C (+)= A W^T; with `swiglu` A's rows are [gate | up] of K each and the product
-        takes silu(gate) * up (an FFN's down projection, its activation fused)."""
+        takes silu(gate) * up (an FFN's down projection, its activation fused). `bm`
+        forces the tile rows (the benchmark's sweep); by default dense_tile_rows picks."""
         lda, ldc = 2 * K if swiglu else K, N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
-        if M >= WIDE_FROM_ROWS and N >= WIDE_FROM_COLS:     # 128 x 128 tiles: twice the FMAs a shared load
-            grid, kind = (_cdiv(N, 2 * GEMM_TILE), _cdiv(M, 2 * GEMM_TILE)), "gemm_wide"
-        elif N <= NARROW_COLS and not swiglu:               # a few columns: 8-row tiles, every SM busy
-            grid, kind = (_cdiv(M, 8), _cdiv(N, 32)), "gemm_narrow"
+        if N <= NARROW_COLS and not swiglu and bm is None:  # a few columns: 8-row tiles, every SM busy
+            kernel, grid = self.k.gemm(wtype, "gemm_narrow"), (_cdiv(M, 8), _cdiv(N, 32))
         else:
-            grid, kind = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE)), "gemm"
-        self.k.gemm(wtype, kind)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, flags)
+            bm = bm or dense_tile_rows(M, N, self.device.multiprocessors)
+            _need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
+            kernel, grid = self.k.gemm(wtype, "gemm", bm), (_cdiv(N, GEMM_BN), _cdiv(M, bm))
+        kernel(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, flags)
 
     # ---- MoE -------------------------------------------------------------------
     def moe_route(self, topk_ids, topk_w, counts: DeviceArray, logits, T: int, E: int, k: int):
@@ -74,28 +104,27 @@ class Ops:
         self.k.moe_route((T,), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
 
     def moe_group(self, g, T: int, E: int, k: int):
-        """Offsets, the tile table and the grouped order from g.counts (a MoeGroups). With
-        many tokens an expert (uniform routing), tiles of 128 rows (the wide kernels)."""
-        g.wide = T * k >= WIDE_TILE_ROWS_PER_EXPERT * E
+        """Offsets, the tile table and the grouped order from g.counts (a MoeGroups), in
+        tiles of moe_tile_rows rows."""
+        g.bm = moe_tile_rows(T, E, k)
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
-                         g.counts, E, 2 * GEMM_TILE if g.wide else GEMM_TILE, g.max_tiles)
+                         g.counts, E, g.bm, g.max_tiles)
         P = T * k
         self.k.moe_scatter((_cdiv(P, 256),), (256,), self.stream, g.pair_token, g.pair_pos, g.cursor, g.offsets,
                            g.topk_ids, P, k)
 
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
-        """act [P, 2N]: each grouped row's gate (N) then up (N) outputs."""
-        _need(act.shape[-1] == 2 * N, f"moe_gateup: act {act.shape} for [gate | up] of {N} each")
-        kind = "moe_gateup_wide" if g.wide else "moe_gateup"
-        self.k.gemm(wtype, kind)((_cdiv(2 * N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, act, x,
-                                         slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0, g.tile_rows,
-                                         g.n_tiles, g.pair_token, 2 * N, K, K)
+        """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
+        _need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
+        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, GEMM_BN // 2), g.max_tiles), (256,), self.stream, act, x,
+                                               slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
+                                               g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
-        kind = "moe_down_wide" if g.wide else "moe_down"
-        self.k.gemm(wtype, kind)((_cdiv(N, 2 * GEMM_TILE), g.max_tiles), (256,), self.stream, y, act, slot,
-                                       slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
-                                       g.tile_rows, g.n_tiles, N, K)
+        _need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
+        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, GEMM_BN), g.max_tiles), (256,), self.stream, y, act, slot,
+                                             slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
+                                             g.tile_rows, g.n_tiles, N, K)
 
     def moe_combine(self, h, y, g, shared_out, x, shared_gate, T: int, d: int, k: int):
         self.k.moe_combine((T,), (256,), self.stream, h, y, g.topk_w, g.pair_pos, shared_out or 0, x,
@@ -162,7 +191,7 @@ class MoeGroups:
 
     def __init__(self, device, T: int, E: int, k: int):
         P = T * k
-        self.max_tiles = _cdiv(P, GEMM_TILE) + E
+        self.max_tiles = _cdiv(P, MOE_BM[0]) + E      # tiles of the smallest height, a partial one an expert
         i32 = np.int32
         self.topk_ids, self.topk_w = DeviceArray(device, (T, k), i32), DeviceArray(device, (T, k))
         self.counts, self.cursor = DeviceArray(device, (E,), i32), DeviceArray(device, (E,), i32)
@@ -170,7 +199,7 @@ class MoeGroups:
         self.tile_expert, self.tile_row0, self.tile_rows = (DeviceArray(device, (self.max_tiles,), i32)
                                                             for _ in range(3))
         self.n_tiles = DeviceArray(device, (1,), i32)
-        self.wide = False            # tiles of 128 rows (set by Ops.moe_group)
+        self.bm = MOE_BM[0]          # the tiles' rows (set by Ops.moe_group)
         self.pair_token, self.pair_pos = DeviceArray(device, (P,), i32), DeviceArray(device, (P,), i32)
 
     def reset(self, stream):

@@ -36,7 +36,7 @@ def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
         "q": (T, hk * dk), "k": (T, hk * dk),
         "kv_k": (T, nkv * hd), "kv_v": (T, nkv * hd),
         "router": (T, cfg.n_expert),
-        "act": (T * k, 2 * ff), "moe_out": (T * k, d),          # act: [gate | up] of each grouped row
+        "act": (T * k, ff), "moe_out": (T * k, d),              # act: silu(gate) * up of each grouped row
         "shared_act": (T, max(2 * cfg.n_ff_shexp, 1)), "shared_out": (T, d),    # [gate | up]
         "lm_rows": (LOGIT_ROWS, d), "logits": (LOGIT_ROWS, cfg.n_vocab),
         "conv_snap": (cfg.ssm_conv_kernel - 1, C),

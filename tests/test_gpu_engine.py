@@ -295,6 +295,32 @@ def test_bench_prefill_reports_its_floor_and_phases(tiny_q4_path, monkeypatch):
     assert out["floor"]["floor_s"] == max(out["floor"]["copy_s"], out["floor"]["compute_s"]) > 0
     assert set(out["phases_ms"]) >= {"dense", "experts", "attention", "gdn", "copy_wait", "lm_head"}
     assert out["gflop_by_part"]["experts"] > 0 and out["prefill_s"] > 0
+    families = out["kernel_families"]
+    assert set(families) == {"dense", "experts", "attention", "gdn"}
+    assert all(f["ms"] > 0 and f["fraction_of_fma"] > 0 for f in families.values())
+
+
+def test_bench_kernels_gpu_reports_every_shape():
+    """`fermoe bench kernels --gpu` on the host emulation (the tiny preset's shapes):
+    every dense projection and both grouped expert launches, Q4_0 and fp32 weights,
+    the tile sweep, the routed rows' share of the tiles."""
+    from bench.gpu_kernels import dense_shapes, run
+    from gpu_worker.emulator import EmulatedDevice
+    out = run("tiny", (37,), reps=1, batch=1, device=EmulatedDevice(), probe_ms=1)
+    part = out["prompts"]["37"]
+    assert [d["name"] for d in part["dense"]] == [s["name"] for s in dense_shapes(tiny_config())]
+    assert [e["name"] for e in part["experts"]] == ["experts_gate_up", "experts_down"]
+    for row in part["dense"] + part["experts"]:
+        assert row["q4_0"]["ms"] > 0 and row["f32"]["ms"] > 0
+    assert all(set(d["tiles_q4_0"]) == {"32", "64", "128"} for d in part["dense"] if d["tile_rows"] != "narrow")
+    for e in part["experts"]:
+        assert e["M"] == 37 * 2 and 0 < e["useful_fraction"]["of_tiles"] <= e["useful_fraction"]["of_computed"] <= 1
+    assert out["fp32_fma_tflops"] > 0
+
+
+def tiny_config():
+    from shared.synth import preset_config
+    return preset_config("tiny")
 
 
 def test_host_expert_memory_is_interleaved_over_numa_nodes(tiny, monkeypatch):

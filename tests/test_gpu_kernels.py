@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gpu_worker.buffers import DeviceArray
-from gpu_worker.kernels import LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups
+from gpu_worker.kernels import DENSE_BM, LaunchError
+from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tile_rows, moe_useful_fraction
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
@@ -112,6 +112,48 @@ def test_gemm_swiglu_and_accumulate(ops, kind, M):
     close(C.download(), C0 + (R.silu(A[:, :64]) * A[:, 64:]) @ W.T)
 
 
+@pytest.mark.parametrize("bm", DENSE_BM)
+@pytest.mark.parametrize("kind", TYPES)
+def test_gemm_every_tile_height(ops, kind, bm):
+    """Each tile height on odd sizes: a partial last row tile (whole warps past its end
+    skip their FMAs), a partial column tile, F32 / F16 K not a whole 16-step; then the
+    SwiGLU down projection with accumulate."""
+    rng = np.random.default_rng(bm)
+    M, N, K = 77, 131, 96 if kind in ("q4_0", "q8_0") else 83
+    raw, W = quantized(rng, (N, K), kind)
+    A = rng.standard_normal((M, 2 * K)).astype(np.float32)
+    C0 = rng.standard_normal((M, N)).astype(np.float32)
+    C = empty(ops, (M, N))
+    ops.gemm(C, dev(ops, A[:, :K]), dev(ops, raw), M, N, K, kind, bm=bm)
+    close(C.download(), A[:, :K] @ W.T)
+    C.upload(C0)
+    ops.gemm(C, dev(ops, A), dev(ops, raw), M, N, K, kind, accumulate=True, swiglu=True, bm=bm)
+    close(C.download(), C0 + (R.silu(A[:, :K]) * A[:, K:]) @ W.T)
+
+
+def test_gemm_refuses_a_tile_height_it_lacks(ops):
+    with pytest.raises(LaunchError, match="tiles of 48 rows"):
+        ops.gemm(empty(ops, (4, 4)), empty(ops, (4, 32)), empty(ops, (4, 32)), 4, 4, 32, "f32", bm=48)
+
+
+def test_dense_tiles_are_picked_by_shape():
+    """Large outputs take the tallest tile; a few columns take short tiles so that the
+    grid still covers the SMs; each pick is no worse in the model than any other."""
+    assert dense_tile_rows(947, 8192, 132) == 128
+    assert dense_tile_rows(947, 512, 132) == 32
+    assert dense_tile_rows(8192, 2048, 132) == 128
+    for M, N in [(947, 2048), (61, 1024), (8192, 512), (5, 3000)]:
+        bm = dense_tile_rows(M, N, 132)
+        assert bm in DENSE_BM
+
+
+def test_moe_useful_fraction():
+    """Tiles of 64 rows, warps of 8: 64 + 70 routed rows in tiles 64, 64, 6."""
+    f = moe_useful_fraction([64, 64, 6], 64)
+    assert f["of_tiles"] == pytest.approx(134 / 192)
+    assert f["of_computed"] == pytest.approx(134 / 136)
+
+
 # ---- MoE -------------------------------------------------------------------------------------
 def _route(logits, k):
     probs = R.softmax(logits)
@@ -147,13 +189,15 @@ def test_moe_route_and_group(ops):
     assert all(offsets[e] <= r0 and r0 + r <= offsets[e + 1] for e, r0, r in tiles)
 
 
-@pytest.mark.parametrize("kind, T", [("q4_0", 90), ("q8_0", 90), ("f16", 90), ("q4_0", 700)])
-def test_moe_experts_and_combine(ops, kind, T):
-    """The whole routed block from device routing: grouped gate/up and down products
-    over every expert in one launch each, weighted combine with the shared expert,
-    against the reference's loop over experts (T = 700: 233 rows an expert, 128-row tiles)."""
+@pytest.mark.parametrize("kind, T, ff, d", [("q4_0", 90, 32, 64), ("q8_0", 90, 32, 64), ("f16", 90, 32, 64),
+                                            ("q4_0", 700, 32, 64), ("q8_0", 150, 96, 160)])
+def test_moe_experts_and_combine(ops, kind, T, ff, d):
+    """The whole routed block from device routing: grouped gate/up (its SwiGLU in the
+    epilogue) and down products over every expert in one launch each, weighted combine
+    with the shared expert, against the reference's loop over experts (T = 700: 233 rows
+    an expert, 128-row tiles; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
     rng = np.random.default_rng(7)
-    E, k, d, ff = 6, 2, 64, 32
+    E, k = 6, 2
     x = rng.standard_normal((T, d)).astype(np.float32)
     h0 = rng.standard_normal((T, d)).astype(np.float32)
     logits = (3 * rng.standard_normal((T, E))).astype(np.float32)
@@ -172,8 +216,8 @@ def test_moe_experts_and_combine(ops, kind, T):
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
     ops.moe_group(g, T, E, k)
-    assert g.wide == (T == 700)
-    act, y, h = empty(ops, (T * k, 2 * ff)), empty(ops, (T * k, d)), dev(ops, h0)
+    assert g.bm == (128 if T == 700 else 64)
+    act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)
     ops.moe_down(y, act, dslot, dmap, expert_bytes, 2 * gate_b, g, d, ff, kind)

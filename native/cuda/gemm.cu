@@ -8,157 +8,239 @@
  * [gate | up], K each, and multiplies silu(gate) * up (the SwiGLU of an FFN, fused
  * into the load of its down projection).
  *
- * One block computes a BM x BN tile of C with 256 threads (16 x 16), each thread a
- * TM x TN micro-tile from registers (rows and columns in groups of four, fm_row).
- * The K loop takes one 32-element block at a time, the next fetched meanwhile:
+ * The tile kernel (fm_gemm_tile): one block of 256 threads (16 x 16) computes a
+ * BM x 128 tile of C, BM = 32, 64 or 128; thread (ty, tx) holds TM x 8 outputs in
+ * registers (TM = BM / 16): rows ty*TM .. ty*TM + TM - 1 (contiguous, so a warp's
+ * rows are one run of 2 TM and a warp past the tile's last row skips its FMAs),
+ * columns tx*4 + {0..3} and 64 + tx*4 + {0..3} (a quarter warp's 128-bit shared
+ * loads of a k row are 128 contiguous bytes: no bank conflict).
  *
- *   As [32][BM + 4]   A tile, transposed (k-major), so a thread's rows are a stride apart
- *   Ws [32][BN + 4]   W tile dequantised to fp32, k-major
+ * K goes in steps of 16 (half a Q4_0 / Q8_0 block), double-buffered:
  *
- * (BM=BN=64: 17 KB of shared memory; 128: 34 KB.) Entry points, for each weight type T in
- * f32, f16, q4_0, q8_0:
+ *   As [2][16][BM + 4]   A tile, k-major
+ *   Ws [2][16][128 + 4]  W tile dequantised to fp32, k-major
  *
- *   gemm_T        C (+)= A W^T in 64 x 64 tiles
- *   gemm_wide_T   the same in 128 x 128 tiles (8 x 8 a thread): long prompts, wide outputs
- *   gemm_narrow_T the same for outputs of a few columns (the GDN's beta and alpha): a
- *                 block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
- *                 long prompt still spreads over every SM (no FM_SWIGLU)
- *   moe_gateup_T  act[p] = x [Wg_e; Wu_e]^T (64 x 128 tiles) for the grouped rows p of
- *                 each expert e, x gathered by token (pair_token[p]): an expert's gate
- *                 and up rows are contiguous, so they are one matrix of N = 2 ff rows
- *   moe_down_T    y[p] = (silu(act_gate[p]) * act_up[p]) Wd_e^T
- *   moe_*_wide_T  the same with tiles of 128 of an expert's rows (many tokens an expert)
+ *   step s:  global loads of step s + 1 into registers (raw weight bytes)
+ *            FMAs of step s from buffer s & 1
+ *            registers -> buffer (s + 1) & 1, the weights dequantised on the way
+ *            one __syncthreads
  *
- * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to
- * 64 (wide: 128) of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
+ * so each weight of a tile is dequantised once, the loads' latency hides under the
+ * FMAs, and one barrier a step suffices (the buffer written in step s was last read
+ * in step s - 1, before that step's barrier). Shared memory: 21 KB (BM 32) to 33 KB
+ * (BM 128). The A loads are coalesced: a warp reads two rows' 16 consecutive floats.
+ *
+ * Entry points, for each weight type T in f32, f16, q4_0, q8_0 and BM in 32, 64, 128
+ * (gpu_worker/ops.py picks BM by shape):
+ *
+ *   gemm_mBM_T        C (+)= A W^T
+ *   gemm_narrow_T     the same for outputs of a few columns (the GDN's beta and alpha): a
+ *                     block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
+ *                     long prompt still spreads over every SM (no FM_SWIGLU)
+ *   moe_gateup_mBM_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of each
+ *                     expert e (BM 64, 128), x gathered by token (pair_token[p]); a tile
+ *                     holds 64 gate and the matching 64 up columns (GLU below), N = ff
+ *   moe_down_mBM_T    y[p] = act[p] Wd_e^T
+ *
+ * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to BM
+ * of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
  * matrices in its slot of a layer buffer: slot + slot_map[e] * expert_bytes, gate
- * and up at offset 0, down at down_offset.
- * grid: (ceil(N / BN), ceil(M / BM)) dense, (ceil(M / 8), ceil(N / 32)) narrow,
- * (ceil(N / 128), max tiles) MoE. */
+ * and up at offset 0, down at down_offset. A tile's rows past the expert's last run
+ * no FMAs (whole warps skip), so the padding of a tile costs loads, not arithmetic.
+ * grid: (ceil(N / 128), ceil(M / BM)) dense, (ceil(M / 8), ceil(N / 32)) narrow,
+ * (ceil(ff / 64), max tiles) MoE gate|up, (ceil(N / 128), max tiles) MoE down. */
 #include "prelude.cuh"
 #include "weights.cuh"
 
-#define FM_BK 32
+#define FM_BK 16
+#define FM_BN 128
 #define FM_GEMM_THREADS 256
-
-/* The next K block of the A and W tiles is fetched into registers while the current
- * one is multiplied from shared memory (the global loads' latency hides under the
- * FMAs), then stored. A thread fetches rows (tid >> 3) + 32 i of A, four columns
- * each, and quarter tid & 3 of W rows (tid >> 2) + 64 i, dequantised. */
-template <int BM, int BN>
-struct fm_tile_regs {
-    float a[BM / 32][4];
-    float w[BN / 64][8];
-};
 
 #define FM_ACCUMULATE 1
 #define FM_SWIGLU 2
 
+/* ---- A: rows of activations (gathered, or their SwiGLU) ---- */
+
+/* Thread t fetches k = t % 16 of the tile rows t / 16 + 16 e, e < BM / 16: a warp's
+ * loads are two rows' 64 contiguous bytes. */
 template <int BM>
-FM_DEVICE void fm_fetch_a(float a[BM / 32][4], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
+FM_DEVICE void fm_fetch_a(float a[BM / 16], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
                           int K, bool swiglu)
 {
-    int c = (threadIdx.x & 7) * 4;
-    for (int i = 0; i < BM / 32; i++) {
-        int m = (threadIdx.x >> 3) + 32 * i;
-        for (int j = 0; j < 4; j++) a[i][j] = 0.0f;
-        if (m < rows) {
+    int k = k0 + (threadIdx.x & 15);
+    for (int e = 0; e < BM / 16; e++) {
+        int m = (threadIdx.x >> 4) + 16 * e;
+        a[e] = 0.0f;
+        if (m < rows && k < K) {
             int src = rows_map ? rows_map[m0 + m] : m0 + m;
-            const float *p = A + (long long)src * lda + k0 + c;
-            for (int j = 0; j < 4; j++)
-                if (k0 + c + j < K) a[i][j] = swiglu ? fm_siluf(p[j]) * p[K + j] : p[j];
+            const float *p = A + (long long)src * lda + k;
+            a[e] = swiglu ? fm_siluf(p[0]) * p[K] : p[0];
         }
     }
 }
 
 template <int BM>
-FM_DEVICE void fm_store_a(float (*As)[BM + 4], float a[BM / 32][4])
+FM_DEVICE void fm_store_a(float (*As)[BM + 4], const float a[BM / 16])
 {
-    int c = (threadIdx.x & 7) * 4;
-    for (int i = 0; i < BM / 32; i++)
-        for (int j = 0; j < 4; j++) As[c + j][(threadIdx.x >> 3) + 32 * i] = a[i][j];
+    for (int e = 0; e < BM / 16; e++) As[threadIdx.x & 15][(threadIdx.x >> 4) + 16 * e] = a[e];
 }
 
-template <int WT, int BN>
-FM_DEVICE void fm_fetch_w(float w[BN / 64][8], const uint8_t *W, long long row_bytes, int n0, int N, int kb, int K)
+/* ---- W: eight consecutive k of one row, raw, then dequantised ---- */
+
+/* Thread t fetches row t / 2 of the tile, k = k0 + 8 (t % 2) .. + 7, as raw bits:
+ * Q4_0 / Q8_0 the block's scale and the eight (nibble-)bytes (r[0..2]), F16 eight
+ * halves, F32 eight floats. A row past N or a k past K reads as zero (a zero scale).
+ * A Q4_0 block's second half is the high nibbles of the bytes of its first: those
+ * registers are kept (the caller passes the same r, fetched 16 k earlier). */
+template <int WT>
+FM_DEVICE void fm_fetch_w(unsigned r[8], const uint8_t *row, int k0, int K)
 {
-    int q = threadIdx.x & 3;
-    for (int i = 0; i < BN / 64; i++) {
-        int r = (threadIdx.x >> 2) + 64 * i;
-        for (int j = 0; j < 8; j++) w[i][j] = 0.0f;
-        if (n0 + r < N) fm_quarter<WT>(W + (long long)(n0 + r) * row_bytes, kb, q, K, w[i]);
+    if (WT == FM_W_Q4_0 && (k0 & 16)) return;      /* the high nibbles of the bytes fetched for k0 - 16 */
+    for (int i = 0; i < 8; i++) r[i] = 0u;
+    if (!row || k0 >= K) return;
+    if (WT == FM_W_Q4_0 || WT == FM_W_Q8_0) {
+        int j0 = k0 % FM_QK;
+        const uint16_t *b = (const uint16_t *)(row + (long long)(k0 / FM_QK) * (WT == FM_W_Q4_0 ? 18 : 34));
+        int at = 1 + (WT == FM_W_Q4_0 ? (j0 & 15) : j0) / 2;    /* Q4_0: element j and j + 16 share byte j */
+        r[0] = b[0];
+        r[1] = b[at] | (unsigned)b[at + 1] << 16;
+        r[2] = b[at + 2] | (unsigned)b[at + 3] << 16;
+    } else if (WT == FM_W_F16) {
+        const uint16_t *h = (const uint16_t *)row;
+        for (int i = 0; i < 8; i++)
+            if (k0 + i < K) r[i] = h[k0 + i];
+    } else {
+        const unsigned *f = (const unsigned *)row;
+        for (int i = 0; i < 8; i++)
+            if (k0 + i < K) r[i] = f[k0 + i];
     }
 }
 
-template <int WT, int BN>
-FM_DEVICE void fm_store_w(float (*Ws)[BN + 4], float w[BN / 64][8])
+FM_DEVICE float fm_bits_float(unsigned u)
 {
-    int q = threadIdx.x & 3;
-    for (int i = 0; i < BN / 64; i++)
-        for (int j = 0; j < 8; j++) Ws[fm_quarter_k<WT>(q, j)][(threadIdx.x >> 2) + 64 * i] = w[i][j];
+    union { unsigned u; float f; } b;
+    b.u = u;
+    return b.f;
 }
 
-/* Thread (ty, tx) of the 16 x 16 owns rows fm_row(ty, i) and columns fm_row(tx, j):
- * groups of four, 64 apart, so a quarter warp's 128-bit shared loads of a k row are
- * 128 contiguous bytes (no bank conflict). */
-FM_DEVICE int fm_row(int t, int i) { return (i / 4) * 64 + t * 4 + (i % 4); }
-
-template <int TM, int TN, int BM, int BN>
-FM_DEVICE void fm_mma(float acc[TM][TN], float (*As)[BM + 4], float (*Ws)[BN + 4])
+template <int WT>
+FM_DEVICE void fm_decode_w(float v[8], const unsigned r[8], int k0)
 {
-    int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    for (int k = 0; k < FM_BK; k++) {
-        float a[TM], b[TN];
-        for (int i = 0; i < TM; i += 4) {
-            fm_f4 v = *(const fm_f4 *)&As[k][fm_row(ty, i)];
-            a[i] = v.x, a[i + 1] = v.y, a[i + 2] = v.z, a[i + 3] = v.w;
+    if (WT == FM_W_Q4_0 || WT == FM_W_Q8_0) {
+        float d = fm_fp16_to_fp32((uint16_t)r[0]);
+        int shift = (k0 % FM_QK) & 16 ? 4 : 0;               /* Q4_0: elements 16..31 are the high nibbles */
+        for (int i = 0; i < 8; i++) {
+            unsigned byte = (r[1 + i / 4] >> (8 * (i % 4))) & 0xffu;
+            v[i] = WT == FM_W_Q4_0 ? (float)((int)((byte >> shift) & 15u) - 8) * d : (float)(int8_t)byte * d;
         }
-        for (int j = 0; j < TN; j += 4) {
-            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_row(tx, j)];
+    } else if (WT == FM_W_F16) {
+        for (int i = 0; i < 8; i++) v[i] = fm_fp16_to_fp32((uint16_t)r[i]);
+    } else {
+        for (int i = 0; i < 8; i++) v[i] = fm_bits_float(r[i]);
+    }
+}
+
+template <int WT>
+FM_DEVICE void fm_store_w(float (*Ws)[FM_BN + 4], const unsigned r[8], int k0)
+{
+    int half = threadIdx.x & 1, n = threadIdx.x >> 1;
+    float v[8];
+    fm_decode_w<WT>(v, r, k0 + 8 * half);
+    for (int i = 0; i < 8; i++) Ws[8 * half + i][n] = v[i];
+}
+
+/* ---- the tile ---- */
+
+FM_DEVICE int fm_col(int tx, int j) { return (j / 4) * 64 + tx * 4 + (j % 4); }
+
+template <int TM, int BM>
+FM_DEVICE void fm_mma(float acc[TM][8], float (*As)[BM + 4], float (*Ws)[FM_BN + 4])
+{
+    int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+#pragma unroll
+    for (int k = 0; k < FM_BK; k++) {
+        float a[TM], b[8];
+        if (TM % 4 == 0) {
+            for (int i = 0; i < TM; i += 4) {
+                fm_f4 v = *(const fm_f4 *)&As[k][ty * TM + i];
+                a[i] = v.x, a[i + 1] = v.y, a[i + 2] = v.z, a[i + 3] = v.w;
+            }
+        } else {
+            for (int i = 0; i < TM; i++) a[i] = As[k][ty * TM + i];
+        }
+        for (int j = 0; j < 8; j += 4) {
+            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col(tx, j)];
             b[j] = v.x, b[j + 1] = v.y, b[j + 2] = v.z, b[j + 3] = v.w;
         }
         for (int i = 0; i < TM; i++)
-            for (int j = 0; j < TN; j++) acc[i][j] = fm_fma(a[i], b[j], acc[i][j]);
+            for (int j = 0; j < 8; j++) acc[i][j] = fm_fma(a[i], b[j], acc[i][j]);
     }
 }
 
-/* One BM x BN tile of rows [m0, m0 + rows) of A (or its gathered rows) against W.
- * The result rows go to C rows c0 + m. BM, BN: 64 or 128. */
-template <int WT, int BM, int BN>
+/* One BM x 128 tile: rows [m0, m0 + rows) of A (or its gathered rows) against W
+ * rows [n0, n0 + 128). The result rows go to C rows c0 + m.
+ *
+ * GLU: W is [gate; up], N rows each, and the tile takes gate rows [n0, n0 + 64) and
+ * the up rows N further as its columns 0..63 and 64..127, so that a thread holds
+ * gate column c and up column c together (fm_col: j and j + 4) and writes
+ * silu(gate) * up to C column n0 + c: the SwiGLU in the epilogue, C [M, N]. */
+template <int WT, int BM, bool GLU>
 FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A, int lda, const int *rows_map,
                             int m0, int rows, const uint8_t *W, int n0, int N, int K)
 {
-    const int TM = BM / 16, TN = BN / 16;
-    __shared__ FM_ALIGN16 float As[FM_BK][BM + 4];
-    __shared__ FM_ALIGN16 float Ws[FM_BK][BN + 4];
-    float acc[TM][TN];
+    const int TM = BM / 16;
+    __shared__ FM_ALIGN16 float As[2][FM_BK][BM + 4];
+    __shared__ FM_ALIGN16 float Ws[2][FM_BK][FM_BN + 4];
+    float acc[TM][8];
     for (int i = 0; i < TM; i++)
-        for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
     bool swiglu = flags & FM_SWIGLU;
-    long long row_bytes = fm_row_bytes(WT, K);
-    int nkb = (K + FM_BK - 1) / FM_BK;
-    float ra[BM / 32][4], rw[BN / 64][8];
+    int nw = n0 + (threadIdx.x >> 1), valid = nw < N;
+    if (GLU) {
+        int c = (threadIdx.x >> 1) % (FM_BN / 2);
+        valid = n0 + c < N;
+        nw = n0 + c + ((threadIdx.x >> 1) < FM_BN / 2 ? 0 : N);
+    }
+    const uint8_t *wrow = valid ? W + (long long)nw * fm_row_bytes(WT, K) : 0;
+    int kw = 8 * (threadIdx.x & 1);
+    bool busy = (int)(threadIdx.x >> 5) * 2 * TM < rows;     /* this warp has rows of the tile */
+    int steps = (K + FM_BK - 1) / FM_BK;
+    float ra[BM / 16];
+    unsigned rw[8];
     fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, 0, K, swiglu);
-    fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, 0, K);
-    for (int kb = 0; kb < nkb; kb++) {
-        fm_store_a<BM>(As, ra);
-        fm_store_w<WT, BN>(Ws, rw);
-        __syncthreads();
-        if (kb + 1 < nkb) {                  /* the next block's loads fly while this one multiplies */
-            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, (kb + 1) * FM_BK, K, swiglu);
-            fm_fetch_w<WT, BN>(rw, W, row_bytes, n0, N, kb + 1, K);
+    fm_fetch_w<WT>(rw, wrow, kw, K);
+    fm_store_a<BM>(As[0], ra);
+    fm_store_w<WT>(Ws[0], rw, 0);
+    __syncthreads();
+    for (int s = 0; s < steps; s++) {
+        int next = (s + 1) * FM_BK;
+        if (s + 1 < steps) {              /* the next step's loads fly while this one multiplies */
+            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, next, K, swiglu);
+            fm_fetch_w<WT>(rw, wrow, next + kw, K);
         }
-        fm_mma<TM, TN, BM, BN>(acc, As, Ws);
+        if (busy) fm_mma<TM, BM>(acc, As[s & 1], Ws[s & 1]);
+        if (s + 1 < steps) {
+            fm_store_a<BM>(As[(s + 1) & 1], ra);
+            fm_store_w<WT>(Ws[(s + 1) & 1], rw, next);
+        }
         __syncthreads();
     }
-    int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+    bool add = flags & FM_ACCUMULATE;
     for (int i = 0; i < TM; i++) {
-        int m = fm_row(ty, i);
-        if (m >= rows) continue;
+        int m = ty * TM + i;
+        if (m >= rows) break;
         float *c = C + (long long)(c0 + m) * ldc;
-        for (int j = 0; j < TN; j++) {
-            int n = n0 + fm_row(tx, j);
-            if (n < N) c[n] = flags & FM_ACCUMULATE ? c[n] + acc[i][j] : acc[i][j];
+        if (GLU) {
+            for (int j = 0; j < 4; j++) {
+                int n = n0 + fm_col(tx, j);
+                if (n < N) c[n] = fm_siluf(acc[i][j]) * acc[i][j + 4];
+            }
+        } else {
+            for (int j = 0; j < 8; j++) {
+                int n = n0 + fm_col(tx, j);
+                if (n < N) c[n] = add ? c[n] + acc[i][j] : acc[i][j];
+            }
         }
     }
 }
@@ -210,65 +292,50 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
     return true;
 }
 
-#define FM_GEMM_ENTRIES(T, WT)                                                                                     \
-    FM_KERNEL void gemm_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda, int ldc,     \
-                            int flags)                                                                             \
+#define FM_GEMM_DENSE(T, WT, BM, BLOCKS)                                                                         \
+    FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void gemm_m##BM##_##T(float *C, const float *A, const uint8_t *W,   \
+                                                                       int M, int N, int K, int lda, int ldc,      \
+                                                                       int flags)                                  \
     {                                                                                                              \
-        int m0 = blockIdx.y * 64;                                                                                  \
-        fm_gemm_tile<WT, 64, 64>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(64, M - m0), W, blockIdx.x * 64, N, K); \
-    }                                                                                                              \
-    FM_KERNEL FM_BOUNDS(256, 2) void gemm_wide_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, \
-                                                   int lda, int ldc, int flags)                                    \
-    {                                                                                                              \
-        int m0 = blockIdx.y * 128;                                                                                 \
-        fm_gemm_tile<WT, 128, 128>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(128, M - m0), W, blockIdx.x * 128, N, \
-                                   K);                                                                             \
-    }                                                                                                              \
-    FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,       \
-                                   int ldc, int flags)                                                             \
-    {                                                                                                              \
-        fm_gemm_narrow<WT>(C, A, W, M, N, K, lda, ldc, flags);                                                     \
-    }                                                                                                              \
-    FM_KERNEL void moe_gateup_##T(float *act, const float *x, const uint8_t *slot, const int *slot_map,            \
-                                  long long expert_bytes, const int *tile_expert, const int *tile_row0,            \
-                                  const int *tile_rows, const int *n_tiles, const int *pair_token, int N, int K,   \
-                                  int lda)                                                                         \
-    {                                                                                                              \
-        int e, row0, rows;                                                                                         \
-        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
-        const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                      \
-        fm_gemm_tile<WT, 64, 128>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * 128, N, K);     \
-    }                                                                                                              \
-    FM_KERNEL void moe_down_##T(float *y, const float *act, const uint8_t *slot, const int *slot_map,              \
-                                long long expert_bytes, long long down_offset, const int *tile_expert,             \
-                                const int *tile_row0, const int *tile_rows, const int *n_tiles, int N, int K)      \
-    {                                                                                                              \
-        int e, row0, rows;                                                                                         \
-        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
-        const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
-        fm_gemm_tile<WT, 64, 128>(y, N, row0, FM_SWIGLU, act, 2 * K, 0, row0, rows, w, blockIdx.x * 128, N, K);    \
-    }                                                                                                              \
-    FM_KERNEL FM_BOUNDS(256, 2) void moe_gateup_wide_##T(float *act, const float *x, const uint8_t *slot,          \
-                                                         const int *slot_map, long long expert_bytes,              \
-                                                         const int *tile_expert, const int *tile_row0,             \
-                                                         const int *tile_rows, const int *n_tiles,                 \
-                                                         const int *pair_token, int N, int K, int lda)             \
-    {                                                                                                              \
-        int e, row0, rows;                                                                                         \
-        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
-        const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                      \
-        fm_gemm_tile<WT, 128, 128>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * 128, N, K);    \
-    }                                                                                                              \
-    FM_KERNEL FM_BOUNDS(256, 2) void moe_down_wide_##T(float *y, const float *act, const uint8_t *slot,            \
-                                                       const int *slot_map, long long expert_bytes,                \
-                                                       long long down_offset, const int *tile_expert,              \
-                                                       const int *tile_row0, const int *tile_rows,                 \
-                                                       const int *n_tiles, int N, int K)                           \
-    {                                                                                                              \
-        int e, row0, rows;                                                                                         \
-        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                    \
-        const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                        \
-        fm_gemm_tile<WT, 128, 128>(y, N, row0, FM_SWIGLU, act, 2 * K, 0, row0, rows, w, blockIdx.x * 128, N, K);   \
+        int m0 = blockIdx.y * BM;                                                                                  \
+        fm_gemm_tile<WT, BM, false>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(BM, M - m0), W, blockIdx.x * FM_BN, N, \
+                                    K);                                                                            \
+    }
+
+#define FM_GEMM_MOE(T, WT, BM, BLOCKS)                                                                           \
+    FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_gateup_m##BM##_##T(                                    \
+        float *act, const float *x, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
+        const int *tile_expert, const int *tile_row0, const int *tile_rows, const int *n_tiles,                  \
+        const int *pair_token, int N, int K, int lda)                                                            \
+    {                                                                                                            \
+        int e, row0, rows;                                                                                       \
+        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                  \
+        const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                    \
+        fm_gemm_tile<WT, BM, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * (FM_BN / 2), \
+                                   N, K);                                                                        \
+    }                                                                                                            \
+    FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_down_m##BM##_##T(                                      \
+        float *y, const float *act, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
+        long long down_offset, const int *tile_expert, const int *tile_row0, const int *tile_rows,               \
+        const int *n_tiles, int N, int K)                                                                        \
+    {                                                                                                            \
+        int e, row0, rows;                                                                                       \
+        if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                  \
+        const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                      \
+        fm_gemm_tile<WT, BM, false>(y, N, row0, 0, act, K, 0, row0, rows, w, blockIdx.x * FM_BN, N, K);          \
+    }
+
+/* Blocks an SM is asked to hold (caps registers: 64 accumulators at BM 128 need ~120) */
+#define FM_GEMM_ENTRIES(T, WT)                                                                                   \
+    FM_GEMM_DENSE(T, WT, 32, 3)                                                                                  \
+    FM_GEMM_DENSE(T, WT, 64, 3)                                                                                  \
+    FM_GEMM_DENSE(T, WT, 128, 2)                                                                                 \
+    FM_GEMM_MOE(T, WT, 64, 3)                                                                                    \
+    FM_GEMM_MOE(T, WT, 128, 2)                                                                                   \
+    FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,     \
+                                   int ldc, int flags)                                                           \
+    {                                                                                                            \
+        fm_gemm_narrow<WT>(C, A, W, M, N, K, lda, ldc, flags);                                                   \
     }
 
 FM_GEMM_ENTRIES(f32, FM_W_F32)

@@ -1,0 +1,207 @@
+"""`fermoe bench kernels --gpu`: the GPU GEMM kernels on the shapes of a prefill, as JSON.
+
+For each prompt length T (947 and 8192 by default) and each dense projection of the
+model (a preset's real dimensions: the benchmark workload), C [T, N] = A [T, K] W^T
+is timed with Q4_0 weights (what the engine runs: dequantised in the tile) and with
+the same kernels on fp32 weights (so the difference is what the dequantisation
+costs), at the tile height the engine picks (gpu_worker.ops.dense_tile_rows) and at
+every other one (`tiles`: whether the pick is the fastest). The routed experts are
+timed as the engine runs them: T tokens routed by random logits on the device
+(moe_route, moe_group), then one grouped gate|up launch and one down launch over
+every expert, with the useful fraction of the rows their tiles hold and compute.
+The fp32 FMA probe (probe.cu) is measured in the same run, and every rate is also
+given as its fraction.
+
+TFLOP/s count 2 FLOPs a multiply-add of the product itself (routed rows only for
+the experts), over the best of --reps timings of a batch of launches between two
+events on one stream. scripts/cublas_gemm.py runs this and cuBLAS on the same
+shapes in one run.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+PROMPTS = (947, 8192)
+BENCH_EXPERTS = 128          # the full-size synthetic model (fermoe synth --experts 128)
+
+
+def dense_shapes(cfg) -> list[dict]:
+    """The dense projections of one of each layer kind: name, N, K, and whether A is [gate | up]."""
+    d, nh, hd = cfg.n_embd, cfg.n_head, cfg.head_dim
+    return [
+        {"name": "gdn_qkv", "N": cfg.conv_channels, "K": d},
+        {"name": "gdn_z", "N": cfg.ssm_d_inner, "K": d},
+        {"name": "gdn_out", "N": d, "K": cfg.ssm_d_inner},
+        {"name": "attn_q_gate", "N": 2 * nh * hd, "K": d},
+        {"name": "attn_k", "N": cfg.n_head_kv * hd, "K": d},
+        {"name": "attn_out", "N": d, "K": nh * hd},
+        {"name": "shexp_gate_up", "N": 2 * cfg.n_ff_shexp, "K": d},
+        {"name": "shexp_down", "N": d, "K": cfg.n_ff_shexp, "swiglu": True},
+        {"name": "router", "N": cfg.n_expert, "K": d},
+    ]
+
+
+def expert_shapes(cfg) -> list[dict]:
+    """gate|up: 2 ff outputs an expert (its SwiGLU in the epilogue); down reads ff."""
+    return [{"name": "experts_gate_up", "N": 2 * cfg.n_ff_exp, "K": cfg.n_embd},
+            {"name": "experts_down", "N": cfg.n_embd, "K": cfg.n_ff_exp}]
+
+
+def bench_config(preset: str):
+    from shared.synth import preset_config
+    return preset_config(preset, experts=min(BENCH_EXPERTS, preset_config(preset).n_expert))
+
+
+def random_weights(rows: int, cols: int, wtype: str, rng) -> np.ndarray:
+    """Raw bytes of a [rows, cols] weight in `wtype` (q4_0 or f32), values of O(1/sqrt(cols))."""
+    if wtype == "q4_0":
+        from bench.kernels import random_q4_0
+        return random_q4_0(rows, cols, seed=int(rng.integers(1 << 30))).reshape(-1)
+    return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32).view(np.uint8).reshape(-1)
+
+
+class Timer:
+    """Milliseconds a launch: the best of `reps` batches of `batch` launches between events."""
+
+    def __init__(self, device, stream, reps: int, batch: int):
+        self.device, self.stream, self.reps, self.batch = device, stream, reps, batch
+
+    def ms(self, launch) -> float:
+        launch()                                # warm: the module's first use, caches
+        best = float("inf")
+        for _ in range(self.reps):
+            a, b = self.device.event(), self.device.event()
+            a.record(self.stream)
+            for _ in range(self.batch):
+                launch()
+            b.record(self.stream)
+            b.synchronize()
+            best = min(best, b.time_since(a) / self.batch)
+        return best
+
+
+def fma_tflops(device, kernels, stream, ms_target: float = 200.0) -> float:
+    """The fp32 FMA rate of probe.cu's fma_peak over the whole device."""
+    from gpu_worker.buffers import DeviceArray
+    blocks, threads = device.multiprocessors * 16, 256
+    out = DeviceArray(device, (blocks * threads,))
+    iters = 64
+    while True:
+        a, b = device.event(), device.event()
+        a.record(stream)
+        kernels.fma_peak((blocks,), (threads,), stream, out, iters, 1.0)
+        b.record(stream)
+        b.synchronize()
+        ms = b.time_since(a)
+        if ms >= ms_target or iters >= 1 << 20:
+            out.free()
+            return blocks * threads * iters * 128 / (ms / 1000) / 1e12
+        iters *= max(2, int(ms_target / max(ms, 1e-3)))
+
+
+def _rate(flops: float, ms: float, peak: float) -> dict:
+    tflops = flops / (ms / 1000) / 1e12
+    return {"ms": round(ms, 4), "tflops": round(tflops, 2), "fraction_of_fma": round(tflops / peak, 3)}
+
+
+def _dense(ops, timer, shape: dict, T: int, peak: float, rng, sweep: bool) -> dict:
+    from gpu_worker.buffers import DeviceArray
+    from gpu_worker.kernels import DENSE_BM
+    from gpu_worker.ops import NARROW_COLS, dense_tile_rows
+    N, K, swiglu = shape["N"], shape["K"], shape.get("swiglu", False)
+    dev = ops.device
+    A = DeviceArray.of(dev, rng.standard_normal((T, 2 * K if swiglu else K)).astype(np.float32))
+    C = DeviceArray(dev, (T, N))
+    flops = 2.0 * T * N * K
+    narrow = N <= NARROW_COLS and not swiglu
+    out = {"name": shape["name"], "M": T, "N": N, "K": K,
+           "tile_rows": "narrow" if narrow else dense_tile_rows(T, N, dev.multiprocessors)}
+    for wtype in ("q4_0", "f32"):
+        W = DeviceArray.of(dev, random_weights(N, K, wtype, rng))
+        run = lambda bm=None: ops.gemm(C, A, W, T, N, K, wtype, swiglu=swiglu, bm=bm)  # noqa: E731
+        out[wtype] = _rate(flops, timer.ms(run), peak)
+        if sweep and wtype == "q4_0" and not narrow:
+            out["tiles_q4_0"] = {str(bm): _rate(flops, timer.ms(lambda bm=bm: run(bm)), peak)["tflops"]
+                                 for bm in DENSE_BM}
+        W.free()
+    out["dequant_cost"] = round(out["q4_0"]["ms"] / out["f32"]["ms"] - 1, 3)
+    A.free()
+    C.free()
+    return out
+
+
+def _experts(ops, timer, cfg, T: int, peak: float, rng) -> list[dict]:
+    """The grouped gate|up and down launches over every expert, Q4_0 and fp32 weights."""
+    from gpu_worker.buffers import DeviceArray
+    from gpu_worker.ops import MoeGroups, moe_useful_fraction
+    dev, E, k, d, ff = ops.device, cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
+    P = T * k
+    g = MoeGroups(dev, T, E, k)
+    g.reset(ops.stream)
+    logits = DeviceArray.of(dev, rng.standard_normal((T, E)).astype(np.float32))
+    ops.moe_route(g.topk_ids, g.topk_w, g.counts, logits, T, E, k)
+    ops.moe_group(g, T, E, k)
+    n_tiles = int(g.n_tiles.download()[0])
+    useful = moe_useful_fraction(g.tile_rows.download()[:n_tiles], g.bm)
+    x = DeviceArray.of(dev, rng.standard_normal((T, d)).astype(np.float32))
+    act, y = DeviceArray(dev, (P, ff)), DeviceArray(dev, (P, d))
+    act.upload(rng.standard_normal((P, ff)).astype(np.float32))
+    results = {s["name"]: {"name": s["name"], "M": P, "N": s["N"], "K": s["K"], "experts": E,
+                           "rows_per_expert": round(P / E, 1), "tile_rows": g.bm,
+                           "useful_fraction": {key: round(v, 3) for key, v in useful.items()}}
+               for s in expert_shapes(cfg)}
+    for wtype in ("q4_0", "f32"):
+        gate_up = [random_weights(2 * ff, d, wtype, rng) for _ in range(E)]
+        down = [random_weights(d, ff, wtype, rng) for _ in range(E)]
+        down_offset = len(gate_up[0])
+        expert_bytes = down_offset + len(down[0])
+        slot = DeviceArray.of(dev, np.concatenate([m for pair in zip(gate_up, down) for m in pair]))
+        del gate_up, down
+        identity = DeviceArray.of(dev, np.arange(E, dtype=np.int32))      # expert e in record e of the slot
+        runs = {"experts_gate_up": lambda: ops.moe_gateup(act, x, slot, identity, expert_bytes, g, ff, d, wtype),
+                "experts_down": lambda: ops.moe_down(y, act, slot, identity, expert_bytes, down_offset, g, d, ff,
+                                                     wtype)}
+        for s in expert_shapes(cfg):
+            results[s["name"]][wtype] = _rate(2.0 * P * s["N"] * s["K"], timer.ms(runs[s["name"]]), peak)
+        slot.free()
+        identity.free()
+    for r in results.values():
+        r["dequant_cost"] = round(r["q4_0"]["ms"] / r["f32"]["ms"] - 1, 3)
+    for a in (x, act, y, logits):
+        a.free()
+    return list(results.values())
+
+
+def run(preset: str = "qwen3.6-35b-a3b", prompts=PROMPTS, reps: int = 5, batch: int = 10, sweep: bool = True,
+        device=None, probe_ms: float = 200.0) -> dict:
+    from gpu_worker.cuda import open_device
+    from gpu_worker.ops import Ops
+    cfg = bench_config(preset)
+    owns_device = device is None
+    device = device or open_device(0)
+    try:
+        ops = Ops(device)
+        timer = Timer(device, ops.stream, reps, batch)
+        rng = np.random.default_rng(0)
+        peak = fma_tflops(device, ops.k, ops.stream, probe_ms)
+        out = {"device": device.name, "multiprocessors": device.multiprocessors, "preset": preset,
+               "experts": cfg.n_expert, "fp32_fma_tflops": round(peak, 2),
+               "setup": {"reps": reps, "launches_a_timing": batch, "weights": ["q4_0", "f32"]}, "prompts": {}}
+        for T in prompts:
+            out["prompts"][str(T)] = {
+                "dense": [_dense(ops, timer, s, T, peak, rng, sweep) for s in dense_shapes(cfg)],
+                "experts": _experts(ops, timer, cfg, T, peak, rng),
+            }
+    finally:
+        if owns_device and hasattr(device, "close"):
+            device.synchronize()
+            device.close()          # pycuda aborts the process at exit if its context is still current
+    return out
+
+
+def main(args) -> None:
+    """From bench/kernels.py's command line (--gpu)."""
+    prompts = tuple(int(x) for x in args.gpu_prompts.split(","))
+    print(json.dumps(run(args.gpu_preset, prompts, args.reps, sweep=not args.no_sweep), indent=2))
