@@ -12,6 +12,7 @@ import zmq
 
 from shared import protocol as P
 from shared.errors import FermoeError
+from shared.sampling import SamplingParams
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5557"
 
@@ -52,11 +53,17 @@ class Client:
         return self._inbox[key].popleft()
 
     def submit(self, prompt: str | None = None, tokens: list[int] | None = None, messages=None,
-               request_id: str | None = None, **params) -> str:
-        """Start a request; returns its id. Read its replies with `stream(id)`."""
+               request_id: str | None = None, sampling: SamplingParams | None = None, **params) -> str:
+        """Start a request; returns its id. Read its replies with `stream(id)`. The
+        sampling parameters come as a SamplingParams or by name among the keyword
+        arguments (submit("Hi", temperature=0, max_tokens=8)), not both."""
         rid = request_id or uuid.uuid4().hex
         chat = [P.ChatMessage(role=m["role"], content=m["content"]) for m in messages] if messages else None
-        self.send(P.Generate(request_id=rid, prompt=prompt, tokens=tokens, messages=chat, **params))
+        if sampling is not None and set(params) & set(SamplingParams.names()):
+            raise FermoeError("give the sampling parameters as sampling= or by name, not both")
+        named, params = SamplingParams.split(params)
+        self.send(P.Generate(request_id=rid, prompt=prompt, tokens=tokens, messages=chat,
+                             sampling=sampling or named, **params))
         return rid
 
     def stream(self, request_id: str) -> Iterator[P.Token | P.Done]:

@@ -28,7 +28,6 @@ import zmq
 from shared import protocol as P
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.model import Model
-from shared.sampling import WIRE_FIELDS, SamplingParams
 from shared.state import snapshot_nbytes
 from shared.synth import has_random_weights, random_weights_notice
 
@@ -160,14 +159,13 @@ class Coordinator:
         try:
             msg = P.decode(body[0], P.CLIENT_MESSAGES)
         except ProtocolError as e:
-            self.reply(client, P.Error(message=str(e)))
+            self.reply(client, P.Error(message=str(e), request_id=P.request_id_of(body[0])))
             return
         self.client_handlers[type(msg)](client, msg)
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
-            tokens = self._prompt_tokens(msg)
-            SamplingParams.of(msg).validate()
+            tokens = self._prompt_tokens(msg)              # (msg.sampling was checked as it was decoded)
             if msg.max_tokens is not None and msg.max_tokens < 0:
                 raise FermoeError(f"max_tokens must be >= 0 (or null: until the end of the context), "
                                   f"got {msg.max_tokens}")
@@ -176,8 +174,8 @@ class Coordinator:
         except FermoeError as e:
             self.reply(client, P.Error(message=str(e), request_id=msg.request_id, **getattr(e, "wire_fields", {})))
             return
-        seed = msg.seed if msg.seed is not None else random.getrandbits(63)
-        req = Request(client, msg, tokens, seed, TextStream(self.tokenizer, msg.stop))
+        seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
+        req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop))
         self.requests[req.rid] = req
         self.queue.append(req.rid)
 
@@ -439,8 +437,7 @@ class Coordinator:
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
-            ignore_eos=m.ignore_eos,
-            **{name: getattr(m, name) for name in WIRE_FIELDS if name != "seed"}, seed=req.seed), data)
+            sampling=req.sampling, ignore_eos=m.ignore_eos), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Free everything the request holds, log it and tell the client (unless it is gone)."""

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared import protocol as P
+from shared.sampling import SamplingParams
 from shared.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -14,7 +15,7 @@ class Request:
     client: bytes                    # ZeroMQ identity of the client
     msg: P.Generate
     tokens: list[int]
-    seed: int                        # fixed at arrival so a replay after a worker death samples the same
+    sampling: SamplingParams         # the client's, its seed fixed at arrival so a replay after a worker death samples the same
     stream: "TextStream"
     arrived: float = field(default_factory=time.monotonic)
     worker: str | None = None

@@ -111,9 +111,7 @@ class CPUWorker:
                                       self.engine.kv_cache_dtype, self._spare.pop() if self._spare else None)
         else:
             state = self.engine.new_state()
-        params = SamplingParams.of(msg)
-        params.validate()
-        return Sequence(msg, state, params, sorted(msg.snapshots, key=lambda s: s.position))
+        return Sequence(msg, state, msg.sampling, sorted(msg.snapshots, key=lambda s: s.position))
 
     def work_round(self) -> None:
         """One forward pass: a token for each decoding sequence, then prompt chunks."""

@@ -43,12 +43,17 @@ def _add_engine(p: argparse.ArgumentParser):
 
 
 def _add_sampling(p: argparse.ArgumentParser):
-    from shared.sampling import SamplingParams as d
+    from shared.sampling import SamplingParams
+    d = SamplingParams()
     p.add_argument("--temp", type=float, default=d.temperature, help=f"temperature; 0 = greedy (default {d.temperature})")
     p.add_argument("--top-k", type=int, default=d.top_k, help=f"0 = off (default {d.top_k})")
     p.add_argument("--top-p", type=float, default=d.top_p, help=f"default {d.top_p}")
     p.add_argument("--min-p", type=float, default=d.min_p, help=f"default {d.min_p}")
     p.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1.0 = off (default)")
+    p.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n,
+                   help=f"the penalties look at this many last tokens (default {d.repeat_last_n})")
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="0.0 = off (default)")
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0.0 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default or -1: random, as llama.cpp's)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-generation tokens (as llama.cpp's --ignore-eos)")
@@ -81,6 +86,15 @@ def _max_tokens(args) -> int | None:
     if args.n_predict < -1:
         raise FermoeError(f"-n {args.n_predict}: must be >= 0, or -1 for no limit")
     return None if args.n_predict == -1 else args.n_predict
+
+
+def _sampling(args):
+    """The sampling options as the one value every path takes (checked as it is made)."""
+    from shared.sampling import SamplingParams
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=_seed(args))
 
 
 def _seed(args) -> int | None:
@@ -184,7 +198,6 @@ def _engine(args, model, name: str):
 
 def cmd_generate(args) -> None:
     from shared.generate import generate
-    from shared.sampling import SamplingParams
     from shared.tokenizer import StreamDecoder
 
     max_tokens = _max_tokens(args)
@@ -196,8 +209,7 @@ def cmd_generate(args) -> None:
     tok = model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, seed=_seed(args))
+    params = _sampling(args)
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
     for i, token in enumerate(generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill)):
@@ -305,8 +317,7 @@ def cmd_submit(args) -> None:
         if args.chat and status.model in {str(p) for p in BUILTIN.values()}:
             print(chat_notice(status.model), file=sys.stderr)
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
-        rid = client.submit(max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=_seed(args), stop=args.stop,
+        rid = client.submit(max_tokens=max_tokens, sampling=_sampling(args), stop=args.stop,
                             ignore_eos=args.ignore_eos, **kwargs)
         _stream(client, rid, max_tokens)
 

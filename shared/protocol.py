@@ -16,7 +16,7 @@ from typing import Literal, Union
 import msgspec
 
 from .errors import ProtocolError
-from .sampling import SamplingParams as _Defaults
+from .sampling import SamplingParams
 
 # The largest message a process decodes by default, and the default of the coordinator's
 # --max-request-size (its limit on a client's message, set with set_max_message_bytes).
@@ -46,14 +46,7 @@ class Generate(_Msg, tag="generate"):
     tokens: list[int] | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None       # None: until end of generation or of the context (llama.cpp's -1)
-    temperature: float = _Defaults.temperature
-    top_k: int = _Defaults.top_k
-    top_p: float = _Defaults.top_p
-    min_p: float = _Defaults.min_p
-    repeat_penalty: float = _Defaults.repeat_penalty
-    frequency_penalty: float = _Defaults.frequency_penalty    # as llama.cpp's penalty_freq
-    presence_penalty: float = _Defaults.presence_penalty      # as llama.cpp's penalty_present
-    seed: int | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stop: list[str] = []
     ignore_eos: bool = False            # as vLLM's ignore_eos: end-of-generation tokens are streamed, not obeyed
 
@@ -179,15 +172,8 @@ class Assign(_Msg, tag="assign"):
     resume: list[SnapshotRef]
     snapshots: list[SnapshotRef]
     max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    seed: int | None
+    sampling: SamplingParams            # its seed always set (the coordinator's draw if the client gave none)
     ignore_eos: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
 
 
 class Stop(_Msg, tag="stop"):
@@ -273,6 +259,18 @@ def set_max_message_bytes(n: int) -> None:
 
 def max_message_bytes() -> int:
     return _limit
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The request_id of a message that failed to decode, if it has a readable one: the
+    Error answering it then reaches the request's stream (Client.stream waits by id)."""
+    if len(data) > _limit:
+        return None
+    try:
+        rid = msgspec.msgpack.decode(data).get("request_id")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
 
 
 def decode(data: bytes, kind):

@@ -4,51 +4,68 @@ greedy. Seeded, so runs repeat."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 
 from .errors import FermoeError
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class InvalidSampling(FermoeError, ValueError):
+    """A sampling parameter out of its range (`field` names it). A ValueError too, so that
+    msgspec reports it as a ValidationError when a message carrying it is decoded."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How tokens are drawn, as one value: nested in the Generate a client sends and the
+    Assign a worker gets, built from the command line by `fermoe generate`. Checked where
+    it is made (constructed or decoded), so one that exists is valid: a bad temperature
+    from a client is refused when the coordinator decodes its Generate, and nothing
+    downstream checks again. llama.cpp's defaults."""
     temperature: float = 0.8
-    top_k: int = 40
+    top_k: int = 40              # 0: off
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    seed: int | None = None
+    repeat_last_n: int = 64      # the penalties look this far back
     # OpenAI's names, applied as llama.cpp's penalties sampler applies penalty_freq and
     # penalty_present: over the same last repeat_last_n tokens, after the repeat penalty
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    seed: int | None = None      # None: the coordinator draws one when the request arrives
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
             (self.repeat_penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}"),
+            (self.repeat_last_n >= 0, f"repeat_last_n must be >= 0, got {self.repeat_last_n}"),
             (self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2**64), got {self.seed}"),
             (math.isfinite(self.frequency_penalty), f"frequency_penalty must be finite, got {self.frequency_penalty}"),
             (math.isfinite(self.presence_penalty), f"presence_penalty must be finite, got {self.presence_penalty}"),
         ]
         for ok, problem in checks:
             if not ok:
-                raise FermoeError(problem)
+                raise InvalidSampling(problem.split()[0], problem)
+
+    def replace(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)
 
     @classmethod
-    def of(cls, msg) -> "SamplingParams":
-        """The parameters a Generate or an Assign message carries."""
-        return cls(**{name: getattr(msg, name) for name in WIRE_FIELDS})
+    def split(cls, kwargs: dict) -> tuple["SamplingParams", dict]:
+        """(the sampling parameters among keyword arguments, the rest): what lets a caller
+        write submit(prompt, temperature=0, max_tokens=8) with the struct built once here."""
+        named = {k: kwargs[k] for k in cls.__struct_fields__ if k in kwargs}
+        return cls(**named), {k: v for k, v in kwargs.items() if k not in named}
 
-
-# What the wire messages carry of SamplingParams (repeat_last_n is not on the wire)
-WIRE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "frequency_penalty",
-               "presence_penalty")
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return cls.__struct_fields__
 
 
 SAMPLE_STRIDE = 64      # top_k's threshold comes from every 64th logit
@@ -71,7 +88,6 @@ def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
 
 class Sampler:
     def __init__(self, params: SamplingParams):
-        params.validate()
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
@@ -81,7 +97,7 @@ class Sampler:
         # exactly from the logits as given (a float64 copy of a 248k vocabulary would
         # cost more than the rest of the sampling)
         logits = np.asarray(logits)
-        if (p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) and len(history):
+        if (p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) and p.repeat_last_n and len(history):
             logits = logits.astype(np.float64)
             recent, counts = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64), return_counts=True)
             vals = logits[recent]

@@ -5,12 +5,10 @@ that dropped or mixed up the parameter would give what the defaults give, or wha
 another parameter gives, instead."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from shared.sampling import SamplingParams
 
 SEED = 5
-# SamplingParams field (= the protocol's Generate field) -> values tried in turn
+# SamplingParams field (= the protocol's sampling field) -> values tried in turn
 TRIES = {
     "temperature": (0.0, 1.5, 0.3),
     "top_k": (1, 2, 4, 8),
@@ -18,12 +16,13 @@ TRIES = {
     "min_p": (0.5, 0.3, 0.15),
     "repeat_penalty": (1.8, 1.4, 1.15),
     "frequency_penalty": (2.0, 1.0, 0.5),
-    "presence_penalty": (2.0, 1.0, 0.5),
+    "presence_penalty": (2.0, 1.0, 0.5, 1.5, 0.75, -1.0),
     "seed": (SEED + 1, SEED + 2, SEED + 3),
 }
 # the fields the commands take, by option
 OPTIONS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-           "repeat_penalty": "--repeat-penalty", "seed": "--seed"}
+           "repeat_penalty": "--repeat-penalty", "frequency_penalty": "--frequency-penalty",
+           "presence_penalty": "--presence-penalty", "seed": "--seed"}
 
 
 def field_cases(sample, fields=tuple(TRIES)) -> dict[str, tuple[object, list]]:
@@ -34,7 +33,7 @@ def field_cases(sample, fields=tuple(TRIES)) -> dict[str, tuple[object, list]]:
     cases = {"defaults": (None, sample(base))}
     for field in fields:
         for value in TRIES[field]:
-            out = sample(replace(base, **{field: value}))
+            out = sample(base.replace(**{field: value}))
             if all(out != seen for _, seen in cases.values()):
                 cases[field] = (value, out)
                 break

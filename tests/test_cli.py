@@ -1,6 +1,7 @@
 """The `fermoe` command as a user runs it: real processes, real files."""
 from __future__ import annotations
 
+import msgspec
 import os
 import re
 
@@ -153,7 +154,7 @@ def test_generate_sampling_options_act_as_the_sampler_does(tiny_q4_path, capsys)
     where it changes what is sampled: what shared.generate samples with it."""
     prompt, n = "Sampling options", 16
     decode = Model(tiny_q4_path).tokenizer.decode
-    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **msgspec.structs.asdict(params)))
     for option, (args, ids) in cases.items():
         out = _cli(capsys, "generate", tiny_q4_path, "-t", 1, "-p", prompt, "-n", n, "--ignore-eos", *args)
         assert out == decode(ids) + "\n", option

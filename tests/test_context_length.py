@@ -114,8 +114,7 @@ def test_a_served_generation_stops_at_the_context(short_path, short):
         w.link.send = lambda msg, *frames: w.sent.append(msg)
         prompt = short.tokenizer.encode("The old GPU said")
         w.handle_assign(P.Assign(request_id="a", tokens=prompt, resume=[], snapshots=[], max_tokens=1000,
-                                 temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
-                                 seed=3, ignore_eos=True))
+                                 sampling=SamplingParams(temperature=0.8, seed=3), ignore_eos=True))
         while w.sequences:
             w.work_round()
         sampled = [m.token for m in w.sent if isinstance(m, P.Sampled)]

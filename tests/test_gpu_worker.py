@@ -96,8 +96,7 @@ def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(g
     _collecting(cpu, SnapshotArena.attach(slots.name, slots.slot_bytes, slots.n_slots))    # as another process
     try:
         cpu.handle_assign(P.Assign(request_id="a", tokens=PROMPT, resume=first, snapshots=[], max_tokens=12,
-                                   temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1,
-                                   ignore_eos=True))
+                                   sampling=SamplingParams(temperature=0.0, seed=1), ignore_eos=True))
         while cpu.sequences:
             cpu.work_round()
         sampled = [m.token for m in cpu.sent if isinstance(m, P.Sampled)]

@@ -264,7 +264,7 @@ ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/completions", {"prompt": [1] * 262145, "stream": True}, 400, "prompt", "longer than"),  # before a stream
     ("/v1/completions", {"prompt": [[1], [2]]}, 400, "prompt", "batch"),
     ("/v1/completions", {"prompt": [10**6]}, 400, None, "token ids"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, None, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),    # the sampler's range, within the API's
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "echo"),
     ("/v1/completions", b"x" * (MAX_REQUEST + 1), 413, None, "--max-request-size"),
     ("/detokenize", {"tokens": [2**64]}, 400, "tokens[0]", "<="),

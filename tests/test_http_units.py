@@ -133,12 +133,14 @@ def test_openai_fields_map_onto_generate():
     g = chat(max_completion_tokens=7, max_tokens=3, top_k=-1, seed=-1, stop="END", presence_penalty=0.5,
              frequency_penalty=-0.25, repeat_penalty=1.1, temperature=0, min_p=0.1, top_p=0.9)
     assert [(m.role, m.content) for m in g.messages] == [("system", "be brief"), ("user", "a\nb")]
-    assert (g.max_tokens, g.top_k, g.seed, g.stop) == (7, 0, None, ["END"])      # -1s: off and random
-    assert (g.presence_penalty, g.frequency_penalty, g.repeat_penalty) == (0.5, -0.25, 1.1)
-    assert (g.temperature, g.min_p, g.top_p) == (0.0, 0.1, 0.9)
-    defaults, sampling = completion(), SamplingParams()
-    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p, defaults.max_tokens) == (
-        sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, None)
+    assert (g.max_tokens, g.sampling.top_k, g.sampling.seed, g.stop) == (7, 0, None, ["END"])  # -1s: off, random
+    assert g.sampling == SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repeat_penalty=1.1,
+                                        temperature=0.0, min_p=0.1, top_p=0.9, top_k=0)
+    defaults = completion()
+    assert (defaults.sampling, defaults.max_tokens) == (SamplingParams(), None)
+    with pytest.raises(APIError) as e:              # within the API's bounds, outside the sampler's
+        chat(top_p=0.0)
+    assert (e.value.status, e.value.param) == (400, "top_p") and "top_p must be in (0, 1]" in e.value.message
     assert completion(prompt=[[5, 6]]).tokens == [5, 6] and completion(prompt=["hi"]).prompt == "hi"
     assert completion(seed=3, stop=["a", "b"], max_tokens=2).stop == ["a", "b"]
 
@@ -226,10 +228,13 @@ def test_llama_server_fields_that_mean_something_here_are_honoured():
     assert completion(n_predict=-1, max_tokens=9).max_tokens is None        # -1: until the end, as llama.cpp's
     assert completion(n_predict=7, max_tokens=3).max_tokens == 7            # n_predict first, as llama-server
     assert chat(n_predict=4, max_completion_tokens=2).max_tokens == 4
-    g = completion(samplers=["top_k", "temperature"], top_p=0.5, min_p=0.2)  # left out: not used
+    g = completion(samplers=["top_k", "temperature"], top_p=0.5, min_p=0.2).sampling  # left out: not used
     assert (g.top_k, g.top_p, g.min_p) == (SamplingParams().top_k, 1.0, 0.0)
-    g = completion(samplers="edkypmxt", top_p=0.5)                           # llama-server's default chain
+    g = completion(samplers="edkypmxt", top_p=0.5).sampling                  # llama-server's default chain
     assert (g.top_k, g.top_p, g.min_p) == (SamplingParams().top_k, 0.5, SamplingParams().min_p)
+    assert completion(repeat_last_n=128, repeat_penalty=1.1).sampling.repeat_last_n == 128
+    assert completion(repeat_last_n=-1).sampling.repeat_last_n >= 2**31 - 1     # the whole context
+    assert completion(repeat_last_n=0).sampling.repeat_last_n == 0
 
 
 def test_llama_server_fields_without_effect_are_accepted_and_logged(caplog):
@@ -259,7 +264,7 @@ def test_llama_server_fields_without_effect_are_accepted_and_logged(caplog):
     (dict(t_max_predict_ms=100), "t_max_predict_ms"), (dict(grammar="root ::= [a]"), "grammar"),
     (dict(json_schema={}), "json_schema"), (dict(lora=[{"id": 0, "scale": 1}]), "lora"),
     (dict(min_keep=5), "min_keep"), (dict(n_predict=0), "n_predict"),
-    (dict(repeat_last_n=128, repeat_penalty=1.1), "repeat_last_n"), (dict(samplers=["top_k", "bogus"]), "samplers"),
+    (dict(repeat_last_n=-2, repeat_penalty=1.1), "repeat_last_n"), (dict(samplers=["top_k", "bogus"]), "samplers"),
     (dict(samplers="kpm"), "samplers"), (dict(chat_template_kwargs={"enable_thinking": False}), "chat_template_kwargs"),
 ])
 def test_llama_server_settings_we_cannot_honour_are_refused_by_name(fields, param):
@@ -314,8 +319,8 @@ def test_timings_are_llama_servers():
 # ---- sizes: one limit, and a full context within it --------------------------------
 def test_a_whole_context_of_token_ids_fits_in_an_assign():
     tokens = [248319] * 262144                       # the largest ids of Qwen3.5's vocabulary: 5 bytes each
-    msg = P.Assign(request_id="r", tokens=tokens, resume=[], snapshots=[], max_tokens=1, temperature=0.8, top_k=40,
-                   top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1)
+    msg = P.Assign(request_id="r", tokens=tokens, resume=[], snapshots=[], max_tokens=1,
+                   sampling=SamplingParams(seed=1))
     data = P.encode(msg)
     assert len(data) > 1 << 20 and P.decode(data, P.TO_WORKER).tokens == tokens
 

@@ -4,6 +4,7 @@ its CPU worker, clients over ZeroMQ. Streamed output must equal
 a prompt is chunked, so snapshots and replays change nothing)."""
 from __future__ import annotations
 
+import msgspec
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import zmq
 from coordinator.client import Client
 from shared.errors import FermoeError
 from shared import protocol as P
+from shared.sampling import SamplingParams
 from shared.model import Model
 from tests.eos_seed import seed_with_early_eos
 from tests.sampling_cases import SEED, field_cases, option_cases
@@ -209,7 +211,7 @@ def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.addr)
-    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "seed": 1,
+    sock.send(msgpack.packb({"type": "generate", "request_id": "plain", "prompt": "hello", "sampling": {"seed": 1},
                              "max_tokens": 128, "ignore_eos": True}))
     replies = []
     while not replies or replies[-1]["type"] != "done":
@@ -230,7 +232,8 @@ def test_client_that_vanishes_does_not_leak(daemon):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.addr)
-    sock.send(P.encode(P.Generate(request_id="ghost", prompt="go on forever", max_tokens=100000, seed=1)))
+    sock.send(P.encode(P.Generate(request_id="ghost", prompt="go on forever", max_tokens=100000,
+                                  sampling=SamplingParams(seed=1))))
     assert sock.poll(30000)
     sock.close()
     with Client(daemon.addr) as c:
@@ -323,7 +326,7 @@ def test_submit_passes_each_sampling_option(daemon, tiny_q4_path, capsys):
     the sampler gives locally with it."""
     prompt, n = "Sampling options from the command line", 16
     decode = Model(tiny_q4_path).tokenizer.decode
-    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    cases = option_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **msgspec.structs.asdict(params)))
     for option, (args, ids) in cases.items():
         out, _ = _submit(daemon.addr, capsys, "-p", prompt, "-n", n, "--ignore-eos", *args)
         assert out == decode(ids), option
@@ -334,7 +337,7 @@ def test_each_sampling_field_of_a_request_reaches_the_sampler(daemon, tiny_q4_pa
     matters, gives what the sampler gives locally with it: through coordinator, Assign
     and worker, none dropped or taken for another."""
     prompt, n = "Each sampling field over the wire", 16
-    cases = field_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **vars(params)))
+    cases = field_cases(lambda params: local_ids(tiny_q4_path, prompt, n, **msgspec.structs.asdict(params)))
     with Client(daemon.addr, timeout_s=120) as c:
         for field, (value, ids) in cases.items():
             params = dict(seed=SEED) if field == "defaults" else {"seed": SEED, field: value}

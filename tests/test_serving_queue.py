@@ -13,6 +13,7 @@ import pytest
 from coordinator.client import Client
 from shared.topology import numa_nodes, physical_cores
 from shared import protocol as P
+from shared.sampling import SamplingParams
 from tests.serving_harness import Daemon, OrderedClient, free_port, local_ids, streamed_ids, wait_until
 
 PER_SOCKET = 2 if len(physical_cores(numa_nodes()[min(numa_nodes())])) >= 2 else 1
@@ -69,13 +70,14 @@ def test_full_workers_queue_requests_in_order_and_a_queued_one_cancels_unrun(que
         n_workers = len(before.workers)
         for i in range(n_workers):           # one each: the least busy worker takes the next
             c.send(P.Generate(request_id=f"hold{i}", prompt=f"Holding worker {i}", max_tokens=ENDLESS,
-                              ignore_eos=True, seed=i))
+                              ignore_eos=True, sampling=SamplingParams(seed=i)))
             c.until(lambda m: isinstance(m, P.Token) and m.request_id == f"hold{i}")
         status = c.status()
         assert [w.running for w in status.workers] == [1] * n_workers
         assert (status.running, status.queued) == (n_workers, 0)
         for rid in ("queued", "second", "third"):
-            c.send(P.Generate(request_id=rid, prompt=f"The {rid} in line", max_tokens=4, seed=7, ignore_eos=True))
+            c.send(P.Generate(request_id=rid, prompt=f"The {rid} in line", max_tokens=4, sampling=SamplingParams(seed=7),
+                              ignore_eos=True))
         status = c.status()
         assert (status.running, status.queued) == (n_workers, 3)
         c.send(P.Cancel(request_id="queued"))

@@ -14,6 +14,7 @@ import zmq
 
 from coordinator.client import Client
 from shared import protocol as P
+from shared.sampling import SamplingParams
 from shared.model import Model
 from tests.serving_harness import BLOCK, Daemon, OrderedClient, ThreadWorker, local_ids, run, streamed_ids, wait_until
 
@@ -33,8 +34,8 @@ def follow_takeover(addr, prompt, seed, interrupt, takes_over):
     c = OrderedClient(addr)
     try:
         before = c.status().snapshots
-        c.send(P.Generate(request_id="long", prompt=prompt, max_tokens=ENDLESS, seed=seed, temperature=0.8,
-                          ignore_eos=True))
+        c.send(P.Generate(request_id="long", prompt=prompt, max_tokens=ENDLESS,
+                          sampling=SamplingParams(seed=seed, temperature=0.8), ignore_eos=True))
         c.until(lambda m: isinstance(m, P.Token))
         running = [w for w in c.status().workers if w.running]
         assert len(running) == 1, running                 # generating when interrupted

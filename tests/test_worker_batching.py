@@ -20,8 +20,8 @@ REQUESTS = [("a", "The old GPU said", 12, 0.8, 1), ("b", "Snapshots of the recur
 
 def _assign(model, rid, prompt, max_tokens, temperature, seed):
     return P.Assign(request_id=rid, tokens=model.tokenizer.encode(prompt), resume=[], snapshots=[],
-                    max_tokens=max_tokens, temperature=temperature, top_k=40, top_p=0.95, min_p=0.05,
-                    repeat_penalty=1.0, seed=seed, ignore_eos=True)
+                    max_tokens=max_tokens, sampling=SamplingParams(temperature=temperature, seed=seed),
+                    ignore_eos=True)
 
 
 @pytest.fixture

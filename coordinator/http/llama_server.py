@@ -42,7 +42,7 @@ SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k",
                  "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
 # ours, and the value that turns each off when a `samplers` list leaves it out
 OUR_SAMPLERS = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
-REPEAT_LAST_N = 64                      # shared/sampling.py's window, not settable per request
+CONTEXT = 2**31 - 1                     # repeat_last_n -1: the whole context, as llama-server reads it
 
 
 class LlamaServerFields(Body):
@@ -142,18 +142,18 @@ def apply(body, sampling: dict) -> dict:
         field, what = on[0]
         raise _refuse(field, f"{field} = {getattr(body, field)!r} asks for {what}, which is not supported "
                              f"(leave it out, or at llama.cpp's default that turns it off)")
-    penalised = (sampling.get("repeat_penalty", 1.0) != 1.0 or sampling.get("frequency_penalty")
-                 or sampling.get("presence_penalty"))
-    if penalised and body.repeat_last_n is not None and body.repeat_last_n != REPEAT_LAST_N:
-        raise _refuse("repeat_last_n", f"repeat_last_n = {body.repeat_last_n}: penalties apply over the last "
-                                       f"{REPEAT_LAST_N} tokens only")
+    if body.repeat_last_n is not None:
+        if body.repeat_last_n < -1:
+            raise APIError(400, f"repeat_last_n = {body.repeat_last_n}: expected -1 (the whole context), 0 (off) "
+                                f"or a number of tokens", param="repeat_last_n", code="invalid_value")
+        sampling["repeat_last_n"] = CONTEXT if body.repeat_last_n == -1 else body.repeat_last_n
     if body.n_predict is not None:
         if body.n_predict == 0:
             raise _refuse("n_predict", "n_predict = 0 (evaluate the prompt only) is not supported")
         sampling["max_tokens"] = None if body.n_predict == -1 else body.n_predict
     if body.samplers is not None:
         _apply_samplers(body.samplers, sampling)
-    ignored = [f for f in FIELDS if f not in ("n_predict", "timings_per_token", "samplers")
+    ignored = [f for f in FIELDS if f not in ("n_predict", "timings_per_token", "samplers", "repeat_last_n")
                and getattr(body, f) is not None]
     if ignored:
         log.info("ignored llama-server fields: %s", ", ".join(ignored))

@@ -4,7 +4,8 @@ Sampling fields the request leaves out take the coordinator's defaults (llama.cp
 temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Penalties map as llama-server
 maps them: `repeat_penalty` is llama.cpp's multiplicative penalty_repeat,
 `frequency_penalty` and `presence_penalty` its additive penalty_freq and
-penalty_present, all three over the last 64 tokens. Features we cannot honour are
+penalty_present, all three over the last 64 tokens (llama-server's repeat_last_n
+sets how many). Features we cannot honour are
 refused by name rather than silently ignored; llama-server's own fields are
 checked and mapped in llama_server.py.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import uuid
 
 from shared import protocol as P
+from shared.sampling import InvalidSampling, SamplingParams
 
 from . import llama_server
 from .fields import UINT64_MAX
@@ -37,7 +39,18 @@ def _check_common(body) -> None:
                        param="stream_options", code="invalid_value")
 
 
-def _sampling(body, max_tokens: int | None) -> dict:
+def _generate(request_id: str, body, max_tokens: int | None, **prompt) -> P.Generate:
+    """The Generate of a request: its prompt, and the sampling fields it sets (checked
+    here, where SamplingParams is made; a value out of range is this request's 400)."""
+    fields = _fields(body, max_tokens)
+    try:
+        sampling, rest = SamplingParams.split(fields)
+    except InvalidSampling as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+    return P.Generate(request_id=request_id, sampling=sampling, **rest, **prompt)
+
+
+def _fields(body, max_tokens: int | None) -> dict:
     fields = {name: getattr(body, name) for name in _SAMPLING if getattr(body, name) is not None}
     if body.top_k is not None:
         fields["top_k"] = max(body.top_k, 0)
@@ -73,7 +86,7 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
     messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m))
                 for i, m in enumerate(body.messages)]
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return P.Generate(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages, **_sampling(body, max_tokens))
+    return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages)
 
 
 def completion_generate(body: CompletionRequest) -> P.Generate:
@@ -86,7 +99,7 @@ def completion_generate(body: CompletionRequest) -> P.Generate:
         raise _refuse("best_of", f"best_of = {body.best_of}: only one choice per request is supported")
     prompt = _prompt(body.prompt)
     kind = "prompt" if isinstance(prompt, str) else "tokens"
-    return P.Generate(request_id=f"cmpl-{uuid.uuid4().hex}", **{kind: prompt}, **_sampling(body, body.max_tokens))
+    return _generate(f"cmpl-{uuid.uuid4().hex}", body, body.max_tokens, **{kind: prompt})
 
 
 def _prompt(prompt) -> str | list[int]:
