@@ -8,11 +8,11 @@ workers, streams tokens back to clients.
 A request: tokenise -> look up the longest cached prefix -> queue -> a worker
 restores it, prefills the rest writing the planned snapshots, decodes -> tokens
 are detokenised here (stop strings too) and streamed -> Done. With GPU workers the
-uncached part may be prefilled on one instead (placement.py decides): it writes the
-snapshots, the last one at the prompt's end, and a CPU worker resumes from that one
-and decodes. Workers that die
-are restarted; their requests replay from the snapshots with the same seed and
-the tokens already sent are not sent again.
+uncached part may be prefilled on one instead (gpu_prefill.py, placement.py): it
+writes the snapshots, the last one at the prompt's end, and a CPU worker resumes from
+that one and decodes. A request's phase (requests.Phase) says where it stands.
+Workers that die are restarted; their requests replay from the snapshots with the
+same seed and the tokens already sent are not sent again.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from shared.state import snapshot_nbytes
 from shared.synth import has_random_weights, random_weights_notice
 
 from .memory import resolve_max_model_len
-from .placement import place_prefill
-from .requests import Request, TextStream
+from .gpu_prefill import GPUPrefills
+from .requests import Phase, Request, TextStream
 from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
@@ -68,9 +68,7 @@ class Coordinator:
         self.last_seen: dict[str, float] = {}
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
-        # request id -> the snapshot slots a GPU worker may still be writing for a request
-        # that ended meanwhile: reused only once its Prefilled (or its death) says it stopped
-        self.unfinished: dict[str, tuple[str, list]] = {}
+        self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker)
         self.supervisor = Supervisor(opts, self.worker_endpoint)
         self.client_handlers = {P.Generate: self.handle_generate, P.Cancel: self.handle_cancel,
                                 P.Status: self.handle_status}
@@ -328,92 +326,26 @@ class Coordinator:
                 self.end(self.requests[rid], "error", error="no CPU worker could be started (see the coordinator log)")
             return
         while self.queue:
-            req = self.requests[self.queue[0]]
-            placed = self._place(req)
+            placed = self.gpu.place(self.requests[self.queue[0]])
             if placed == "wait":
                 return
             if placed == "gpu":
+                self.queue.pop(0)
                 continue
             wid = pick_worker(self.workers, self.opts.max_sequences)
             if wid is None:
                 return
             self.assign(self.requests[self.queue.pop(0)], wid)
 
-    def _place(self, req: Request) -> str:
-        """Where the head of the queue's prompt is prefilled: "gpu" (sent to a GPU worker,
-        off the queue), "cpu" (the CPU worker that decodes it), or "wait" (--prefill gpu,
-        every GPU worker busy)."""
-        gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
-        if req.handoff is not None or req.gpu_failed or self.arena is None or not self.opts.gpus:
-            return "cpu"
-        uncached = len(req.tokens) - self.index.cached(req.tokens)
-        cpus = [w.prefill_tok_s for w in self.workers.values() if w.kind == "cpu" and w.ready and w.prefill_tok_s]
-        placement = place_prefill(self.opts.prefill, uncached, gpus, sum(cpus) / len(cpus) if cpus else 0.0)
-        if placement is None:
-            return "wait"
-        req.estimates = placement.estimates
-        if placement.device == "cpu":
-            return "cpu"
-        self.queue.pop(0)
-        self.prefill_on_gpu(req, placement.worker)
-        return "gpu"
-
-    def prefill_on_gpu(self, req: Request, wid: str) -> None:
-        """A Prefill job: the cached prefix to resume from, the planned snapshots up to the
-        prompt's end. One whose end cannot be stored (the arena full of pinned entries) is
-        prefilled on a CPU worker instead, before any token is sent."""
-        replay = req.attempts > 0
-        resume = self.index.lookup(req.tokens, replay=replay)
-        if not replay:
-            req.cached_tokens = resume.position if resume else 0
-        planned = self.index.plan(req.tokens, resume.position if resume else 0)
-        if not planned or planned[-1].position != len(req.tokens):
-            log.warning("request %s: no snapshot slot free for the end of its prompt: prefilling it on a CPU worker",
-                        req.rid)
-            self.index.release(resume)
-            self.index.abort(planned)
-            req.gpu_failed = True
-            self.queue.insert(0, req.rid)
-            return
-        req.resume, req.planned, req.worker, req.prefill_device = resume, planned, wid, "gpu"
-        req.first_dispatch = req.first_dispatch or time.monotonic()
-        req.attempts += 1
-        self.workers[wid].requests.add(req.rid)
-        refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
-        data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
-        self.send_worker(wid, P.Prefill(request_id=req.rid, tokens=req.tokens, resume=refs,
-                                        snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned]),
-                         data)
-
     def handle_prefilled(self, wid: str, msg: P.Prefilled, data=()) -> None:
-        if self.unfinished.get(msg.request_id, (None,))[0] == wid:
-            self.index.abort(self.unfinished.pop(msg.request_id)[1])
-        req = self.requests.get(msg.request_id)
-        view = self.workers[wid]
-        view.requests.discard(msg.request_id)
-        if req is None or req.worker != wid:
-            return                                      # cancelled meanwhile
-        req.worker = None
-        if msg.error is not None or req.planned:
-            why = msg.error or f"{len(req.planned)} planned snapshots never written"
-            log.warning("request %s: its prefill on %s failed (%s): prefilling it on a CPU worker", req.rid, wid, why)
-            self._release_snapshots(req)
-            req.gpu_failed, req.prefill_device = True, None
-        else:
-            prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
-            if msg.prefill_ms > view.prefill_fixed_ms:          # the rate of what the fixed cost leaves
-                view.prefill_tok_s = update_rate(view.prefill_tok_s,
-                                                 1000 * prefilled / (msg.prefill_ms - view.prefill_fixed_ms))
-            req.gpu_prefill_ms = msg.prefill_ms
-            self._release_snapshots(req)
-            # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it
-            req.handoff = self.index.lookup(req.tokens, counted=False)
-        self.queue.insert(0, req.rid)
+        req = self.gpu.prefilled(wid, msg)
+        if req is not None:                             # to a CPU worker next, before anything queued after it
+            self.queue.insert(0, req.rid)
 
     def assign(self, req: Request, wid: str) -> None:
         cache = self.arena is not None
         replay = req.attempts > 0               # its own snapshots, not a client-visible cache hit
-        if req.handoff is not None:
+        if req.phase is Phase.HANDED_OFF:
             resume, req.handoff = req.handoff, None
         else:
             resume = self.index.lookup(req.tokens, replay=replay) if cache else None
@@ -423,7 +355,7 @@ class Coordinator:
         req.planned = self.index.plan(req.tokens, resume.position if resume else 0) if cache else []
         if req.prefill_device != "gpu":
             req.prefill_device = "cpu" if not resume or resume.position < len(req.tokens) else None
-        req.worker, req.attempts = wid, req.attempts + 1
+        req.worker, req.attempts, req.phase = wid, req.attempts + 1, Phase.RUNNING
         req.dispatched, req.prefill_ms, req.first_token, req.last_token, req.sampled = \
             time.monotonic(), None, None, None, 0
         self.workers[wid].requests.add(req.rid)
@@ -451,9 +383,8 @@ class Coordinator:
             self.workers[req.worker].requests.discard(req.rid)
             if reason in ("cancelled", "stop") and self.workers[req.worker].alive:
                 self.send_worker(req.worker, P.Stop(request_id=req.rid))
-            if self.workers[req.worker].kind == "gpu" and req.planned:
-                self.unfinished[req.rid], req.planned = (req.worker, req.planned), []
-        self._release_snapshots(req)
+            self.gpu.ended(req)
+        req.release(self.index)
         if not notify:
             return
         tail = req.stream.flush()
@@ -486,17 +417,6 @@ class Coordinator:
                 req.rid, why, n_prompt, req.cached_tokens, req.sent, prefilled, prefill_ms, prefill_tok_s,
                 decode_tok_s, 1000 * (now - req.arrived), 1000 * queued, f"; error: {error}" if error else "")
 
-    def _release_snapshots(self, req: Request) -> None:
-        if req.resume is not None:
-            self.index.release(req.resume)
-            req.resume = None
-        if req.handoff is not None:
-            self.index.release(req.handoff)
-            req.handoff = None
-        for planned in req.planned:
-            self.index.abort(planned)
-        req.planned = []
-
     # ---- faults -----------------------------------------------------------------
     def supervise(self) -> None:
         now = time.monotonic()
@@ -520,14 +440,16 @@ class Coordinator:
         """Forget a worker; its requests go back to the front of the queue, to be replayed."""
         view = self.workers.pop(wid, None)
         self.last_seen.pop(wid, None)
-        if view is not None and view.kind == "gpu":       # it writes nothing more
-            for rid in [r for r, (w, _) in self.unfinished.items() if w == wid]:
-                self.index.abort(self.unfinished.pop(rid)[1])
+        if view is not None and view.kind == "gpu":
+            self.gpu.worker_lost(wid)
         for rid in list(view.requests if view else []):
             req = self.requests[rid]
-            if view.kind == "gpu":                       # its prompt runs on a CPU worker now
-                req.gpu_failed, req.prefill_device = True, None
-            self._release_snapshots(req)
+            if req.phase is Phase.PREFILLING:            # its prompt runs on a CPU worker now
+                log.warning("request %s was prefilling on %s: prefilling it on a CPU worker", rid, wid)
+                self.gpu.fail_over(req)
+            else:                                        # RUNNING: replayed from its snapshots
+                req.release(self.index)
+                req.phase = Phase.QUEUED
             if req.attempts >= MAX_ATTEMPTS:
                 self.end(req, "error", error=f"worker {wid} died {req.attempts} times running this request")
                 continue

@@ -2,12 +2,22 @@
 and the text side of streaming (detokenising, stop strings). No sockets here."""
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
 from shared import protocol as P
 from shared.sampling import SamplingParams
 from shared.tokenizer import StreamDecoder, Tokenizer
+
+
+class Phase(enum.Enum):
+    """Where a request stands, so that a fault knows what to redo (gpu_prefill.py draws
+    the GPU's part)."""
+    QUEUED = "queued"                # waiting for a worker (new, or to be replayed)
+    PREFILLING = "prefilling"        # its prompt on a GPU worker
+    HANDED_OFF = "handed_off"        # prefilled on a GPU worker, waiting for a CPU worker to resume it
+    RUNNING = "running"              # on a CPU worker: prefilling there if need be, then decoding
 
 
 @dataclass
@@ -18,7 +28,8 @@ class Request:
     sampling: SamplingParams         # the client's, its seed fixed at arrival so a replay after a worker death samples the same
     stream: "TextStream"
     arrived: float = field(default_factory=time.monotonic)
-    worker: str | None = None
+    phase: Phase = Phase.QUEUED
+    worker: str | None = None        # the worker it is on (PREFILLING, RUNNING)
     resume: object = None            # pinned SnapshotIndex lookup, released when the request ends
     planned: list = field(default_factory=list)    # snapshot slots being written for it
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
@@ -44,6 +55,17 @@ class Request:
     @property
     def rid(self) -> str:
         return self.msg.request_id
+
+    def release(self, index) -> None:
+        """Give back the snapshot entries it holds: the pinned lookups and the planned
+        slots not written."""
+        for lookup in (self.resume, self.handoff):
+            if lookup is not None:
+                index.release(lookup)
+        self.resume = self.handoff = None
+        for planned in self.planned:
+            index.abort(planned)
+        self.planned = []
 
     def timings(self, now: float) -> tuple[float, float]:
         """(prefill_ms, decode_tok_s) of the current attempt: the worker's prefill time (the

@@ -165,7 +165,7 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout_and_its_request_
             replay = beating.recv(timeout_s=TIMEOUT_S + 10)
             waited = time.monotonic() - went_silent
             assert isinstance(replay, P.Assign) and replay.request_id == rid
-            assert (replay.tokens, replay.seed, replay.max_tokens) == (first.tokens, first.seed, first.max_tokens)
+            assert (replay.tokens, replay.sampling, replay.max_tokens) == (first.tokens, first.sampling, first.max_tokens)
             assert waited >= TIMEOUT_S, f"dropped after {waited:.2f} s of silence"
             assert coord.supervisor.restarted == ["a-silent"]
             assert _listed(client) == {"b-beating"}          # idle far longer than the timeout, but beating

@@ -165,6 +165,7 @@ def test_a_gpu_worker_killed_mid_prefill_is_restarted_and_its_request_completes(
             msgs = list(c.stream(rid))
             assert msgs[-1].finish_reason == "length" and msgs[-1].prefill_device == "cpu"
             assert streamed_ids(msgs) == local_ids(tiny_q4_path, prompt, 4, temperature=0.0)
+            assert any(f"request {rid} was prefilling on gpu0" in line for line in daemon.log), "".join(daemon.log)
             wait_until(lambda: any(w.worker_id == "gpu0" and w.alive and w.pid != old for w in c.status().workers),
                        300, "the GPU worker was not restarted")
     finally:

@@ -1,0 +1,120 @@
+"""The GPU phase of a request: its prompt prefilled on a GPU worker, whose snapshots
+land in the arena, before a CPU worker resumes from the last one and decodes.
+
+    QUEUED --place--> PREFILLING (on a GPU worker) --Prefilled--> HANDED_OFF --> RUNNING (a CPU worker)
+                         |  a device error, a lost worker, no slot for the prompt's end
+                         +--> QUEUED again, marked gpu_failed: prefilled on the CPU worker
+
+The coordinator's loop asks `place` where the head of its queue goes, hands this
+module the GPU workers' messages, and tells it when a request ends or a worker is lost;
+the queue and the CPU workers stay the coordinator's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from shared import protocol as P
+
+from .placement import place_prefill
+from .requests import Phase, Request
+from .scheduler import WorkerView, update_rate
+
+log = logging.getLogger("fermoe.coordinator")
+
+
+class GPUPrefills:
+    def __init__(self, opts, index, arena, workers: dict[str, WorkerView], requests: dict[str, Request], send):
+        self.opts, self.index, self.arena = opts, index, arena
+        self.workers, self.requests, self.send = workers, requests, send
+        # request id -> (GPU worker, the snapshot slots it may still be writing for a request
+        # that ended meanwhile): reused only once its Prefilled (or its loss) says it stopped
+        self.unfinished: dict[str, tuple[str, list]] = {}
+
+    def place(self, req: Request) -> str:
+        """Where a queued request's prompt is prefilled: "gpu" (sent to a GPU worker: off
+        the queue), "cpu" (on the CPU worker that decodes it), or "wait" (--prefill gpu with
+        every GPU worker busy)."""
+        if req.phase is Phase.HANDED_OFF or req.gpu_failed or self.arena is None or not self.opts.gpus:
+            return "cpu"
+        gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
+        uncached = len(req.tokens) - self.index.cached(req.tokens)
+        cpus = [w.prefill_tok_s for w in self.workers.values() if w.kind == "cpu" and w.ready and w.prefill_tok_s]
+        placement = place_prefill(self.opts.prefill, uncached, gpus, sum(cpus) / len(cpus) if cpus else 0.0)
+        if placement is None:
+            return "wait"
+        req.estimates = placement.estimates
+        if placement.device == "cpu" or not self._start(req, placement.worker):
+            return "cpu"
+        return "gpu"
+
+    def _start(self, req: Request, wid: str) -> bool:
+        """Send the Prefill: the cached prefix to resume from, the planned snapshots up to the
+        prompt's end. False if that end cannot be stored (the arena full of pinned entries):
+        the prompt is then prefilled on a CPU worker, before any token is sent."""
+        replay = req.attempts > 0
+        resume = self.index.lookup(req.tokens, replay=replay)
+        if not replay:
+            req.cached_tokens = resume.position if resume else 0
+        planned = self.index.plan(req.tokens, resume.position if resume else 0)
+        if not planned or planned[-1].position != len(req.tokens):
+            log.warning("request %s: no snapshot slot free for the end of its prompt: prefilling it on a CPU worker",
+                        req.rid)
+            self.index.release(resume)
+            self.index.abort(planned)
+            req.gpu_failed = True
+            return False
+        req.resume, req.planned, req.worker, req.prefill_device = resume, planned, wid, "gpu"
+        req.phase = Phase.PREFILLING
+        req.first_dispatch = req.first_dispatch or time.monotonic()
+        req.attempts += 1
+        self.workers[wid].requests.add(req.rid)
+        refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
+        data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
+        self.send(wid, P.Prefill(request_id=req.rid, tokens=req.tokens, resume=refs,
+                                 snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned]),
+                  data)
+        return True
+
+    def prefilled(self, wid: str, msg: P.Prefilled) -> Request | None:
+        """A GPU worker's Prefilled: the request, now HANDED_OFF (its last snapshot pinned for
+        the CPU worker) or back to QUEUED marked gpu_failed, to go back to the front of the
+        queue; None if it ended meanwhile."""
+        if self.unfinished.get(msg.request_id, (None,))[0] == wid:
+            self.index.abort(self.unfinished.pop(msg.request_id)[1])
+        req = self.requests.get(msg.request_id)
+        view = self.workers[wid]
+        view.requests.discard(msg.request_id)
+        if req is None or req.worker != wid:
+            return None                                 # cancelled meanwhile
+        req.worker = None
+        if msg.error is not None or req.planned:
+            why = msg.error or f"{len(req.planned)} planned snapshots never written"
+            log.warning("request %s: its prefill on %s failed (%s): prefilling it on a CPU worker", req.rid, wid, why)
+            self.fail_over(req)
+            return req
+        prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
+        if msg.prefill_ms > view.prefill_fixed_ms:      # the rate of what the fixed cost leaves
+            view.prefill_tok_s = update_rate(view.prefill_tok_s,
+                                             1000 * prefilled / (msg.prefill_ms - view.prefill_fixed_ms))
+        req.gpu_prefill_ms = msg.prefill_ms
+        req.release(self.index)
+        # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it
+        req.handoff, req.phase = self.index.lookup(req.tokens, counted=False), Phase.HANDED_OFF
+        return req
+
+    def fail_over(self, req: Request) -> None:
+        """The request's GPU prefill is lost: its prompt runs on a CPU worker."""
+        req.release(self.index)
+        req.gpu_failed, req.prefill_device, req.phase = True, None, Phase.QUEUED
+
+    def ended(self, req: Request) -> None:
+        """A request ended while its GPU worker may still write its snapshots: those slots
+        wait for its Prefilled."""
+        if req.phase is Phase.PREFILLING and req.planned:
+            self.unfinished[req.rid], req.planned = (req.worker, req.planned), []
+
+    def worker_lost(self, wid: str) -> None:
+        """It writes nothing more: the slots it was writing for ended requests are free."""
+        for rid in [r for r, (w, _) in self.unfinished.items() if w == wid]:
+            self.index.abort(self.unfinished.pop(rid)[1])
