@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from bench.host_memory import TreeMemory
 from coordinator.client import Client
 from shared.errors import FermoeError
 
@@ -127,6 +128,8 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
     addr = f"tcp://127.0.0.1:{free_port()}"
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
     daemon = start_coordinator(model, addr, extra, log)
+    memory = TreeMemory(daemon.pid)
+    memory.start()
     try:
         with Client(addr, timeout_s=3600) as c:
             try:
@@ -149,6 +152,8 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             short = prompt[:32]
             rates = {n: round(aggregate(addr, n, short, decode_tokens), 2) for n in (1, 2, 4)}
             during = decode_during_prefill(addr, short, vocab_hi)
+        # every process of the daemon, pages they share counted once, at its fullest
+        host_memory = memory.stop()
         return {
             "model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens,
             "ttft_cold_s": round(cold, 3), "ttft_repeated_s": round(repeat, 3),
@@ -166,8 +171,10 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             "cold_over_repeated": round(cold / repeat, 1),
             "aggregate_decode_tok_s": rates,
             "decode_during_prefill": during,
+            "host_memory": host_memory,
         }
     finally:
+        memory.stop()
         stop_coordinator(daemon)
         log.close()
 

@@ -27,11 +27,12 @@ import zmq
 
 from shared import protocol as P
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
+from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.model import Model
 from shared.state import snapshot_nbytes
 from shared.synth import has_random_weights, random_weights_notice
 
-from .memory import resolve_max_model_len
+from .memory import host_footprint, resolve_max_model_len
 from .gpu_prefill import GPUPrefills
 from .requests import Phase, Request, TextStream
 from .scheduler import WorkerView, pick_worker, update_rate
@@ -52,9 +53,13 @@ class Coordinator:
         if has_random_weights(self.model.file.metadata):
             log.warning("%s", random_weights_notice(opts.model))
         self.tokenizer = self.model.tokenizer
-        sequences = opts.max_sequences * len(worker_plan(opts))     # on this host
+        gpus = len(opts.gpus)
+        why_not_shared = unshareable(self.model) if gpus else "no GPU worker"
+        weight_bytes, sequences = host_footprint(
+            os.path.getsize(opts.model_path), expert_nbytes(self.model) if gpus else 0,
+            opts.max_sequences * len(worker_plan(opts)), gpus, shared_experts=why_not_shared is None)
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
-                                                   os.path.getsize(opts.model_path), sequences)
+                                                   weight_bytes, sequences)
         self.ctx = zmq.Context.instance()
         self.clients = self._socket(opts.bind, mandatory=True)
         self.workers_sock = self._socket(opts.worker_bind)
@@ -64,12 +69,13 @@ class Coordinator:
             from .http.process import FrontEnd, client_endpoint
             self.http = FrontEnd(opts, client_endpoint(self.clients))
         self._make_snapshot_store()
+        self.experts = self._share_experts(why_not_shared) if gpus else None
         self.workers: dict[str, WorkerView] = {}
         self.last_seen: dict[str, float] = {}
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
         self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker)
-        self.supervisor = Supervisor(opts, self.worker_endpoint)
+        self.supervisor = Supervisor(opts, self.worker_endpoint, self.experts.name if self.experts else None)
         self.client_handlers = {P.Generate: self.handle_generate, P.Cancel: self.handle_cancel,
                                 P.Status: self.handle_status}
         # every worker message but Hello; data: the frames after it (only a SnapshotWritten has any)
@@ -109,6 +115,21 @@ class Coordinator:
                else "--snapshot-mem")
         log.info("snapshot store: %d slots of %.1f MiB, block %d: %.1f MiB of /dev/shm (%s)",
                  n_slots, slot / 2**20, self.opts.block, n_slots * slot / 2**20, how)
+
+    def _share_experts(self, why_not: str | None):
+        """The experts packed into shared memory for every worker, so that a GPU worker's
+        page-locked experts and the CPU workers' are the same pages; None (each worker
+        reads its own) where they cannot be."""
+        if why_not is not None:
+            log.warning("the experts are not shared between workers (%s): a GPU worker keeps a page-locked copy "
+                        "of its own beside the CPU workers' mapped file", why_not)
+            return None
+        try:
+            return ExpertSegment.create(self.model)
+        except FermoeError as e:
+            log.warning("the experts could not be put in shared memory (%s): a GPU worker keeps a copy of its own",
+                        e)
+            return None
 
     # ---- the loop -----------------------------------------------------------
     def event_loop(self) -> None:
@@ -466,9 +487,10 @@ class Coordinator:
         self.supervisor.stop_all()
         self.clients.close()
         self.workers_sock.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena.unlink()
+        for segment in (self.arena, self.experts):
+            if segment is not None:
+                segment.close()
+                segment.unlink()
 
 
 def run_coordinator(opts) -> int:

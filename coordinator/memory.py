@@ -59,6 +59,22 @@ def default_snapshot_mem() -> tuple[int, str]:
     return size, why
 
 
+# What one GPU worker holds in host memory, in sequences: the state of the prompt it
+# prefills (its KV grows to the prompt's length) and the page-locked rows that prompt's K
+# and V land in first (as long, in one pass).
+GPU_WORKER_SEQUENCES = 2
+
+
+def host_footprint(model_bytes: int, expert_bytes: int, cpu_sequences: int, gpu_workers: int,
+                   shared_experts: bool) -> tuple[int, int]:
+    """(bytes of weights in host memory, sequences held at once) of a daemon: the model
+    file once (its page cache, or the shared expert segment and the rest of the file), a
+    page-locked copy of the experts for each GPU worker that cannot stream from the shared
+    segment, and each GPU worker's prompt beside the CPU workers' sequences."""
+    copies = 0 if shared_experts else gpu_workers
+    return model_bytes + copies * expert_bytes, cpu_sequences + GPU_WORKER_SEQUENCES * gpu_workers
+
+
 def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequences: int, memory: int) -> int:
     """The longest context (a multiple of BLOCK, at most the model's) that `sequences`
     sequences can all reach in `memory` bytes beside the weights; 0 if not even their

@@ -58,8 +58,10 @@ def worker_plan(opts) -> dict[str, tuple[int, list[int]]]:
 
 
 class Supervisor:
-    def __init__(self, opts, endpoint: str):
+    def __init__(self, opts, endpoint: str, shared_experts: str | None = None):
         self.opts, self.endpoint = opts, endpoint
+        # the experts' shared segment, when the coordinator packed one: every worker reads them there
+        self.experts_args = ["--shared-experts", shared_experts] if shared_experts else []
         self.procs: dict[str, subprocess.Popen] = {}
         self.plan = worker_plan(opts)
         self.gpu_plan = {f"gpu{i}": i for i in getattr(opts, "gpus", [])}
@@ -74,7 +76,8 @@ class Supervisor:
         node, cpus = self.plan[wid]
         cmd = [sys.executable, "-m", "cpu_worker.worker", "--connect", self.endpoint, "--model",
                self.opts.model_path, "--worker-id", wid, "--threads", str(len(cpus)),
-               "--cpus", ",".join(map(str, cpus)), "--node", str(node), "--engine", self.opts.engine]
+               "--cpus", ",".join(map(str, cpus)), "--node", str(node), "--engine", self.opts.engine,
+               *self.experts_args]
         if self.opts.numa_interleave:
             cmd.append("--numa-interleave")
         # own session: a Ctrl-C meant for the coordinator must not kill the workers
@@ -84,7 +87,7 @@ class Supervisor:
 
     def _start_gpu(self, wid: str) -> None:
         cmd = [sys.executable, "-m", "gpu_worker.worker", "--connect", self.endpoint, "--model", self.opts.model_path,
-               "--worker-id", wid, "--gpu", str(self.gpu_plan[wid])]
+               "--worker-id", wid, "--gpu", str(self.gpu_plan[wid]), *self.experts_args]
         if self.opts.gpu_mem:
             cmd += ["--gpu-mem", self.opts.gpu_mem]
         cpus = self.gpu_cpus[wid]

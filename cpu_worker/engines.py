@@ -10,10 +10,12 @@ CPU_ENGINES = ("cpu", "reference")
 
 
 def cpu_engine(name: str, model: Model, threads: int | None = None, cpus: list[int] | None = None,
-               kv_cache_dtype: str = DEFAULT_KV_DTYPE):
+               kv_cache_dtype: str = DEFAULT_KV_DTYPE, experts=None):
+    """experts: an ExpertSegment the native engine reads the routed experts from (the
+    reference reads the file's)."""
     if name == "reference":
         return ReferenceEngine(model, kv_cache_dtype=kv_cache_dtype)
     if name == "cpu":
         from .native_engine import NativeEngine
-        return NativeEngine(model, threads=threads, cpus=cpus, kv_cache_dtype=kv_cache_dtype)
+        return NativeEngine(model, threads=threads, cpus=cpus, kv_cache_dtype=kv_cache_dtype, experts=experts)
     raise FermoeError(f"--engine {name!r}: a CPU worker runs {' or '.join(CPU_ENGINES)}")

@@ -13,6 +13,7 @@ import numpy as np
 
 from shared.engine import check_tokens
 from shared.errors import FermoeError
+from shared.expert_segment import EXPERT_TENSORS, expert_tensor_names
 from shared.ggml_types import GGMLType, row_nbytes
 from shared.model import Model, Weight
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
@@ -37,9 +38,11 @@ class NativeEngine:
     name = "cpu"
 
     def __init__(self, model: Model, threads: int | None = None, cpus: list[int] | None = None,
-                 max_batch: int = MAX_BATCH, kv_cache_dtype: str = DEFAULT_KV_DTYPE):
+                 max_batch: int = MAX_BATCH, kv_cache_dtype: str = DEFAULT_KV_DTYPE, experts=None):
+        """experts: an ExpertSegment holding the routed experts (a daemon's one copy, shared
+        with its GPU worker); the file's own are then never read."""
         self.ffi, self.lib = _native()
-        self.model = model
+        self.model, self.experts = model, experts
         self.max_batch = max_batch
         kv_dtype(kv_cache_dtype)                # refuse an unknown name now
         self.kv_cache_dtype = kv_cache_dtype    # of new states; any state's own is honoured
@@ -51,7 +54,8 @@ class NativeEngine:
             raise FermoeError(f"--threads {threads}: more than the {os.cpu_count()} CPUs of this machine")
         cpus = (cpus * threads)[:threads]
         self._keep = []                      # arrays the C structs point into
-        model.file.populate()                # no page faults in the first tokens' steps
+        # no page faults in the first tokens' steps
+        model.file.populate(skip=expert_tensor_names(model) if experts is not None else ())
         self._model = self._bind_model()
         self._pool = self.lib.fm_pool_create(threads, self.ffi.new("int[]", cpus))
         self._ctx = self.lib.fm_ctx_create(self._model, self._pool, max_batch)
@@ -139,22 +143,28 @@ class NativeEngine:
             dst.is_attention = layer.kind == "attention"
             dst.gdn_slot, dst.attn_slot = gdn.get(i, -1), attn.get(i, -1)
             for name, value in vars(layer).items():
-                if isinstance(value, Weight):
+                if isinstance(value, Weight) and self.experts is not None and name in EXPERT_TENSORS:
+                    self._tensor(getattr(dst, name), value, self.experts.matrix(i, name))
+                elif isinstance(value, Weight):
                     self._tensor(getattr(dst, name), value)
         self._keep.append(fm)
         return fm
 
-    def _tensor(self, dst, w: Weight) -> None:
-        """Point an fm_tensor at a weight, in a type the kernels compute with."""
+    def _tensor(self, dst, w: Weight, packed: tuple[np.ndarray, int] | None = None) -> None:
+        """Point an fm_tensor at a weight, in a type the kernels compute with; `packed`:
+        (its bytes, the stride between its experts) elsewhere than the file."""
         raw, qtype = w.raw, w.qtype
         if len(w.shape) == 1 or qtype not in COMPUTE_TYPES:
             raw, qtype = np.ascontiguousarray(w.f32()).view(np.uint8).reshape(-1), GGMLType.F32
+        shape = w.shape if len(w.shape) > 1 else (1, w.shape[0])
+        stride = row_nbytes(qtype, shape[-1]) * shape[-2]
+        if packed is not None:
+            raw, stride = packed
         self._keep.append(raw)
         dst.data = self.ffi.cast("void *", self.ffi.from_buffer(raw))
         dst.type = int(qtype)
-        shape = w.shape if len(w.shape) > 1 else (1, w.shape[0])
         dst.rows, dst.cols = shape[-2], shape[-1]
-        dst.mat_stride = row_nbytes(qtype, shape[-1]) * shape[-2]
+        dst.mat_stride = stride
 
     # ---- running ---------------------------------------------------------
     def new_state(self) -> SequenceState:

@@ -32,7 +32,8 @@ from shared.generate import Decoder
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.state import SequenceState, restore_snapshots
-from shared.worker_link import HEARTBEAT_S, WorkerLink, add_worker_options, serve_until_stopped, worker_main
+from shared.worker_link import (HEARTBEAT_S, WorkerLink, add_worker_options, attach_experts, serve_until_stopped,
+                                worker_main)
 
 from shared.topology import cpu_list, default_cpus, numa_nodes
 
@@ -57,11 +58,13 @@ class Sequence:
 
 class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
-                 cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS):
+                 cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS,
+                 shared_experts: str | None = None):
         from shared.builtin import resolve_model
         from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
-        self.engine = cpu_engine(engine, self.model, threads=threads, cpus=cpus)
+        self.engine = cpu_engine(engine, self.model, threads=threads, cpus=cpus,
+                                 experts=attach_experts(shared_experts, self.model))
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
@@ -203,7 +206,8 @@ def run_cpu_worker(args) -> int:
         from .numa_placement import place
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
-                       args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory)
+                       args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory,
+                       shared_experts=args.shared_experts)
     return serve_until_stopped(worker)
 
 

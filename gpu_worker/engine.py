@@ -63,7 +63,8 @@ class GPUEngine:
     def __init__(self, model: Model, gpu_mem: int | None = None, gpu: int = 0,
                  kv_cache_dtype: str = DEFAULT_KV_DTYPE, max_pass_tokens: int | None = None,
                  ring_slots: int = 2, resident: bool = True, pinned: bool = True, overlap: bool = True,
-                 lm_head: str = "gpu", gdn: str = "auto", used_experts: float = 0.8, device=None):
+                 lm_head: str = "gpu", gdn: str = "auto", used_experts: float = 0.8, device=None,
+                 shared_experts=None):
         kv_dtype(kv_cache_dtype)
         if lm_head not in ("gpu", "cpu") or gdn not in GDN_MODES or (max_pass_tokens or 1) < 1:
             raise FermoeError(f"lm_head {lm_head!r} (gpu or cpu), gdn {gdn!r} ({', '.join(GDN_MODES)}), "
@@ -81,7 +82,7 @@ class GPUEngine:
         self.ops = Ops(self.device)
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
         self.w = ResidentWeights(self.device, model)
-        self.experts = ExpertStore(self.device, model, ring_slots, pinned)
+        self.experts = ExpertStore(self.device, model, ring_slots, pinned, segment=shared_experts)
         self.resident_bytes = resident_nbytes(model)      # for the plan of every prefill
         self.ws, self.kv_positions, self.Kc, self.Vc = None, 0, [], []
         cfg = self.cfg
@@ -118,6 +119,7 @@ class GPUEngine:
             return
         self.device.synchronize()
         self.land.unregister()
+        self.experts.close()
         if self._owns_device and hasattr(self.device, "close"):
             self.device.close()
         self.device = None

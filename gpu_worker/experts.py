@@ -15,6 +15,7 @@ and only the experts it uses are copied, one copy each.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import numpy as np
 
@@ -23,6 +24,8 @@ from shared.model import Model
 
 from .buffers import DeviceArray
 from .weights import ExpertLayout, pack_experts
+
+log = logging.getLogger("fermoe.gpu")
 
 
 def resident_order(n_layers: int) -> list[int]:
@@ -66,7 +69,9 @@ def _interleaved_memory():
 
 
 class ExpertStore:
-    def __init__(self, device, model: Model, ring_slots: int, pinned: bool = True):
+    def __init__(self, device, model: Model, ring_slots: int, pinned: bool = True, segment=None):
+        """segment: an ExpertSegment holding every layer packed (a daemon's one copy, shared
+        with its CPU workers): registered page-locked, streamed from as it is."""
         cfg = model.config
         self.device, self.model, self.pinned, self.ring_slots = device, model, pinned, ring_slots
         self.layouts = [ExpertLayout.of(layer) for layer in model.layers]
@@ -82,6 +87,23 @@ class ExpertStore:
         self.compact_map = DeviceArray(device, (cfg.n_expert,), np.int32)
         self.staging = device.pagelocked_empty((cfg.n_expert,), np.int32)
         self.copied_bytes = 0                  # host-to-device expert bytes since creation
+        self.segment, self._registration = segment, None
+        if segment is not None:
+            self._registration = self._register(segment) if pinned else None
+
+    def _register(self, segment):
+        """Page-lock the shared segment for the copy stream; where the driver refuses, it is
+        streamed from as pageable memory (slower copies, still one copy in RAM)."""
+        try:
+            return self.device.register_host_memory(segment.memory())
+        except FermoeError as e:
+            log.warning("the shared experts stay pageable (%s): their copies to the GPU are slower", e)
+            return None
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._registration.unregister()
+            self._registration = None
 
     def set_resident(self, layers: list[int]) -> None:
         """Keep exactly `layers` in VRAM; every other layer streams from host memory
@@ -105,6 +127,8 @@ class ExpertStore:
             self.resident[L] = self._upload_layer(L)
 
     def _upload_layer(self, L: int) -> DeviceArray:
+        if self.segment is not None:
+            return DeviceArray.of(self.device, self.segment.layer(L))
         if L in self.host:
             return DeviceArray.of(self.device, self.host[L])
         buf = np.empty(self.layer_bytes, np.uint8)
@@ -112,6 +136,8 @@ class ExpertStore:
         return DeviceArray.of(self.device, buf)
 
     def _host_layer(self, L: int) -> np.ndarray:
+        if self.segment is not None:
+            return self.segment.layer(L)
         with _interleaved_memory():
             buf = self.device.pagelocked_empty((self.layer_bytes,), np.uint8) if self.pinned else \
                 np.empty(self.layer_bytes, np.uint8)
@@ -120,8 +146,9 @@ class ExpertStore:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory holding experts (page-locked unless pinned=False)."""
-        return len(self.host) * self.layer_bytes
+        """Host memory this store holds experts in (page-locked unless pinned=False); none
+        of its own with a shared segment."""
+        return 0 if self.segment is not None else len(self.host) * self.layer_bytes
 
     # ---- one pass ------------------------------------------------------------------
     def begin_pass(self, copy_stream, compute_stream, used_only: bool) -> None:

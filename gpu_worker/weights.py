@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.errors import FermoeError
+from shared.expert_segment import EXPERT_TENSORS, pack_layer
 from shared.ggml_types import GGMLType, tensor_nbytes
 from shared.model import Layer, Model, Weight
 
 from .buffers import DeviceArray
 from .kernels import KERNEL_TYPES
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 F32_ONLY = ("ssm_conv1d",)          # read element by element by gdn_conv
 
 
@@ -111,11 +111,5 @@ class ExpertLayout:
 
 def pack_experts(layer: Layer, out: np.ndarray) -> None:
     """Write a layer's experts into `out` as consecutive [gate | up | down] records."""
-    lay = ExpertLayout.of(layer)
-    mats = [getattr(layer, name) for name in EXPERT_TENSORS]
-    for e in range(mats[0].shape[0]):
-        at = e * lay.expert_bytes
-        for w in mats:
-            per = len(w.raw) // w.shape[0]
-            out[at:at + per] = w.raw[e * per:(e + 1) * per]
-            at += per
+    ExpertLayout.of(layer)                  # refuses what the kernels cannot read
+    pack_layer(layer, out)

@@ -23,7 +23,8 @@ from shared.engine import measure_prefill_rate
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.state import SequenceState, restore_snapshots
-from shared.worker_link import HEARTBEAT_S, WorkerLink, add_worker_options, serve_until_stopped, worker_main
+from shared.worker_link import (HEARTBEAT_S, WorkerLink, add_worker_options, attach_experts, serve_until_stopped,
+                                worker_main)
 
 from .engine import GPUEngine, PrefillStopped
 
@@ -37,10 +38,11 @@ PROBE_BUDGET_S = 2.0
 
 class GPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
-                 shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS):
+                 shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS, shared_experts: str | None = None):
         from shared.builtin import resolve_model
         self.model = Model(resolve_model(model_path))
-        self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device)
+        self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device,
+                                shared_experts=attach_experts(shared_experts, self.model))
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory)
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
@@ -120,7 +122,8 @@ def run_gpu_worker(args) -> int:
         os.sched_setaffinity(0, cpus)
         log.info("placement: CPUs %s", cpus)
     worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
-                       shared_memory=not args.no_shared_memory, **gpu_engine_options(args))
+                       shared_memory=not args.no_shared_memory, shared_experts=args.shared_experts,
+                       **gpu_engine_options(args))
     return serve_until_stopped(worker)
 
 

@@ -354,21 +354,54 @@ class GGUFFile:
             raise GGUFError(self.path, f"missing metadata key {key!r}")
         return default
 
-    def populate(self) -> bool:
+    def populate(self, skip: tuple[str, ...] = ()) -> bool:
         """Map every page of the file now (reading it from disk if it is not cached),
         as llama.cpp does when it maps a model: otherwise each 4 KB page costs a page
         fault the first time a token touches it, and a decode step touches experts
-        for the first time for many tokens. False where the kernel cannot
+        for the first time for many tokens. The tensors named in `skip` are left
+        alone (a worker reading them from elsewhere). False where the kernel cannot
         (MADV_POPULATE_READ is Linux 5.14+): pages are then only read ahead."""
+        ranges = self._ranges_without(skip)
         try:
-            self._mm.madvise(MADV_POPULATE_READ)
+            for start, length in ranges:
+                self._mm.madvise(MADV_POPULATE_READ, start, length)
             return True
         except (OSError, ValueError):
             try:
-                self._mm.madvise(mmap.MADV_WILLNEED)
+                for start, length in ranges:
+                    self._mm.madvise(mmap.MADV_WILLNEED, start, length)
             except (OSError, ValueError, AttributeError):
                 pass
             return False
+
+    def forget(self, names: tuple[str, ...]) -> None:
+        """Drop the pages of these tensors from this mapping and from the page cache
+        (their bytes were copied elsewhere; the file is unchanged, a later read maps
+        them again). The pages they share with other tensors are kept."""
+        page = mmap.PAGESIZE
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for name in names:
+                t = self.tensors[name]
+                start, end = -(-t.offset // page) * page, (t.offset + t.nbytes) // page * page
+                if end > start:
+                    self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+                    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def _ranges_without(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
+        """(start, length) page-aligned ranges of the mapping outside the named tensors."""
+        page, size = mmap.PAGESIZE, len(self._mm)
+        ranges, at = [], 0
+        for t in sorted((self.tensors[n] for n in names), key=lambda t: t.offset):
+            end = -(-t.offset // page) * page              # a page it shares with the tensor before is read
+            if end > at:
+                ranges.append((at, end - at))
+            at = max(at, (t.offset + t.nbytes) // page * page)
+        if at < size:
+            ranges.append((at, size - at))
+        return ranges
 
     def close(self) -> None:
         mm, self._mm = getattr(self, "_mm", None), None

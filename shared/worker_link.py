@@ -198,6 +198,17 @@ def add_worker_options(p) -> None:
     p.add_argument("--no-shared-memory", action="store_true",
                    help="do not map the coordinator's snapshot arena, as a worker on another host cannot: "
                         "snapshots then travel as message frames")
+    p.add_argument("--shared-experts", default=None, metavar="NAME",
+                   help="read the routed experts from this shared-memory segment, which the coordinator packs "
+                        "when it runs a GPU worker (one copy in RAM for all workers), not from the model file")
+
+
+def attach_experts(name: str | None, model):
+    """The coordinator's ExpertSegment named on the command line, or None."""
+    if not name:
+        return None
+    from .expert_segment import ExpertSegment
+    return ExpertSegment.attach(name, model)
 
 
 def serve_until_stopped(worker) -> int:

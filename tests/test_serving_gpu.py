@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.client import Client
 from coordinator.supervisor import MAX_RESTARTS
-from tests.serving_harness import Daemon, free_port, local_ids, streamed_ids, wait_until
+from tests.serving_harness import Daemon, free_port, local_ids, shm_names, streamed_ids, wait_until
 
 NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
 PROMPT = "A long enough prompt, prefilled on the graphics card and then decoded on the CPU."
@@ -98,8 +98,18 @@ def test_a_prompt_prefilled_on_the_gpu_is_decoded_on_a_cpu_worker(tiny_q4_path):
         assert extended.prefill_device == "gpu" and extended.cached_prompt_tokens == again.prompt_tokens
         gpu_lines = [line for line in daemon.log if "gpu worker gpu0" in line and "joined" in line]
         assert gpu_lines, "".join(daemon.log)
+        # one copy of the experts: packed into shared memory, every worker reading them there
+        packed = [line for line in daemon.log if "experts packed into shared memory" in line]
+        assert len(packed) == 1 and len(shm_names(daemon.proc.pid)) == 2, "".join(daemon.log)
+        segment = packed[0].split("shared memory ")[1].split(":")[0]
+        for w in workers.values():
+            with open(f"/proc/{w.pid}/cmdline", "rb") as f:
+                assert f"--shared-experts\0{segment}\0".encode() in f.read(), w.worker_id
+            with open(f"/proc/{w.pid}/maps") as f:
+                assert f"/dev/shm/{segment}" in f.read(), f"{w.worker_id} does not map the experts"
     finally:
         assert daemon.stop() == 0
+    assert not shm_names(daemon.proc.pid), "SIGTERM left a shared-memory segment"
 
 
 @pytest.mark.parametrize("mode", ["cpu", "auto"])
@@ -197,6 +207,9 @@ def test_bench_serve_with_a_gpu_worker(tiny_q4_path):
     assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
     assert 0 < out["cold_prefill_s"] < out["ttft_cold_s"] and out["cold_rest_s"] > 0
     assert {w["kind"] for w in out["workers_detail"]} == {"cpu", "gpu"}
+    memory = out["host_memory"]      # every process of the daemon, at its fullest
+    assert {"coordinator.daemon", "cpu_worker.worker", "gpu_worker.worker"} <= set(memory["peak_by_process_gib"])
+    assert memory["peak_gib"] == pytest.approx(sum(memory["peak_by_process_gib"].values()), abs=0.05)
 
 
 def test_a_gpu_worker_that_keeps_failing_is_given_up_and_prompts_stay_on_the_cpu(tiny_q4_path):
@@ -232,3 +245,26 @@ def test_the_http_api_on_top(tiny_q4_path):
         assert 'fermoe:worker_prefill_tokens_per_second{kind="gpu",worker_id="gpu0"}' in metrics
     finally:
         assert daemon.stop() == 0
+
+
+@pytest.mark.gpu
+def test_on_the_cuda_device_a_served_prompt_is_prefilled_there_and_decoded_on_the_cpu(tiny_q4_path, monkeypatch):
+    """The end-to-end path above on the real device (the GPU machine: `pytest -m gpu`)."""
+    from shared.devices import gpu_devices
+    monkeypatch.delenv("FERMOE_GPU")
+    found, why = gpu_devices()
+    if not found:
+        pytest.skip(f"no CUDA device here: {why}")
+    daemon = Daemon(tiny_q4_path, "--gpu", "0", "--prefill", "gpu")
+    try:
+        gpu = gpu_ready(daemon)["gpu0"]
+        assert gpu.kind == "gpu" and gpu.device != "host emulation" and gpu.prefill_tok_s > 0
+        params = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
+        ids, done = generate(daemon, PROMPT, **params)
+        assert done.prefill_device == "gpu" and done.finish_reason == "length"
+        assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, ids)
+        again_ids, again = generate(daemon, PROMPT, **params)
+        assert again_ids == ids and again.cached_prompt_tokens == again.prompt_tokens
+    finally:
+        assert daemon.stop() == 0
+    assert not shm_names(daemon.proc.pid)

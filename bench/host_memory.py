@@ -1,0 +1,85 @@
+"""The host memory a process tree holds: the sum of its processes' proportional set
+sizes (Pss, /proc/PID/smaps_rollup), which counts a page mapped by several of them
+once in all (the model's page cache, a shared-memory segment, page-locked buffers),
+sampled in a thread while a benchmark runs."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (workers in sessions of their own included)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def process_name(pid: int) -> str:
+    """The module a python process runs (-m NAME), else its command."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "?"
+    if b"-m" in argv and argv.index(b"-m") + 1 < len(argv):
+        return argv[argv.index(b"-m") + 1].decode(errors="replace")
+    return os.path.basename(argv[0].decode(errors="replace"))
+
+
+class TreeMemory(threading.Thread):
+    """Samples the tree under `pid` every `period_s` until stop(); peak() is the largest
+    sum seen, with each kind of process's share at that moment."""
+
+    def __init__(self, pid: int, period_s: float = 0.25):
+        super().__init__(daemon=True)
+        self.pid, self.period_s = pid, period_s
+        self._done = threading.Event()
+        self.peak_total, self.peak_by_name = 0, {}
+
+    def sample(self) -> int:
+        by_name: dict[str, int] = {}
+        for p in descendants(self.pid):
+            name = process_name(p)
+            by_name[name] = by_name.get(name, 0) + pss_bytes(p)
+        total = sum(by_name.values())
+        if total > self.peak_total:
+            self.peak_total, self.peak_by_name = total, by_name
+        return total
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.sample()
+            time.sleep(self.period_s)
+
+    def stop(self) -> dict:
+        self._done.set()
+        self.join(5)
+        gib = 1 << 30
+        return {"peak_gib": round(self.peak_total / gib, 2),
+                "peak_by_process_gib": {k: round(v / gib, 2) for k, v in sorted(self.peak_by_name.items())}}
