@@ -44,6 +44,10 @@ log = logging.getLogger("fermoe.coordinator")
 # between prompt chunks, which take seconds on a big model on a small machine.
 WORKER_TIMEOUT_S = 60.0
 MAX_ATTEMPTS = 3
+# Slots a decoding sequence starts with for its snapshots: one for each block boundary
+# its max_tokens can cross and one for where it ends, at most DECODE_SLOTS; each boundary
+# snapshot adopted is replaced at once, so a long generation always has one ahead.
+DECODE_SLOTS = 4
 
 
 class Coordinator:
@@ -311,6 +315,7 @@ class Coordinator:
         if req.skip:
             req.skip -= 1                        # a replay re-samples what was already sent
             return
+        req.generated.append(msg.token)
         if msg.token in self.tokenizer.eos_ids and not req.msg.ignore_eos:
             return
         text = req.stream.feed(msg.token)
@@ -322,16 +327,44 @@ class Coordinator:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
             return
+        if msg.slot in req.decode_slots:
+            self._adopt_decode_snapshot(wid, req, msg, data)
+            return
         for planned in list(req.planned):
             if planned.slot != msg.slot:
                 continue
-            if not self.workers[wid].arena:             # the snapshot came as a frame: into its slot
-                if len(data) != 1 or len(data[0]) != self.arena.slot_bytes:
-                    log.error("worker %s sent snapshot %d without its %d bytes", wid, msg.slot, self.arena.slot_bytes)
-                    return
-                self.arena.slot(msg.slot)[:] = data[0]
+            if not self._slot_from(wid, msg.slot, data):
+                return
             self.index.commit(planned)
             req.planned.remove(planned)
+
+    def _adopt_decode_snapshot(self, wid: str, req: Request, msg: P.SnapshotWritten, data: list) -> None:
+        """A snapshot taken while decoding, at msg.position: cached under the tokens the
+        sequence holds there (every one of them came in a Sampled before this); a block
+        boundary's slot is replaced, for the next one."""
+        req.decode_slots.remove(msg.slot)
+        tokens = req.tokens + req.generated
+        if not len(req.tokens) < msg.position <= len(tokens) or not self._slot_from(wid, msg.slot, data):
+            log.error("worker %s: decode snapshot at %d of request %s does not match its %d tokens",
+                      wid, msg.position, req.rid, len(tokens))
+            self.index.unreserve([msg.slot])
+            return
+        self.index.adopt(msg.slot, tokens[:msg.position])
+        if msg.position % self.opts.block == 0:
+            more = self.index.reserve(1)
+            if more:
+                req.decode_slots += more
+                self.send_worker(wid, P.DecodeSlots(request_id=req.rid, slots=more))
+
+    def _slot_from(self, wid: str, slot: int, data: list) -> bool:
+        """A snapshot from a worker without the arena comes as a frame: into its slot."""
+        if self.workers[wid].arena:
+            return True
+        if len(data) != 1 or len(data[0]) != self.arena.slot_bytes:
+            log.error("worker %s sent snapshot %d without its %d bytes", wid, slot, self.arena.slot_bytes)
+            return False
+        self.arena.slot(slot)[:] = data[0]
+        return True
 
     def handle_finished(self, wid: str, msg: P.Finished, data=()) -> None:
         req = self.requests.get(msg.request_id)
@@ -374,6 +407,9 @@ class Coordinator:
         if not replay:
             req.cached_tokens = resume.position if resume else 0
         req.planned = self.index.plan(req.tokens, resume.position if resume else 0) if cache else []
+        asked = req.msg.max_tokens
+        wanted = DECODE_SLOTS if asked is None else min(DECODE_SLOTS, asked // self.opts.block + 2)
+        req.decode_slots = self.index.reserve(wanted) if cache and asked != 0 else []
         if req.prefill_device != "gpu":
             req.prefill_device = "cpu" if not resume or resume.position < len(req.tokens) else None
         req.worker, req.attempts, req.phase = wid, req.attempts + 1, Phase.RUNNING
@@ -390,7 +426,7 @@ class Coordinator:
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
-            sampling=req.sampling, ignore_eos=m.ignore_eos), data)
+            sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Free everything the request holds, log it and tell the client (unless it is gone)."""

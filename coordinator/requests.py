@@ -34,6 +34,8 @@ class Request:
     planned: list = field(default_factory=list)    # snapshot slots being written for it
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
     sent: int = 0                    # tokens streamed to the client
+    generated: list = field(default_factory=list)  # every token sampled for it, end-of-generation ones too
+    decode_slots: list = field(default_factory=list)   # reserved for its worker's decode snapshots
     skip: int = 0                    # tokens a replaying worker will re-sample before new ones
     attempts: int = 0
     # Timings of the current attempt, kept here so that every finish reason (a stop string
@@ -66,6 +68,8 @@ class Request:
         for planned in self.planned:
             index.abort(planned)
         self.planned = []
+        index.unreserve(self.decode_slots)
+        self.decode_slots = []
 
     def timings(self, now: float) -> tuple[float, float]:
         """(prefill_ms, decode_tok_s) of the current attempt: the worker's prefill time (the

@@ -23,8 +23,13 @@ when p is not aligned, the end entry at p, whose recurrent state is the one to l
 Life of a slot:
     free --plan--> planned (pinned, invisible to lookup) --commit--> cached (LRU)
                       \\--abort--> free
+    free --reserve--> reserved (a decoding sequence's, key unknown) --adopt--> cached
+                      \\--unreserve--> free
     cached --lookup--> pinned by a Resume --release--> cached, most recent
     cached, unpinned --evicted by plan--> removed from the index, then re-planned
+A decoding sequence's snapshots are taken where its tokens are not known in advance
+(block boundaries while it decodes, its final state): the worker gets slots to write,
+and the coordinator adopts each written one under the key of the tokens it then holds.
 An entry leaves the index before its slot is handed out again, and pinned or
 planned slots are never evicted, so a lookup can never return a reused slot.
 
@@ -125,6 +130,7 @@ class SnapshotIndex:
         self._resumes: dict[int, Resume] = {}
         self._tickets = itertools.count(1)
         self._free = list(range(n_slots - 1, -1, -1))   # pop() hands out slot 0 first
+        self._reserved: set[int] = set()                 # handed to a decoding sequence, not yet written
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, skipped=0, replays=0, replay_hit_tokens=0)
 
     # ---- keys ----------------------------------------------------------------
@@ -273,6 +279,41 @@ class SnapshotIndex:
             self._lru.add(k, self._tier(k))
         return planned
 
+    def reserve(self, n: int) -> list[int]:
+        """Up to n slots for a decoding sequence's snapshots (evicting as plan() does)."""
+        slots = []
+        while len(slots) < n and (slot := self._take_slot()) is not None:
+            slots.append(slot)
+        self._reserved.update(slots)
+        return slots
+
+    def unreserve(self, slots: Iterable[int]) -> None:
+        """Reserved slots not written after all: free again."""
+        for slot in slots:
+            self._reserved.remove(slot)
+            self._free.append(slot)
+
+    def adopt(self, slot: int, tokens) -> bool:
+        """A reserved slot now holds the snapshot at the end of `tokens`: cache it under their
+        key (a block entry on a block boundary, else an end entry). False, and the slot
+        freed, if that key is cached or being written already."""
+        self._reserved.remove(slot)
+        data = token_bytes(tokens)
+        n = len(data) // 4
+        keys = self._chain(data)
+        if n % self.block == 0:
+            key, parent = keys[-1], keys[-2] if len(keys) >= 2 else None
+        else:
+            key, parent = self._end(keys[-1] if keys else b"", data, len(keys) * self.block, n), \
+                (keys[-1] if keys else None)
+        if n == 0 or key in self._entries or key in self._planned:
+            self._free.append(slot)
+            return False
+        p = Planned(key, slot, n, parent)
+        self._planned[key] = self._planned_slots[slot] = p
+        self.commit(p)
+        return True
+
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
@@ -345,12 +386,13 @@ class SnapshotIndex:
     # ---- reporting -----------------------------------------------------------
     def stats(self) -> dict[str, int]:
         return dict(slots=self.n_slots, block=self.block, entries=len(self._entries),
-                    free_slots=len(self._free), pinned=len(self._pins) + len(self._planned),
+                    free_slots=len(self._free), pinned=len(self._pins) + len(self._planned) + len(self._reserved),
                     writing=len(self._planned), **self._counts)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
-        slots = [e.slot for e in self._entries.values()] + [p.slot for p in self._planned.values()]
+        slots = ([e.slot for e in self._entries.values()] + [p.slot for p in self._planned.values()]
+                 + sorted(self._reserved))
         assert len(slots) + len(self._free) == self.n_slots, "slots lost or duplicated"
         assert len(set(slots) | set(self._free)) == self.n_slots, "a slot is used twice"
         assert all(0 <= s < self.n_slots for s in slots + self._free)

@@ -51,6 +51,8 @@ class Sequence:
     state: SequenceState
     params: SamplingParams
     pending: list = field(default_factory=list)    # SnapshotRefs still to write, in position order
+    decode_slots: list = field(default_factory=list)   # for snapshots while decoding (Assign.decode_slots)
+    decode_gap: bool = False     # a block boundary passed without a slot: later decode snapshots are useless
     decoder: Decoder | None = None
     prefill_ms: float = 0.0
     decode_s: float = 0.0
@@ -67,7 +69,8 @@ class CPUWorker:
                                  experts=attach_experts(shared_experts, self.model))
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
-        self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
+        self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
+                         P.DecodeSlots: self.handle_decode_slots}
         self.sequences: dict[str, Sequence] = {}
         self._spare: list[bytearray] = []          # recurrent buffers of finished sequences
         self.running = True
@@ -114,7 +117,8 @@ class CPUWorker:
                                       self.engine.kv_cache_dtype, self._spare.pop() if self._spare else None)
         else:
             state = self.engine.new_state()
-        return Sequence(msg, state, msg.sampling, sorted(msg.snapshots, key=lambda s: s.position))
+        return Sequence(msg, state, msg.sampling, sorted(msg.snapshots, key=lambda s: s.position),
+                        decode_slots=list(msg.decode_slots))
 
     def work_round(self) -> None:
         """One forward pass: a token for each decoding sequence, then prompt chunks."""
@@ -126,6 +130,7 @@ class CPUWorker:
                 batch.append((rid, seq, seq.decoder.history[-1:]))
             else:
                 self.sequences.pop(rid, None)
+                self.guarded(rid, seq, self.write_final_snapshot)
                 self.finish(rid, seq, seq.decoder.finish_reason)
         budget = min(DECODING_PASS_TOKENS if batch else PASS_TOKENS, getattr(self.engine, "max_batch", PASS_TOKENS))
         budget = max(budget - len(batch), MIN_PROMPT_TOKENS)
@@ -154,9 +159,32 @@ class CPUWorker:
             if seq.decoder is not None:
                 seq.decoder.logits = row
                 seq.decode_s += elapsed
+                if seq.decode_slots and seq.state.position % self.link.block == 0:
+                    self.guarded(rid, seq, self.write_boundary_snapshot)
             else:
                 seq.prefill_ms += 1000 * elapsed
                 self.guarded(rid, seq, self.write_snapshots)
+
+    def write_boundary_snapshot(self, rid: str, seq: Sequence) -> None:
+        """At a block boundary while decoding: a snapshot into a decode slot, keeping one
+        for the final state; without a spare slot the chain has a gap, and no later decode
+        snapshot could be resumed from."""
+        if len(seq.decode_slots) < 2 or seq.decode_gap:
+            seq.decode_gap = True
+            return
+        self.link.write_snapshot(rid, seq.decode_slots.pop(0), seq.state, seq.state.position)
+
+    def write_final_snapshot(self, rid: str, seq: Sequence) -> None:
+        """Where the generation ended (not on a boundary, written already): the next chat
+        turn, which appends to this one, resumes here."""
+        pos = seq.state.position
+        if seq.decode_slots and not seq.decode_gap and pos > len(seq.msg.tokens) and pos % self.link.block:
+            self.link.write_snapshot(rid, seq.decode_slots.pop(0), seq.state, pos)
+
+    def handle_decode_slots(self, msg: P.DecodeSlots, data=()) -> None:
+        seq = self.sequences.get(msg.request_id)
+        if seq is not None:
+            seq.decode_slots += msg.slots
 
     def guarded(self, rid: str, seq: Sequence, step) -> bool:
         """step(rid, seq); a failure ends that sequence with an error, never the worker."""

@@ -174,6 +174,10 @@ class Assign(_Msg, tag="assign"):
     max_tokens: int
     sampling: SamplingParams            # its seed always set (the coordinator's draw if the client gave none)
     ignore_eos: bool = False
+    # Slots for snapshots while decoding, taken in order: at each block boundary the
+    # generation crosses (while one more slot is left) and of the final state when it ends
+    # (an end-of-generation token or max_tokens): the next chat turn resumes after them.
+    decode_slots: list[int] = []
 
 
 class Stop(_Msg, tag="stop"):
@@ -194,9 +198,18 @@ class Sampled(_Msg, tag="sampled"):
 
 
 class SnapshotWritten(_Msg, tag="snapshot_written"):
-    """worker -> coordinator: a planned snapshot slot now holds the state at its position."""
+    """worker -> coordinator: a planned snapshot slot now holds the state at its position;
+    a decode slot (Assign.decode_slots) the state at `position`."""
     request_id: str
     slot: int
+    position: int = -1                  # of a decode slot's snapshot (a planned one's is known)
+
+
+class DecodeSlots(_Msg, tag="decode_slots"):
+    """coordinator -> worker: more slots for a running sequence's decode snapshots (one
+    comes for each block-boundary snapshot written into an earlier one)."""
+    request_id: str
+    slots: list[int]
 
 
 class Finished(_Msg, tag="finished"):
@@ -240,7 +253,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
 CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
-TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown]
+TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots]
 FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
 
 _encoder = msgspec.msgpack.Encoder()

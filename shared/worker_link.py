@@ -164,20 +164,20 @@ class WorkerLink:
         arena a buffer of a slot's size that snapshot_written() sends."""
         return self.arena.slot(slot) if self.arena is not None else bytearray(self.slot_bytes)
 
-    def snapshot_written(self, request_id: str, slot: int, buffer) -> None:
-        """SnapshotWritten for a buffer from snapshot_buffer(slot), now holding the snapshot;
-        without the arena the snapshot rides as a frame after it."""
-        written = P.SnapshotWritten(request_id=request_id, slot=slot)
+    def snapshot_written(self, request_id: str, slot: int, buffer, position: int = -1) -> None:
+        """SnapshotWritten for a buffer from snapshot_buffer(slot), now holding the snapshot
+        (at `position`, for a decode slot); without the arena it rides as a frame after it."""
+        written = P.SnapshotWritten(request_id=request_id, slot=slot, position=position)
         if self.arena is not None:
             self.send(written)
         else:
             self.send(written, buffer)
 
-    def write_snapshot(self, request_id: str, slot: int, state: SequenceState) -> None:
+    def write_snapshot(self, request_id: str, slot: int, state: SequenceState, position: int = -1) -> None:
         """The state into snapshot `slot` (its recurrent part and its last block's KV)."""
         buffer = self.snapshot_buffer(slot)
         write_snapshot(state, buffer, self.block)
-        self.snapshot_written(request_id, slot, buffer)
+        self.snapshot_written(request_id, slot, buffer, position)
 
     def close(self) -> None:
         try:

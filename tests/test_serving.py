@@ -59,6 +59,25 @@ def test_repeated_and_extended_prompts_use_the_cache(daemon, tiny_q4_path):
     assert ext_text == local(tiny_q4_path, longer, 12, seed=3)
 
 
+@pytest.mark.parametrize("generated", [13, 12, 30])
+def test_the_next_turn_resumes_after_the_previous_generation(daemon, tiny_q4_path, generated):
+    """Snapshots are written while decoding (at block boundaries) and where the generation
+    ends, so a prompt that appends to prompt + answer prefills only what it appended: 13
+    generated tokens end between blocks, 12 on a boundary (its block snapshot serves), 30
+    cross more boundaries than the slots a sequence starts with."""
+    with Client(daemon.addr, timeout_s=120) as c:
+        prompt = [5 + (11 * i) % 300 for i in range(21)]
+        msgs = list(c.generate(tokens=prompt, max_tokens=generated, ignore_eos=True, seed=generated))
+        answer = streamed_ids(msgs)
+        assert len(answer) == generated
+        turn2 = prompt + answer + [7, 8, 9, 10, 11]
+        msgs = list(c.generate(tokens=turn2, max_tokens=4, ignore_eos=True, seed=1))
+    done = msgs[-1]
+    # the last token sampled is never fed: the state ends one short of prompt + answer
+    assert done.cached_prompt_tokens == len(prompt) + generated - 1
+    assert streamed_ids(msgs) == local_ids(tiny_q4_path, turn2, 4, seed=1)
+
+
 def test_concurrent_clients(daemon, tiny_q4_path):
     prompts = [f"Client number {i} asks about snapshots" for i in range(4)]
     results = {}
@@ -246,6 +265,14 @@ def _snapshots_planned(n_tokens: int, start: int) -> int:
     return n_tokens // BLOCK - start // BLOCK + (n_tokens % BLOCK > 0 and n_tokens > start)
 
 
+def _snapshots_decoded(n_prompt: int, generated: int) -> int:
+    """What decoding `generated` tokens after a prompt writes: a snapshot at each block
+    boundary the state passes (it ends one short: the last token is never fed) and one
+    where it ends if that is not one."""
+    end = n_prompt + generated - 1
+    return end // BLOCK - n_prompt // BLOCK + (end % BLOCK > 0)
+
+
 def test_done_timings_and_snapshot_counters_make_sense(daemon, tiny_q4_path):
     """A cold prompt, the same again (resumed whole: no prefill at all), then extended
     (resumed at the end of the shorter one): Done's counts against what was streamed and
@@ -256,8 +283,10 @@ def test_done_timings_and_snapshot_counters_make_sense(daemon, tiny_q4_path):
     longer = prompt + encode(" Then longer by a few more words.")
     n = 12
     # (prompt, tokens resumed, snapshots written, hits, misses)
-    plan = [(prompt, 0, _snapshots_planned(len(prompt), 0), 0, 1), (prompt, len(prompt), 0, 1, 0),
-            (longer, len(prompt), _snapshots_planned(len(longer), len(prompt)), 1, 0)]
+    plan = [(prompt, 0, _snapshots_planned(len(prompt), 0) + _snapshots_decoded(len(prompt), n), 0, 1),
+            (prompt, len(prompt), 0, 1, 0),           # the same tokens again: every snapshot there already
+            (longer, len(prompt), _snapshots_planned(len(longer), len(prompt)) + _snapshots_decoded(len(longer), n),
+             1, 0)]
     with Client(daemon.addr, timeout_s=120) as c:
         counters = [c.status().snapshots]
         for tokens, cached, written, hits, misses in plan:

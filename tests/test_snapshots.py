@@ -519,3 +519,29 @@ def test_remove_stale_reclaims_dead_creators_only():
         removed = SnapshotArena.remove_stale("fermoetest")
         assert stale in removed and live.name not in removed
         assert shm_exists(live.name) and not shm_exists(stale)
+
+
+def test_decode_snapshots_are_adopted_under_the_tokens_they_hold():
+    """Slots reserved for a decoding sequence: each one written is cached under the key of
+    the tokens there (block or end entry); a duplicate frees its slot; unwritten ones
+    come back."""
+    idx = SnapshotIndex(n_slots=6, block=4)
+    tokens = list(range(1, 20))
+    idx.commit(idx.plan(tokens[:6], 0))                 # a prompt of 6: block 4 and end 6
+    slots = idx.reserve(4)
+    assert len(slots) == 4 and idx.stats()["free_slots"] == 0
+    idx.check_invariants()
+    assert idx.adopt(slots[0], tokens[:8])               # a block boundary while decoding
+    assert idx.adopt(slots[1], tokens[:11])              # where it ended
+    assert not idx.adopt(slots[2], tokens[:8])           # written again (a replay): the slot is free
+    idx.unreserve(slots[3:])
+    idx.check_invariants()
+    assert idx.cached(tokens[:11] + [99, 98]) == 11 and idx.stats()["free_slots"] == 2
+    resume = idx.lookup(tokens[:11] + [99])
+    assert [e.position for e in resume.entries] == [4, 8, 11]
+    idx.release(resume)
+    with pytest.raises(KeyError):
+        idx.unreserve([slots[0]])                          # adopted: no longer reserved
+    more = idx.reserve(10)                                 # the free slots, then every unpinned entry evicted
+    assert len(more) == 6 and idx.stats()["entries"] == 0
+    idx.check_invariants()
