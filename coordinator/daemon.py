@@ -28,6 +28,7 @@ import zmq
 from shared import protocol as P
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
+from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
 from shared.state import snapshot_nbytes
 from shared.synth import has_random_weights, random_weights_notice
@@ -189,6 +190,8 @@ class Coordinator:
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
             tokens = self._prompt_tokens(msg)              # (msg.sampling was checked as it was decoded)
+            if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
+                raise FermoeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or null: none), got {msg.logprobs}")
             if msg.max_tokens is not None and msg.max_tokens < 0:
                 raise FermoeError(f"max_tokens must be >= 0 (or null: until the end of the context), "
                                   f"got {msg.max_tokens}")
@@ -320,7 +323,9 @@ class Coordinator:
             return
         text = req.stream.feed(msg.token)
         req.sent += 1
-        if self.reply(req.client, P.Token(request_id=req.rid, token=msg.token, text=text)) and req.stream.stopped:
+        token = P.Token(request_id=req.rid, token=msg.token, text=text, logprob=msg.logprob,
+                        top_logprobs=msg.top_logprobs)
+        if self.reply(req.client, token) and req.stream.stopped:
             self.end(req, "stop")
 
     def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten, data: list = ()) -> None:
@@ -426,7 +431,7 @@ class Coordinator:
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
-            sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots), data)
+            sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Free everything the request holds, log it and tell the client (unless it is gone)."""

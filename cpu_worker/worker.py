@@ -202,10 +202,13 @@ class CPUWorker:
         if first:
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
             seq.decoder = Decoder(self.engine, seq.state, seq.state.logits.copy(), seq.msg.tokens, seq.params,
-                                  seq.msg.max_tokens, stop_ids)
+                                  seq.msg.max_tokens, stop_ids, logprobs=seq.msg.logprobs)
         if seq.decoder.finish_reason is None:
             token = seq.decoder.sample()
-            self.send(P.Sampled(request_id=rid, token=token, prefill_ms=seq.prefill_ms if first else None))
+            logprob, top = seq.decoder.last_logprobs or (None, None)
+            self.send(P.Sampled(request_id=rid, token=token, prefill_ms=seq.prefill_ms if first else None,
+                                logprob=logprob, top_logprobs=None if top is None else
+                                [P.TokenLogprob(token=t, logprob=lp) for t, lp in top]))
 
     def write_snapshots(self, rid: str, seq: Sequence) -> None:
         """Every planned snapshot at the position the prompt has reached."""

@@ -7,7 +7,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import FermoeError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, logprobs_of
 
 
 class Decoder:
@@ -18,8 +18,11 @@ class Decoder:
     context has no room left to run (that token is still returned)."""
 
     def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int | None,
-                 stop_ids=frozenset()):
+                 stop_ids=frozenset(), logprobs: int | None = None):
+        """logprobs: None, or how many most likely tokens to report beside each sampled
+        one's log-probability (`last_logprobs` after each sample())."""
         self.engine, self.state, self.logits = engine, state, logits
+        self.logprobs, self.last_logprobs = logprobs, None
         self.history = list(history)
         self.sampler = Sampler(params)
         self.remaining = float("inf") if max_tokens is None else max_tokens
@@ -36,6 +39,8 @@ class Decoder:
         """The next token, without running it: unless that finished the sequence, its
         logits must come next (step() runs it alone; a worker runs several in one pass)."""
         token = self.sampler.sample(self.logits, self.history)
+        if self.logprobs is not None:
+            self.last_logprobs = logprobs_of(self.logits, token, self.logprobs)
         self.history.append(token)
         self.remaining -= 1
         if token in self.stop_ids:

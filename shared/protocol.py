@@ -49,6 +49,7 @@ class Generate(_Msg, tag="generate"):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stop: list[str] = []
     ignore_eos: bool = False            # as vLLM's ignore_eos: end-of-generation tokens are streamed, not obeyed
+    logprobs: int | None = None         # None: none; n in [0, 20]: each token's and the n most likely ones
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -60,11 +61,20 @@ class Status(_Msg, tag="status"):
     """client -> coordinator: ask for a StatusReply."""
 
 
+class TokenLogprob(msgspec.Struct, forbid_unknown_fields=True):
+    token: int
+    logprob: float
+
+
 class Token(_Msg, tag="token"):
-    """coordinator -> client: one generated token and the text it completes (may be "")."""
+    """coordinator -> client: one generated token and the text it completes (may be "");
+    with Generate.logprobs, its log-probability and the most likely tokens' (the model's
+    distribution, before sampling modifiers)."""
     request_id: str
     token: int
     text: str
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 class Done(_Msg, tag="done"):
@@ -178,6 +188,7 @@ class Assign(_Msg, tag="assign"):
     # generation crosses (while one more slot is left) and of the final state when it ends
     # (an end-of-generation token or max_tokens): the next chat turn resumes after them.
     decode_slots: list[int] = []
+    logprobs: int | None = None         # as in Generate
 
 
 class Stop(_Msg, tag="stop"):
@@ -195,6 +206,8 @@ class Sampled(_Msg, tag="sampled"):
     request_id: str
     token: int
     prefill_ms: float | None = None
+    logprob: float | None = None        # with Assign.logprobs, as in Token
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 class SnapshotWritten(_Msg, tag="snapshot_written"):

@@ -86,6 +86,20 @@ def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
     return cand[np.lexsort((cand, -logits[cand]))[:k]]
 
 
+MAX_TOP_LOGPROBS = 20           # OpenAI's limit on top_logprobs
+
+
+def logprobs_of(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """(the log-probability of `token`, the `top` most likely tokens with theirs, most likely
+    first) under the model's own distribution: the softmax of the logits before any
+    sampling modifier (penalties, temperature, top-k/p, min-p), as vLLM reports them."""
+    logits = np.asarray(logits, np.float32)
+    m = float(logits.max())
+    lse = m + float(np.log(np.sum(np.exp(logits - m), dtype=np.float64)))
+    best = top_k_order(logits, top) if top else np.empty(0, np.int64)
+    return float(logits[token]) - lse, [(int(t), float(logits[t]) - lse) for t in best]
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params

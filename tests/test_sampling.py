@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shared.errors import FermoeError
-from shared.sampling import SAMPLE_STRIDE, Sampler, SamplingParams, top_k_order
+from shared.sampling import SAMPLE_STRIDE, Sampler, SamplingParams, logprobs_of, top_k_order
 
 OPEN = dict(top_k=0, top_p=1.0, min_p=0.0)          # every filter off
 
@@ -94,3 +94,15 @@ def test_bad_parameters_are_refused():
         Sampler(SamplingParams(top_p=0.0))
     with pytest.raises(FermoeError, match="repeat_penalty"):
         Sampler(SamplingParams(repeat_penalty=0.0))
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits():
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal(5000) * 3).astype(np.float32)
+    want = logits.astype(np.float64) - np.log(np.sum(np.exp(logits.astype(np.float64))))
+    lp, top = logprobs_of(logits, 123, 5)
+    assert lp == pytest.approx(want[123], abs=1e-5)
+    order = np.argsort(-want)[:5]
+    assert [t for t, _ in top] == order.tolist()
+    assert [v for _, v in top] == pytest.approx(want[order].tolist(), abs=1e-5)
+    assert logprobs_of(logits, 0, 0)[1] == []

@@ -78,6 +78,33 @@ def test_the_next_turn_resumes_after_the_previous_generation(daemon, tiny_q4_pat
     assert streamed_ids(msgs) == local_ids(tiny_q4_path, turn2, 4, seed=1)
 
 
+def test_logprobs_are_the_models_before_sampling_modifiers(daemon, tiny_q4_path):
+    """Each streamed token carries its log-probability and the n most likely tokens', from
+    the logits as the model gives them (temperature and the rest left out): the values a
+    local decode of the same tokens computes."""
+    from cpu_worker.native_engine import NativeEngine
+    from shared.sampling import logprobs_of
+    prompt = [5 + (13 * i) % 300 for i in range(17)]
+    with Client(daemon.addr, timeout_s=120) as c:
+        msgs = list(c.generate(tokens=prompt, max_tokens=6, ignore_eos=True, seed=4, temperature=1.5, logprobs=3))
+        with pytest.raises(FermoeError, match=r"logprobs must be in \[0, 20\]"):
+            list(c.generate(tokens=prompt, max_tokens=1, logprobs=21))
+    tokens = [m for m in msgs if isinstance(m, P.Token) and m.token >= 0]
+    engine = NativeEngine(Model(str(tiny_q4_path)), threads=1)
+    try:
+        state = engine.new_state()
+        logits = engine.forward(prompt, state, all_logits=False)[-1]
+        for m in tokens:
+            want, top = logprobs_of(logits, m.token, 3)
+            assert m.logprob == pytest.approx(want, abs=1e-5) and m.logprob <= 0
+            assert [t.token for t in m.top_logprobs] == [t for t, _ in top]
+            assert [t.logprob for t in m.top_logprobs] == pytest.approx([v for _, v in top], abs=1e-5)
+            logits = engine.forward([m.token], state, all_logits=False)[-1]
+    finally:
+        engine.close()
+    assert len(tokens) == 6
+
+
 def test_concurrent_clients(daemon, tiny_q4_path):
     prompts = [f"Client number {i} asks about snapshots" for i in range(4)]
     results = {}
