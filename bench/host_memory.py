@@ -1,7 +1,8 @@
 """The host memory a process tree holds: the sum of its processes' proportional set
 sizes (Pss, /proc/PID/smaps_rollup), which counts a page mapped by several of them
 once in all (the model's page cache, a shared-memory segment, page-locked buffers),
-sampled in a thread while a benchmark runs."""
+sampled in a thread while a benchmark runs. At the peak it is also split by what the
+pages are (/proc/PID/smaps): the files mapped, each shared-memory segment, the rest."""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,25 @@ def process_name(pid: int) -> str:
     return os.path.basename(argv[0].decode(errors="replace"))
 
 
+def pss_by_mapping(pid: int) -> dict[str, int]:
+    """Pss by what is mapped: a file's path, a /dev/shm segment's name, or "anonymous"
+    (heaps, page-locked buffers, the CUDA driver's)."""
+    out: dict[str, int] = {}
+    name = "anonymous"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if len(head) >= 5 and "-" in head[0] and not line.endswith(":\n") and ":" not in head[0]:
+                    path = head[5].strip() if len(head) == 6 else ""
+                    name = path if path.startswith("/") else "anonymous"
+                elif line.startswith("Pss:"):
+                    out[name] = out.get(name, 0) + int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 class TreeMemory(threading.Thread):
     """Samples the tree under `pid` every `period_s` until stop(); peak() is the largest
     sum seen, with each kind of process's share at that moment."""
@@ -60,7 +80,7 @@ class TreeMemory(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.period_s = pid, period_s
         self._done = threading.Event()
-        self.peak_total, self.peak_by_name = 0, {}
+        self.peak_total, self.peak_by_name, self.peak_by_mapping = 0, {}, {}
 
     def sample(self) -> int:
         by_name: dict[str, int] = {}
@@ -70,6 +90,11 @@ class TreeMemory(threading.Thread):
         total = sum(by_name.values())
         if total > self.peak_total:
             self.peak_total, self.peak_by_name = total, by_name
+            by_mapping: dict[str, int] = {}
+            for p in descendants(self.pid):
+                for k, v in pss_by_mapping(p).items():
+                    by_mapping[k] = by_mapping.get(k, 0) + v
+            self.peak_by_mapping = by_mapping
         return total
 
     def run(self) -> None:
@@ -79,7 +104,12 @@ class TreeMemory(threading.Thread):
 
     def stop(self) -> dict:
         self._done.set()
-        self.join(5)
+        if self.is_alive():
+            self.join(5)
         gib = 1 << 30
+        large = {k: v for k, v in self.peak_by_mapping.items() if v >= 64 << 20}
+        rest = sum(self.peak_by_mapping.values()) - sum(large.values())
         return {"peak_gib": round(self.peak_total / gib, 2),
-                "peak_by_process_gib": {k: round(v / gib, 2) for k, v in sorted(self.peak_by_name.items())}}
+                "peak_by_process_gib": {k: round(v / gib, 2) for k, v in sorted(self.peak_by_name.items())},
+                "peak_by_mapping_gib": {**{k: round(v / gib, 2) for k, v in sorted(large.items())},
+                                        "other": round(rest / gib, 2)}}

@@ -118,8 +118,9 @@ class Coordinator:
         self.arena = SnapshotArena.create(slot, n_slots) if n_slots else None
         how = (f"default: {self.opts.snapshot_mem_default}" if self.opts.snapshot_mem_default
                else "--snapshot-mem")
-        log.info("snapshot store: %d slots of %.1f MiB, block %d: %.1f MiB of /dev/shm (%s)",
-                 n_slots, slot / 2**20, self.opts.block, n_slots * slot / 2**20, how)
+        log.info("snapshot store: %d slots of %.1f MiB, block %d: %.1f MiB of /dev/shm%s (%s)",
+                 n_slots, slot / 2**20, self.opts.block, n_slots * slot / 2**20,
+                 f" ({self.arena.name})" if self.arena else "", how)
 
     def _share_experts(self, why_not: str | None):
         """The experts packed into shared memory for every worker, so that a GPU worker's
