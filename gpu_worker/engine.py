@@ -392,6 +392,7 @@ class GPUEngine:
             if self.ws is not None:
                 self.ws.free()
             self.ws = Workspace(self.device, cfg, ws_tokens, n_chunks)
+            self.ops.split_scratch = self.ws.splitk
         if positions != self.kv_positions:
             for buf in self.Kc + self.Vc:
                 buf.free()

@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tile_rows, moe_useful_fraction
+from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tile_rows, moe_useful_fraction, split_k
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
@@ -131,6 +131,39 @@ def test_gemm_every_tile_height(ops, kind, bm):
     close(C.download(), C0 + (R.silu(A[:, :K]) * A[:, K:]) @ W.T)
 
 
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("bm, splits, K", [(32, 3, 160), (64, 2, 96), (128, 4, 320)])
+def test_gemm_split_k(ops, kind, bm, splits, K):
+    """K cut into parts (the last one short), each part's partial sums summed in order
+    into C: plain, then the SwiGLU down projection with accumulate."""
+    rng = np.random.default_rng(bm + K)
+    M, N = 45, 139
+    raw, W = quantized(rng, (N, K), kind)
+    A = rng.standard_normal((M, 2 * K)).astype(np.float32)
+    C0 = rng.standard_normal((M, N)).astype(np.float32)
+    C = empty(ops, (M, N))
+    ops.split_scratch = empty(ops, (splits * M * N,))
+    try:
+        ops.gemm(C, dev(ops, A[:, :K]), dev(ops, raw), M, N, K, kind, bm=bm, splits=splits)
+        close(C.download(), A[:, :K] @ W.T)
+        C.upload(C0)
+        ops.gemm(C, dev(ops, A), dev(ops, raw), M, N, K, kind, accumulate=True, swiglu=True, bm=bm, splits=splits)
+        close(C.download(), C0 + (R.silu(A[:, :K]) * A[:, K:]) @ W.T)
+    finally:
+        ops.split_scratch = None
+
+
+def test_split_k_fills_the_sms_within_the_scratch():
+    """A grid short of two blocks an SM is split until it has them, each part keeping 16
+    steps of K; a full grid, a short K or a small scratch is not split."""
+    assert split_k(947, 128, 2048, 32, 132, 1 << 22) == 8          # the router: 30 tiles
+    assert split_k(947, 512, 2048, 32, 132, 1 << 22) == 2          # attention's K: 120 tiles
+    assert split_k(947, 2048, 512, 128, 132, 1 << 22) == 2         # shared expert's down: K of 2 x 16 steps
+    assert split_k(947, 8192, 2048, 128, 132, 1 << 22) == 1        # 512 tiles
+    assert split_k(947, 128, 256, 32, 132, 1 << 22) == 1           # 16 steps in all
+    assert split_k(947, 128, 2048, 32, 132, 2 * 947 * 128) == 2    # the scratch holds two parts
+
+
 def test_gemm_refuses_a_tile_height_it_lacks(ops):
     with pytest.raises(LaunchError, match="tiles of 48 rows"):
         ops.gemm(empty(ops, (4, 4)), empty(ops, (4, 32)), empty(ops, (4, 32)), 4, 4, 32, "f32", bm=48)
@@ -148,10 +181,10 @@ def test_dense_tiles_are_picked_by_shape():
 
 
 def test_moe_useful_fraction():
-    """Tiles of 64 rows, warps of 8: 64 + 70 routed rows in tiles 64, 64, 6."""
+    """Tiles of 64 rows (64 x 256: warps of 32 rows): 64 + 70 routed rows in tiles 64, 64, 6."""
     f = moe_useful_fraction([64, 64, 6], 64)
     assert f["of_tiles"] == pytest.approx(134 / 192)
-    assert f["of_computed"] == pytest.approx(134 / 136)
+    assert f["of_computed"] == pytest.approx(134 / 160)
 
 
 # ---- MoE -------------------------------------------------------------------------------------
