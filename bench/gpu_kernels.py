@@ -4,8 +4,9 @@ For each prompt length T (947 and 8192 by default) and each dense projection of 
 model (a preset's real dimensions: the benchmark workload), C [T, N] = A [T, K] W^T
 is timed with Q4_0 weights (what the engine runs: dequantised in the tile) and with
 the same kernels on fp32 weights (so the difference is what the dequantisation
-costs), at the tile height and K split the engine picks (gpu_worker.ops.dense_tile_rows,
-split_k) and at every other tile height (`tiles`: whether the pick is the fastest). The routed experts are
+costs), at the tile height and K split the engine picks (gpu_worker.ops.dense_tiling)
+and at every other tile height, each with its own best split (`tiles`: whether the
+pick is the fastest; `unsplit_q4_0`: the pick without its split). The routed experts are
 timed as the engine runs them: T tokens routed by random logits on the device
 (moe_route, moe_group), then one grouped gate|up launch and one down launch over
 every expert, with the useful fraction of the rows their tiles hold and compute.
@@ -109,16 +110,16 @@ def _rate(flops: float, ms: float, peak: float) -> dict:
 def _dense(ops, timer, shape: dict, T: int, peak: float, rng, sweep: bool) -> dict:
     from gpu_worker.buffers import DeviceArray
     from gpu_worker.kernels import DENSE_BM
-    from gpu_worker.ops import NARROW_COLS, dense_tile_rows, split_k
+    from gpu_worker.ops import NARROW_COLS, dense_tiling
     N, K, swiglu = shape["N"], shape["K"], shape.get("swiglu", False)
     dev = ops.device
     A = DeviceArray.of(dev, rng.standard_normal((T, 2 * K if swiglu else K)).astype(np.float32))
     C = DeviceArray(dev, (T, N))
     flops = 2.0 * T * N * K
     narrow = N <= NARROW_COLS and not swiglu
-    bm = dense_tile_rows(T, N, dev.multiprocessors)
+    bm, splits = dense_tiling(T, N, K, dev.multiprocessors, ops.split_scratch.nbytes // 4)
     out = {"name": shape["name"], "M": T, "N": N, "K": K, "tile_rows": "narrow" if narrow else bm,
-           "k_splits": 1 if narrow else split_k(T, N, K, bm, dev.multiprocessors, ops.split_scratch.nbytes // 4)}
+           "k_splits": 1 if narrow else splits}
     for wtype in ("q4_0", "f32"):
         W = DeviceArray.of(dev, random_weights(N, K, wtype, rng))
         run = lambda bm=None: ops.gemm(C, A, W, T, N, K, wtype, swiglu=swiglu, bm=bm)  # noqa: E731

@@ -12,11 +12,11 @@ from .kernels import DENSE_BM, DENSE_BN, KERNEL_TYPES, MOE_BM, MOE_TILES, Kernel
 # 8 x TM x 16 FMAs, about 16 rows' worth (an instruction count, not a timing).
 TILE_OVERHEAD_ROWS = 16
 NARROW_COLS = 64                             # up to this many columns, the narrow kernel
-# Split K (gemm.cu): while a dense grid has fewer than SPLIT_BLOCKS_PER_SM blocks an SM
-# (the tiles an SM holds at once), K is cut in two, as long as each part keeps
-# MIN_SPLIT_STEPS steps of 16 (its tile's loads before the first FMA and its epilogue
-# stay small beside them) and the partial sums fit the workspace's SPLIT_K_FLOATS.
-SPLIT_BLOCKS_PER_SM = 2
+# The dense tiling's model (dense_tiling): blocks run in waves of WAVE_BLOCKS_PER_SM an SM
+# (the 64-accumulator tiles' registers allow two). K may be split into parts of at least
+# MIN_SPLIT_STEPS steps of 16 (a tile's loads before its first FMA and its epilogue stay
+# small beside them) whose partial sums fit the workspace's SPLIT_K_FLOATS.
+WAVE_BLOCKS_PER_SM = 2
 MIN_SPLIT_STEPS = 16
 SPLIT_K_FLOATS = 1 << 22
 WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
@@ -35,26 +35,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def dense_tile_rows(M: int, N: int, sms: int) -> int:
-    """The dense GEMM's tile rows BM for C [M, N] on `sms` multiprocessors: the smallest
-    modelled time, ceil(blocks / sms) tiles one after another on the busiest SM, each
-    costing BM + TILE_OVERHEAD_ROWS; ties to the larger tile."""
-    def cost(bm):
+def dense_tiling(M: int, N: int, K: int, sms: int, capacity: int, heights=DENSE_BM) -> tuple[int, int]:
+    """Tile rows BM (of `heights`) and parts of K for C [M, N] = A [M, K] W^T on `sms`
+    multiprocessors with `capacity` floats for partial sums: the smallest modelled
+    time, waves of WAVE_BLOCKS_PER_SM blocks an SM, each wave a tile's BM +
+    TILE_OVERHEAD_ROWS rows over its part of K; parts double while the grid stays
+    within one wave, each part keeps MIN_SPLIT_STEPS steps and their sums fit. Ties
+    go to fewer parts, then taller tiles."""
+    best = None
+    for bm in heights:
         blocks = _cdiv(M, bm) * _cdiv(N, DENSE_BN)
-        return _cdiv(blocks, max(1, sms)) * (bm + TILE_OVERHEAD_ROWS), -bm
-    return min(DENSE_BM, key=cost)
-
-
-def split_k(M: int, N: int, K: int, bm: int, sms: int, capacity: int) -> int:
-    """Parts K is split into for C [M, N] in tiles of bm rows (1: no split): doubled
-    while the grid stays within SPLIT_BLOCKS_PER_SM blocks an SM, each part keeps
-    MIN_SPLIT_STEPS steps and the partial sums fit `capacity` floats."""
-    blocks = _cdiv(M, bm) * _cdiv(N, DENSE_BN)
-    most = min(K // (16 * MIN_SPLIT_STEPS), capacity // max(1, M * N))
-    splits = 1
-    while 2 * splits <= most and 2 * splits * blocks <= SPLIT_BLOCKS_PER_SM * sms:
-        splits *= 2
-    return splits
+        splits = 1
+        while True:
+            cost = _cdiv(blocks * splits, WAVE_BLOCKS_PER_SM * max(1, sms)) * (bm + TILE_OVERHEAD_ROWS) * _cdiv(K, splits)
+            best = min(best or (cost, splits, -bm), (cost, splits, -bm))
+            if (2 * splits > K // (16 * MIN_SPLIT_STEPS) or 2 * splits * M * N > capacity
+                    or 2 * splits * blocks > WAVE_BLOCKS_PER_SM * sms):
+                break
+            splits *= 2
+    return -best[2], best[1]
 
 
 def warp_rows(bm: int, bn: int) -> int:
@@ -110,8 +109,8 @@ class Ops:
         """C (+)= A W^T; with `swiglu` A's rows are [gate | up] of K each and the product
         takes silu(gate) * up (an FFN's down projection, its activation fused). `bm`
         forces the tile rows and `splits` the parts K is split into (the benchmark's
-        sweep, the tests); by default dense_tile_rows and split_k pick, splitting only
-        into `split_scratch`."""
+        sweep, the tests); by default dense_tiling picks, splitting only into
+        `split_scratch`."""
         lda, ldc = 2 * K if swiglu else K, N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
@@ -120,12 +119,12 @@ class Ops:
             self.k.gemm(wtype, "gemm_narrow")((_cdiv(M, 8), _cdiv(N, 32)), (256,), self.stream, C, A, W, M, N, K,
                                               lda, ldc, flags)
             return
-        sms = self.device.multiprocessors
-        bm = bm or dense_tile_rows(M, N, sms)
-        _need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
         scratch = self.split_scratch
-        if splits is None:
-            splits = split_k(M, N, K, bm, sms, scratch.nbytes // 4 if scratch is not None else 0)
+        capacity = scratch.nbytes // 4 if scratch is not None else 0
+        picked_bm, picked_splits = dense_tiling(M, N, K, self.device.multiprocessors, capacity,
+                                                (bm,) if bm else DENSE_BM)
+        bm, splits = bm or picked_bm, splits or picked_splits
+        _need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
         ksplit = _cdiv(_cdiv(K, splits), 32) * 32          # whole Q4_0 / Q8_0 blocks a part
         splits = _cdiv(K, ksplit)
         grid = (_cdiv(N, DENSE_BN), _cdiv(M, bm), splits)

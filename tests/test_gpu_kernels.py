@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tile_rows, moe_useful_fraction, split_k
+from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_useful_fraction
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
@@ -153,31 +153,27 @@ def test_gemm_split_k(ops, kind, bm, splits, K):
         ops.split_scratch = None
 
 
-def test_split_k_fills_the_sms_within_the_scratch():
-    """A grid short of two blocks an SM is split until it has them, each part keeping 16
-    steps of K; a full grid, a short K or a small scratch is not split."""
-    assert split_k(947, 128, 2048, 32, 132, 1 << 22) == 8          # the router: 30 tiles
-    assert split_k(947, 512, 2048, 32, 132, 1 << 22) == 2          # attention's K: 120 tiles
-    assert split_k(947, 2048, 512, 128, 132, 1 << 22) == 2         # shared expert's down: K of 2 x 16 steps
-    assert split_k(947, 8192, 2048, 128, 132, 1 << 22) == 1        # 512 tiles
-    assert split_k(947, 128, 256, 32, 132, 1 << 22) == 1           # 16 steps in all
-    assert split_k(947, 128, 2048, 32, 132, 2 * 947 * 128) == 2    # the scratch holds two parts
+def test_dense_tiling_by_shape():
+    """Large outputs take the tallest tile unsplit; a grid short of the SMs' two blocks
+    each is split along K (parts of 16 steps at least) within the scratch, preferring
+    taller tiles cut more; with no scratch, short tiles instead."""
+    big = 1 << 22
+    assert dense_tiling(947, 8192, 2048, 132, big) == (128, 1)
+    assert dense_tiling(8192, 2048, 4096, 132, big) == (128, 1)
+    assert dense_tiling(947, 2048, 4096, 132, big) == (128, 2)        # 128 tiles
+    assert dense_tiling(947, 512, 2048, 132, big) == (128, 8)         # attention's K: 32 tiles
+    assert dense_tiling(947, 2048, 512, 132, big) == (128, 2)         # K of 2 x 16 steps
+    assert dense_tiling(947, 512, 2048, 132, 0) == (32, 1)
+    assert dense_tiling(947, 512, 2048, 132, 2 * 947 * 512)[1] <= 2
+    assert dense_tiling(947, 128, 256, 132, big)[1] == 1              # 16 steps in all
+    for M, N, K in [(61, 1024, 2048), (5, 3000, 64), (1, 248320, 2048)]:
+        bm, splits = dense_tiling(M, N, K, 132, big)
+        assert bm in DENSE_BM and splits * 16 * 16 <= max(K, 256)
 
 
 def test_gemm_refuses_a_tile_height_it_lacks(ops):
     with pytest.raises(LaunchError, match="tiles of 48 rows"):
         ops.gemm(empty(ops, (4, 4)), empty(ops, (4, 32)), empty(ops, (4, 32)), 4, 4, 32, "f32", bm=48)
-
-
-def test_dense_tiles_are_picked_by_shape():
-    """Large outputs take the tallest tile; a few columns take short tiles so that the
-    grid still covers the SMs; each pick is no worse in the model than any other."""
-    assert dense_tile_rows(947, 8192, 132) == 128
-    assert dense_tile_rows(947, 512, 132) == 32
-    assert dense_tile_rows(8192, 2048, 132) == 128
-    for M, N in [(947, 2048), (61, 1024), (8192, 512), (5, 3000)]:
-        bm = dense_tile_rows(M, N, 132)
-        assert bm in DENSE_BM
 
 
 def test_moe_useful_fraction():

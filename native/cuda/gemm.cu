@@ -32,7 +32,8 @@
  * in step s - 1, before that step's barrier). Shared memory: 21 KB (32 x 128) to
  * 42 KB (64 x 256). A's rows are read 16 bytes a thread (4 threads a row's 16 k)
  * when K and lda are multiples of 4 and the tile has 64 rows or more, else a float
- * a thread (16 threads a row); a W row's 16 k are fetched by 256 / BN threads.
+ * a thread (16 threads a row); a W row's 16 k are fetched by 256 / BN threads
+ * (fm_w_row), and Q4_0 / Q8_0 become floats by exponent bits, not conversions.
  *
  * Split K: a dense launch of Z = gridDim.z > 1 splits gives block z the K range
  * [z ksplit, (z + 1) ksplit) (ksplit a multiple of 32) and writes its partial sums
@@ -208,11 +209,19 @@ template <int WT, int KW>
 FM_DEVICE void fm_decode_w(float v[KW], const unsigned r[KW], int k0)
 {
     if (WT == FM_W_Q4_0 || WT == FM_W_Q8_0) {
+        /* 2^23 + q as float bits, less 2^23 + 8 (Q4_0) or, the sign bit flipped, 2^23 + 128
+         * (Q8_0): the exact integer without a conversion instruction */
         float d = fm_fp16_to_fp32((uint16_t)r[0]);
-        int shift = (k0 % FM_QK) & 16 ? 4 : 0;               /* Q4_0: elements 16..31 are the high nibbles */
+        bool high = (k0 % FM_QK) & 16;                       /* Q4_0: elements 16..31 are the high nibbles */
         for (int i = 0; i < KW; i++) {
-            unsigned byte = (r[1 + i / 4] >> (8 * (i % 4))) & 0xffu;
-            v[i] = WT == FM_W_Q4_0 ? (float)((int)((byte >> shift) & 15u) - 8) * d : (float)(int8_t)byte * d;
+            unsigned word = r[1 + i / 4];
+            if (WT == FM_W_Q4_0) {
+                unsigned q = ((high ? word >> 4 : word) >> (8 * (i % 4))) & 15u;
+                v[i] = (fm_bits_float(0x4B000000u | q) - 8388616.0f) * d;
+            } else {
+                unsigned q = ((word >> (8 * (i % 4))) & 0xffu) ^ 0x80u;
+                v[i] = (fm_bits_float(0x4B000000u | q) - 8388736.0f) * d;
+            }
         }
     } else if (WT == FM_W_F16) {
         for (int i = 0; i < KW; i++) v[i] = fm_fp16_to_fp32((uint16_t)r[i]);
@@ -221,15 +230,26 @@ FM_DEVICE void fm_decode_w(float v[KW], const unsigned r[KW], int k0)
     }
 }
 
-/* Thread t holds W row t % BN of the tile, k = KW (t / BN) .. + KW - 1 of the step
- * (a warp stores 32 consecutive columns of a k row: no bank conflict). */
+/* The W row of the tile thread t fetches, and its first k of the step: BN = 256, row t,
+ * all 16; BN = 128, row t / 2, k 8 (t % 2) .. + 7 (a pair reads one block's 16 bytes). */
+template <int BN>
+FM_DEVICE int fm_w_row() { return BN == 256 ? (int)threadIdx.x : (int)(threadIdx.x >> 1); }
+template <int BN>
+FM_DEVICE int fm_w_k() { return BN == 256 ? 0 : 8 * (int)(threadIdx.x & 1); }
+
+/* Shared column of tile column n in k row k: with two threads a row, the k rows 8..15
+ * have column bit 4 flipped, so a warp's stores (16 rows x both halves) fall in 32
+ * distinct banks; 4 consecutive columns stay contiguous for the 128-bit reads. */
+template <int BN>
+FM_DEVICE int fm_w_swz(int k) { return BN == 128 && k >= 8 ? 16 : 0; }
+
 template <int WT, int BN, int KW>
 FM_DEVICE void fm_store_w(float (*Ws)[BN + 4], const unsigned r[KW], int k0)
 {
-    int n = threadIdx.x % BN, kw = KW * (threadIdx.x / BN);
+    int n = fm_w_row<BN>(), kw = fm_w_k<BN>();
     float v[KW];
     fm_decode_w<WT, KW>(v, r, k0 + kw);
-    for (int i = 0; i < KW; i++) Ws[kw + i][n] = v[i];
+    for (int i = 0; i < KW; i++) Ws[kw + i][n ^ fm_w_swz<BN>(kw + i)] = v[i];
 }
 
 /* ---- the tile ---- */
@@ -253,7 +273,7 @@ FM_DEVICE void fm_mma(float acc[][8], float (*As)[BM + 4], float (*Ws)[BN + 4], 
             for (int i = 0; i < TM; i++) a[i] = As[k][ty * TM + i];
         }
         for (int j = 0; j < 8; j += 4) {
-            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col<BN>(tx, j)];
+            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col<BN>(tx, j) ^ fm_w_swz<BN>(k)];
             b[j] = v.x, b[j + 1] = v.y, b[j + 2] = v.z, b[j + 3] = v.w;
         }
         for (int i = 0; i < TM; i++)
@@ -281,14 +301,14 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A
         for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
     bool swiglu = flags & FM_SWIGLU;
     bool vec = ((lda | K) & 3) == 0 && fm_aligned16(A);
-    int wn = threadIdx.x % BN, nw = n0 + wn, valid = nw < N;
+    int wn = fm_w_row<BN>(), nw = n0 + wn, valid = nw < N;
     if (GLU) {
         int c = wn % (BN / 2);
         valid = n0 + c < N;
         nw = n0 + c + (wn < BN / 2 ? 0 : N);
     }
     const uint8_t *wrow = valid ? W + (long long)nw * fm_row_bytes(WT, K) : 0;
-    int kw = KW * (threadIdx.x / BN), ty = fm_ty<BM, BN>(), tx = fm_tx<BM, BN>();
+    int kw = fm_w_k<BN>(), ty = fm_ty<BM, BN>(), tx = fm_tx<BM, BN>();
     bool busy = fm_warp_row0<BM, BN>() < rows;            /* this warp has rows of the tile */
     int steps = (kend - kbeg + FM_BK - 1) / FM_BK;
     float ra[BM / 16];
