@@ -4,8 +4,9 @@ For each prompt length T (947 and 8192 by default) and each dense projection of 
 model (a preset's real dimensions: the benchmark workload), C [T, N] = A [T, K] W^T
 is timed with Q4_0 weights (what the engine runs: dequantised in the tile) and with
 the same kernels on fp32 weights (so the difference is what the dequantisation
-costs), at the tile height the engine picks (gpu_worker.ops.dense_tile_rows) and at
-every other one (`tiles`: whether the pick is the fastest). The routed experts are
+costs), at the tile height and K split the engine picks (gpu_worker.ops.dense_tiling)
+and at every other tile height, each with its own best split (`tiles`: whether the
+pick is the fastest; `unsplit_q4_0`: the pick without its split). The routed experts are
 timed as the engine runs them: T tokens routed by random logits on the device
 (moe_route, moe_group), then one grouped gate|up launch and one down launch over
 every expert, with the useful fraction of the rows their tiles hold and compute.
@@ -109,15 +110,16 @@ def _rate(flops: float, ms: float, peak: float) -> dict:
 def _dense(ops, timer, shape: dict, T: int, peak: float, rng, sweep: bool) -> dict:
     from gpu_worker.buffers import DeviceArray
     from gpu_worker.kernels import DENSE_BM
-    from gpu_worker.ops import NARROW_COLS, dense_tile_rows
+    from gpu_worker.ops import NARROW_COLS, dense_tiling
     N, K, swiglu = shape["N"], shape["K"], shape.get("swiglu", False)
     dev = ops.device
     A = DeviceArray.of(dev, rng.standard_normal((T, 2 * K if swiglu else K)).astype(np.float32))
     C = DeviceArray(dev, (T, N))
     flops = 2.0 * T * N * K
     narrow = N <= NARROW_COLS and not swiglu
-    out = {"name": shape["name"], "M": T, "N": N, "K": K,
-           "tile_rows": "narrow" if narrow else dense_tile_rows(T, N, dev.multiprocessors)}
+    bm, splits = dense_tiling(T, N, K, dev.multiprocessors, ops.split_scratch.nbytes // 4)
+    out = {"name": shape["name"], "M": T, "N": N, "K": K, "tile_rows": "narrow" if narrow else bm,
+           "k_splits": 1 if narrow else splits}
     for wtype in ("q4_0", "f32"):
         W = DeviceArray.of(dev, random_weights(N, K, wtype, rng))
         run = lambda bm=None: ops.gemm(C, A, W, T, N, K, wtype, swiglu=swiglu, bm=bm)  # noqa: E731
@@ -125,6 +127,9 @@ def _dense(ops, timer, shape: dict, T: int, peak: float, rng, sweep: bool) -> di
         if sweep and wtype == "q4_0" and not narrow:
             out["tiles_q4_0"] = {str(bm): _rate(flops, timer.ms(lambda bm=bm: run(bm)), peak)["tflops"]
                                  for bm in DENSE_BM}
+            if out["k_splits"] > 1:          # what the split gains
+                whole = lambda: ops.gemm(C, A, W, T, N, K, wtype, swiglu=swiglu, bm=bm, splits=1)  # noqa: E731
+                out["unsplit_q4_0"] = _rate(flops, timer.ms(whole), peak)
         W.free()
     out["dequant_cost"] = round(out["q4_0"]["ms"] / out["f32"]["ms"] - 1, 3)
     A.free()
@@ -177,12 +182,14 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng) -> list[dict]:
 def run(preset: str = "qwen3.6-35b-a3b", prompts=PROMPTS, reps: int = 5, batch: int = 10, sweep: bool = True,
         device=None, probe_ms: float = 200.0) -> dict:
     from gpu_worker.cuda import open_device
-    from gpu_worker.ops import Ops
+    from gpu_worker.buffers import DeviceArray
+    from gpu_worker.ops import SPLIT_K_FLOATS, Ops
     cfg = bench_config(preset)
     owns_device = device is None
     device = device or open_device(0)
     try:
         ops = Ops(device)
+        ops.split_scratch = DeviceArray(device, (SPLIT_K_FLOATS,))         # as the engine's workspace gives it
         timer = Timer(device, ops.stream, reps, batch)
         rng = np.random.default_rng(0)
         peak = fma_tflops(device, ops.k, ops.stream, probe_ms)

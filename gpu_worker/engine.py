@@ -40,6 +40,7 @@ log = logging.getLogger("fermoe.gpu")
 PLAN_TOKENS = 64         # the pass the first plan is made for, before any prompt is seen
 RECURRENT_BELOW = 32     # passes this short run the token-sequential GDN kernel ("auto")
 GDN_MODES = ("auto", "chunked", "recurrent")
+IDLE = "idle"            # the kernel timer's mark at a pass's end: the device waits for the host from there
 
 
 def expected_used_fraction(n_tokens: int, n_expert: int, k: int) -> float:
@@ -202,6 +203,8 @@ class GPUEngine:
         self._mark("lm_head")
         logits = self._lm_head(rows)
         self._mark("end")
+        if self.ops.k.timer is not None:     # the last kernel ends here, not at the host's next launch
+            self.ops.k.timer.mark(IDLE)
         return logits
 
     # ---- inputs -------------------------------------------------------------------------
@@ -391,6 +394,7 @@ class GPUEngine:
             if self.ws is not None:
                 self.ws.free()
             self.ws = Workspace(self.device, cfg, ws_tokens, n_chunks)
+            self.ops.split_scratch = self.ws.splitk
         if positions != self.kv_positions:
             for buf in self.Kc + self.Vc:
                 buf.free()

@@ -32,13 +32,17 @@ SIGNATURES = {
     "gdn_chunk_output": "PPPPPPPPiiiii",
     "fma_peak": "Pif",
     "to_f16": "PPi",
+    "gemm_splitk_sum": "PPiiiii",
 }
-# gemm.cu's tile rows (BM) of the dense and the grouped-expert GEMMs
-DENSE_BM, MOE_BM = (32, 64, 128), (64, 128)
+# gemm.cu's tile rows (BM) of the dense GEMMs (all 128 columns wide), and of the
+# grouped-expert GEMMs with their columns (BN)
+DENSE_BM, DENSE_BN = (32, 64, 128), 128
+MOE_TILES = {64: 256, 128: 128}
+MOE_BM = tuple(MOE_TILES)
 for _t in KERNEL_TYPES.values():
     SIGNATURES[f"gemm_narrow_{_t}"] = "PPPiiiiii"
     for _bm in DENSE_BM:
-        SIGNATURES[f"gemm_m{_bm}_{_t}"] = "PPPiiiiii"
+        SIGNATURES[f"gemm_m{_bm}_{_t}"] = "PPPiiiiiii"
     for _bm in MOE_BM:
         SIGNATURES[f"moe_gateup_m{_bm}_{_t}"] = "PPPPqPPPPPiii"
         SIGNATURES[f"moe_down_m{_bm}_{_t}"] = "PPPPqqPPPPii"

@@ -5,14 +5,21 @@ from __future__ import annotations
 import numpy as np
 
 from .buffers import DeviceArray
-from .kernels import DENSE_BM, KERNEL_TYPES, MOE_BM, Kernels, LaunchError
+from .kernels import DENSE_BM, DENSE_BN, KERNEL_TYPES, MOE_BM, MOE_TILES, Kernels, LaunchError
 
-GEMM_BN = 128           # gemm.cu's tile columns (FM_BN)
 # A tile's fixed cost a K step, in rows of FMAs: the 128 weight columns' loads and
 # dequantisation, the A stores and the barrier are ~60 instructions a thread against
 # 8 x TM x 16 FMAs, about 16 rows' worth (an instruction count, not a timing).
 TILE_OVERHEAD_ROWS = 16
 NARROW_COLS = 64                             # up to this many columns, the narrow kernel
+# The dense tiling's model (dense_tiling): blocks run in waves of WAVE_BLOCKS_PER_SM an SM
+# (the 64-accumulator tiles' registers allow two). K may be split into parts of at least
+# MIN_SPLIT_STEPS steps of 16 (a tile's loads before its first FMA and its epilogue stay
+# small beside them) whose partial sums fit the workspace's SPLIT_K_FLOATS.
+WAVE_BLOCKS_PER_SM = 2
+MIN_SPLIT_STEPS = 16
+SPLIT_K_FLOATS = 1 << 22
+WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
 WIDE_TILE_ROWS_PER_EXPERT = 192              # tokens an expert from which its tiles take 128 rows
 CHUNK = 64              # gdn_chunk.cu's chunk
@@ -28,14 +35,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def dense_tile_rows(M: int, N: int, sms: int) -> int:
-    """The dense GEMM's tile rows BM for C [M, N] on `sms` multiprocessors: the smallest
-    modelled time, ceil(blocks / sms) tiles one after another on the busiest SM, each
-    costing BM + TILE_OVERHEAD_ROWS; ties to the larger tile."""
-    def cost(bm):
-        blocks = _cdiv(M, bm) * _cdiv(N, GEMM_BN)
-        return _cdiv(blocks, max(1, sms)) * (bm + TILE_OVERHEAD_ROWS), -bm
-    return min(DENSE_BM, key=cost)
+def dense_tiling(M: int, N: int, K: int, sms: int, capacity: int, heights=DENSE_BM) -> tuple[int, int]:
+    """Tile rows BM (of `heights`) and parts of K for C [M, N] = A [M, K] W^T on `sms`
+    multiprocessors with `capacity` floats for partial sums: the smallest modelled
+    time, waves of WAVE_BLOCKS_PER_SM blocks an SM, each wave a tile's BM +
+    TILE_OVERHEAD_ROWS rows over its part of K; parts double while the grid stays
+    within one wave, each part keeps MIN_SPLIT_STEPS steps and their sums fit. Ties
+    go to fewer parts, then taller tiles."""
+    best = None
+    for bm in heights:
+        blocks = _cdiv(M, bm) * _cdiv(N, DENSE_BN)
+        splits = 1
+        while True:
+            cost = _cdiv(blocks * splits, WAVE_BLOCKS_PER_SM * max(1, sms)) * (bm + TILE_OVERHEAD_ROWS) * _cdiv(K, splits)
+            best = min(best or (cost, splits, -bm), (cost, splits, -bm))
+            if (2 * splits > K // (16 * MIN_SPLIT_STEPS) or 2 * splits * M * N > capacity
+                    or 2 * splits * blocks > WAVE_BLOCKS_PER_SM * sms):
+                break
+            splits *= 2
+    return -best[2], best[1]
+
+
+def warp_rows(bm: int, bn: int) -> int:
+    """Tile rows a warp computes (gemm.cu: 4 thread rows of bm * bn / 2048 rows each)."""
+    return WARP_THREAD_ROWS * bm * bn // (8 * 256)
 
 
 def moe_tile_rows(T: int, E: int, k: int) -> int:
@@ -45,10 +68,10 @@ def moe_tile_rows(T: int, E: int, k: int) -> int:
 
 def moe_useful_fraction(tile_rows, bm: int) -> dict[str, float]:
     """Of the rows a grouped launch's tiles hold (n_tiles x bm), and of those its warps
-    compute (a warp holds bm / 8 rows and skips when all are past the tile's end),
-    the fraction that are routed rows."""
+    compute (a warp holds warp_rows and skips when all are past the tile's end), the
+    fraction that are routed rows."""
     rows = np.asarray(tile_rows, np.int64)
-    warp = bm // 8
+    warp = warp_rows(bm, MOE_TILES[bm])
     useful = int(rows.sum())
     return {"of_tiles": useful / max(1, len(rows) * bm),
             "of_computed": useful / max(1, int((-(-rows // warp) * warp).sum()))}
@@ -64,6 +87,7 @@ class Ops:
         self.device = device
         self.k = Kernels(device)
         self.stream = device.stream("compute")
+        self.split_scratch = None    # a DeviceArray of SPLIT_K_FLOATS for split-K partial sums (the workspace's)
 
     # ---- rows --------------------------------------------------------------
     def embed(self, out: DeviceArray, W, tokens: DeviceArray, T: int, n: int, wtype: str):
@@ -81,21 +105,38 @@ class Ops:
 
     # ---- products ------------------------------------------------------------
     def gemm(self, C: DeviceArray, A: DeviceArray, W, M: int, N: int, K: int, wtype: str, accumulate: bool = False,
-             swiglu: bool = False, bm: int | None = None):
+             swiglu: bool = False, bm: int | None = None, splits: int | None = None):
         """C (+)= A W^T; with `swiglu` A's rows are [gate | up] of K each and the product
         takes silu(gate) * up (an FFN's down projection, its activation fused). `bm`
-        forces the tile rows (the benchmark's sweep); by default dense_tile_rows picks."""
+        forces the tile rows and `splits` the parts K is split into (the benchmark's
+        sweep, the tests); by default dense_tiling picks, splitting only into
+        `split_scratch`."""
         lda, ldc = 2 * K if swiglu else K, N
         _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
-        if N <= NARROW_COLS and not swiglu and bm is None:  # a few columns: 8-row tiles, every SM busy
-            kernel, grid = self.k.gemm(wtype, "gemm_narrow"), (_cdiv(M, 8), _cdiv(N, 32))
-        else:
-            bm = bm or dense_tile_rows(M, N, self.device.multiprocessors)
-            _need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
-            kernel, grid = self.k.gemm(wtype, "gemm", bm), (_cdiv(N, GEMM_BN), _cdiv(M, bm))
-        kernel(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, flags)
+        if N <= NARROW_COLS and not swiglu and bm is None and splits is None:   # 8-row tiles, every SM busy
+            self.k.gemm(wtype, "gemm_narrow")((_cdiv(M, 8), _cdiv(N, 32)), (256,), self.stream, C, A, W, M, N, K,
+                                              lda, ldc, flags)
+            return
+        scratch = self.split_scratch
+        capacity = scratch.nbytes // 4 if scratch is not None else 0
+        picked_bm, picked_splits = dense_tiling(M, N, K, self.device.multiprocessors, capacity,
+                                                (bm,) if bm else DENSE_BM)
+        bm, splits = bm or picked_bm, splits or picked_splits
+        _need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
+        ksplit = _cdiv(_cdiv(K, splits), 32) * 32          # whole Q4_0 / Q8_0 blocks a part
+        splits = _cdiv(K, ksplit)
+        grid = (_cdiv(N, DENSE_BN), _cdiv(M, bm), splits)
+        if splits == 1:
+            self.k.gemm(wtype, "gemm", bm)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, flags, K)
+            return
+        _need(scratch is not None and scratch.nbytes >= 4 * splits * M * N and M * N < 2 ** 31,
+              f"gemm: {splits} parts of K need {splits * M * N} floats of split_scratch")
+        self.k.gemm(wtype, "gemm", bm)(grid, (256,), self.stream, scratch, A, W, M, N, K, lda, N,
+                                       flags & SWIGLU, ksplit)
+        self.k.gemm_splitk_sum((_cdiv(M * N, 256),), (256,), self.stream, C, scratch, M, N, ldc, splits,
+                               flags & ACCUMULATE)
 
     # ---- MoE -------------------------------------------------------------------
     def moe_route(self, topk_ids, topk_w, counts: DeviceArray, logits, T: int, E: int, k: int):
@@ -116,13 +157,13 @@ class Ops:
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
         """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
         _need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
-        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, GEMM_BN // 2), g.max_tiles), (256,), self.stream, act, x,
+        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_TILES[g.bm] // 2), g.max_tiles), (256,), self.stream, act, x,
                                                slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
                                                g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
         _need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
-        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, GEMM_BN), g.max_tiles), (256,), self.stream, y, act, slot,
+        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_TILES[g.bm]), g.max_tiles), (256,), self.stream, y, act, slot,
                                              slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                              g.tile_rows, g.n_tiles, N, K)
 

@@ -8,7 +8,7 @@ import numpy as np
 from shared.config import ModelConfig
 
 from .buffers import DeviceArray
-from .ops import CHUNK, ChunkWork, MoeGroups
+from .ops import CHUNK, SPLIT_K_FLOATS, ChunkWork, MoeGroups
 
 LOGIT_ROWS = 64          # LM head rows a launch computes (and a download brings back)
 
@@ -44,6 +44,7 @@ def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
         "embed_raw": (T, d),                   # the prompt's embedding rows, in the table's type (<= f32)
         "tokens int": (T,),
         "kv16_k half": (T, nkv * hd), "kv16_v half": (T, nkv * hd),   # a layer's new K, V as fp16 bits
+        "splitk": (SPLIT_K_FLOATS,),           # partial sums of a dense GEMM split along K
     }
 
 

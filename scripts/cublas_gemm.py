@@ -89,7 +89,7 @@ def main() -> None:
                 "fermoe_q4_0_tflops": s["q4_0"]["tflops"], "fermoe_f32_tflops": s["f32"]["tflops"],
                 "cublas_sgemm_tflops": c,
                 "q4_0_vs_cublas": round(s["q4_0"]["tflops"] / c, 3), "f32_vs_cublas": round(s["f32"]["tflops"] / c, 3),
-                "tile_rows": s["tile_rows"]}
+                "tile_rows": s["tile_rows"], "k_splits": s.get("k_splits", 1)}
     print(json.dumps({"fp32_fma_tflops": report["fp32_fma_tflops"], "device": report["device"],
                       "vs_cublas": table, "cublas_tflops": cublas, "fermoe": report}, indent=2))
 

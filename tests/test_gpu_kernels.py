@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tile_rows, moe_useful_fraction
+from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_useful_fraction
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
@@ -131,27 +131,56 @@ def test_gemm_every_tile_height(ops, kind, bm):
     close(C.download(), C0 + (R.silu(A[:, :K]) * A[:, K:]) @ W.T)
 
 
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("bm, splits, K", [(32, 3, 160), (64, 2, 96), (128, 4, 320)])
+def test_gemm_split_k(ops, kind, bm, splits, K):
+    """K cut into parts (the last one short), each part's partial sums summed in order
+    into C: plain, then the SwiGLU down projection with accumulate."""
+    rng = np.random.default_rng(bm + K)
+    M, N = 45, 139
+    raw, W = quantized(rng, (N, K), kind)
+    A = rng.standard_normal((M, 2 * K)).astype(np.float32)
+    C0 = rng.standard_normal((M, N)).astype(np.float32)
+    C = empty(ops, (M, N))
+    ops.split_scratch = empty(ops, (splits * M * N,))
+    try:
+        ops.gemm(C, dev(ops, A[:, :K]), dev(ops, raw), M, N, K, kind, bm=bm, splits=splits)
+        close(C.download(), A[:, :K] @ W.T)
+        C.upload(C0)
+        ops.gemm(C, dev(ops, A), dev(ops, raw), M, N, K, kind, accumulate=True, swiglu=True, bm=bm, splits=splits)
+        close(C.download(), C0 + (R.silu(A[:, :K]) * A[:, K:]) @ W.T)
+    finally:
+        ops.split_scratch = None
+
+
+def test_dense_tiling_by_shape():
+    """Large outputs take the tallest tile unsplit; a grid short of the SMs' two blocks
+    each is split along K (parts of 16 steps at least) within the scratch, preferring
+    taller tiles cut more; with no scratch, short tiles instead."""
+    big = 1 << 22
+    assert dense_tiling(947, 8192, 2048, 132, big) == (128, 1)
+    assert dense_tiling(8192, 2048, 4096, 132, big) == (128, 1)
+    assert dense_tiling(947, 2048, 4096, 132, big) == (128, 2)        # 128 tiles
+    assert dense_tiling(947, 512, 2048, 132, big) == (128, 8)         # attention's K: 32 tiles
+    assert dense_tiling(947, 2048, 512, 132, big) == (128, 2)         # K of 2 x 16 steps
+    assert dense_tiling(947, 512, 2048, 132, 0) == (32, 1)
+    assert dense_tiling(947, 512, 2048, 132, 2 * 947 * 512)[1] <= 2
+    assert dense_tiling(947, 128, 256, 132, big)[1] == 1              # 16 steps in all
+    for M, N, K in [(61, 1024, 2048), (5, 3000, 64), (1, 248320, 2048)]:
+        bm, splits = dense_tiling(M, N, K, 132, big)
+        assert bm in DENSE_BM and splits * 16 * 16 <= max(K, 256)
+
+
 def test_gemm_refuses_a_tile_height_it_lacks(ops):
     with pytest.raises(LaunchError, match="tiles of 48 rows"):
         ops.gemm(empty(ops, (4, 4)), empty(ops, (4, 32)), empty(ops, (4, 32)), 4, 4, 32, "f32", bm=48)
 
 
-def test_dense_tiles_are_picked_by_shape():
-    """Large outputs take the tallest tile; a few columns take short tiles so that the
-    grid still covers the SMs; each pick is no worse in the model than any other."""
-    assert dense_tile_rows(947, 8192, 132) == 128
-    assert dense_tile_rows(947, 512, 132) == 32
-    assert dense_tile_rows(8192, 2048, 132) == 128
-    for M, N in [(947, 2048), (61, 1024), (8192, 512), (5, 3000)]:
-        bm = dense_tile_rows(M, N, 132)
-        assert bm in DENSE_BM
-
-
 def test_moe_useful_fraction():
-    """Tiles of 64 rows, warps of 8: 64 + 70 routed rows in tiles 64, 64, 6."""
+    """Tiles of 64 rows (64 x 256: warps of 32 rows): 64 + 70 routed rows in tiles 64, 64, 6."""
     f = moe_useful_fraction([64, 64, 6], 64)
     assert f["of_tiles"] == pytest.approx(134 / 192)
-    assert f["of_computed"] == pytest.approx(134 / 136)
+    assert f["of_computed"] == pytest.approx(134 / 160)
 
 
 # ---- MoE -------------------------------------------------------------------------------------

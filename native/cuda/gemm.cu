@@ -8,17 +8,19 @@
  * [gate | up], K each, and multiplies silu(gate) * up (the SwiGLU of an FFN, fused
  * into the load of its down projection).
  *
- * The tile kernel (fm_gemm_tile): one block of 256 threads (16 x 16) computes a
- * BM x 128 tile of C, BM = 32, 64 or 128; thread (ty, tx) holds TM x 8 outputs in
- * registers (TM = BM / 16): rows ty*TM .. ty*TM + TM - 1 (contiguous, so a warp's
- * rows are one run of 2 TM and a warp past the tile's last row skips its FMAs),
- * columns tx*4 + {0..3} and 64 + tx*4 + {0..3} (a quarter warp's 128-bit shared
- * loads of a k row are 128 contiguous bytes: no bank conflict).
+ * The tile kernel (fm_gemm_tile): one block of 256 threads computes a BM x BN tile
+ * of C, BM x BN = 32, 64 or 128 x 128 or 64 x 256. Every thread holds TM x 8 outputs
+ * in registers; the threads form a TY x TX grid (TX = BN / 8) and a warp is 4 x 8 of
+ * them, so a k step's shared loads of a warp touch 4 thread rows' A values (one
+ * 128-bit load serves 8 threads) and 8 x 4 contiguous W columns twice (128
+ * contiguous bytes: no bank conflict). Thread (ty, tx) has rows ty*TM .. + TM - 1
+ * (a warp's rows are one run of 4 TM, so a warp past the tile's last row skips its
+ * FMAs) and columns tx*4 + {0..3} and BN/2 + tx*4 + {0..3}.
  *
  * K goes in steps of 16 (half a Q4_0 / Q8_0 block), double-buffered:
  *
  *   As [2][16][BM + 4]   A tile, k-major
- *   Ws [2][16][128 + 4]  W tile dequantised to fp32, k-major
+ *   Ws [2][16][BN + 4]   W tile dequantised to fp32, k-major
  *
  *   step s:  global loads of step s + 1 into registers (raw weight bytes)
  *            FMAs of step s from buffer s & 1
@@ -27,51 +29,109 @@
  *
  * so each weight of a tile is dequantised once, the loads' latency hides under the
  * FMAs, and one barrier a step suffices (the buffer written in step s was last read
- * in step s - 1, before that step's barrier). Shared memory: 21 KB (BM 32) to 33 KB
- * (BM 128). The A loads are coalesced: a warp reads two rows' 16 consecutive floats.
+ * in step s - 1, before that step's barrier). Shared memory: 21 KB (32 x 128) to
+ * 42 KB (64 x 256). A's rows are read 16 bytes a thread (4 threads a row's 16 k)
+ * when K and lda are multiples of 4 and the tile has 64 rows or more, else a float
+ * a thread (16 threads a row); a W row's 16 k are fetched by 256 / BN threads
+ * (fm_w_row), and Q4_0 / Q8_0 become floats by exponent bits, not conversions.
  *
- * Entry points, for each weight type T in f32, f16, q4_0, q8_0 and BM in 32, 64, 128
- * (gpu_worker/ops.py picks BM by shape):
+ * Split K: a dense launch of Z = gridDim.z > 1 splits gives block z the K range
+ * [z ksplit, (z + 1) ksplit) (ksplit a multiple of 32) and writes its partial sums
+ * to C + z M ldc; gemm_splitk_sum adds the Z partials in order into the output, so
+ * results do not depend on scheduling. Few output tiles (a short prompt, a narrow
+ * W) then still occupy every SM.
  *
- *   gemm_mBM_T        C (+)= A W^T
+ * Entry points, for each weight type T in f32, f16, q4_0, q8_0 (gpu_worker/ops.py
+ * picks the tile by shape):
+ *
+ *   gemm_mBM_T        C (+)= A W^T, tiles BM x 128, BM = 32, 64, 128
+ *   gemm_splitk_sum   C (+)= the sum of Z partial products (type-free)
  *   gemm_narrow_T     the same for outputs of a few columns (the GDN's beta and alpha): a
  *                     block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
  *                     long prompt still spreads over every SM (no FM_SWIGLU)
  *   moe_gateup_mBM_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of each
- *                     expert e (BM 64, 128), x gathered by token (pair_token[p]); a tile
- *                     holds 64 gate and the matching 64 up columns (GLU below), N = ff
- *   moe_down_mBM_T    y[p] = act[p] Wd_e^T
+ *                     expert e, x gathered by token (pair_token[p]); BM = 64: 64 x 256
+ *                     tiles (128 gate and the matching 128 up columns), BM = 128:
+ *                     128 x 128 (64 and 64); N = ff (GLU below)
+ *   moe_down_mBM_T    y[p] = act[p] Wd_e^T, tiles 64 x 256 or 128 x 128
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to BM
  * of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
  * matrices in its slot of a layer buffer: slot + slot_map[e] * expert_bytes, gate
  * and up at offset 0, down at down_offset. A tile's rows past the expert's last run
  * no FMAs (whole warps skip), so the padding of a tile costs loads, not arithmetic.
- * grid: (ceil(N / 128), ceil(M / BM)) dense, (ceil(M / 8), ceil(N / 32)) narrow,
- * (ceil(ff / 64), max tiles) MoE gate|up, (ceil(N / 128), max tiles) MoE down. */
+ * grid: (ceil(N / 128), ceil(M / BM), Z) dense, (ceil(M / 8), ceil(N / 32)) narrow,
+ * (ceil(ff / (BN / 2)), max tiles) MoE gate|up, (ceil(N / BN), max tiles) MoE down. */
 #include "prelude.cuh"
 #include "weights.cuh"
 
 #define FM_BK 16
-#define FM_BN 128
 #define FM_GEMM_THREADS 256
 
 #define FM_ACCUMULATE 1
 #define FM_SWIGLU 2
 
+/* A 16-byte load of four 32-bit words (fp16 pairs, fp32 bits) */
+typedef struct FM_ALIGN16 {
+    unsigned x, y, z, w;
+} fm_u4;
+
+FM_DEVICE bool fm_aligned16(const void *p) { return ((unsigned long long)p & 15u) == 0; }
+
+/* The shape of a BM x BN tile's thread grid */
+template <int BM, int BN>
+struct FmTile {
+    enum {
+        TX = BN / 8,                    /* threads across the columns, 8 outputs each */
+        TY = FM_GEMM_THREADS / TX,      /* threads down the rows */
+        TM = BM / TY,                   /* rows a thread */
+        WX = TX / 8,                    /* warps across the columns (a warp: 4 x 8 threads) */
+        TPR = FM_GEMM_THREADS / BN,     /* threads that fetch one W row's 16 k of a step */
+        KW = FM_BK / TPR                /* ... k each */
+    };
+};
+
+/* Thread (ty, tx) of the grid and the first row of its warp's 4 TM */
+template <int BM, int BN>
+FM_DEVICE int fm_ty() { return 4 * ((int)(threadIdx.x >> 5) / FmTile<BM, BN>::WX) + (int)((threadIdx.x & 31) >> 3); }
+template <int BM, int BN>
+FM_DEVICE int fm_tx() { return 8 * ((int)(threadIdx.x >> 5) % FmTile<BM, BN>::WX) + (int)(threadIdx.x & 7); }
+template <int BM, int BN>
+FM_DEVICE int fm_warp_row0() { return 4 * ((int)(threadIdx.x >> 5) / FmTile<BM, BN>::WX) * FmTile<BM, BN>::TM; }
+
 /* ---- A: rows of activations (gathered, or their SwiGLU) ---- */
 
-/* Thread t fetches k = t % 16 of the tile rows t / 16 + 16 e, e < BM / 16: a warp's
- * loads are two rows' 64 contiguous bytes. */
+/* vec (BM a multiple of 64, rows 16-byte aligned): thread t fetches k = 4 (i % 4) ..
+ * + 3 of tile row i / 4, i = t + 256 e, e < BM / 64: a warp reads 8 rows' 64 bytes.
+ * Otherwise k = t % 16 of the tile rows t / 16 + 16 e, e < BM / 16. Past the tile's
+ * rows or kend: zeros. */
 template <int BM>
 FM_DEVICE void fm_fetch_a(float a[BM / 16], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
-                          int K, bool swiglu)
+                          int kend, int K, bool swiglu, bool vec)
 {
+    if (BM % 64 == 0 && vec) {
+        for (int e = 0; e < BM / 64; e++) {
+            int i = threadIdx.x + FM_GEMM_THREADS * e, m = i >> 2, k = k0 + 4 * (i & 3);
+            fm_f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (m < rows && k < kend) {
+                int src = rows_map ? rows_map[m0 + m] : m0 + m;
+                const float *p = A + (long long)src * lda + k;
+                v = *(const fm_f4 *)p;
+                if (swiglu) {
+                    fm_f4 u = *(const fm_f4 *)(p + K);
+                    v.x = fm_siluf(v.x) * u.x, v.y = fm_siluf(v.y) * u.y;
+                    v.z = fm_siluf(v.z) * u.z, v.w = fm_siluf(v.w) * u.w;
+                }
+            }
+            a[4 * e] = v.x, a[4 * e + 1] = v.y, a[4 * e + 2] = v.z, a[4 * e + 3] = v.w;
+        }
+        return;
+    }
     int k = k0 + (threadIdx.x & 15);
     for (int e = 0; e < BM / 16; e++) {
         int m = (threadIdx.x >> 4) + 16 * e;
         a[e] = 0.0f;
-        if (m < rows && k < K) {
+        if (m < rows && k < kend) {
             int src = rows_map ? rows_map[m0 + m] : m0 + m;
             const float *p = A + (long long)src * lda + k;
             a[e] = swiglu ? fm_siluf(p[0]) * p[K] : p[0];
@@ -80,39 +140,61 @@ FM_DEVICE void fm_fetch_a(float a[BM / 16], const float *A, int lda, const int *
 }
 
 template <int BM>
-FM_DEVICE void fm_store_a(float (*As)[BM + 4], const float a[BM / 16])
+FM_DEVICE void fm_store_a(float (*As)[BM + 4], const float a[BM / 16], bool vec)
 {
+    if (BM % 64 == 0 && vec) {
+        for (int e = 0; e < BM / 64; e++) {
+            int i = threadIdx.x + FM_GEMM_THREADS * e;
+            for (int j = 0; j < 4; j++) As[4 * (i & 3) + j][i >> 2] = a[4 * e + j];
+        }
+        return;
+    }
     for (int e = 0; e < BM / 16; e++) As[threadIdx.x & 15][(threadIdx.x >> 4) + 16 * e] = a[e];
 }
 
-/* ---- W: eight consecutive k of one row, raw, then dequantised ---- */
+/* ---- W: KW consecutive k of one row, raw, then dequantised ---- */
 
-/* Thread t fetches row t / 2 of the tile, k = k0 + 8 (t % 2) .. + 7, as raw bits:
- * Q4_0 / Q8_0 the block's scale and the eight (nibble-)bytes (r[0..2]), F16 eight
- * halves, F32 eight floats. A row past N or a k past K reads as zero (a zero scale).
- * A Q4_0 block's second half is the high nibbles of the bytes of its first: those
- * registers are kept (the caller passes the same r, fetched 16 k earlier). */
-template <int WT>
-FM_DEVICE void fm_fetch_w(unsigned r[8], const uint8_t *row, int k0, int K)
+/* KW (8 or 16) consecutive k of one W row from k0, as raw bits: Q4_0 / Q8_0 the
+ * block's scale and the KW (nibble-)bytes (r[0 .. KW / 4]), F16 KW halves, F32 KW
+ * floats (16-byte loads where the row allows). A row past N or a k past kend reads
+ * as zero (a zero scale). A Q4_0 block's second half is the high nibbles of the
+ * bytes of its first: those registers are kept (the caller passes the same r,
+ * fetched 16 k earlier). */
+template <int WT, int KW>
+FM_DEVICE void fm_fetch_w(unsigned r[KW], const uint8_t *row, int k0, int kend)
 {
     if (WT == FM_W_Q4_0 && (k0 & 16)) return;      /* the high nibbles of the bytes fetched for k0 - 16 */
-    for (int i = 0; i < 8; i++) r[i] = 0u;
-    if (!row || k0 >= K) return;
+    for (int i = 0; i < KW; i++) r[i] = 0u;
+    if (!row || k0 >= kend) return;
     if (WT == FM_W_Q4_0 || WT == FM_W_Q8_0) {
         int j0 = k0 % FM_QK;
         const uint16_t *b = (const uint16_t *)(row + (long long)(k0 / FM_QK) * (WT == FM_W_Q4_0 ? 18 : 34));
         int at = 1 + (WT == FM_W_Q4_0 ? (j0 & 15) : j0) / 2;    /* Q4_0: element j and j + 16 share byte j */
         r[0] = b[0];
-        r[1] = b[at] | (unsigned)b[at + 1] << 16;
-        r[2] = b[at + 2] | (unsigned)b[at + 3] << 16;
+        for (int q = 0; q < KW / 4; q++) r[1 + q] = b[at + 2 * q] | (unsigned)b[at + 2 * q + 1] << 16;
     } else if (WT == FM_W_F16) {
-        const uint16_t *h = (const uint16_t *)row;
-        for (int i = 0; i < 8; i++)
-            if (k0 + i < K) r[i] = h[k0 + i];
+        const uint16_t *h = (const uint16_t *)row + k0;
+        if (k0 + KW <= kend && fm_aligned16(h)) {
+            for (int q = 0; q < KW / 8; q++) {
+                fm_u4 v = ((const fm_u4 *)h)[q];
+                unsigned w[4] = {v.x, v.y, v.z, v.w};
+                for (int j = 0; j < 4; j++) r[8 * q + 2 * j] = w[j] & 0xffffu, r[8 * q + 2 * j + 1] = w[j] >> 16;
+            }
+        } else {
+            for (int i = 0; i < KW; i++)
+                if (k0 + i < kend) r[i] = h[i];
+        }
     } else {
-        const unsigned *f = (const unsigned *)row;
-        for (int i = 0; i < 8; i++)
-            if (k0 + i < K) r[i] = f[k0 + i];
+        const unsigned *f = (const unsigned *)row + k0;
+        if (k0 + KW <= kend && fm_aligned16(f)) {
+            for (int q = 0; q < KW / 4; q++) {
+                fm_u4 v = ((const fm_u4 *)f)[q];
+                r[4 * q] = v.x, r[4 * q + 1] = v.y, r[4 * q + 2] = v.z, r[4 * q + 3] = v.w;
+            }
+        } else {
+            for (int i = 0; i < KW; i++)
+                if (k0 + i < kend) r[i] = f[i];
+        }
     }
 }
 
@@ -123,40 +205,62 @@ FM_DEVICE float fm_bits_float(unsigned u)
     return b.f;
 }
 
-template <int WT>
-FM_DEVICE void fm_decode_w(float v[8], const unsigned r[8], int k0)
+template <int WT, int KW>
+FM_DEVICE void fm_decode_w(float v[KW], const unsigned r[KW], int k0)
 {
     if (WT == FM_W_Q4_0 || WT == FM_W_Q8_0) {
+        /* 2^23 + q as float bits, less 2^23 + 8 (Q4_0) or, the sign bit flipped, 2^23 + 128
+         * (Q8_0): the exact integer without a conversion instruction */
         float d = fm_fp16_to_fp32((uint16_t)r[0]);
-        int shift = (k0 % FM_QK) & 16 ? 4 : 0;               /* Q4_0: elements 16..31 are the high nibbles */
-        for (int i = 0; i < 8; i++) {
-            unsigned byte = (r[1 + i / 4] >> (8 * (i % 4))) & 0xffu;
-            v[i] = WT == FM_W_Q4_0 ? (float)((int)((byte >> shift) & 15u) - 8) * d : (float)(int8_t)byte * d;
+        bool high = (k0 % FM_QK) & 16;                       /* Q4_0: elements 16..31 are the high nibbles */
+        for (int i = 0; i < KW; i++) {
+            unsigned word = r[1 + i / 4];
+            if (WT == FM_W_Q4_0) {
+                unsigned q = ((high ? word >> 4 : word) >> (8 * (i % 4))) & 15u;
+                v[i] = (fm_bits_float(0x4B000000u | q) - 8388616.0f) * d;
+            } else {
+                unsigned q = ((word >> (8 * (i % 4))) & 0xffu) ^ 0x80u;
+                v[i] = (fm_bits_float(0x4B000000u | q) - 8388736.0f) * d;
+            }
         }
     } else if (WT == FM_W_F16) {
-        for (int i = 0; i < 8; i++) v[i] = fm_fp16_to_fp32((uint16_t)r[i]);
+        for (int i = 0; i < KW; i++) v[i] = fm_fp16_to_fp32((uint16_t)r[i]);
     } else {
-        for (int i = 0; i < 8; i++) v[i] = fm_bits_float(r[i]);
+        for (int i = 0; i < KW; i++) v[i] = fm_bits_float(r[i]);
     }
 }
 
-template <int WT>
-FM_DEVICE void fm_store_w(float (*Ws)[FM_BN + 4], const unsigned r[8], int k0)
+/* The W row of the tile thread t fetches, and its first k of the step: BN = 256, row t,
+ * all 16; BN = 128, row t / 2, k 8 (t % 2) .. + 7 (a pair reads one block's 16 bytes). */
+template <int BN>
+FM_DEVICE int fm_w_row() { return BN == 256 ? (int)threadIdx.x : (int)(threadIdx.x >> 1); }
+template <int BN>
+FM_DEVICE int fm_w_k() { return BN == 256 ? 0 : 8 * (int)(threadIdx.x & 1); }
+
+/* Shared column of tile column n in k row k: with two threads a row, the k rows 8..15
+ * have column bit 4 flipped, so a warp's stores (16 rows x both halves) fall in 32
+ * distinct banks; 4 consecutive columns stay contiguous for the 128-bit reads. */
+template <int BN>
+FM_DEVICE int fm_w_swz(int k) { return BN == 128 && k >= 8 ? 16 : 0; }
+
+template <int WT, int BN, int KW>
+FM_DEVICE void fm_store_w(float (*Ws)[BN + 4], const unsigned r[KW], int k0)
 {
-    int half = threadIdx.x & 1, n = threadIdx.x >> 1;
-    float v[8];
-    fm_decode_w<WT>(v, r, k0 + 8 * half);
-    for (int i = 0; i < 8; i++) Ws[8 * half + i][n] = v[i];
+    int n = fm_w_row<BN>(), kw = fm_w_k<BN>();
+    float v[KW];
+    fm_decode_w<WT, KW>(v, r, k0 + kw);
+    for (int i = 0; i < KW; i++) Ws[kw + i][n ^ fm_w_swz<BN>(kw + i)] = v[i];
 }
 
 /* ---- the tile ---- */
 
-FM_DEVICE int fm_col(int tx, int j) { return (j / 4) * 64 + tx * 4 + (j % 4); }
+template <int BN>
+FM_DEVICE int fm_col(int tx, int j) { return (j / 4) * (BN / 2) + tx * 4 + (j % 4); }
 
-template <int TM, int BM>
-FM_DEVICE void fm_mma(float acc[TM][8], float (*As)[BM + 4], float (*Ws)[FM_BN + 4])
+template <int BM, int BN>
+FM_DEVICE void fm_mma(float acc[][8], float (*As)[BM + 4], float (*Ws)[BN + 4], int ty, int tx)
 {
-    int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+    const int TM = FmTile<BM, BN>::TM;
 #pragma unroll
     for (int k = 0; k < FM_BK; k++) {
         float a[TM], b[8];
@@ -169,7 +273,7 @@ FM_DEVICE void fm_mma(float acc[TM][8], float (*As)[BM + 4], float (*Ws)[FM_BN +
             for (int i = 0; i < TM; i++) a[i] = As[k][ty * TM + i];
         }
         for (int j = 0; j < 8; j += 4) {
-            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col(tx, j)];
+            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col<BN>(tx, j) ^ fm_w_swz<BN>(k)];
             b[j] = v.x, b[j + 1] = v.y, b[j + 2] = v.z, b[j + 3] = v.w;
         }
         for (int i = 0; i < TM; i++)
@@ -177,55 +281,56 @@ FM_DEVICE void fm_mma(float acc[TM][8], float (*As)[BM + 4], float (*Ws)[FM_BN +
     }
 }
 
-/* One BM x 128 tile: rows [m0, m0 + rows) of A (or its gathered rows) against W
- * rows [n0, n0 + 128). The result rows go to C rows c0 + m.
+/* One BM x BN tile: rows [m0, m0 + rows) of A (or its gathered rows) against W
+ * rows [n0, n0 + BN), k in [kbeg, kend). The result rows go to C rows c0 + m.
  *
- * GLU: W is [gate; up], N rows each, and the tile takes gate rows [n0, n0 + 64) and
- * the up rows N further as its columns 0..63 and 64..127, so that a thread holds
- * gate column c and up column c together (fm_col: j and j + 4) and writes
- * silu(gate) * up to C column n0 + c: the SwiGLU in the epilogue, C [M, N]. */
-template <int WT, int BM, bool GLU>
+ * GLU: W is [gate; up], N rows each, and the tile takes gate rows [n0, n0 + BN/2)
+ * and the up rows N further as its columns 0 .. BN/2 - 1 and BN/2 .., so that a
+ * thread holds gate column c and up column c together (fm_col: j and j + 4) and
+ * writes silu(gate) * up to C column n0 + c: the SwiGLU in the epilogue, C [M, N]. */
+template <int WT, int BM, int BN, bool GLU>
 FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A, int lda, const int *rows_map,
-                            int m0, int rows, const uint8_t *W, int n0, int N, int K)
+                            int m0, int rows, const uint8_t *W, int n0, int N, int K, int kbeg, int kend)
 {
-    const int TM = BM / 16;
+    typedef FmTile<BM, BN> G;
+    const int TM = G::TM, KW = G::KW;
     __shared__ FM_ALIGN16 float As[2][FM_BK][BM + 4];
-    __shared__ FM_ALIGN16 float Ws[2][FM_BK][FM_BN + 4];
+    __shared__ FM_ALIGN16 float Ws[2][FM_BK][BN + 4];
     float acc[TM][8];
     for (int i = 0; i < TM; i++)
         for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
     bool swiglu = flags & FM_SWIGLU;
-    int nw = n0 + (threadIdx.x >> 1), valid = nw < N;
+    bool vec = ((lda | K) & 3) == 0 && fm_aligned16(A);
+    int wn = fm_w_row<BN>(), nw = n0 + wn, valid = nw < N;
     if (GLU) {
-        int c = (threadIdx.x >> 1) % (FM_BN / 2);
+        int c = wn % (BN / 2);
         valid = n0 + c < N;
-        nw = n0 + c + ((threadIdx.x >> 1) < FM_BN / 2 ? 0 : N);
+        nw = n0 + c + (wn < BN / 2 ? 0 : N);
     }
     const uint8_t *wrow = valid ? W + (long long)nw * fm_row_bytes(WT, K) : 0;
-    int kw = 8 * (threadIdx.x & 1);
-    bool busy = (int)(threadIdx.x >> 5) * 2 * TM < rows;     /* this warp has rows of the tile */
-    int steps = (K + FM_BK - 1) / FM_BK;
+    int kw = fm_w_k<BN>(), ty = fm_ty<BM, BN>(), tx = fm_tx<BM, BN>();
+    bool busy = fm_warp_row0<BM, BN>() < rows;            /* this warp has rows of the tile */
+    int steps = (kend - kbeg + FM_BK - 1) / FM_BK;
     float ra[BM / 16];
-    unsigned rw[8];
-    fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, 0, K, swiglu);
-    fm_fetch_w<WT>(rw, wrow, kw, K);
-    fm_store_a<BM>(As[0], ra);
-    fm_store_w<WT>(Ws[0], rw, 0);
+    unsigned rw[KW];
+    fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, kbeg, kend, K, swiglu, vec);
+    fm_fetch_w<WT, KW>(rw, wrow, kbeg + kw, kend);
+    fm_store_a<BM>(As[0], ra, vec);
+    fm_store_w<WT, BN, KW>(Ws[0], rw, kbeg);
     __syncthreads();
     for (int s = 0; s < steps; s++) {
-        int next = (s + 1) * FM_BK;
+        int next = kbeg + (s + 1) * FM_BK;
         if (s + 1 < steps) {              /* the next step's loads fly while this one multiplies */
-            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, next, K, swiglu);
-            fm_fetch_w<WT>(rw, wrow, next + kw, K);
+            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, next, kend, K, swiglu, vec);
+            fm_fetch_w<WT, KW>(rw, wrow, next + kw, kend);
         }
-        if (busy) fm_mma<TM, BM>(acc, As[s & 1], Ws[s & 1]);
+        if (busy) fm_mma<BM, BN>(acc, As[s & 1], Ws[s & 1], ty, tx);
         if (s + 1 < steps) {
-            fm_store_a<BM>(As[(s + 1) & 1], ra);
-            fm_store_w<WT>(Ws[(s + 1) & 1], rw, next);
+            fm_store_a<BM>(As[(s + 1) & 1], ra, vec);
+            fm_store_w<WT, BN, KW>(Ws[(s + 1) & 1], rw, next);
         }
         __syncthreads();
     }
-    int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
     bool add = flags & FM_ACCUMULATE;
     for (int i = 0; i < TM; i++) {
         int m = ty * TM + i;
@@ -233,16 +338,26 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A
         float *c = C + (long long)(c0 + m) * ldc;
         if (GLU) {
             for (int j = 0; j < 4; j++) {
-                int n = n0 + fm_col(tx, j);
+                int n = n0 + fm_col<BN>(tx, j);
                 if (n < N) c[n] = fm_siluf(acc[i][j]) * acc[i][j + 4];
             }
         } else {
             for (int j = 0; j < 8; j++) {
-                int n = n0 + fm_col(tx, j);
+                int n = n0 + fm_col<BN>(tx, j);
                 if (n < N) c[n] = add ? c[n] + acc[i][j] : acc[i][j];
             }
         }
     }
+}
+
+FM_KERNEL void gemm_splitk_sum(float *C, const float *part, int M, int N, int ldc, int splits, int flags)
+{
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, mn = (long long)M * N;
+    if (i >= mn) return;
+    float s = 0.0f;
+    for (int z = 0; z < splits; z++) s += part[z * mn + i];
+    float *c = C + (i / N) * ldc + i % N;
+    *c = flags & FM_ACCUMULATE ? *c + s : s;
 }
 
 /* C[m0 .. m0 + 8, n0 .. n0 + 32) = A W^T for a narrow W: thread (r, c) = (tid / 32,
@@ -295,14 +410,15 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
 #define FM_GEMM_DENSE(T, WT, BM, BLOCKS)                                                                         \
     FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void gemm_m##BM##_##T(float *C, const float *A, const uint8_t *W,   \
                                                                        int M, int N, int K, int lda, int ldc,      \
-                                                                       int flags)                                  \
+                                                                       int flags, int ksplit)                      \
     {                                                                                                              \
-        int m0 = blockIdx.y * BM;                                                                                  \
-        fm_gemm_tile<WT, BM, false>(C, ldc, m0, flags, A, lda, 0, m0, fm_mini(BM, M - m0), W, blockIdx.x * FM_BN, N, \
-                                    K);                                                                            \
+        int m0 = blockIdx.y * BM, kbeg = blockIdx.z * ksplit;                                                      \
+        fm_gemm_tile<WT, BM, 128, false>(C + (long long)blockIdx.z * M * ldc, ldc, m0, flags, A, lda, 0, m0,      \
+                                         fm_mini(BM, M - m0), W, blockIdx.x * 128, N, K, kbeg,                     \
+                                         fm_mini(K, kbeg + ksplit));                                               \
     }
 
-#define FM_GEMM_MOE(T, WT, BM, BLOCKS)                                                                           \
+#define FM_GEMM_MOE(T, WT, BM, BN, BLOCKS)                                                                       \
     FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_gateup_m##BM##_##T(                                    \
         float *act, const float *x, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
         const int *tile_expert, const int *tile_row0, const int *tile_rows, const int *n_tiles,                  \
@@ -311,8 +427,8 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                       \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                  \
         const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                    \
-        fm_gemm_tile<WT, BM, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w, blockIdx.x * (FM_BN / 2), \
-                                   N, K);                                                                        \
+        fm_gemm_tile<WT, BM, BN, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w,                       \
+                                       blockIdx.x * (BN / 2), N, K, 0, K);                                       \
     }                                                                                                            \
     FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_down_m##BM##_##T(                                      \
         float *y, const float *act, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
@@ -322,16 +438,16 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         int e, row0, rows;                                                                                       \
         if (!fm_moe_tile(tile_expert, tile_row0, tile_rows, n_tiles, &e, &row0, &rows)) return;                  \
         const uint8_t *w = slot + slot_map[e] * expert_bytes + down_offset;                                      \
-        fm_gemm_tile<WT, BM, false>(y, N, row0, 0, act, K, 0, row0, rows, w, blockIdx.x * FM_BN, N, K);          \
+        fm_gemm_tile<WT, BM, BN, false>(y, N, row0, 0, act, K, 0, row0, rows, w, blockIdx.x * BN, N, K, 0, K);   \
     }
 
-/* Blocks an SM is asked to hold (caps registers: 64 accumulators at BM 128 need ~120) */
+/* Blocks an SM is asked to hold (caps registers: 64 accumulators a thread need ~120) */
 #define FM_GEMM_ENTRIES(T, WT)                                                                                   \
     FM_GEMM_DENSE(T, WT, 32, 3)                                                                                  \
     FM_GEMM_DENSE(T, WT, 64, 3)                                                                                  \
     FM_GEMM_DENSE(T, WT, 128, 2)                                                                                 \
-    FM_GEMM_MOE(T, WT, 64, 3)                                                                                    \
-    FM_GEMM_MOE(T, WT, 128, 2)                                                                                   \
+    FM_GEMM_MOE(T, WT, 64, 256, 2)                                                                               \
+    FM_GEMM_MOE(T, WT, 128, 128, 2)                                                                              \
     FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,     \
                                    int ldc, int flags)                                                           \
     {                                                                                                            \
