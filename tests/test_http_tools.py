@@ -191,3 +191,21 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
                     wrong = http.request(method, path, json={}, headers={"Authorization": "Bearer nope"})
                     assert wrong.status_code == 401, (method, path)
     assert {"/", "/health"} <= OPEN_PATHS and "/v1/chat/completions" not in OPEN_PATHS
+
+
+# ---- the same over ZeroMQ ---------------------------------------------------------------------
+def test_generate_carries_tools_calls_and_template_settings_over_the_wire():
+    from shared.errors import ProtocolError
+    g = P.Generate(request_id="r", messages=[
+        P.ChatMessage(role="user", content="q"),
+        P.ChatMessage(role="assistant", content=None, reasoning_content="r", tool_calls=[
+            P.ToolCall(id="c", function=P.FunctionCall(name="read_file", arguments={"path": "ü.py"}))]),
+        P.ChatMessage(role="tool", content="x", tool_call_id="c", name="read_file")],
+        tools=TOOLS[:1], chat_template_kwargs={"enable_thinking": False})
+    assert P.decode(P.encode(g), P.CLIENT_MESSAGES) == g
+    raw = msgspec.msgpack.decode(P.encode(g))
+    raw["messages"][0]["mood"] = "curious"
+    with pytest.raises(ProtocolError, match="mood"):
+        P.decode(msgspec.msgpack.encode(raw), P.CLIENT_MESSAGES)
+    old = {"type": "generate", "request_id": "r", "messages": [{"role": "user", "content": "q"}]}
+    assert P.decode(msgspec.msgpack.encode(old), P.CLIENT_MESSAGES).messages[0].reasoning_content is None
