@@ -8,6 +8,7 @@ import uuid
 from collections import defaultdict, deque
 from typing import Iterator
 
+import msgspec
 import zmq
 
 from shared import protocol as P
@@ -58,7 +59,8 @@ class Client:
         sampling parameters come as a SamplingParams or by name among the keyword
         arguments (submit("Hi", temperature=0, max_tokens=8)), not both."""
         rid = request_id or uuid.uuid4().hex
-        chat = [P.ChatMessage(role=m["role"], content=m["content"]) for m in messages] if messages else None
+        chat = [m if isinstance(m, P.ChatMessage) else msgspec.convert(m, P.ChatMessage) for m in messages] \
+            if messages else None
         if sampling is not None and set(params) & set(SamplingParams.names()):
             raise FermoeError("give the sampling parameters as sampling= or by name, not both")
         named, params = SamplingParams.split(params)

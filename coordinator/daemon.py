@@ -26,6 +26,7 @@ import time
 import zmq
 
 from shared import protocol as P
+from shared.chat import render_chat
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.sampling import MAX_TOP_LOGPROBS
@@ -215,7 +216,7 @@ class Coordinator:
         elif msg.prompt is not None:
             tokens = self.tokenizer.encode(msg.prompt)
         else:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msg.messages])
+            text = render_chat(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs)
             tokens = self.tokenizer.encode(text)
         n_vocab = self.model.config.n_vocab
         if not tokens:

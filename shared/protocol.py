@@ -11,7 +11,7 @@ shared memory and a message carries the slot number.
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -33,9 +33,27 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_de
 
 
 # ---- client <-> coordinator ---------------------------------------------------
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    """A call's function: `arguments` as OpenAI sends it (JSON text of an object) or as that object."""
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One message of a chat; the optional fields are those the model's chat template reads
+    (an assistant's reasoning and tool calls, a tool result's call id and name)."""
     role: str
-    content: str
+    content: str | None = ""
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class Generate(_Msg, tag="generate"):
@@ -50,6 +68,10 @@ class Generate(_Msg, tag="generate"):
     stop: list[str] = []
     ignore_eos: bool = False            # as vLLM's ignore_eos: end-of-generation tokens are streamed, not obeyed
     logprobs: int | None = None         # None: none; n in [0, 20]: each token's and the n most likely ones
+    # with messages: OpenAI's tool objects ({"type": "function", "function": {...}}) and the chat
+    # template's extra variables (enable_thinking, preserve_thinking...), as transformers passes them
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -19,6 +19,8 @@ from tests.http_server import HttpDaemon, LocalEngine, sse_events
 MAX_SEQUENCES = 4           # a worker decoding several at once, as served (no test here counts on four)
 MAX_REQUEST = 4 << 20       # --max-request-size: small enough to exceed cheaply, above the old 1 MiB message cap
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why is the sky blue?"}]
+TOOLS = [{"type": "function", "function": {"name": "pydoc", "description": "A docstring",
+                                           "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +171,24 @@ def test_chat_stream_is_framed_as_openai_frames_it(daemon, client, local):
     assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in body)   # not asked for
 
 
+def test_tools_history_and_template_settings_reach_the_template(client, local):
+    """The built-in model's ChatML template renders no tools: the prompt is the one the template
+    makes of the history (its calls and reasoning carried to the coordinator), and
+    chat_template_kwargs / reasoning_effort reach it (enable_thinking=false pre-fills <think>)."""
+    history = CHAT + [{"role": "assistant", "content": "Let me look.", "reasoning_content": "hmm",
+                       "tool_calls": [{"id": "call_1", "type": "function",
+                                       "function": {"name": "pydoc", "arguments": '{"name": "os.path"}'}}]},
+                      {"role": "developer", "content": "Answer now."}]
+    r = client.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="auto", max_tokens=4,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    rendered = local.tok.apply_chat_template([*CHAT, {"role": "assistant", "content": "Let me look."},
+                                              {"role": "system", "content": "Answer now."}], enable_thinking=False)
+    assert r.usage.prompt_tokens == len(local.tok.encode(rendered))
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    off = client.chat.completions.create(model="m", messages=CHAT, max_tokens=1, reasoning_effort="none")
+    assert off.usage.prompt_tokens == len(local.chat_ids(CHAT)) + len(local.tok.encode("<think>\n\n</think>\n\n"))
+
+
 def test_completions_streamed_and_not(client, local):
     prompt = "The old GPU said"
     text, n = local.text(local.tok.encode(prompt), 12, seed=7, temperature=0.8)
@@ -249,7 +269,19 @@ ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, "temperature", "str"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, 400, "temperature", "2.0"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function.name",
+     "function.name"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", "'tools'"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function",
+                                                                               "function": {"name": "nope"}}},
+     400, "tool_choice", "'nope'"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice",
+     "not supported yet"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not supported yet"),
+    ("/v1/chat/completions", {"messages": CHAT + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "pydoc", "arguments": "{"}}]}]}, 400,
+     "messages[2].tool_calls[0].function.arguments", "JSON"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream"),

@@ -265,7 +265,8 @@ def test_llama_server_fields_without_effect_are_accepted_and_logged(caplog):
     (dict(json_schema={}), "json_schema"), (dict(lora=[{"id": 0, "scale": 1}]), "lora"),
     (dict(min_keep=5), "min_keep"), (dict(n_predict=0), "n_predict"),
     (dict(repeat_last_n=-2, repeat_penalty=1.1), "repeat_last_n"), (dict(samplers=["top_k", "bogus"]), "samplers"),
-    (dict(samplers="kpm"), "samplers"), (dict(chat_template_kwargs={"enable_thinking": False}), "chat_template_kwargs"),
+    (dict(samplers="kpm"), "samplers"), (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (dict(reasoning_format="raw"), "reasoning_format"),
 ])
 def test_llama_server_settings_we_cannot_honour_are_refused_by_name(fields, param):
     with pytest.raises(APIError) as e:

@@ -34,9 +34,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from shared import protocol as P
+from shared.chat import opens_reasoning
 from shared.errors import FermoeError, ProtocolError
 
-from . import params
+from . import chat_params, params
 from .cors import CORS
 from .metrics import Metrics
 from .schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -59,6 +60,7 @@ class Settings:
     alias: str | None = None                     # the model's name; None: the coordinator's
     cors_origins: tuple[str, ...] = ("*",)
     max_request_size: int = P.MAX_MESSAGE_BYTES  # bytes of a request body
+    reasoning_format: str = "deepseek"
 
 
 class Server:
@@ -92,6 +94,16 @@ class Server:
         if self.name is None:
             await self.status()
         return self.name
+
+    async def opens_reasoning(self, chat_template_kwargs: dict | None) -> bool:
+        """Whether the chat template's generation prompt leaves <think> open, so that the output
+        starts as reasoning; read from the model's template, which needs the model file on this
+        host (a front end without it splits out only a <think> block the model opens itself)."""
+        try:
+            tok = await self.tokenizer()
+        except APIError:
+            return False
+        return opens_reasoning(tok, chat_template_kwargs)
 
     async def tokenizer(self):
         async with self._tokenizer_lock:
@@ -151,7 +163,10 @@ def _too_large(what: str, limit: int, whose: str = "the server's") -> APIError:
 async def chat_completions(request: Request):
     server: Server = request.app.state.server
     body = decode_body(await read_body(request), ChatCompletionRequest)
-    return await _generate(server, body, params.chat_generate(body), ChatFormat())
+    msg = params.chat_generate(body)
+    fmt = chat_params.reasoning_format(body, server.settings.reasoning_format)
+    thinking = await server.opens_reasoning(msg.chat_template_kwargs)
+    return await _generate(server, body, msg, ChatFormat(params.chat_parser(body, msg, thinking, fmt), fmt))
 
 
 async def completions(request: Request):

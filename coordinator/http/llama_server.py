@@ -5,7 +5,9 @@ Each is one of three kinds:
 
 - honoured: `n_predict` (max_tokens; -1 until the end), `timings_per_token` (a
   `timings` object in every stream chunk), `samplers` (a sampler we have that the
-  list leaves out is not used, as llama-server leaves it out);
+  list leaves out is not used, as llama-server leaves it out), and on chat
+  `chat_template_kwargs` (the template's variables) and `reasoning_format`
+  (--reasoning-format for one request);
 - accepted and logged, once per request ("ignored llama-server fields: ..."): what
   changes nothing here (`cache_prompt`: every prompt is cached; `id_slot`; `n_keep`,
   there is no context shift), or a sampler's parameter while that sampler is off;
@@ -62,7 +64,6 @@ class LlamaServerFields(Body):
     post_sampling_probs: bool | None = None
     response_fields: list[str] | None = None
     sse_ping_interval: float | None = None
-    reasoning_format: str | None = None
     repeat_last_n: Int | None = None
     # samplers we lack: accepted while off (llama.cpp's defaults), refused when on
     dry_multiplier: float | None = None
@@ -88,10 +89,14 @@ class LlamaServerFields(Body):
     grammar: str | None = None
     json_schema: Any = None
     lora: list[Any] | None = None
+    # honoured on chat
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: str | None = None
 
 
 FIELDS = LlamaServerFields.__struct_fields__
+# read here, or by the chat endpoint (chat_template_kwargs, reasoning_format)
+HONOURED = ("n_predict", "timings_per_token", "samplers", "repeat_last_n", "chat_template_kwargs", "reasoning_format")
 
 
 def _refuse(param: str, message: str) -> APIError:
@@ -129,8 +134,6 @@ def _switched_on(b: LlamaServerFields) -> list[tuple[str, str]]:
         on.append(("json_schema", "schema-constrained sampling"))
     if b.lora:
         on.append(("lora", "LoRA adapters"))
-    if b.chat_template_kwargs:
-        on.append(("chat_template_kwargs", "chat template arguments"))
     return on
 
 
@@ -153,8 +156,7 @@ def apply(body, sampling: dict) -> dict:
         sampling["max_tokens"] = None if body.n_predict == -1 else body.n_predict
     if body.samplers is not None:
         _apply_samplers(body.samplers, sampling)
-    ignored = [f for f in FIELDS if f not in ("n_predict", "timings_per_token", "samplers", "repeat_last_n")
-               and getattr(body, f) is not None]
+    ignored = [f for f in FIELDS if f not in HONOURED and getattr(body, f) is not None]
     if ignored:
         log.info("ignored llama-server fields: %s", ", ".join(ignored))
     return sampling

@@ -12,6 +12,8 @@ import socket
 
 from shared.errors import FermoeError
 
+from .formats import REASONING_FORMATS
+
 log = logging.getLogger("fermoe.http")
 DEFAULT_HTTP = "127.0.0.1:8080"
 API_KEY_ENV = "FERMOE_API_KEY"
@@ -20,7 +22,7 @@ DEFAULT_MAX_REQUEST = "64MiB"
 
 
 def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> None:
-    """--http, --api-key, --max-queue, --alias, --cors-origins, --max-request-size (and --connect
+    """--http, --api-key, --max-queue, --alias, --cors-origins, --reasoning-format, --max-request-size (and --connect
     for a front end of its own)."""
     g = p.add_argument_group("HTTP API (OpenAI-compatible)")
     if standalone:
@@ -41,6 +43,11 @@ def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> No
                    help=f"origins whose web pages may call the API: a comma-separated list "
                         f"(e.g. http://localhost:3000), or * for any (default {DEFAULT_CORS}, as llama-server and "
                         f"vLLM); an empty value ('') turns CORS off")
+    g.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="deepseek",
+                   help="where a chat's reasoning goes: deepseek (default; `auto` is the same), as llama-server: "
+                        "message.reasoning_content, delta.reasoning_content; both: there and under `reasoning`, "
+                        "vLLM's name; none: left in the content, <think> tags and all. A request's "
+                        "reasoning_format overrides it")
     g.add_argument("--max-request-size", metavar="SIZE", default=None,
                    help=("the largest HTTP request body taken (the coordinator's own --max-request-size bounds "
                          "the messages it takes)" if standalone else

@@ -15,8 +15,9 @@ import uuid
 
 from shared import protocol as P
 from shared.sampling import InvalidSampling, SamplingParams
+from shared.tool_parser import ToolCallParser
 
-from . import llama_server
+from . import chat_params, llama_server
 from .fields import UINT64_MAX
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -77,16 +78,25 @@ def _message_text(i: int, message) -> str:
 
 
 def chat_generate(body: ChatCompletionRequest) -> P.Generate:
+    """The Generate of a chat request (chat_params.py checks what is chat's own)."""
     _check_common(body)
-    if body.tools:
-        raise _refuse("tools", "tools are not supported")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise _refuse("response_format", f"response_format {body.response_format.get('type')!r} is not supported "
-                                         "(text only)")
-    messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m))
+    tools = chat_params.tools(body)
+    chat_params.tool_choice(body, tools)
+    chat_params.response_format(body)
+    chat_params.reasoning_format(body, "deepseek")
+    messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m),
+                              reasoning_content=chat_params.reasoning(m), tool_calls=chat_params.tool_calls(i, m),
+                              tool_call_id=m.tool_call_id, name=m.name)
                 for i, m in enumerate(body.messages)]
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages)
+    return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages, tools=tools,
+                     chat_template_kwargs=chat_params.template_kwargs(body))
+
+
+def chat_parser(body: ChatCompletionRequest, msg: P.Generate, reasoning: bool, reasoning_format: str):
+    """What parses the model's text for this request: its calls when tool_choice lets it call."""
+    parse = msg.tools if chat_params.tool_choice(body, msg.tools) == "auto" else None
+    return ToolCallParser(parse, reasoning, reasoning_format)
 
 
 def completion_generate(body: CompletionRequest) -> P.Generate:

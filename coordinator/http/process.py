@@ -41,7 +41,7 @@ class FrontEnd:
         if self.opts.max_queue is not None:
             cmd += ["--max-queue", str(self.opts.max_queue)]
         cmd += ["--cors-origins", ",".join(self.opts.cors_origins), "--max-request-size",
-                str(self.opts.max_request_size)]
+                str(self.opts.max_request_size), "--reasoning-format", self.opts.reasoning_format]
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         if self.opts.api_key:

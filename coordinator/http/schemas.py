@@ -5,7 +5,8 @@ Field names and ranges are OpenAI's; `top_k`, `min_p`, `repeat_penalty` and
 declared in llama_server.py. Unknown fields are refused, as OpenAI refuses them
 ("Unrecognized request argument supplied"); fields OpenAI defines that change
 nothing here (`user`, `metadata`, `store`...) are accepted, and ones whose meaning
-we cannot honour (`logprobs`, `tools`, `n` > 1...) are refused by name in params.py.
+we cannot honour (`logprobs`, `n` > 1, a forced `tool_choice`...) are refused by name in
+params.py.
 """
 from __future__ import annotations
 
@@ -38,10 +39,34 @@ class ContentPart(_Body):
     file: Any = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"      # OpenAI's JSON text; the object itself is taken too
+
+
+class ToolCall(_Body):
+    """A call in an assistant message of the history."""
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+    index: int | None = None                     # clients that rebuild messages from stream deltas keep it
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # an assistant's reasoning under the names clients send it by (llama-server's, vLLM's, transformers')
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    thinking: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # what OpenAI's own replies carry, sent back by clients that keep them: no effect here
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class _Sampling(LlamaServerFields, kw_only=True):
@@ -78,6 +103,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None         # "none": thinking off; other levels change nothing here
 
 
 class CompletionRequest(_Sampling, kw_only=True):

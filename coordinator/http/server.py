@@ -67,7 +67,8 @@ def run(opts) -> int:
     fd = getattr(opts, "listen_fd", None)
     sock = socket.socket(fileno=fd) if fd is not None else bind_listener(opts.http, bool(opts.api_key))
     app = build_app(Settings(connect=opts.connect, api_key=opts.api_key, max_queue=opts.max_queue, alias=opts.alias,
-                             cors_origins=opts.cors_origins, max_request_size=opts.max_request_size))
+                             cors_origins=opts.cors_origins, max_request_size=opts.max_request_size,
+                             reasoning_format=opts.reasoning_format))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
     log.info("HTTP API on %s for the coordinator at %s%s", listen_url(sock), opts.connect,
              ", API key required" if opts.api_key else "")

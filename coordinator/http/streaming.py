@@ -7,9 +7,9 @@ watches the connection the whole time: a client that goes away, whether before
 its first token or mid-stream, has its request cancelled in the coordinator.
 
 Streams are framed as OpenAI frames them: for chat a first chunk carrying the
-role, a chunk per piece of text, one chunk with `finish_reason`, the usage chunk
-with empty `choices` when `stream_options.include_usage` asks for it, then
-`data: [DONE]`. Every body and chunk carries `system_fingerprint`; the final body
+role, chunks of what each piece of text becomes (formats.py), one chunk with
+`finish_reason`, the usage chunk with empty `choices` when
+`stream_options.include_usage` asks for it, then `data: [DONE]`. Every body and chunk carries `system_fingerprint`; the final body
 and the `finish_reason` chunk carry llama-server's `timings` (llama_server.py), and
 with `timings_per_token` every chunk of text does.
 
@@ -27,9 +27,9 @@ import msgspec
 from shared import protocol as P
 
 from .errors import APIError
+from .formats import ChatFormat, TextFormat  # noqa: F401 (the formats a response takes)
 from .llama_server import Timings
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 _json = msgspec.json.Encoder()
 
 
@@ -37,43 +37,6 @@ def usage(done: P.Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens}}
-
-
-class ChatFormat:
-    """/v1/chat/completions."""
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
-    prompt_param = "messages"
-
-    def opening(self) -> list[dict]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-
-    def delta(self, text: str) -> dict:
-        return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-
-    def final(self, reason: str) -> dict:
-        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-
-    def whole(self, text: str, reason: str) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": reason}
-
-
-class TextFormat:
-    """/v1/completions."""
-    object = chunk_object = "text_completion"
-    prompt_param = "prompt"
-
-    def opening(self) -> list[dict]:
-        return []
-
-    def delta(self, text: str) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
-
-    def final(self, reason: str) -> dict:
-        return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
-
-    def whole(self, text: str, reason: str) -> dict:
-        return self.delta(text) | {"finish_reason": reason}
 
 
 async def send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
@@ -158,7 +121,7 @@ class GenerationResponse:
         if msg.finish_reason == "error":
             await send_json(send, 500, _failure(msg))
             return
-        await send_json(send, 200, self._envelope(self.fmt.object, [self.fmt.whole("".join(texts), _reason(msg))],
+        await send_json(send, 200, self._envelope(self.fmt.object, [self.fmt.whole("".join(texts), msg)],
                                                   usage=usage(msg), timings=self.timings.final(msg)),
                         {"x-request-id": self.rid})
 
@@ -169,9 +132,9 @@ class GenerationResponse:
                                 (b"x-request-id", self.rid.encode())]})
         events = [self._chunk([choice]) for choice in self.fmt.opening()]
         while not isinstance(msg, P.Done):
-            if msg.text:
+            for choice in self.fmt.deltas(msg.text):
                 timings = {"timings": self.timings.partial()} if self.timings_per_token else {}
-                events.append(self._chunk([self.fmt.delta(msg.text)], **timings))
+                events.append(self._chunk([choice], **timings))
             if self.stream.queue.empty() and events:        # write what has come in one send
                 await self._send_events(send, events)
                 events = []
@@ -185,7 +148,8 @@ class GenerationResponse:
         if done.finish_reason == "error":                   # OpenAI's error object, as vLLM sends it
             events = [b"data: " + _json.encode(_failure(done)) + b"\n\n"]
         else:
-            events = [self._chunk([self.fmt.final(_reason(done))], timings=self.timings.final(done))]
+            *last, final = self.fmt.closing(done)
+            events = [self._chunk([c]) for c in last] + [self._chunk([final], timings=self.timings.final(done))]
             if self.include_usage:
                 events.append(self._chunk([], usage=usage(done)))
         return events + [b"data: [DONE]\n\n"]
@@ -216,6 +180,3 @@ def _failure(done: P.Done) -> dict:
     """OpenAI's error object for a request that ended in error."""
     return APIError(500, done.error or "the request failed").body()
 
-
-def _reason(done: P.Done) -> str:
-    return FINISH_REASONS.get(done.finish_reason, done.finish_reason)

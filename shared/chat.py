@@ -1,0 +1,129 @@
+"""A chat request -> the prompt text, through the model's own chat template as transformers
+renders it (tokenizer.apply_chat_template), with what OpenAI-style clients send adapted to
+what chat templates read:
+
+- a tool call's `arguments`, JSON text in OpenAI's API, becomes the mapping it encodes: the
+  Qwen3.5/3.6 templates iterate `tool_call.arguments|items` (vLLM and llama-server do the same);
+- `reasoning_content` (or `reasoning`, `thinking`) is passed on under every one of those names
+  (tokenizer.render_chat_template), so the template decides where the reasoning goes;
+- role `developer` (OpenAI's newer name for system, sent by Codex, opencode, the SDKs) is
+  `system`, as llama-server maps it; a system message after the first non-system one, which the
+  Qwen templates refuse ("System message must be at the beginning."), is rendered as a user
+  message, in its place, when the template refuses it; a template that takes it keeps it;
+- tools other than `{"type": "function"}` (Codex sends web_search, image_generation...) are
+  left out with a warning, as llama-server and ik_llama.cpp leave them out;
+- `chat_template_kwargs` become template variables (enable_thinking, preserve_thinking, ...).
+
+A message the template still refuses is a ChatTemplateError: the request's 400.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+
+import msgspec
+
+from shared.errors import ChatTemplateError
+
+log = logging.getLogger("fermoe.chat")
+
+# variables the renderer sets itself: a client's chat_template_kwargs may not replace them
+RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def function_tools(tools) -> list[dict]:
+    """The function tools of a request; any other kind is left out, with a warning."""
+    kept, skipped = [], []
+    for tool in tools or ():
+        if isinstance(tool, dict) and tool.get("type") == "function":
+            kept.append(tool)
+        else:
+            skipped.append(tool.get("type") if isinstance(tool, dict) else type(tool).__name__)
+    if skipped:
+        log.warning("tools of type %s left out: only function tools reach the chat template",
+                    ", ".join(map(repr, skipped)))
+    return kept
+
+
+def template_messages(messages) -> list[dict]:
+    """Protocol ChatMessages (or dicts of their fields) as the template's message mappings."""
+    out = []
+    for i, m in enumerate(messages):
+        m = msgspec.to_builtins(m) if not isinstance(m, dict) else dict(m)
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        m.setdefault("content", "")      # an assistant's tool-call turn may have none; templates want text
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(m["tool_calls"])]
+        out.append(m)
+    return out
+
+
+def _template_call(i: int, j: int, call: dict) -> dict:
+    call = {k: v for k, v in call.items() if v is not None}
+    function = dict(call.get("function") or {})
+    args = function.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ChatTemplateError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise ChatTemplateError(f"messages[{i}].tool_calls[{j}].function.arguments is JSON of a "
+                                f"{type(args).__name__}, not of an object")
+    function["arguments"] = args
+    call["function"] = function
+    return call
+
+
+def check_kwargs(kwargs: dict | None) -> dict:
+    kwargs = dict(kwargs or {})
+    taken = sorted(RESERVED_KWARGS & set(kwargs))
+    if taken:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields)")
+    return kwargs
+
+
+def render_chat(tokenizer, messages, tools=None, chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text of a chat: `messages` (protocol ChatMessages or dicts), `tools` (OpenAI's
+    tool objects), `chat_template_kwargs` (template variables); ends with the generation prompt."""
+    kwargs = check_kwargs(chat_template_kwargs)
+    msgs = template_messages(messages)
+    tools = function_tools(tools) or None
+    try:
+        return tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
+    except ChatTemplateError:
+        late = _late_system(msgs)
+        if not late:
+            raise
+    for i in late:
+        msgs[i] = {**msgs[i], "role": "user"}
+    return tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
+
+
+def _late_system(msgs: list[dict]) -> list[int]:
+    """Indices of system messages after the leading run of them."""
+    first_other = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
+    return [i for i, m in enumerate(msgs) if i > first_other and m.get("role") == "system"]
+
+
+def opens_reasoning(tokenizer, chat_template_kwargs: dict | None = None) -> bool:
+    """Whether the template's generation prompt leaves a <think> block open, so that what the
+    model writes starts as reasoning (Qwen3.5/3.6 with thinking on: it ends `<think>\\n`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    key = json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str)
+    return _opens_reasoning(tokenizer, key)
+
+
+@lru_cache(maxsize=64)
+def _opens_reasoning(tokenizer, kwargs_json: str) -> bool:
+    try:
+        kwargs = check_kwargs(json.loads(kwargs_json))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], **kwargs)
+    except Exception as e:     # a template that cannot render this probe: no reasoning is split out
+        log.warning("the chat template's generation prompt could not be probed for <think>: %s", e)
+        return False
+    return text.rfind("<think>") > text.rfind("</think>")

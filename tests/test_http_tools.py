@@ -1,0 +1,211 @@
+"""The chat endpoint's tools and reasoning in this process, no model: request fields -> the
+Generate (tools, chat_template_kwargs, the history's calls and reasoning), the 400s, and the
+response a stream of recorded model text becomes, streamed and not, read back with the
+official `openai` client's own types; and the API key on every route of the table."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from coordinator.http import params
+from coordinator.http.formats import ChatFormat
+from coordinator.http.metrics import Metrics
+from coordinator.http.schemas import APIError, ChatCompletionRequest, decode_body
+from coordinator.http.streaming import GenerationResponse
+from coordinator.http.upstream import RequestStream
+from shared import protocol as P
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}},
+    {"type": "web_search"}]
+USER = [{"role": "user", "content": "Show me a.py"}]
+
+
+def body(**fields) -> ChatCompletionRequest:
+    return decode_body(msgspec.json.encode({"messages": USER} | fields), ChatCompletionRequest)
+
+
+def test_tools_history_and_template_settings_reach_the_generate():
+    history = USER + [
+        {"role": "assistant", "content": None, "reasoning": "need it", "tool_calls": [
+            {"id": "call_1", "type": "function", "index": 0,
+             "function": {"name": "read_file", "arguments": '{"path": "a.py", "limit": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"}]
+    g = params.chat_generate(body(messages=history, tools=TOOLS, reasoning_effort="none",
+                                  chat_template_kwargs={"preserve_thinking": True}))
+    assert g.tools == TOOLS[:1]                                             # web_search left out
+    assert g.chat_template_kwargs == {"preserve_thinking": True, "enable_thinking": False}
+    a = g.messages[1]
+    assert (a.reasoning_content, a.tool_calls[0].id, a.tool_calls[0].function.arguments) == \
+        ("need it", "call_1", {"path": "a.py", "limit": 3})
+    assert (g.messages[2].role, g.messages[2].tool_call_id) == ("tool", "call_1")
+    explicit = params.chat_generate(body(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}))
+    assert explicit.chat_template_kwargs == {"enable_thinking": True}      # the template kwargs say
+    assert params.chat_generate(body(reasoning_effort="high")).chat_template_kwargs is None
+
+
+@pytest.mark.parametrize("fields, param, word", [
+    (dict(tool_choice="auto"), "tool_choice", "only allowed when 'tools'"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "rm"}}), "tool_choice", "'rm'"),
+    (dict(tools=TOOLS, tool_choice="required"), "tool_choice", "constrained decoding"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read_file"}}), "tool_choice",
+     "not supported yet"),
+    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice", "'required'"),
+    (dict(tools=[{"type": "function", "function": {}}]), "tools[0].function.name", "function.name"),
+    (dict(tools=["read_file"]), "tools[0]", "type"),
+    (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "constrained decoding"),
+    (dict(response_format={"type": "json_object"}), "response_format", "not supported yet"),
+    (dict(messages=USER + [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "read_file", "arguments": "{oops"}}]}]),
+     "messages[1].tool_calls[0].function.arguments", "not JSON"),
+    (dict(messages=USER + [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "read_file", "arguments": "[1]"}}]}]),
+     "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    (dict(messages=[{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]),
+     "messages[0].tool_calls", "assistant"),
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs", "add_generation_prompt"),
+    (dict(reasoning_format="deepseek-legacy"), "reasoning_format", "deepseek-legacy"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(fields, param, word):
+    with pytest.raises(APIError) as e:
+        params.chat_generate(body(**fields))
+    assert (e.value.status, e.value.param) == (400, param) and word in e.value.message, e.value.message
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_no_call():
+    b = body(tools=TOOLS, tool_choice="none")
+    msg = params.chat_generate(b)
+    assert msg.tools == TOOLS[:1] and params.chat_parser(b, msg, False, "deepseek").schemas == {}
+    b = body(tools=TOOLS)
+    assert set(params.chat_parser(b, params.chat_generate(b), False, "deepseek").schemas) == {"read_file"}
+
+
+# ---- recorded model text -> the response ------------------------------------------------------
+RECORDED = ["The user", " wants a.py.", "\n", "</think>", "\n\n", "Reading", " it.", "\n\n", "<tool_call>", "\n<",
+            "function=read", "_file>\n<parameter=", "path>\nsrc/ü", "nï.py\n</parameter>\n<parameter=limit>\n",
+            "20\n</parameter>\n</function>\n", "</tool_call>"]
+
+
+class _Open:
+    def cancel(self, rid, on_done=None):
+        return False
+
+
+def respond(pieces, streaming: bool, finish="stop", reasoning_format="deepseek", tools=TOOLS):
+    async def go():
+        stream, sent = RequestStream("chatcmpl-x"), []
+        for i, text in enumerate(pieces):
+            stream.push(P.Token(request_id="chatcmpl-x", token=i, text=text))
+        stream.push(P.Done(request_id="chatcmpl-x", finish_reason=finish, prompt_tokens=5,
+                           completion_tokens=len(pieces)))
+        b = body(tools=tools)
+        fmt = ChatFormat(params.chat_parser(b, params.chat_generate(b), True, reasoning_format), reasoning_format)
+        response = GenerationResponse(_Open(), stream, fmt, "m", streaming, False, Metrics())
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+        await response(None, receive, send)
+        return b"".join(m.get("body", b"") for m in sent[1:])
+    return asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def chunks(raw: bytes) -> list[ChatCompletionChunk]:
+    events = raw.decode().removesuffix("\n\n").split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    return [ChatCompletionChunk.model_validate_json(e.removeprefix("data: ")) for e in events[:-1]]
+
+
+def test_a_call_comes_back_whole_as_openai_returns_it():
+    r = ChatCompletion.model_validate_json(respond(RECORDED, streaming=False))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Reading it."
+    assert choice.message.model_extra["reasoning_content"] == "The user wants a.py."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and len(call.id) == 29 and call.type == "function"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("read_file", {"path": "src/ünï.py",
+                                                                                      "limit": 20})
+
+
+def test_a_call_streams_as_openai_streams_it():
+    got = chunks(respond(RECORDED, streaming=True))
+    deltas = [c.choices[0].delta for c in got]
+    assert deltas[0].role == "assistant"
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert (reasoning, content) == ("The user wants a.py.", "Reading it.")
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "read_file" and calls[0].type == "function"
+    assert all(tc.index == 0 and tc.id is None and tc.function.name is None for tc in calls[1:])
+    args = "".join(tc.function.arguments or "" for tc in calls)
+    assert json.loads(args) == {"path": "src/ünï.py", "limit": 20}
+    assert any(tc.function.arguments == '"path": "src/ü' for tc in calls)     # the string before it closed
+    assert [c.choices[0].finish_reason for c in got] == [None] * (len(got) - 1) + ["tool_calls"]
+
+
+def test_a_turn_cut_by_the_limit_is_length_and_its_call_still_parses():
+    r = ChatCompletion.model_validate_json(respond(RECORDED[:13], streaming=False, finish="length"))
+    assert r.choices[0].finish_reason == "length"
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"path": "src/ü"}
+
+
+def test_reasoning_formats():
+    both = ChatCompletion.model_validate_json(respond(RECORDED[:6], streaming=False, reasoning_format="both"))
+    extra = both.choices[0].message.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"] == "The user wants a.py."
+    none = ChatCompletion.model_validate_json(respond(RECORDED[:6], streaming=False, reasoning_format="none"))
+    assert none.choices[0].message.content == "".join(RECORDED[:6])
+    assert "reasoning_content" not in none.choices[0].message.model_extra
+
+
+def test_without_tools_a_call_is_content_and_the_reason_stop():
+    r = ChatCompletion.model_validate_json(respond(RECORDED, streaming=False, tools=None))
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content.startswith("Reading it.\n\n<tool_call>\n<function=read_file>")
+
+
+# ---- the API key on every route ---------------------------------------------------------------
+def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from coordinator.http.app import OPEN_PATHS, Settings, build_app
+    app = build_app(Settings(connect="tcp://127.0.0.1:9", api_key="sekrit"))
+    routes = [r for r in app.routes if isinstance(r, Route)]
+    assert len(routes) >= 15
+    with TestClient(app) as http:
+        for route in routes:
+            path = route.path.replace("{model:path}", "some/model")
+            for method in sorted(route.methods - {"HEAD"}):
+                r = http.request(method, path, json={})
+                if route.path in OPEN_PATHS:
+                    assert r.status_code != 401, (method, path)
+                else:
+                    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key", (method, path)
+                    wrong = http.request(method, path, json={}, headers={"Authorization": "Bearer nope"})
+                    assert wrong.status_code == 401, (method, path)
+    assert {"/", "/health"} <= OPEN_PATHS and "/v1/chat/completions" not in OPEN_PATHS
+
+
+# ---- the same over ZeroMQ ---------------------------------------------------------------------
+def test_generate_carries_tools_calls_and_template_settings_over_the_wire():
+    from shared.errors import ProtocolError
+    g = P.Generate(request_id="r", messages=[
+        P.ChatMessage(role="user", content="q"),
+        P.ChatMessage(role="assistant", content=None, reasoning_content="r", tool_calls=[
+            P.ToolCall(id="c", function=P.FunctionCall(name="read_file", arguments={"path": "ü.py"}))]),
+        P.ChatMessage(role="tool", content="x", tool_call_id="c", name="read_file")],
+        tools=TOOLS[:1], chat_template_kwargs={"enable_thinking": False})
+    assert P.decode(P.encode(g), P.CLIENT_MESSAGES) == g
+    raw = msgspec.msgpack.decode(P.encode(g))
+    raw["messages"][0]["mood"] = "curious"
+    with pytest.raises(ProtocolError, match="mood"):
+        P.decode(msgspec.msgpack.encode(raw), P.CLIENT_MESSAGES)
+    old = {"type": "generate", "request_id": "r", "messages": [{"role": "user", "content": "q"}]}
+    assert P.decode(msgspec.msgpack.encode(old), P.CLIENT_MESSAGES).messages[0].reasoning_content is None
