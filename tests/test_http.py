@@ -6,6 +6,7 @@ the same generation computed in this process (tests/http_server.py)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import uuid
 
@@ -152,6 +153,31 @@ def test_chat_completion_is_the_local_generation(client, local):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), n, len(ids) + n)
 
 
+def test_logprobs_in_openais_shapes_streamed_and_not(client, local):
+    """Chat: each token's text, bytes, logprob and top_logprobs; a stream's chunks carry
+    the same list in pieces. Completions: the legacy lists. The tokens' bytes make the
+    text; the most likely tokens' probabilities sum to at most 1."""
+    kwargs = dict(model="tiny-q4_0", messages=CHAT, max_tokens=10, seed=8, temperature=0.8, logprobs=True,
+                  top_logprobs=4)
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 10
+    assert b"".join(bytes(t.bytes) for t in content).decode(errors="replace") == whole.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 4
+        assert t.top_logprobs[0].logprob >= t.logprob and sum(math.exp(x.logprob) for x in t.top_logprobs) <= 1.0001
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    text = client.completions.create(model="tiny-q4_0", prompt="The old GPU said", max_tokens=6, seed=2,
+                                     logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == 6
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    plain = client.chat.completions.create(model="tiny-q4_0", messages=CHAT, max_tokens=2, seed=8)
+    assert plain.choices[0].logprobs is None
+
+
 def test_chat_stream_is_framed_as_openai_frames_it(daemon, client, local):
     text, n = local.text(local.chat_ids(CHAT), 10, seed=6, temperature=0.8)
     chunks = list(client.chat.completions.create(messages=CHAT, max_tokens=10, seed=6, model="tiny-q4_0",
@@ -282,7 +308,10 @@ ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {"messages": CHAT + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "pydoc", "arguments": "{"}}]}]}, 400,
      "messages[2].tool_calls[0].function.arguments", "JSON"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs", "needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "[0, 20]"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3.5}, 400, "logprobs", "integer"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream"),
     ("/v1/chat/completions", {"messages": CHAT, "seed": 2**64}, 400, "seed", "18446744073709551615"),

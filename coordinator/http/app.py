@@ -39,6 +39,7 @@ from shared.errors import FermoeError, ProtocolError
 
 from . import chat_params, params
 from .cors import CORS
+from .logprobs import Logprobs
 from .metrics import Metrics
 from .schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                       decode_body)
@@ -186,8 +187,9 @@ async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationRes
         raise APIError(503, f"{upstream.waiting} requests are already waiting (--max-queue {limit}); "
                             f"retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    logprobs = None if msg.logprobs is None else Logprobs(await server.tokenizer(), chat=isinstance(fmt, ChatFormat))
     return GenerationResponse(upstream, upstream.submit(msg, data), fmt, model, body.stream, include_usage,
-                              server.metrics, server.system_fingerprint, bool(body.timings_per_token))
+                              server.metrics, server.system_fingerprint, bool(body.timings_per_token), logprobs)
 
 
 # ---- the rest ------------------------------------------------------------------------

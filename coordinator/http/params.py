@@ -17,7 +17,7 @@ from shared import protocol as P
 from shared.sampling import InvalidSampling, SamplingParams
 from shared.tool_parser import ToolCallParser
 
-from . import chat_params, llama_server
+from . import chat_params, llama_server, logprobs
 from .fields import UINT64_MAX
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -31,8 +31,6 @@ def _refuse(param: str, message: str) -> APIError:
 def _check_common(body) -> None:
     if body.n not in (None, 1):
         raise _refuse("n", f"n = {body.n}: only one choice per request is supported")
-    if body.logprobs not in (None, False, 0) or body.top_logprobs:
-        raise _refuse("logprobs", "logprobs are not supported")
     if body.logit_bias:
         raise _refuse("logit_bias", "logit_bias is not supported")
     if body.stream_options is not None and not body.stream:
@@ -90,7 +88,7 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
                 for i, m in enumerate(body.messages)]
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages, tools=tools,
-                     chat_template_kwargs=chat_params.template_kwargs(body))
+                     chat_template_kwargs=chat_params.template_kwargs(body), logprobs=logprobs.requested(body, True))
 
 
 def chat_parser(body: ChatCompletionRequest, msg: P.Generate, reasoning: bool, reasoning_format: str):
@@ -109,7 +107,8 @@ def completion_generate(body: CompletionRequest) -> P.Generate:
         raise _refuse("best_of", f"best_of = {body.best_of}: only one choice per request is supported")
     prompt = _prompt(body.prompt)
     kind = "prompt" if isinstance(prompt, str) else "tokens"
-    return _generate(f"cmpl-{uuid.uuid4().hex}", body, body.max_tokens, **{kind: prompt})
+    return _generate(f"cmpl-{uuid.uuid4().hex}", body, body.max_tokens, logprobs=logprobs.requested(body, False),
+                     **{kind: prompt})
 
 
 def _prompt(prompt) -> str | list[int]:

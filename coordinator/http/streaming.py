@@ -48,10 +48,11 @@ async def send_json(send, status: int, body: dict, headers: dict | None = None) 
 
 class GenerationResponse:
     def __init__(self, upstream, stream, fmt, model: str, streaming: bool, include_usage: bool, metrics,
-                 fingerprint: str = "", timings_per_token: bool = False):
+                 fingerprint: str = "", timings_per_token: bool = False, logprobs=None):
         self.upstream, self.stream, self.fmt, self.model = upstream, stream, fmt, model
         self.streaming, self.include_usage, self.metrics = streaming, include_usage, metrics
         self.fingerprint, self.timings_per_token = fingerprint, timings_per_token
+        self.logprobs = logprobs                    # a logprobs.Logprobs when the request asked
         self.rid = stream.request_id
         self.created = int(time.time())
         self.arrived = time.perf_counter()
@@ -115,13 +116,15 @@ class GenerationResponse:
         texts = []
         while not isinstance(msg, P.Done):
             texts.append(msg.text)
+            self._add_logprobs(msg)
             msg = await self._next()
             if self.gone:
                 return
         if msg.finish_reason == "error":
             await send_json(send, 500, _failure(msg))
             return
-        await send_json(send, 200, self._envelope(self.fmt.object, [self.fmt.whole("".join(texts), msg)],
+        await send_json(send, 200, self._envelope(self.fmt.object, [self._with_logprobs(self.fmt.whole("".join(texts),
+                                                                                                          msg))],
                                                   usage=usage(msg), timings=self.timings.final(msg)),
                         {"x-request-id": self.rid})
 
@@ -132,9 +135,10 @@ class GenerationResponse:
                                 (b"x-request-id", self.rid.encode())]})
         events = [self._chunk([choice]) for choice in self.fmt.opening()]
         while not isinstance(msg, P.Done):
+            self._add_logprobs(msg)
             for choice in self.fmt.deltas(msg.text):
                 timings = {"timings": self.timings.partial()} if self.timings_per_token else {}
-                events.append(self._chunk([choice], **timings))
+                events.append(self._chunk([self._with_logprobs(choice)], **timings))
             if self.stream.queue.empty() and events:        # write what has come in one send
                 await self._send_events(send, events)
                 events = []
@@ -148,11 +152,22 @@ class GenerationResponse:
         if done.finish_reason == "error":                   # OpenAI's error object, as vLLM sends it
             events = [b"data: " + _json.encode(_failure(done)) + b"\n\n"]
         else:
-            *last, final = self.fmt.closing(done)
+            first, *rest = self.fmt.closing(done)           # the tokens no delta carried yet go with the first
+            *last, final = [self._with_logprobs(first), *rest]
             events = [self._chunk([c]) for c in last] + [self._chunk([final], timings=self.timings.final(done))]
             if self.include_usage:
                 events.append(self._chunk([], usage=usage(done)))
         return events + [b"data: [DONE]\n\n"]
+
+    def _add_logprobs(self, msg) -> None:
+        if self.logprobs is not None:
+            self.logprobs.add(msg)
+
+    def _with_logprobs(self, choice: dict) -> dict:
+        """The choice, carrying the logprobs of the tokens since the last one that did."""
+        if self.logprobs is None:
+            return choice
+        return choice | {"logprobs": self.logprobs.take()}
 
     def _chunk(self, choices: list, **extra) -> bytes:
         if self.include_usage:
