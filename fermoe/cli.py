@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"],
                    help="element type of the large matrices (default q4_0)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="the chat template to store (Jinja, e.g. a real model's, which renders tools: what "
+                        "`fermoe bench agent` needs); default: a plain one without tools")
     p = sub.add_parser("submit", help="send a prompt to a running coordinator and stream the reply",
                        description="Send a prompt to a running coordinator (started with `coordinator --model "
                                    "MODEL`) and stream the reply; a summary line on stderr says why it stopped.")
@@ -174,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
                                      "| http [MODEL]",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http"],
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
                         "(the daemon: time to first token, clients) or http (the HTTP API end to end)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
@@ -250,7 +254,13 @@ def cmd_convert(args) -> None:
 
 def cmd_synth(args) -> None:
     from shared.synth import synth
-    cfg = synth(args.out, args.preset, args.experts, args.layers, args.type, args.seed)
+    template = None
+    if args.chat_template_file:
+        try:
+            template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FermoeError(f"--chat-template-file {args.chat_template_file}: {e}") from None
+    cfg = synth(args.out, args.preset, args.experts, args.layers, args.type, args.seed, chat_template=template)
     print(f"wrote {args.out} ({args.preset}, {cfg.n_expert} experts, {cfg.n_layer} layers, {args.type})",
           file=sys.stderr)
 
@@ -368,6 +378,8 @@ def cmd_bench(args) -> None:
         from bench.prefill import main as bench_main
     elif args.what == "http":
         from bench.http import main as bench_main
+    elif args.what == "agent":
+        from bench.agent import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"

@@ -129,8 +129,9 @@ def _tensor_list(cfg: ModelConfig) -> list[tuple[str, tuple]]:
 
 
 def synth(out_path, preset: str = "tiny", experts=None, layers=None, out_type: str = "q4_0",
-          seed: int = 0, progress: bool = True) -> ModelConfig:
-    """Write a random model of `preset` to `out_path`; returns its config."""
+          seed: int = 0, progress: bool = True, chat_template: str | None = None) -> ModelConfig:
+    """Write a random model of `preset` to `out_path`; returns its config. chat_template: the
+    Jinja text to store (a real model's, for benchmarks of chats with tools), else a plain one."""
     if out_type not in OUT_TYPES:
         raise ModelError(f"--type {out_type!r}: expected one of {', '.join(OUT_TYPES)}")
     cfg = preset_config(preset, experts, layers)
@@ -151,5 +152,7 @@ def synth(out_path, preset: str = "tiny", experts=None, layers=None, out_type: s
     meta[RANDOM_WEIGHTS_KEY] = True
     meta["general.file_type"] = FILE_TYPE[qtype]
     meta.update(synth_tokenizer_metadata(cfg.n_vocab, seed))
+    if chat_template is not None:
+        meta["tokenizer.chat_template"] = chat_template
     write_gguf(out_path, meta, items, qtype, progress)
     return cfg

@@ -306,3 +306,15 @@ def test_synth_command_writes_f16_and_its_seed_decides_the_weights(tmp_path, cap
     _cli(capsys, "synth", c, "--experts", 4, "--layers", 2, "--type", "f16", "--seed", 4)
     assert a.read_bytes() == b.read_bytes() != c.read_bytes()
     assert Model(c).config.n_layer == 2
+
+
+def test_synth_stores_the_chat_template_it_is_given(tmp_path):
+    from shared.gguf_file import GGUFFile
+    from tests.qwen_template import QWEN_STYLE_TEMPLATE
+    template = tmp_path / "chat.jinja"
+    template.write_text(QWEN_STYLE_TEMPLATE)
+    fermoe("synth", tmp_path / "m.gguf", "--chat-template-file", template)
+    with GGUFFile(tmp_path / "m.gguf") as f:
+        assert f.metadata["tokenizer.chat_template"] == QWEN_STYLE_TEMPLATE
+    out = fermoe("synth", tmp_path / "n.gguf", "--chat-template-file", tmp_path / "none.jinja", check=False)
+    assert out.returncode == 1 and "--chat-template-file" in out.stderr and "No such file" in out.stderr
