@@ -10,18 +10,25 @@ import threading
 import time
 
 
-def descendants(pid: int) -> list[int]:
-    """pid and every process below it (workers in sessions of their own included)."""
-    children: dict[int, list[int]] = {}
+def parents() -> dict[int, int]:
+    """pid -> its parent's pid, for every process there is."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        children.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (workers in sessions of their own included)."""
+    children: dict[int, list[int]] = {}
+    for child, ppid in parents().items():
+        children.setdefault(ppid, []).append(child)
     out, todo = [], [pid]
     while todo:
         p = todo.pop()

@@ -24,6 +24,8 @@ from collections import Counter
 
 import numpy as np
 
+from .host_memory import parents
+
 KINDS = ("stream", "plain", "disconnect", "malformed")
 WEIGHTS = (0.45, 0.3, 0.15, 0.1)
 MALFORMED = (b"{not json", b'{"prompt": "x", "max_tokens": "many"}', b'{"max_tokens": 4}', b"[]")
@@ -43,17 +45,13 @@ def server_processes(coordinator_pid: int) -> dict[str, int]:
     """name -> pid: the coordinator, its HTTP front end and its workers (its children,
     named from their command lines)."""
     found = {"coordinator": coordinator_pid}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for entry, ppid in parents().items():
+        if ppid != coordinator_pid:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid != coordinator_pid:
+        except OSError:
             continue
         if "coordinator.http" in argv:
             found["http"] = int(entry)
