@@ -36,7 +36,7 @@ from shared.synth import has_random_weights, random_weights_notice
 
 from .memory import host_footprint, resolve_max_model_len
 from .gpu_prefill import GPUPrefills
-from .requests import Phase, Request, TextStream
+from .requests import Phase, Request, TextStream, Unfinished
 from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
@@ -80,7 +80,9 @@ class Coordinator:
         self.last_seen: dict[str, float] = {}
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
-        self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker)
+        self.unfinished = Unfinished(self.index)
+        self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker,
+                               self.unfinished)
         self.supervisor = Supervisor(opts, self.worker_endpoint, self.experts.name if self.experts else None)
         self.client_handlers = {P.Generate: self.handle_generate, P.Cancel: self.handle_cancel,
                                 P.Status: self.handle_status}
@@ -376,9 +378,10 @@ class Coordinator:
     def handle_finished(self, wid: str, msg: P.Finished, data=()) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
+            self.unfinished.stopped(msg.request_id, wid)    # one that ended here first: its slots are free now
             return
         # its timings are not taken: Request.timings, from the tokens, serves every finish reason alike
-        self.end(req, msg.finish_reason, error=msg.error)
+        self.end(req, msg.finish_reason, error=msg.error, worker_done=True)
 
     # ---- lifecycle ------------------------------------------------------------
     def schedule(self) -> None:
@@ -435,7 +438,8 @@ class Coordinator:
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
             sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs), data)
 
-    def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
+    def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True,
+            worker_done: bool = False) -> None:
         """Free everything the request holds, log it and tell the client (unless it is gone)."""
         now = time.monotonic()
         prefill_ms, decode_tok_s = req.timings(now)
@@ -447,7 +451,8 @@ class Coordinator:
             self.workers[req.worker].requests.discard(req.rid)
             if reason in ("cancelled", "stop") and self.workers[req.worker].alive:
                 self.send_worker(req.worker, P.Stop(request_id=req.rid))
-            self.gpu.ended(req)
+            if not worker_done:             # it may still write this request's slots: they wait for it
+                self.unfinished.hold(req)
         req.release(self.index)
         if not notify:
             return
@@ -504,8 +509,7 @@ class Coordinator:
         """Forget a worker; its requests go back to the front of the queue, to be replayed."""
         view = self.workers.pop(wid, None)
         self.last_seen.pop(wid, None)
-        if view is not None and view.kind == "gpu":
-            self.gpu.worker_lost(wid)
+        self.unfinished.worker_lost(wid)                 # it writes nothing more
         for rid in list(view.requests if view else []):
             req = self.requests[rid]
             if req.phase is Phase.PREFILLING:            # its prompt runs on a CPU worker now

@@ -17,19 +17,18 @@ import time
 from shared import protocol as P
 
 from .placement import place_prefill
-from .requests import Phase, Request
+from .requests import Phase, Request, Unfinished
 from .scheduler import WorkerView, update_rate
 
 log = logging.getLogger("fermoe.coordinator")
 
 
 class GPUPrefills:
-    def __init__(self, opts, index, arena, workers: dict[str, WorkerView], requests: dict[str, Request], send):
+    def __init__(self, opts, index, arena, workers: dict[str, WorkerView], requests: dict[str, Request], send,
+                 unfinished: Unfinished):
         self.opts, self.index, self.arena = opts, index, arena
         self.workers, self.requests, self.send = workers, requests, send
-        # request id -> (GPU worker, the snapshot slots it may still be writing for a request
-        # that ended meanwhile): reused only once its Prefilled (or its loss) says it stopped
-        self.unfinished: dict[str, tuple[str, list]] = {}
+        self.unfinished = unfinished            # slots of ended requests a worker may still write
 
     def place(self, req: Request) -> str:
         """Where a queued request's prompt is prefilled: "gpu" (sent to a GPU worker: off
@@ -80,8 +79,7 @@ class GPUPrefills:
         """A GPU worker's Prefilled: the request, now HANDED_OFF (its last snapshot pinned for
         the CPU worker) or back to QUEUED marked gpu_failed, to go back to the front of the
         queue; None if it ended meanwhile."""
-        if self.unfinished.get(msg.request_id, (None,))[0] == wid:
-            self.index.abort(self.unfinished.pop(msg.request_id)[1])
+        self.unfinished.stopped(msg.request_id, wid)
         req = self.requests.get(msg.request_id)
         view = self.workers[wid]
         view.requests.discard(msg.request_id)
@@ -108,13 +106,3 @@ class GPUPrefills:
         req.release(self.index)
         req.gpu_failed, req.prefill_device, req.phase = True, None, Phase.QUEUED
 
-    def ended(self, req: Request) -> None:
-        """A request ended while its GPU worker may still write its snapshots: those slots
-        wait for its Prefilled."""
-        if req.phase is Phase.PREFILLING and req.planned:
-            self.unfinished[req.rid], req.planned = (req.worker, req.planned), []
-
-    def worker_lost(self, wid: str) -> None:
-        """It writes nothing more: the slots it was writing for ended requests are free."""
-        for rid in [r for r, (w, _) in self.unfinished.items() if w == wid]:
-            self.index.abort(self.unfinished.pop(rid)[1])

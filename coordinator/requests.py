@@ -84,6 +84,35 @@ class Request:
         return gpu + self.prefill_ms, (self.sampled - 1) / span if span > 0 else 0.0
 
 
+class Unfinished:
+    """Snapshot slots a worker may still be writing for requests that ended before it said
+    it stopped (a cancel, a stop string, a client gone: the worker learns it from a Stop
+    only after its current pass, and a GPU worker after its prefill's current layer).
+    They are reused only once its Finished or Prefilled for the request comes, or the
+    worker is lost; freed at once, another request's snapshot could land in a slot this
+    worker then overwrites."""
+
+    def __init__(self, index):
+        self.index = index
+        self.held: dict[str, tuple[str, list, list]] = {}   # request id -> (worker, planned, decode slots)
+
+    def hold(self, req: Request) -> None:
+        if req.planned or req.decode_slots:
+            self.held[req.rid] = (req.worker, req.planned, req.decode_slots)
+            req.planned, req.decode_slots = [], []
+
+    def stopped(self, rid: str, wid: str) -> None:
+        """The worker says it is done with the request: its slots are free."""
+        if self.held.get(rid, (None,))[0] == wid:
+            _, planned, decode_slots = self.held.pop(rid)
+            self.index.abort(planned)
+            self.index.unreserve(decode_slots)
+
+    def worker_lost(self, wid: str) -> None:
+        for rid in [r for r, (w, _, _) in self.held.items() if w == wid]:
+            self.stopped(rid, wid)
+
+
 class TextStream:
     """Token ids -> text pieces, holding back what could still become a stop string."""
 

@@ -3,6 +3,7 @@ stream is detokenised. The returned text never holds a stop string: it ends befo
 the first place any of them starts, whichever comes first in the list."""
 from __future__ import annotations
 
+import types
 import pytest
 
 from coordinator.requests import TextStream
@@ -36,3 +37,26 @@ def test_a_stop_string_across_tokens_is_held_back_then_cut(tokenizer):
     shown = stream.feed(token)
     assert piece.startswith(shown) and not stream.stopped
     assert shown + stream.feed(token) == piece[:-1] and stream.stopped
+
+
+def test_an_ended_requests_slots_wait_for_its_worker():
+    """Slots a worker may still be writing after the request ended here are reused only
+    once that worker says it stopped (or is lost), never freed at once."""
+    from coordinator.requests import Unfinished
+    from coordinator.snapshots import SnapshotIndex
+    index = SnapshotIndex(8, block=4)
+    unfinished = Unfinished(index)
+    req = types.SimpleNamespace(rid="r", worker="w1", planned=index.plan(list(range(10)), 0),
+                                decode_slots=index.reserve(2))
+    assert index.stats()["free_slots"] == 3
+    unfinished.hold(req)
+    assert req.planned == req.decode_slots == [] and index.stats()["free_slots"] == 3
+    unfinished.stopped("r", "w2")                          # another worker's word counts for nothing
+    assert index.stats()["free_slots"] == 3
+    unfinished.stopped("r", "w1")
+    assert index.stats()["free_slots"] == 8
+    other = types.SimpleNamespace(rid="s", worker="w1", planned=index.plan(list(range(6)), 0), decode_slots=[])
+    unfinished.hold(other)
+    unfinished.worker_lost("w1")
+    assert index.stats()["free_slots"] == 8 and not unfinished.held
+    index.check_invariants()
