@@ -1,9 +1,11 @@
-"""The text side of a served request (coordinator/requests.py): stop strings as the
-stream is detokenised. The returned text never holds a stop string: it ends before
-the first place any of them starts, whichever comes first in the list."""
+"""What the coordinator keeps about a served request (coordinator/requests.py): stop
+strings as the stream is detokenised (the returned text never holds a stop string: it
+ends before the first place any of them starts, whichever comes first in the list), and
+the snapshot slots of a request that ended before its worker stopped."""
 from __future__ import annotations
 
 import types
+
 import pytest
 
 from coordinator.requests import TextStream
