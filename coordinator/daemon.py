@@ -63,7 +63,8 @@ class Coordinator:
         why_not_shared = unshareable(self.model) if gpus else "no GPU worker"
         weight_bytes, sequences = host_footprint(
             os.path.getsize(opts.model_path), expert_nbytes(self.model) if gpus else 0,
-            opts.max_sequences * len(worker_plan(opts)), gpus, shared_experts=why_not_shared is None)
+            opts.max_sequences * len(worker_plan(opts)), gpus, shared_experts=why_not_shared is None,
+            snapshot_bytes=opts.snapshot_mem)
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    weight_bytes, sequences)
         self.ctx = zmq.Context.instance()

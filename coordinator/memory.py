@@ -66,13 +66,17 @@ GPU_WORKER_SEQUENCES = 2
 
 
 def host_footprint(model_bytes: int, expert_bytes: int, cpu_sequences: int, gpu_workers: int,
-                   shared_experts: bool) -> tuple[int, int]:
-    """(bytes of weights in host memory, sequences held at once) of a daemon: the model
-    file once (its page cache, or the shared expert segment and the rest of the file), a
-    page-locked copy of the experts for each GPU worker that cannot stream from the shared
-    segment, and each GPU worker's prompt beside the CPU workers' sequences."""
+                   shared_experts: bool, snapshot_bytes: int = 0) -> tuple[int, int]:
+    """(bytes held beside the sequences' state, sequences held at once) of a daemon: the
+    model file once (its page cache, or the shared expert segment and the rest of the
+    file), a page-locked copy of the experts for each GPU worker that cannot stream from
+    the shared segment, the snapshot store where a GPU worker page-locks it (all of it
+    resident from the start, where without one it fills as prompts come), and each GPU
+    worker's prompt beside the CPU workers' sequences."""
     copies = 0 if shared_experts else gpu_workers
-    return model_bytes + copies * expert_bytes, cpu_sequences + GPU_WORKER_SEQUENCES * gpu_workers
+    pinned_store = snapshot_bytes if gpu_workers else 0
+    return (model_bytes + copies * expert_bytes + pinned_store,
+            cpu_sequences + GPU_WORKER_SEQUENCES * gpu_workers)
 
 
 def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequences: int, memory: int) -> int:

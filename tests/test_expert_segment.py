@@ -109,3 +109,6 @@ def test_the_memory_plan_counts_a_gpu_workers_host_memory():
     assert host_footprint(file, experts, 4, 1, shared_experts=True) == (file, 4 + GPU_WORKER_SEQUENCES)
     assert host_footprint(file, experts, 4, 2, shared_experts=False) == (file + 2 * experts,
                                                                           4 + 2 * GPU_WORKER_SEQUENCES)
+    store = 8 << 30                  # page-locked whole by a GPU worker; filled as used without one
+    assert host_footprint(file, experts, 4, 1, shared_experts=True, snapshot_bytes=store)[0] == file + store
+    assert host_footprint(file, experts, 4, 0, shared_experts=False, snapshot_bytes=store)[0] == file
