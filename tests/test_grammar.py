@@ -12,7 +12,8 @@ import pytest
 
 from shared import protocol as P
 from shared.generate import Decoder
-from shared.grammar import GrammarError, compile_constraint, full_grammar, json_schema_text, tool_call_lark
+from shared.grammar import (GrammarError, answer_or_calls_lark, compile_constraint, full_grammar, json_schema_text,
+                            tool_call_lark)
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.token_mask import TokenMask, ll_tokenizer
@@ -88,6 +89,12 @@ def test_json_schema_after_the_reasoning(tok):
     assert accepts(tok, grammar, 'hmm {not json} </think>\n\n{"n": 42, "ok": true, "tag": "x"}')
     assert not accepts(tok, grammar, 'hmm</think>{"n": 42, "ok": true, "tag": "z"}')
     assert not accepts(tok, grammar, 'hmm</think>{"n": 42, "ok": true}')
+
+
+def test_with_tool_choice_auto_a_response_format_answer_or_a_call(tok):
+    grammar = full_grammar("lark", answer_or_calls_lark(ANSWER, TOOLS, parallel=False), False)
+    assert accepts(tok, grammar, '{"n": 1, "ok": false, "tag": "y"}') and accepts(tok, grammar, CALL)
+    assert not accepts(tok, grammar, "Plain words.")
 
 
 def test_the_reasoning_is_open_only_when_the_prompt_leaves_it_open(tok):
