@@ -12,7 +12,9 @@ reads the weights once and B states and caches).
 does with B clients; B = 1 is the matrix-vector path) and reports the aggregate
 tok/s too. --context N decodes at position N: the attention layers' KV cache is
 extended to N positions of zeros (what they hold does not change the time), to
-show what a long context costs on top of the weights."""
+show what a long context costs on top of the weights. --json-schema FILE then decodes as many
+tokens again with and without that schema's token mask, in the same run (bench/grammar_cost.py),
+and reports both rates and the slowdown."""
 from __future__ import annotations
 
 import json
@@ -74,13 +76,18 @@ SAMPLE_REPS = 20        # draws of the default sampler from the last logits
 
 
 def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
-        seed: int = 0, batch: int = 1, context: int | None = None, kv_cache_dtype: str = DEFAULT_KV_DTYPE) -> dict:
+        seed: int = 0, batch: int = 1, context: int | None = None, kv_cache_dtype: str = DEFAULT_KV_DTYPE,
+        json_schema: str | None = None) -> dict:
     from cpu_worker.native_engine import NativeEngine
 
     from shared.builtin import resolve_model
     model = Model(resolve_model(model_path))     # a GGUF file, or a built-in model's name
     stat_tokens = min(decode_tokens, STAT_TOKENS)
-    end = max(prompt_tokens, context or 0) + decode_tokens + stat_tokens
+    end = max(prompt_tokens, context or 0) + decode_tokens * (2 if json_schema else 1) + stat_tokens
+    schema_text = None
+    if json_schema is not None:
+        from .grammar_cost import load_schema
+        schema_text = load_schema(json_schema)
     if end > model.config.n_ctx_train:
         raise ValueError(f"--prompt/--context and --tokens reach position {end}, past the model's context "
                          f"length of {model.config.n_ctx_train}")
@@ -140,6 +147,11 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         sampler.sample(row)
     sample_ms = 1000 * (time.perf_counter() - t0) / SAMPLE_REPS
 
+    constrained = None
+    if schema_text is not None:
+        from .grammar_cost import compare
+        constrained = {"file": json_schema, **compare(engine, model, states, rows, schema_text, decode_tokens, seed)}
+
     per_token = bytes_per_token(model)
     phase_bytes = bytes_by_phase(model)
     breakdown = {p: {"ms_per_token": round(1000 * phase_s[p] / decode_tokens, 2),
@@ -192,6 +204,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
             "thread_busy_fraction": round(regions["busy_fraction"], 3),
             "empty_region_us": round(1e6 * engine.region_overhead(), 2),
         },
+        **({"json_schema": constrained} if constrained else {}),
     }
 
 
@@ -207,12 +220,14 @@ def main(argv=None) -> int:
                    help="decode at this position, the KV cache extended with zeros (default: right after the prompt)")
     from shared.options import add_kv_cache_dtype
     add_kv_cache_dtype(p)
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="also decode with this JSON schema's token mask and without it, and report both")
     args = p.parse_args(argv)
     if args.batch < 1 or args.tokens < 1 or args.prompt < 1:
         p.error("--batch, --tokens and --prompt must be at least 1")
     try:
         out = run(args.model, args.threads, args.prompt, args.tokens, batch=args.batch, context=args.context,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, json_schema=args.json_schema)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(out, indent=2))

@@ -29,6 +29,7 @@ from shared import protocol as P
 from shared.chat import render_chat
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
+from shared.grammar import compile_constraint
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
 from shared.state import snapshot_nbytes
@@ -202,11 +203,15 @@ class Coordinator:
                                   f"got {msg.max_tokens}")
             if msg.request_id in self.requests:
                 raise FermoeError(f"request_id {msg.request_id!r} is already running")
+            # compiled here, once: a grammar that does not compile is refused before queueing
+            grammar = None if msg.grammar is None else compile_constraint(
+                msg.grammar, tokens, self.tokenizer, self.model.config.n_vocab)
         except FermoeError as e:
             self.reply(client, P.Error(message=str(e), request_id=msg.request_id, **getattr(e, "wire_fields", {})))
             return
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
-        req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop))
+        req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
+                      grammar=grammar)
         self.requests[req.rid] = req
         self.queue.append(req.rid)
 
@@ -437,7 +442,8 @@ class Coordinator:
             snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
-            sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs), data)
+            sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs,
+            grammar=req.grammar), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True,
             worker_done: bool = False) -> None:

@@ -27,6 +27,7 @@ class Request:
     tokens: list[int]
     sampling: SamplingParams         # the client's, its seed fixed at arrival so a replay after a worker death samples the same
     stream: "TextStream"
+    grammar: str | None = None       # the compiled constraint (Assign.grammar), None: unconstrained
     arrived: float = field(default_factory=time.monotonic)
     phase: Phase = Phase.QUEUED
     worker: str | None = None        # the worker it is on (PREFILLING, RUNNING)

@@ -202,13 +202,21 @@ class CPUWorker:
         if first:
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
             seq.decoder = Decoder(self.engine, seq.state, seq.state.logits.copy(), seq.msg.tokens, seq.params,
-                                  seq.msg.max_tokens, stop_ids, logprobs=seq.msg.logprobs)
+                                  seq.msg.max_tokens, stop_ids, logprobs=seq.msg.logprobs, mask=self.mask(seq.msg))
         if seq.decoder.finish_reason is None:
             token = seq.decoder.sample()
             logprob, top = seq.decoder.last_logprobs or (None, None)
             self.send(P.Sampled(request_id=rid, token=token, prefill_ms=seq.prefill_ms if first else None,
                                 logprob=logprob, top_logprobs=None if top is None else
                                 [P.TokenLogprob(token=t, logprob=lp) for t, lp in top]))
+
+    def mask(self, msg: P.Assign):
+        """The sequence's own grammar matcher (each of a batch has one; the pass stays one
+        forward for all), or None when it is unconstrained."""
+        if msg.grammar is None:
+            return None
+        from shared.token_mask import TokenMask, ll_tokenizer
+        return TokenMask(ll_tokenizer(self.model.tokenizer, self.model.config.n_vocab), msg.grammar)
 
     def write_snapshots(self, rid: str, seq: Sequence) -> None:
         """Every planned snapshot at the position the prompt has reached."""

@@ -15,13 +15,14 @@ class Decoder:
 
     history is the prompt (the repeat penalty looks back over it). Finished after
     max_tokens tokens (None: no limit), a token in stop_ids, or a token the model's
-    context has no room left to run (that token is still returned)."""
+    context has no room left to run (that token is still returned). With a `mask`
+    (shared/token_mask.TokenMask) only the tokens its grammar allows are sampled."""
 
     def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int | None,
-                 stop_ids=frozenset(), logprobs: int | None = None):
+                 stop_ids=frozenset(), logprobs: int | None = None, mask=None):
         """logprobs: None, or how many most likely tokens to report beside each sampled
         one's log-probability (`last_logprobs` after each sample())."""
-        self.engine, self.state, self.logits = engine, state, logits
+        self.engine, self.state, self.logits, self.mask = engine, state, logits, mask
         self.logprobs, self.last_logprobs = logprobs, None
         self.history = list(history)
         self.sampler = Sampler(params)
@@ -38,7 +39,10 @@ class Decoder:
     def sample(self) -> int:
         """The next token, without running it: unless that finished the sequence, its
         logits must come next (step() runs it alone; a worker runs several in one pass)."""
-        token = self.sampler.sample(self.logits, self.history)
+        logits = self.logits if self.mask is None else self.mask.apply(self.logits)
+        token = self.sampler.sample(logits, self.history)
+        if self.mask is not None:
+            self.mask.consume(token)
         if self.logprobs is not None:
             self.last_logprobs = logprobs_of(self.logits, token, self.logprobs)
         self.history.append(token)

@@ -56,6 +56,15 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     name: str | None = None
 
 
+class Constraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the output must match (constrained decoding, llguidance; shared/grammar.py): a JSON
+    schema (its JSON text), a Lark grammar in llguidance's dialect, or a regex. It applies after
+    the reasoning when the prompt leaves a <think> block open. The coordinator compiles it before
+    queueing: one that does not compile is refused with an Error (code "invalid_grammar")."""
+    kind: Literal["json_schema", "lark", "regex"]
+    text: str
+
+
 class Generate(_Msg, tag="generate"):
     """client -> coordinator: start a request. Exactly one of prompt, tokens, messages.
     Replies: a stream of Token, then one Done (or one Error if refused)."""
@@ -72,6 +81,7 @@ class Generate(_Msg, tag="generate"):
     # template's extra variables (enable_thinking, preserve_thinking...), as transformers passes them
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    grammar: Constraint | None = None   # None: unconstrained
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -211,6 +221,9 @@ class Assign(_Msg, tag="assign"):
     # (an end-of-generation token or max_tokens): the next chat turn resumes after them.
     decode_slots: list[int] = []
     logprobs: int | None = None         # as in Generate
+    # the request's Constraint as llguidance's grammar (its JSON form), the reasoning before it
+    # included, compiled by the coordinator: the worker masks every token with it
+    grammar: str | None = None
 
 
 class Stop(_Msg, tag="stop"):

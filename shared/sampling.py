@@ -80,7 +80,13 @@ def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
     sample = logits[::SAMPLE_STRIDE]
     rank = min(len(sample), 4 * -(-k // SAMPLE_STRIDE) + 8)     # ~4x the k expected above it
     threshold = np.partition(sample, len(sample) - rank)[len(sample) - rank]
-    cand = np.flatnonzero(logits >= threshold)
+    if threshold == -np.inf:
+        # a grammar's mask left few tokens finite: those, then the first masked ones by index
+        cand = np.flatnonzero(logits > -np.inf)
+        if len(cand) < k:
+            cand = np.concatenate([cand, np.flatnonzero(logits == -np.inf)[:k - len(cand)]])
+    else:
+        cand = np.flatnonzero(logits >= threshold)
     if len(cand) < k:
         cand = np.arange(len(logits))
     return cand[np.lexsort((cand, -logits[cand]))[:k]]

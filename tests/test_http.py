@@ -301,10 +301,10 @@ ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function",
                                                                                "function": {"name": "nope"}}},
      400, "tool_choice", "'nope'"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice",
-     "not supported yet"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "not supported yet"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, 400, "response_format", "forces a call"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}}, 400, "response_format.json_schema.schema", "objekt"),
     ("/v1/chat/completions", {"messages": CHAT + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "pydoc", "arguments": "{"}}]}]}, 400,
      "messages[2].tool_calls[0].function.arguments", "JSON"),

@@ -51,14 +51,24 @@ def test_tools_history_and_template_settings_reach_the_generate():
 @pytest.mark.parametrize("fields, param, word", [
     (dict(tool_choice="auto"), "tool_choice", "only allowed when 'tools'"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "rm"}}), "tool_choice", "'rm'"),
-    (dict(tools=TOOLS, tool_choice="required"), "tool_choice", "constrained decoding"),
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read_file"}}), "tool_choice",
-     "not supported yet"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format",
+     "forces a call"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "n": {"type": "integre"}}}}}], tool_choice="required"), "tools[0].function.parameters.properties.n",
+     "integre"),
     (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice", "'required'"),
     (dict(tools=[{"type": "function", "function": {}}]), "tools[0].function.name", "function.name"),
     (dict(tools=["read_file"]), "tools[0]", "type"),
-    (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "constrained decoding"),
-    (dict(response_format={"type": "json_object"}), "response_format", "not supported yet"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}),
+     "response_format.json_schema.schema", "objekt"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": "x"}}}}}), "response_format.json_schema.schema", "minimum"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}),
+     "response_format.json_schema.schema", "JSON schema object"),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema", "json_schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}),
+     "response_format.json_schema.strict", "boolean"),
+    (dict(response_format={"type": "yaml"}), "response_format", "'yaml'"),
     (dict(messages=USER + [{"role": "assistant", "tool_calls": [
         {"function": {"name": "read_file", "arguments": "{oops"}}]}]),
      "messages[1].tool_calls[0].function.arguments", "not JSON"),
@@ -74,6 +84,25 @@ def test_bad_tool_requests_are_400s_naming_the_field(fields, param, word):
     with pytest.raises(APIError) as e:
         params.chat_generate(body(**fields))
     assert (e.value.status, e.value.param) == (400, param) and word in e.value.message, e.value.message
+
+
+def test_tool_choice_and_response_format_become_the_generates_grammar():
+    forced = params.chat_generate(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read_file"}},
+                                       parallel_tool_calls=False))
+    assert forced.grammar.kind == "lark" and "<function=read_file>" in forced.grammar.text
+    assert '("\\n" call)*' not in forced.grammar.text                       # exactly one call
+    assert '("\\n" call)*' in params.chat_generate(body(tools=TOOLS, tool_choice="required")).grammar.text
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    answer = params.chat_generate(body(response_format=fmt)).grammar
+    assert answer.kind == "json_schema" and json.loads(answer.text)["properties"] == schema["properties"]
+    either = params.chat_generate(body(tools=TOOLS, response_format=fmt)).grammar
+    assert either.kind == "lark" and either.text.startswith("start: answer | calls")
+    assert params.chat_generate(body(tools=TOOLS, tool_choice="none", response_format=fmt)).grammar.kind == \
+        "json_schema"
+    assert params.chat_generate(body(tools=TOOLS)).grammar is None
+    b = body(tools=TOOLS, tool_choice="required")
+    assert set(params.chat_parser(b, params.chat_generate(b), False, "deepseek").schemas) == {"read_file"}
 
 
 def test_tool_choice_none_renders_the_tools_and_parses_no_call():

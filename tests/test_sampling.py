@@ -35,7 +35,8 @@ def _top_k_by_definition(x, k):
     return np.lexsort((np.arange(len(x)), -x))[:k]
 
 
-@pytest.mark.parametrize("case", ["normal", "ties", "tops_off_the_stride", "tops_on_the_stride", "tiny"])
+@pytest.mark.parametrize("case", ["normal", "ties", "tops_off_the_stride", "tops_on_the_stride", "tiny",
+                                  "masked_few_left", "masked_many_left"])
 @pytest.mark.parametrize("k", [1, 40, 300])
 def test_top_k_order_is_the_k_largest_with_ties_by_index(case, k):
     """The sampled threshold only narrows the candidates: whatever the logits, the
@@ -50,6 +51,8 @@ def test_top_k_order_is_the_k_largest_with_ties_by_index(case, k):
         x[np.setdiff1d(np.arange(n), on_stride)[:500]] += 50
     if case == "tops_on_the_stride":               # the sample is all large: fewer than k reach its threshold
         x[on_stride] += 50
+    if case.startswith("masked"):                  # a grammar's mask: -inf but for a few (or many) tokens
+        x[rng.permutation(n)[:n - (20 if case == "masked_few_left" else 5000)]] = -np.inf
     k = min(k, n - 1)
     np.testing.assert_array_equal(top_k_order(x, k), _top_k_by_definition(x, k))
 

@@ -215,6 +215,32 @@ def test_bad_requests_get_errors_and_the_daemon_serves_on(daemon):
     assert run(daemon.addr, "still alive?", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
 
 
+def test_a_constrained_request_follows_its_grammar_and_a_bad_one_is_refused_before_queueing(daemon):
+    """Generate.grammar: the coordinator compiles it (after the reasoning when the prompt leaves
+    <think> open), the worker masks every token with it; one that does not compile is an Error
+    with code invalid_grammar, nothing is queued, and the daemon serves on."""
+    import json
+    import jsonschema
+    from tests.test_grammar import ANSWER
+    schema = P.Constraint(kind="json_schema", text=json.dumps(ANSWER))
+    text, done = run(daemon.addr, "Reply in JSON:", max_tokens=200, seed=3, grammar=schema)
+    assert done.finish_reason == "stop", (text, done)
+    jsonschema.validate(json.loads(text), ANSWER)
+    digits = P.Constraint(kind="regex", text="[0-9]{3,5}")
+    text, done = run(daemon.addr, "Digits:", max_tokens=40, seed=3, temperature=1.5, grammar=digits)
+    assert done.finish_reason == "stop" and text.strip().isdigit() and 3 <= len(text.strip()) <= 5, text
+    text, done = run(daemon.addr, "Digits:<think>\n", max_tokens=40, seed=3, temperature=1.5, grammar=digits)
+    assert not text.strip().isdigit(), text          # the reasoning the prompt opened is free text
+    with Client(daemon.addr) as c:
+        for bad, word in [(P.Constraint(kind="json_schema", text='{"type": "objekt"}'), "objekt"),
+                          (P.Constraint(kind="lark", text="start: <nope>"), "nope")]:
+            rid = c.submit("x", max_tokens=4, grammar=bad)
+            reply = c._next(rid, 60)
+            assert isinstance(reply, P.Error) and reply.code == "invalid_grammar" and word in reply.message, reply
+        assert c.status().queued == 0
+    assert run(daemon.addr, "still alive?", max_tokens=4, seed=0)[1].finish_reason in ("length", "stop")
+
+
 def test_fuzz_malformed_messages(daemon):
     """A thousand and more broken messages, each answered with an Error; nobody dies."""
     import random

@@ -209,3 +209,43 @@ def test_a_finished_sequences_state_buffer_is_reused_by_the_next_restore(worker)
         worker.work_round()
     assert [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == "b"] == \
         [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == "a"]
+
+
+def test_constrained_sequences_each_follow_their_own_grammar_in_one_pass(worker):
+    """A JSON answer, a forced tool call and a free sequence decode together: one forward
+    pass a round for all three; each constrained one ends, at its end-of-generation token,
+    with text its grammar allows; the free one samples what it samples alone; a grammar that
+    does not compile ends its own sequence with an error, and the worker serves on."""
+    import json
+
+    import jsonschema
+
+    from shared.grammar import full_grammar, json_schema_text, tool_call_lark
+    from shared.tool_parser import ToolCallParser
+    from tests.test_grammar import ANSWER, TOOLS, WEATHER
+
+    model = worker.model
+    eos = model.tokenizer.eos_ids
+    grammars = {"json": full_grammar("json_schema", json_schema_text(ANSWER), False),
+                "call": full_grammar("lark", tool_call_lark(TOOLS[:1], parallel=False), False),
+                "bad": full_grammar("lark", "start: <no_such_token>", False)}
+    for rid, grammar in grammars.items():
+        msg = _assign(model, rid, "Answer in JSON", 300, 0.8, 5)
+        msg.ignore_eos, msg.grammar = False, grammar
+        worker.handle_assign(msg)
+    worker.handle_assign(_assign(model, *REQUESTS[1]))
+    while worker.sequences:
+        worker.work_round()
+    assert max(p.count(1) for p in worker.passes) == 3          # json, call and the free one together
+    finished = {m.request_id: m for m in worker.sent if isinstance(m, P.Finished)}
+    assert finished["bad"].finish_reason == "error" and "no_such_token" in finished["bad"].error
+    sampled = {rid: [m.token for m in worker.sent if isinstance(m, P.Sampled) and m.request_id == rid]
+               for rid in finished}
+    for rid in ("json", "call"):
+        assert finished[rid].finish_reason == "stop" and sampled[rid][-1] in eos, rid
+    jsonschema.validate(json.loads(model.tokenizer.decode(sampled["json"][:-1])), ANSWER)
+    parser = ToolCallParser(TOOLS)
+    events = parser.feed(model.tokenizer.decode(sampled["call"][:-1])) + parser.finish()
+    assert [e[3] for e in events if e[0] == "call"] == ["get_weather"]
+    jsonschema.validate(json.loads("".join(e[2] for e in events if e[0] == "args")), WEATHER)
+    _assert_served_as_alone(worker, [REQUESTS[1]])

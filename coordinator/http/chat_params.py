@@ -5,10 +5,16 @@ onto the Generate's fields; each defect is a 400 naming its field.
   left out with a warning (shared/chat.py).
 - `tool_choice`: `auto` (the default with tools) renders the tools and parses the calls the
   model writes; `none` renders them and parses none (the output is content), as vLLM does.
-  `required` and a named function need constrained decoding, not supported yet: refused.
-  tool_choice without tools, or naming a function that is not among them, is refused.
-  `parallel_tool_calls` is accepted; every call the model writes is returned.
-- `response_format` json_object / json_schema need constrained decoding too: refused.
+  `required` and a named function force a call (to any of the tools, or to that one) in the
+  model's own XML format, its arguments following the tool's schema: a grammar
+  (shared/grammar.py) masks every token after the reasoning. tool_choice without tools, or
+  naming a function that is not among them, is refused. `parallel_tool_calls: false` forces
+  exactly one call; otherwise one or more; with `auto` every call the model writes is returned.
+- `response_format` json_object / json_schema (`strict` or not: the schema is always enforced)
+  constrain the answer after the reasoning to JSON of that schema; with tools and tool_choice
+  `auto` the answer is that JSON or tool calls. A schema llguidance cannot compile is a 400
+  here; the whole grammar is compiled again by the coordinator (with the vocabulary) before the
+  request is queued. response_format with a forced tool_choice is refused (they contradict).
 - `reasoning_effort: "none"` is `enable_thinking: false`, unless chat_template_kwargs says.
 """
 from __future__ import annotations
@@ -17,19 +23,14 @@ import json
 
 from shared import protocol as P
 from shared.chat import RESERVED_KWARGS, function_tools
+from shared.grammar import GrammarError, answer_or_calls_lark, checked_schema, json_schema_text, tool_call_lark
+from shared.tool_parser import _kind
 
 from .errors import APIError
 from .formats import REASONING_FORMATS
 
-LATER = "needs constrained decoding, which is not supported yet"
-
-
 def _invalid(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
-
-
-def _unsupported(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="unsupported_parameter")
 
 
 def tools(body) -> list[dict] | None:
@@ -50,17 +51,15 @@ def tools(body) -> list[dict] | None:
 
 
 def tool_choice(body, function_tools: list[dict] | None) -> str:
-    """"auto" or "none": whether the model's calls are parsed."""
+    """"auto", "none", "required", or the name of the function a call is forced to."""
     choice = body.tool_choice
     if choice is None:
         return "auto" if function_tools else "none"
     if not body.tools:
         raise _invalid("tool_choice", "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
                                       "are specified.")
-    if choice in ("auto", "none"):
+    if choice in ("auto", "none", "required"):
         return choice
-    if choice == "required":
-        raise _unsupported("tool_choice", f"tool_choice 'required' {LATER}; use 'auto'")
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
@@ -70,16 +69,74 @@ def tool_choice(body, function_tools: list[dict] | None) -> str:
     if name not in names:
         raise _invalid("tool_choice", f"tool_choice names the function {name!r}, which is not among the tools "
                                       f"({', '.join(map(repr, names)) or 'no function tools'})")
-    raise _unsupported("tool_choice", f"a tool_choice naming a function {LATER}; use 'auto'")
+    return name
 
 
-def response_format(body) -> None:
-    kind = body.response_format.get("type") if body.response_format else "text"
-    if kind in ("json_object", "json_schema"):
-        raise _unsupported("response_format", f"response_format {kind!r} {LATER} (text only)")
-    if kind != "text":
+def response_format(body):
+    """The JSON schema the answer must follow (None: free text)."""
+    fmt = body.response_format
+    kind = fmt.get("type") if fmt else "text"
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _invalid("response_format.json_schema", "response_format 'json_schema' needs a `json_schema` "
+                                                          "object: {\"name\": ..., \"schema\": {...}}")
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise _invalid("response_format.json_schema.strict", "response_format.json_schema.strict must be a "
+                                                                 "boolean")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _invalid("response_format.json_schema.schema", "response_format.json_schema.schema must be a "
+                                                                 "JSON schema object")
+    else:
         raise _invalid("response_format", f"response_format {kind!r}: expected 'text', 'json_object' or "
                                           "'json_schema'")
+    _check_schema("response_format.json_schema.schema", schema)
+    return schema
+
+
+def _check_schema(param: str, schema) -> None:
+    try:
+        checked_schema(json_schema_text(schema))
+    except GrammarError as e:
+        raise _invalid(param, f"{param} is not a JSON schema llguidance can follow: {e}") from None
+
+
+def grammar(body, function_tools: list[dict] | None) -> P.Constraint | None:
+    """The constraint of the answer: the forced tool call, the response_format, or none."""
+    choice = tool_choice(body, function_tools)
+    schema = response_format(body)
+    parallel = body.parallel_tool_calls is not False
+    if choice in ("auto", "none"):
+        if schema is None:
+            return None
+        if choice == "none" or not function_tools:
+            return P.Constraint(kind="json_schema", text=json_schema_text(schema))
+        return P.Constraint(kind="lark", text=_lark(lambda: answer_or_calls_lark(schema, function_tools, parallel)))
+    if schema is not None:
+        raise _invalid("response_format", f"response_format {body.response_format.get('type')!r} contradicts a "
+                                          "tool_choice that forces a call")
+    forced = function_tools if choice == "required" else \
+        [t for t in function_tools if t["function"]["name"] == choice]
+    for tool in forced:
+        params = tool["function"].get("parameters") or {}
+        i = body.tools.index(tool) if tool in body.tools else 0
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        for name, prop in (params.get("properties") or {}).items():
+            if isinstance(prop, dict) and _kind(prop, True) != "string":
+                _check_schema(f"tools[{i}].function.parameters.properties.{name}", {**defs, **prop})
+    return P.Constraint(kind="lark", text=_lark(lambda: tool_call_lark(forced, parallel)))
+
+
+def _lark(build) -> str:
+    try:
+        return build()
+    except GrammarError as e:
+        raise _invalid("tools", f"the tools cannot be forced: {e}") from None
 
 
 def template_kwargs(body) -> dict | None:

@@ -79,8 +79,7 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
     """The Generate of a chat request (chat_params.py checks what is chat's own)."""
     _check_common(body)
     tools = chat_params.tools(body)
-    chat_params.tool_choice(body, tools)
-    chat_params.response_format(body)
+    grammar = chat_params.grammar(body, tools)
     chat_params.reasoning_format(body, "deepseek")
     messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m),
                               reasoning_content=chat_params.reasoning(m), tool_calls=chat_params.tool_calls(i, m),
@@ -88,12 +87,13 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
                 for i, m in enumerate(body.messages)]
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages, tools=tools,
-                     chat_template_kwargs=chat_params.template_kwargs(body), logprobs=logprobs.requested(body, True))
+                     chat_template_kwargs=chat_params.template_kwargs(body), grammar=grammar,
+                     logprobs=logprobs.requested(body, True))
 
 
 def chat_parser(body: ChatCompletionRequest, msg: P.Generate, reasoning: bool, reasoning_format: str):
-    """What parses the model's text for this request: its calls when tool_choice lets it call."""
-    parse = msg.tools if chat_params.tool_choice(body, msg.tools) == "auto" else None
+    """What parses the model's text for this request: its calls unless tool_choice is none."""
+    parse = msg.tools if chat_params.tool_choice(body, msg.tools) != "none" else None
     return ToolCallParser(parse, reasoning, reasoning_format)
 
 
