@@ -105,11 +105,12 @@ def summary(rows: list[dict]) -> dict:
             "ttft_s_total": round(sum(r["ttft_s"] or 0 for r in rows), 3)}
 
 
-def run(model: str, max_tokens: int = 32, llama_server: str | None = None, extra: list[str] = ()) -> dict:
+def run(model: str, max_tokens: int = 32, llama_server: str | None = None, extra: list[str] = (),
+        episode_path: Path = EPISODE) -> dict:
     from .http import _start
     from .serve import stop_coordinator
-    episode = json.loads(EPISODE.read_text())
-    out = {"model": model, "episode": EPISODE.name, "max_tokens": max_tokens}
+    episode = json.loads(Path(episode_path).read_text())
+    out = {"model": model, "episode": Path(episode_path).name, "max_tokens": max_tokens}
     with tempfile.TemporaryFile("w+") as log:
         daemon, _, url = _start(model, list(extra), log)
         try:
@@ -129,10 +130,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens generated a turn (default 32)")
     p.add_argument("--llama-server", default=None, metavar="URL",
                    help="also replay the episode against this running llama-server (the same model file)")
+    p.add_argument("--episode", default=str(EPISODE), metavar="FILE",
+                   help="the episode (default: the recorded one; bench/make_agent_episode.py --small writes one "
+                        "that fits a 4k context)")
     args, daemon_options = p.parse_known_args(argv)      # the rest goes to the coordinator
     if args.tokens < 1:
         p.error("--tokens must be at least 1")
-    print(json.dumps(run(args.model, args.tokens, args.llama_server, daemon_options), indent=2))
+    print(json.dumps(run(args.model, args.tokens, args.llama_server, daemon_options, args.episode), indent=2))
     return 0
 
 

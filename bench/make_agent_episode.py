@@ -8,7 +8,10 @@ text and reasoning are whatever the served model generates, sent back as an agen
 them, so each turn's prompt extends the last one's generation. Run once; the JSON is
 committed, so figures stay comparable as the repository changes.
 
-    python bench/make_agent_episode.py
+    python bench/make_agent_episode.py [--small OUT.json]
+
+--small writes a shorter one instead (no developer notes, results of 300 characters), which
+fits a model of a 4k context such as the built-in one.
 """
 from __future__ import annotations
 
@@ -128,12 +131,16 @@ def build(result_chars: int = RESULT_CHARS, notes: bool = True) -> dict:
     return {"system": system, "tools": [tool(*t) for t in TOOLS], "turns": turns}
 
 
-def main() -> None:
-    episode = build()
-    turns, system = episode["turns"], episode["system"]
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(episode, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {OUT.relative_to(ROOT)}: {len(turns)} generations, system prompt {len(system)} characters")
+def main(argv=None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(prog="make_agent_episode")
+    p.add_argument("--small", default=None, metavar="OUT", help="write the short episode there instead")
+    args = p.parse_args(argv)
+    episode = build(300, notes=False) if args.small else build()
+    out = Path(args.small) if args.small else OUT
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(episode, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {out}: {len(episode['turns'])} generations, system prompt {len(episode['system'])} characters")
 
 
 if __name__ == "__main__":
