@@ -10,6 +10,7 @@
     POST /v1/completions        a prompt string or token ids
     POST /tokenize, /detokenize llama-server's, with the model's tokenizer loaded here
     POST /v1/responses          OpenAI's Responses API (responses_api.py)
+    POST /completion, /apply-template, GET /props, /slots   llama-server's own API (llama_server_api.py)
     POST /v1/messages[/count_tokens]  Anthropic's Messages API (anthropic_api.py)
 
 /models, /chat/completions and /completions answer as their /v1 forms (llama-server
@@ -39,7 +40,7 @@ from shared import protocol as P
 from shared.chat import opens_reasoning
 from shared.errors import FermoeError, ProtocolError
 
-from . import anthropic_api, chat_params, params, responses_api
+from . import anthropic_api, chat_params, llama_server_api, params, responses_api
 from .cors import CORS
 from .logprobs import Logprobs
 from .metrics import Metrics
@@ -337,6 +338,7 @@ def build_app(settings: Settings) -> Starlette:
     routes += [Route("/v1/responses", responses_api.responses, methods=["POST"]),
                Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
                Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"])]
+    routes += [Route(path, endpoint, methods=methods) for path, endpoint, methods in llama_server_api.ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.server = server
