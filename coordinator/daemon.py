@@ -255,7 +255,8 @@ class Coordinator:
                                          running=len(self.requests) - len(self.queue), snapshots=stats,
                                          name=self.opts.alias or self.opts.model,
                                          fingerprint=self.model.fingerprint,
-                                         max_request_size=P.max_message_bytes()))
+                                         max_request_size=P.max_message_bytes(), n_ctx=self.max_model_len,
+                                         max_sequences=self.opts.max_sequences))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:

@@ -216,10 +216,18 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
                 if route.path in OPEN_PATHS:
                     assert r.status_code != 401, (method, path)
                 else:
-                    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key", (method, path)
-                    wrong = http.request(method, path, json={}, headers={"Authorization": "Bearer nope"})
-                    assert wrong.status_code == 401, (method, path)
+                    assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (method, path)
+                    if path.startswith("/v1/messages"):         # Anthropic's error shape on its paths
+                        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+                    else:
+                        assert r.json()["error"]["code"] == "missing_api_key", (method, path)
+                    for wrong in ({"Authorization": "Bearer nope"}, {"x-api-key": "nope"}):
+                        assert http.request(method, path, json={}, headers=wrong).status_code == 401, (method, path)
+                    if path in ("/v1/messages", "/v1/models"):    # past the key (to a coordinator not there)
+                        right = http.request(method, path, json={}, headers={"x-api-key": "sekrit"})
+                        assert right.status_code not in (401, 404, 405), (method, path, right.text)
     assert {"/", "/health"} <= OPEN_PATHS and "/v1/chat/completions" not in OPEN_PATHS
+    assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"} <= {r.path for r in routes}
 
 
 # ---- the same over ZeroMQ ---------------------------------------------------------------------

@@ -9,6 +9,9 @@
     POST /v1/chat/completions   messages rendered with the model's chat template (by the coordinator)
     POST /v1/completions        a prompt string or token ids
     POST /tokenize, /detokenize llama-server's, with the model's tokenizer loaded here
+    POST /v1/responses          OpenAI's Responses API (responses_api.py)
+    POST /completion, /apply-template, GET /props, /slots   llama-server's own API (llama_server_api.py)
+    POST /v1/messages[/count_tokens]  Anthropic's Messages API (anthropic_api.py)
 
 /models, /chat/completions and /completions answer as their /v1 forms (llama-server
 takes both). One model is served, so a request's `model`, whatever it names, is that
@@ -37,7 +40,7 @@ from shared import protocol as P
 from shared.chat import opens_reasoning
 from shared.errors import FermoeError, ProtocolError
 
-from . import chat_params, params
+from . import anthropic_api, chat_params, llama_server_api, params, responses_api
 from .cors import CORS
 from .logprobs import Logprobs
 from .metrics import Metrics
@@ -177,6 +180,15 @@ async def completions(request: Request):
 
 
 async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    logprobs = None if msg.logprobs is None else Logprobs(await server.tokenizer(), chat=isinstance(fmt, ChatFormat))
+    model, upstream, stream = await submit(server, msg)
+    return GenerationResponse(upstream, stream, fmt, model, body.stream, include_usage,
+                              server.metrics, server.system_fingerprint, bool(body.timings_per_token), logprobs)
+
+
+async def submit(server: Server, msg: P.Generate):
+    """The Generate sent to the coordinator, once within its limits: (model name, upstream, its stream)."""
     model = await server.model_id()
     data = P.encode(msg)
     if len(data) > server.coordinator_limit:        # a coordinator of its own, with a lower limit
@@ -186,10 +198,7 @@ async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationRes
     if limit is not None and upstream.waiting >= limit:
         raise APIError(503, f"{upstream.waiting} requests are already waiting (--max-queue {limit}); "
                             f"retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    logprobs = None if msg.logprobs is None else Logprobs(await server.tokenizer(), chat=isinstance(fmt, ChatFormat))
-    return GenerationResponse(upstream, upstream.submit(msg, data), fmt, model, body.stream, include_usage,
-                              server.metrics, server.system_fingerprint, bool(body.timings_per_token), logprobs)
+    return model, upstream, upstream.submit(msg, data)
 
 
 # ---- the rest ------------------------------------------------------------------------
@@ -287,17 +296,22 @@ class Gate:
 
         problem = self._refusal(scope)
         if problem is not None:
+            if scope["path"] in anthropic_api.PATHS:
+                problem = anthropic_api.AnthropicError(401, problem.message)
             return await send_json(counted_send, 401, problem.body(), {"WWW-Authenticate": "Bearer"})
         await self.app(scope, receive, counted_send)
 
     def _refusal(self, scope) -> APIError | None:
         if self.key is None or scope["path"] in OPEN_PATHS:
             return None
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if b"x-api-key" in headers:                 # Anthropic's clients send the key so
+            scheme, token = b"bearer", headers[b"x-api-key"]
         if not token or scheme.lower() != b"bearer":
             return APIError(401, "You didn't provide an API key. Provide it in an Authorization header using "
-                                 "Bearer auth (Authorization: Bearer YOUR_KEY).", code="missing_api_key")
+                                 "Bearer auth (Authorization: Bearer YOUR_KEY) or in x-api-key.",
+                            code="missing_api_key")
         if not hmac.compare_digest(token.strip(), self.key):
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return None
@@ -321,6 +335,10 @@ def build_app(settings: Settings) -> Starlette:
                    Route(f"{prefix}/models/{{model:path}}", get_model),
                    Route(f"{prefix}/chat/completions", chat_completions, methods=["POST"]),
                    Route(f"{prefix}/completions", completions, methods=["POST"])]
+    routes += [Route("/v1/responses", responses_api.responses, methods=["POST"]),
+               Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
+               Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"])]
+    routes += [Route(path, endpoint, methods=methods) for path, endpoint, methods in llama_server_api.ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.server = server

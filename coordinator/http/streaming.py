@@ -68,9 +68,9 @@ class GenerationResponse:
             if self.gone:
                 return
             if isinstance(first, P.Error):           # refused: bad input the coordinator names
-                await send_json(send, 400, _refusal(first, self.fmt.prompt_param).body())
+                await send_json(send, 400, self.error_body(_refusal(first, self.fmt.prompt_param)))
             elif isinstance(first, P.Done) and first.finish_reason == "error":    # _next() has counted it
-                await send_json(send, 500, _failure(first))
+                await send_json(send, 500, self.error_body(_failure_error(first)))
             elif self.streaming:
                 await self._stream_events(first, send)
             else:
@@ -78,6 +78,10 @@ class GenerationResponse:
         finally:
             watcher.cancel()
             self.upstream.cancel(self.rid, self._aborted)     # nothing to do unless it is still open
+
+    def error_body(self, error: APIError) -> dict:
+        """An error's JSON in this API's shape (OpenAI's here; other APIs' responses override it)."""
+        return error.body()
 
     async def _watch(self, receive) -> None:
         """The request body has been read: what receive() gives now is the disconnect."""
@@ -121,7 +125,7 @@ class GenerationResponse:
             if self.gone:
                 return
         if msg.finish_reason == "error":
-            await send_json(send, 500, _failure(msg))
+            await send_json(send, 500, self.error_body(_failure_error(msg)))
             return
         await send_json(send, 200, self._envelope(self.fmt.object, [self._with_logprobs(self.fmt.whole("".join(texts),
                                                                                                           msg))],
@@ -191,7 +195,11 @@ def _refusal(error: P.Error, prompt_param: str) -> APIError:
     return APIError(400, error.message, code=error.code)
 
 
+def _failure_error(done: P.Done) -> APIError:
+    return APIError(500, done.error or "the request failed")
+
+
 def _failure(done: P.Done) -> dict:
     """OpenAI's error object for a request that ended in error."""
-    return APIError(500, done.error or "the request failed").body()
+    return _failure_error(done).body()
 

@@ -1,0 +1,227 @@
+"""llama-server's own API, for front ends written for llama.cpp (its web page among them), in
+its field names and shapes: POST /completion, GET /props, POST /apply-template, GET /slots.
+
+/completion is /v1/completions underneath (params.completion_generate: the same sampling
+fields, llama_server.py's extensions, the same Generate); what differs is the prompt forms
+and the answer:
+- `prompt`: a string, token ids, or a mix of both (strings tokenized here, BOS only before a
+  leading string, as llama-server's tokenize_mixed); a list of several prompts is refused.
+- `grammar` / `json_schema` need constrained decoding: refused, as chat's json response_format is.
+- The answer: {content, tokens, id_slot, stop, model, tokens_predicted, tokens_evaluated,
+  generation_settings, prompt, has_new_line, truncated, stop_type, stopping_word,
+  tokens_cached, timings}; `stop_type` is eos, word (`stopping_word` set), limit or none (the
+  request was cancelled). Streamed: one `data:` line per piece of text, {content, tokens,
+  stop: false, ...}, then the whole answer with empty content and stop: true; no [DONE].
+  `tokens` lists the token ids only with `return_tokens`, as llama-server does.
+
+/slots has no per-slot state to show here: the coordinator schedules requests over its
+workers' decode capacity (--max-sequences each), so it lists that many slots, as many of
+them `is_processing` as requests are running.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from shared import protocol as P
+from shared.chat import render_chat
+from shared.errors import ChatTemplateError
+from shared.sampling import SamplingParams
+
+from . import params
+from .chat_params import LATER
+from .errors import APIError
+from .formats import TextFormat
+from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body
+from .streaming import GenerationResponse, _failure_error, send_json
+
+STOP_TYPES = {"stop": "eos", "length": "limit", "cancelled": "none"}
+
+
+def _build_info() -> str:
+    try:
+        return f"fermoe {importlib.metadata.version('fermoe')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "fermoe source"
+
+
+async def _tokenizer_or_none(server):
+    try:
+        return await server.tokenizer()
+    except APIError:
+        return None
+
+
+async def _prompt(server, prompt) -> str | list[int]:
+    """llama-server's prompt forms -> a string or token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(400, "prompt: expected a string, token ids, or a list of both", param="prompt",
+                       code="invalid_value")
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, f"a list of {len(prompt)} prompts: only one prompt per request is supported",
+                       param="prompt", code="unsupported_parameter")
+    if not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool)) for p in prompt):
+        raise APIError(400, "prompt: a mixed prompt holds strings and token ids only", param="prompt",
+                       code="invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return prompt
+    tok = await server.tokenizer()
+    ids: list[int] = []
+    for i, p in enumerate(prompt):
+        ids += tok.encode(p, add_bos=None if i == 0 else False) if isinstance(p, str) else [p]
+    return ids
+
+
+async def completion(request: Request):
+    from .app import read_body, submit
+    server = request.app.state.server
+    raw = await read_body(request)
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    for field in ("grammar", "json_schema"):
+        if data.get(field) not in (None, ""):
+            raise APIError(400, f"{field} {LATER}", param=field, code="unsupported_parameter")
+    if "prompt" not in data:
+        raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
+                       code="missing_required_parameter")
+    data["prompt"] = await _prompt(server, data["prompt"])
+    try:
+        body = msgspec.convert(data, CompletionRequest)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+    msg = params.completion_generate(body)
+    tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
+    text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
+    model, upstream, stream = await submit(server, msg)
+    return CompletionResponse(upstream, stream, TextFormat(), model, body.stream, False, server.metrics,
+                              server.system_fingerprint, bool(body.timings_per_token), prompt=text, msg=msg,
+                              return_tokens=bool(body.return_tokens))
+
+
+class CompletionResponse(GenerationResponse):
+    def __init__(self, *args, prompt: str, msg: P.Generate, return_tokens: bool, **kw):
+        super().__init__(*args, **kw)
+        self.prompt, self.msg, self.return_tokens = prompt, msg, return_tokens
+        self.n = 0
+
+    def final(self, done: P.Done, content: str, tokens: list[int]) -> dict:
+        stop_type = "word" if done.finish_reason == "stop" and done.stop_reason else \
+            STOP_TYPES.get(done.finish_reason, "none")
+        return {"index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True, "model": self.model,
+                "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
+                "generation_settings": generation_settings(self.msg), "prompt": self.prompt,
+                "has_new_line": "\n" in content, "truncated": False, "stop_type": stop_type,
+                "stopping_word": done.stop_reason or "", "tokens_cached": done.prompt_tokens + done.completion_tokens,
+                "timings": self.timings.final(done)}
+
+    async def _whole(self, msg, send) -> None:
+        texts, tokens = [], []
+        while not isinstance(msg, P.Done):
+            texts.append(msg.text)
+            if msg.token >= 0:
+                tokens.append(msg.token)
+            msg = await self._next()
+            if self.gone:
+                return
+        if msg.finish_reason == "error":
+            await send_json(send, 500, self.error_body(_failure_error(msg)))
+            return
+        await send_json(send, 200, self.final(msg, "".join(texts), tokens if self.return_tokens else []))
+
+    async def _stream_events(self, msg, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+        out, tokens = [], []
+        while not isinstance(msg, P.Done):
+            if msg.token >= 0:
+                tokens.append(msg.token)
+                self.n += 1
+            if msg.text:
+                chunk = {"index": 0, "content": msg.text, "tokens": tokens if self.return_tokens else [],
+                         "stop": False, "id_slot": 0, "tokens_predicted": self.n, "tokens_evaluated": 0}
+                if self.timings_per_token:
+                    chunk["timings"] = self.timings.partial()
+                out.append(_data(chunk))
+                tokens = []
+            if self.stream.queue.empty() and out:
+                await self._send_events(send, out)
+                out = []
+            msg = await self._next()
+            if self.gone:
+                return
+        last = self.error_body(_failure_error(msg)) if msg.finish_reason == "error" else \
+            self.final(msg, "", tokens if self.return_tokens else [])
+        await self._send_events(send, out + [_data(last)], more=False)
+
+
+def _data(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def generation_settings(msg: P.Generate | None) -> dict:
+    sampling = msgspec.to_builtins(msg.sampling if msg else SamplingParams())
+    return sampling | {"n_predict": msg.max_tokens if msg and msg.max_tokens is not None else -1,
+                       "stop": msg.stop if msg else [], "ignore_eos": msg.ignore_eos if msg else False}
+
+
+def _slot(i: int, n_ctx: int, processing: bool) -> dict:
+    return {"id": i, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": processing,
+            "params": generation_settings(None), "prompt": "",
+            "next_token": {"has_next_token": processing, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
+                           "stopping_word": ""}}
+
+
+async def props(request: Request):
+    server = request.app.state.server
+    st = await server.status()
+    tok = await _tokenizer_or_none(server)
+
+    def piece(token_id: int | None) -> str:
+        return tok.piece_bytes(token_id).decode("utf-8", errors="replace") if tok and token_id is not None else ""
+    return JSONResponse({
+        "default_generation_settings": _slot(0, st.n_ctx, False), "total_slots": _total_slots(st),
+        "model_alias": server.name, "model_path": st.model, "modalities": {"vision": False, "audio": False},
+        "chat_template": (tok.chat_template or "") if tok else "", "bos_token": piece(tok.bos_id if tok else None),
+        "eos_token": piece(tok.eos_id if tok else None), "build_info": _build_info(), "webui": False,
+        "is_sleeping": False})
+
+
+def _total_slots(st: P.StatusReply) -> int:
+    return max(st.max_sequences, 1) * max(sum(w.alive and w.kind == "cpu" for w in st.workers), 1)
+
+
+async def slots(request: Request):
+    st = await request.app.state.server.status()
+    total = _total_slots(st)
+    if request.query_params.get("fail_on_no_slot") and st.running >= total:
+        raise APIError(503, "no slot available", code="unavailable")
+    return JSONResponse([_slot(i, st.n_ctx, i < st.running) for i in range(total)])
+
+
+async def apply_template(request: Request):
+    from .app import read_body
+    server = request.app.state.server
+    body = decode_body(await read_body(request), ChatCompletionRequest)
+    msg = params.chat_generate(body)
+    tok = await server.tokenizer()
+    try:
+        return JSONResponse({"prompt": render_chat(tok, msg.messages, msg.tools, msg.chat_template_kwargs)})
+    except ChatTemplateError as e:
+        raise APIError(400, f"the chat template refused the messages: {e}") from None
+
+
+ROUTES: list[tuple[str, Any, list[str]]] = [("/completion", completion, ["POST"]), ("/props", props, ["GET"]),
+                                            ("/apply-template", apply_template, ["POST"]), ("/slots", slots, ["GET"])]

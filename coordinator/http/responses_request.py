@@ -1,0 +1,222 @@
+"""An OpenAI Responses request -> the chat request the chat path serves.
+
+- `instructions` is the first message, role system; `input` is a string (one user message)
+  or a list of items: messages (`input_text` / `output_text` parts; role developer is system,
+  as on chat), `function_call` items (the previous assistant turn's calls, merged into it),
+  `function_call_output` items (tool messages, matched by `call_id`), and `reasoning` items
+  (their `content` text, else their `summary` text, is the next assistant turn's reasoning).
+- fermoe keeps no responses: `previous_response_id`, `conversation` and `item_reference`
+  items are a 400 saying so (Codex sends the whole history with `store: false`); so is
+  `background: true`.
+- `tools`: function tools need `parameters` (OpenAI's required key; null is taken); other
+  kinds (Codex's web_search, custom, local_shell, namespace...) are left out with a log line
+  by the chat path. `tool_choice`: auto, none, required, or {"type": "function", "name"}:
+  mapped onto chat's, which honours or refuses it (forced choices need constrained decoding).
+- `text.format`: text, json_object or json_schema, onto chat's response_format (the same).
+- `reasoning.effort` is chat's reasoning_effort ("none": thinking off); `max_output_tokens`
+  is max_tokens. Other top-level fields clients add (`include`, `prompt_cache_key`...) are
+  logged and ignored.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import msgspec
+
+from .errors import APIError
+from .fields import MaxTokens, Temperature, TopP
+from .schemas import ChatCompletionRequest, _validation_error
+
+log = logging.getLogger("fermoe.http")
+NOT_KEPT = "fermoe keeps no responses: send the whole conversation in `input` (with store: false)"
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ResponsesRequest":
+        try:
+            data = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            raise APIError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        unknown = sorted(set(data) - set(cls.__struct_fields__))
+        if unknown:
+            log.info("ignored Responses fields: %s", ", ".join(unknown))
+        try:
+            req = msgspec.convert({k: v for k, v in data.items() if k not in unknown}, cls)
+        except msgspec.ValidationError as e:
+            raise _validation_error(str(e)) from None
+        if req.previous_response_id is not None:
+            raise invalid("previous_response_id", NOT_KEPT)
+        if req.conversation is not None:
+            raise invalid("conversation", NOT_KEPT)
+        if req.background:
+            raise invalid("background", "background responses are not supported", "unsupported_parameter")
+        return req
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += _input([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
+    body: dict[str, Any] = {"messages": messages, "stream": req.stream}
+    if req.tools is not None:
+        body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req.tool_choice)
+    for name, value in (("parallel_tool_calls", req.parallel_tool_calls), ("max_tokens", req.max_output_tokens),
+                        ("temperature", req.temperature), ("top_p", req.top_p)):
+        if value is not None:
+            body[name] = value
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        body["response_format"] = _format(fmt)
+    effort = (req.reasoning or {}).get("effort")
+    if isinstance(effort, str):
+        body["reasoning_effort"] = effort
+    try:
+        return msgspec.convert(body, ChatCompletionRequest)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+
+
+def _text(param: str, content) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(param, "expected a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise invalid(f"{param}[{j}]", f"content parts of type {kind!r} are not supported (text only)",
+                          "unsupported_parameter")
+        if kind not in TEXT_PARTS and kind != "refusal" or not isinstance(part.get("text", part.get("refusal")), str):
+            raise invalid(f"{param}[{j}]", f"unknown content part {kind!r} (expected input_text or output_text)")
+        texts.append(part.get("text", part.get("refusal")))
+    return "\n".join(texts)
+
+
+def _input(items: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    reasoning: list[str] = []
+
+    def assistant() -> dict:
+        """The assistant message a call or text joins: the last one, unless something came after it."""
+        if out and out[-1]["role"] == "assistant" and not reasoning:
+            return out[-1]
+        out.append({"role": "assistant", "content": None})
+        if reasoning:
+            out[-1]["reasoning_content"] = "\n".join(reasoning)
+            reasoning.clear()
+        return out[-1]
+
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise invalid(f"{param}.role", f"expected user, system, developer or assistant, got {role!r}")
+            if "content" not in item:
+                raise invalid(f"{param}.content", "Missing required parameter", "missing_required_parameter")
+            text = _text(f"{param}.content", item["content"])
+            if role == "assistant":
+                message = assistant()
+                message["content"] = (message["content"] or "") + text
+            else:
+                out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call = {"id": _str(item, "call_id", param), "type": "function",
+                    "function": {"name": _str(item, "name", param), "arguments": _arguments(item, param)}}
+            assistant().setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _str(item, "call_id", param),
+                        "content": _text(f"{param}.output", output if output is not None else "")})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            text = _text(f"{param}.content", parts)
+            if text:
+                reasoning.append(text)
+        elif kind == "item_reference":
+            raise invalid(param, NOT_KEPT)
+        else:
+            raise invalid(f"{param}.type", f"unknown input item type {kind!r} (expected message, function_call, "
+                                           "function_call_output or reasoning)")
+    return out
+
+
+def _str(item: dict, name: str, param: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise invalid(f"{param}.{name}", "Missing required parameter" if value is None else "expected a string",
+                      "missing_required_parameter" if value is None else "invalid_type")
+    return value
+
+
+def _arguments(item: dict, param: str) -> str:
+    args = _str(item, "arguments", param)
+    try:
+        json.loads(args or "{}")
+    except json.JSONDecodeError as e:
+        raise invalid(f"{param}.arguments", f"not JSON: {e}") from None
+    return args
+
+
+def _tool(i: int, tool: dict) -> dict:
+    if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+        raise invalid(f"tools[{i}]", "a tool is an object with a `type`")
+    if tool["type"] != "function":
+        return {"type": tool["type"]}            # the chat path leaves it out, with a log line
+    if "parameters" not in tool:
+        raise invalid(f"tools[{i}].parameters", "Missing required parameter: a function tool needs its JSON "
+                                                "schema (null for none)", "missing_required_parameter")
+    function = {"name": _str(tool, "name", f"tools[{i}]"), "parameters": tool["parameters"] or {}}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice):
+    if isinstance(choice, str):
+        return choice                            # auto, none, required; chat names any other as wrong
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid("tool_choice", "expected 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": NAME}")
+
+
+def _format(fmt: dict) -> dict:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise invalid("text.format", f"expected type text, json_object or json_schema, got {kind!r}")

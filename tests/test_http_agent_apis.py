@@ -1,0 +1,259 @@
+"""The Responses and Anthropic Messages APIs in this process, no model: request bodies -> the
+chat request they translate to, and recorded model text (a reasoning, some text, a tool call)
+answered as each API answers, read back by the vendor's own client (`openai`, `anthropic`)
+through a mock transport: its stream parser and accumulator check the event sequences."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import httpx
+import httpx2
+import msgspec
+import openai
+import pytest
+
+from coordinator.http import params
+from coordinator.http.anthropic_api import MessagesResponse
+from coordinator.http.anthropic_request import AnthropicError, MessagesRequest
+from coordinator.http.anthropic_request import chat_request as anthropic_chat
+from coordinator.http.errors import APIError
+from coordinator.http.formats import ChatFormat
+from coordinator.http.metrics import Metrics
+from coordinator.http.responses_api import ResponsesResponse
+from coordinator.http.responses_request import ResponsesRequest
+from coordinator.http.responses_request import chat_request as responses_chat
+from coordinator.http.upstream import RequestStream
+from shared import protocol as P
+
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}
+RECORDED = ["The user", " wants a.py.", "\n", "</think>", "\n\n", "Reading", " it.", "\n\n", "<tool_call>", "\n<",
+            "function=read", "_file>\n<parameter=", "path>\nsrc/ü", "nï.py\n</parameter>\n<parameter=limit>\n",
+            "20\n</parameter>\n</function>\n", "</tool_call>"]
+
+
+class _Open:
+    def cancel(self, rid, on_done=None):
+        return False
+
+
+def answer(make, pieces, finish="stop", stop_reason=None) -> bytes:
+    """The bytes of the HTTP body a response object sends for `pieces` of model text."""
+    async def go():
+        stream, sent = RequestStream("r"), []
+        for i, text in enumerate(pieces):
+            stream.push(P.Token(request_id="r", token=i, text=text))
+        stream.push(P.Done(request_id="r", finish_reason=finish, prompt_tokens=50, cached_prompt_tokens=30,
+                           completion_tokens=len(pieces), stop_reason=stop_reason))
+        response = make(stream)
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+        await response(None, receive, send)
+        return b"".join(m.get("body", b"") for m in sent[1:])
+    return asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def transport(body: bytes, streaming: bool, http=httpx):
+    """A client of `http` (httpx for openai, httpx2 for anthropic) answering every request with `body`."""
+    kind = "text/event-stream" if streaming else "application/json"
+    return http.Client(transport=http.MockTransport(lambda request: http.Response(
+        200, content=body, headers={"content-type": kind})))
+
+
+# ---- Anthropic --------------------------------------------------------------------------------
+ANTHROPIC = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Show me a.py"}],
+             "tools": [{"name": "read_file", "input_schema": SCHEMA}]}
+
+
+def anthropic_response(streaming: bool, pieces=RECORDED, **done) -> anthropic.Anthropic:
+    req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"stream": streaming}).encode())
+    body = anthropic_chat(req, streaming)
+    parser = params.chat_parser(body, params.chat_generate(body), True, "deepseek")
+    raw = answer(lambda s: MessagesResponse(_Open(), s, ChatFormat(), "m", streaming, Metrics(), parser),
+                 pieces, **done)
+    return anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, streaming, httpx2))
+
+
+def test_anthropic_message_with_thinking_text_and_tool_use():
+    m = anthropic_response(False).messages.create(**ANTHROPIC)
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
+    assert m.content[0].thinking == "The user wants a.py." and m.content[0].signature
+    assert m.content[1].text == "Reading it."
+    assert (m.content[2].name, m.content[2].input) == ("read_file", {"path": "src/ünï.py", "limit": 20})
+    assert m.content[2].id.startswith("toolu_") or m.content[2].id.startswith("call_")
+    assert m.stop_reason == "tool_use" and m.usage.input_tokens == 20 and m.usage.cache_read_input_tokens == 30
+
+
+def test_anthropic_stream_is_accumulated_by_the_sdk():
+    with anthropic_response(True).messages.stream(**ANTHROPIC) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type not in ("text", "thinking", "input_json", "signature")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    deltas = {e.delta.type for e in events if e.type == "content_block_delta"}
+    assert deltas == {"thinking_delta", "signature_delta", "text_delta", "input_json_delta"}
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[2].input == {"path": "src/ünï.py", "limit": 20} and final.stop_reason == "tool_use"
+    assert final.content[0].thinking == "The user wants a.py." and final.content[0].signature
+    assert final.usage.output_tokens == len(RECORDED) and final.usage.cache_read_input_tokens == 30
+
+
+@pytest.mark.parametrize("done, reason, sequence", [
+    (dict(finish="length"), "max_tokens", None), (dict(finish="stop", stop_reason="it."), "stop_sequence", "it."),
+    (dict(finish="stop"), "end_turn", None)])
+def test_anthropic_stop_reasons(done, reason, sequence):
+    m = anthropic_response(False, RECORDED[:7], **done).messages.create(**ANTHROPIC)
+    assert (m.stop_reason, m.stop_sequence) == (reason, sequence)
+
+
+def test_anthropic_history_becomes_the_chat_history():
+    req = MessagesRequest.decode(json.dumps({
+        "model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be terse.", "cache_control": {}}],
+        "stop_sequences": ["END"], "thinking": {"type": "disabled"},
+        "tools": ANTHROPIC["tools"] + [{"type": "web_search_20250305", "name": "web_search"}],
+        "tool_choice": {"type": "tool", "name": "read_file"}, "context_management": {"edits": []},
+        "messages": [{"role": "user", "content": "Show me a.py"},
+                     {"role": "assistant", "content": [
+                         {"type": "thinking", "thinking": "need it", "signature": "sig"},
+                         {"type": "redacted_thinking", "data": "xx"}, {"type": "text", "text": "Reading."},
+                         {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a.py"}}]},
+                     {"role": "user", "content": [
+                         {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text",
+                                                                                        "text": "print(1)"}]},
+                         {"type": "text", "text": "Now explain."}]}]}).encode())
+    body = anthropic_chat(req, False)
+    assert [m.role for m in body.messages] == ["system", "user", "assistant", "tool", "user"]
+    a = body.messages[2]
+    assert (a.reasoning_content, a.content[0].text, a.tool_calls[0].id) == ("need it", "Reading.", "toolu_1")
+    assert a.tool_calls[0].function.arguments == {"path": "a.py"} and body.messages[3].content == "print(1)"
+    assert body.stop == ["END"] and body.chat_template_kwargs == {"enable_thinking": False}
+    assert body.tool_choice == {"type": "function", "function": {"name": "read_file"}}
+    assert len(body.tools) == 2 and len(params.chat_generate(msgspec.structs.replace(body, tool_choice=None)).tools) == 1
+
+
+@pytest.mark.parametrize("fields, word", [
+    (dict(max_tokens=None), "max_tokens"),
+    (dict(messages=[{"role": "user", "content": [{"type": "video"}]}]), "unknown block type 'video'"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "not supported"),
+    (dict(tools=[{"name": "read_file"}]), "input_schema"),
+    (dict(tool_choice={"type": "sometimes"}), "tool_choice.type"),
+    (dict(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]), "tool_use_id"),
+])
+def test_anthropic_bad_requests_name_the_field(fields, word):
+    body = {k: v for k, v in (ANTHROPIC | fields).items() if v is not None}
+    with pytest.raises(AnthropicError) as e:
+        anthropic_chat(MessagesRequest.decode(json.dumps(body).encode()), False)
+    assert e.value.status == 400 and word in e.value.message, e.value.message
+    assert e.value.body()["type"] == "error" and e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+# ---- Responses --------------------------------------------------------------------------------
+RESPONSES = {"model": "m", "input": "Show me a.py", "tools": [{"type": "function", "name": "read_file",
+                                                              "parameters": SCHEMA}, {"type": "web_search"}]}
+
+
+def responses_client(streaming: bool, pieces=RECORDED, **done) -> openai.OpenAI:
+    req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": streaming}).encode())
+    body = responses_chat(req)
+    parser = params.chat_parser(body, params.chat_generate(body), True, "deepseek")
+    raw = answer(lambda s: ResponsesResponse(_Open(), s, ChatFormat(), "m", streaming, Metrics(), parser,
+                                             request=req), pieces, **done)
+    return openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, streaming))
+
+
+def test_responses_output_items():
+    r = responses_client(False).responses.create(**RESPONSES)
+    assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[0].content[0].text == "The user wants a.py." and r.output_text == "Reading it."
+    call = r.output[2]
+    assert call.name == "read_file" and json.loads(call.arguments) == {"path": "src/ünï.py", "limit": 20}
+    assert call.call_id.startswith("call_") and r.status == "completed"
+    assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) == (50, 30)
+    assert [t.name for t in r.tools] == ["read_file"]
+
+
+def test_responses_stream_is_accumulated_by_the_sdk():
+    with responses_client(True).responses.stream(**RESPONSES) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for kind in ("response.reasoning_text.delta", "response.output_text.delta", "response.output_text.done",
+                 "response.function_call_arguments.delta", "response.function_call_arguments.done"):
+        assert kind in kinds, kind
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Reading it." and json.loads(final.output[2].arguments)["limit"] == 20
+
+
+def test_responses_cut_by_the_limit_is_incomplete():
+    r = responses_client(False, RECORDED[:7], finish="length").responses.create(**RESPONSES)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_input_items_become_the_chat_history():
+    req = ResponsesRequest.decode(json.dumps({
+        "model": "m", "instructions": "Be terse.", "store": False, "include": ["reasoning.encrypted_content"],
+        "text": {"format": {"type": "text"}, "verbosity": "low"}, "reasoning": {"effort": "none"},
+        "tools": RESPONSES["tools"], "tool_choice": "auto", "prompt_cache_key": "abc",
+        "input": [{"role": "developer", "content": "Use tools."},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Show me a.py"}]},
+                  {"type": "reasoning", "id": "rs_1", "summary": [],
+                   "content": [{"type": "reasoning_text", "text": "need it"}]},
+                  {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Reading."}]},
+                  {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": '{"path": "a"}'},
+                  {"type": "function_call", "call_id": "call_2", "name": "read_file", "arguments": '{"path": "b"}'},
+                  {"type": "function_call_output", "call_id": "call_1", "output": "A"},
+                  {"type": "function_call_output", "call_id": "call_2", "output": "B"}]}).encode())
+    g = params.chat_generate(responses_chat(req))
+    assert [m.role for m in g.messages] == ["system", "system", "user", "assistant", "tool", "tool"]
+    a = g.messages[3]
+    assert (a.reasoning_content, a.content) == ("need it", "Reading.")
+    assert [c.id for c in a.tool_calls] == ["call_1", "call_2"] and a.tool_calls[1].function.arguments == {"path": "b"}
+    assert g.chat_template_kwargs == {"enable_thinking": False} and len(g.tools) == 1
+
+
+@pytest.mark.parametrize("fields, param, word", [
+    (dict(input=None), "input", "Missing required"),
+    (dict(previous_response_id="resp_1"), "previous_response_id", "keeps no responses"),
+    (dict(input=[{"type": "item_reference", "id": "x"}]), "input[0]", "keeps no responses"),
+    (dict(input=[{"type": "local_shell_call"}]), "input[0].type", "unknown input item type"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0]",
+     "not supported"),
+    (dict(tools=[{"type": "function", "name": "f"}]), "tools[0].parameters", "schema"),
+    (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]),
+     "input[0].arguments", "not JSON"),
+    (dict(text={"format": {"type": "xml"}}), "text.format", "json_schema"),
+])
+def test_responses_bad_requests_name_the_field(fields, param, word):
+    body = {k: v for k, v in (RESPONSES | fields).items() if v is not None}
+    with pytest.raises(APIError) as e:
+        responses_chat(ResponsesRequest.decode(json.dumps(body).encode()))
+    assert (e.value.status, e.value.param) == (400, param) and word in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "read_file"}])
+def test_forced_responses_choices_reach_chats_tool_choice(choice):
+    """Mapped, not refused here: the chat path decides (today: not supported yet)."""
+    body = responses_chat(ResponsesRequest.decode(json.dumps(RESPONSES | {"tool_choice": choice}).encode()))
+    assert body.tool_choice == (choice if isinstance(choice, str) else {"type": "function",
+                                                                        "function": {"name": "read_file"}})
+    with pytest.raises(APIError, match="not supported yet"):
+        params.chat_generate(body)
+
+
+def test_forced_anthropic_choices_reach_chats_tool_choice():
+    for choice, chat in [({"type": "any"}, "required"), ({"type": "none"}, "none"), ({"type": "auto"}, "auto")]:
+        req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": choice}).encode())
+        assert anthropic_chat(req, False).tool_choice == chat
+    with pytest.raises(APIError, match="not supported yet"):
+        params.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
+            "type": "any"}}).encode()), False))
