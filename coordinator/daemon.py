@@ -191,7 +191,12 @@ class Coordinator:
         except ProtocolError as e:
             self.reply(client, P.Error(message=str(e), request_id=P.request_id_of(body[0])))
             return
-        self.client_handlers[type(msg)](client, msg)
+        try:
+            self.client_handlers[type(msg)](client, msg)
+        except Exception as e:             # a bug met by one message must not stop the daemon
+            log.exception("handling a %s failed", type(msg).__name__)
+            self.reply(client, P.Error(message=f"internal error: {type(e).__name__}: {e}",
+                                       request_id=getattr(msg, "request_id", None)))
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
@@ -284,7 +289,10 @@ class Coordinator:
         if isinstance(msg, P.Hello):
             self.handle_hello(wid, msg)
         elif wid in self.workers:                   # (a stranger says hello first)
-            self.worker_handlers[type(msg)](wid, msg, frames[2:])
+            try:
+                self.worker_handlers[type(msg)](wid, msg, frames[2:])
+            except Exception:              # a bug met by one message must not stop the daemon
+                log.exception("worker %s: handling its %s failed", wid, type(msg).__name__)
 
     def handle_hello(self, wid: str, msg: P.Hello) -> None:
         if msg.fingerprint != self.model.fingerprint:

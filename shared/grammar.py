@@ -36,9 +36,11 @@ from .errors import FermoeError
 from .tool_parser import _kind
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-WS = r"/[ \t\r\n]*/"
+# before the answer: the blank lines a model writes after </think>, bounded, so that a weak
+# model cannot spend its whole budget on whitespace before the constrained part
+WS = r"/[ \t\r\n]{0,4}/"
 REASONING = r"/(?s:.*)/"
-KINDS = ("json_schema", "lark", "regex")
+KINDS = ("json_schema", "lark", "regex", "gbnf")
 
 
 class GrammarError(FermoeError, ValueError):
@@ -150,9 +152,16 @@ def full_grammar(kind: str, text: str, reasoning: bool) -> str:
     elif kind == "regex":
         import llguidance
         body = {"name": "body", "lark_grammar": f"start: /{llguidance.regex_to_lark(text)}/"}
+    elif kind == "gbnf":                            # llama.cpp's grammars, as llguidance translates them
+        import llguidance
+        try:
+            body = {"name": "body", "lark_grammar": llguidance.grammar_from("gbnf", text)}
+        except (ValueError, RuntimeError) as e:
+            raise GrammarError(f"the GBNF grammar does not parse: {e}") from None
     else:
         raise GrammarError(f"grammar kind {kind!r}: expected one of {', '.join(KINDS)}")
-    top = f"start: {REASONING} </think> {WS} @body" if reasoning else f"start: {WS} @body"
+    # without reasoning the output is the body exactly, as llama.cpp applies a grammar
+    top = f"start: {REASONING} </think> {WS} @body" if reasoning else "start: @body"
     return json.dumps({"grammars": [{"lark_grammar": top}, body]}, ensure_ascii=False)
 
 

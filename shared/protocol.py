@@ -58,10 +58,11 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 class Constraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the output must match (constrained decoding, llguidance; shared/grammar.py): a JSON
-    schema (its JSON text), a Lark grammar in llguidance's dialect, or a regex. It applies after
+    schema (its JSON text), a Lark grammar in llguidance's dialect, a regex, or a GBNF grammar
+    (llama.cpp's, translated by llguidance). It applies after
     the reasoning when the prompt leaves a <think> block open. The coordinator compiles it before
     queueing: one that does not compile is refused with an Error (code "invalid_grammar")."""
-    kind: Literal["json_schema", "lark", "regex"]
+    kind: Literal["json_schema", "lark", "regex", "gbnf"]
     text: str
 
 

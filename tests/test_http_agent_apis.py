@@ -242,18 +242,18 @@ def test_responses_bad_requests_name_the_field(fields, param, word):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "read_file"}])
 def test_forced_responses_choices_reach_chats_tool_choice(choice):
-    """Mapped, not refused here: the chat path decides (today: not supported yet)."""
+    """Mapped onto chat's tool_choice, which forces the call with a grammar."""
     body = responses_chat(ResponsesRequest.decode(json.dumps(RESPONSES | {"tool_choice": choice}).encode()))
     assert body.tool_choice == (choice if isinstance(choice, str) else {"type": "function",
                                                                         "function": {"name": "read_file"}})
-    with pytest.raises(APIError, match="not supported yet"):
-        params.chat_generate(body)
+    grammar = params.chat_generate(body).grammar
+    assert grammar is not None and grammar.kind == "lark" and "read_file" in grammar.text
 
 
 def test_forced_anthropic_choices_reach_chats_tool_choice():
     for choice, chat in [({"type": "any"}, "required"), ({"type": "none"}, "none"), ({"type": "auto"}, "auto")]:
         req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": choice}).encode())
         assert anthropic_chat(req, False).tool_choice == chat
-    with pytest.raises(APIError, match="not supported yet"):
-        params.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
-            "type": "any"}}).encode()), False))
+    forced = params.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
+        "type": "any"}}).encode()), False))
+    assert forced.grammar is not None and forced.grammar.kind == "lark"

@@ -6,8 +6,11 @@ streamed and not, Anthropic's stop sequences and count_tokens, and bad input ans
 each API's own error shape with the daemon serving on."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -98,10 +101,31 @@ def test_responses_tool_round_trip_streamed_and_not(codex):
     assert done.status in ("completed", "incomplete") and done.output_text
 
 
+def test_a_forced_tool_is_called_with_arguments_of_its_schema(claude, codex):
+    """Anthropic's `any` and Responses' named function force one call (constrained decoding;
+    thinking off: the built-in model would not close a <think> block within the budget)."""
+    schema = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 12}}, "required": ["path"]}
+    tool = {"name": "read_file", "description": "Read a file.", "input_schema": schema}
+    r = claude.messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": USER}],
+                               tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                               thinking={"type": "disabled"},
+                               extra_body=GREEDY)
+    calls = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and calls and calls[0].name == "read_file"
+    jsonschema.validate(calls[0].input, schema)
+    out = codex.responses.create(model="m", input=USER, max_output_tokens=64, tools=[{
+        "type": "function", "name": "read_file", "parameters": schema}],
+        tool_choice={"type": "function", "name": "read_file"}, reasoning={"effort": "none"},
+        parallel_tool_calls=False)
+    items = [i for i in out.output if i.type == "function_call"]
+    assert items and items[0].name == "read_file"
+    jsonschema.validate(json.loads(items[0].arguments), schema)
+
+
 def test_bad_input_is_400_in_each_apis_shape_and_the_daemon_serves_on(daemon, claude, codex):
     bad = [dict(max_tokens=8, messages=[{"role": "user", "content": [{"type": "video"}]}]),
            dict(max_tokens=8, messages=[{"role": "user", "content": "x"}], tools=[{"name": "f"}]),
-           dict(max_tokens=8, messages=[{"role": "user", "content": "x"}], tool_choice={"type": "any"},
+           dict(max_tokens=8, messages=[{"role": "user", "content": "x"}], tool_choice={"type": "tool", "name": "g"},
                 tools=[{"name": "f", "input_schema": SCHEMA}])]
     for fields in bad:
         with pytest.raises(anthropic.BadRequestError) as e:

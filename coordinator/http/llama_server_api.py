@@ -34,7 +34,6 @@ from shared.errors import ChatTemplateError
 from shared.sampling import SamplingParams
 
 from . import params
-from .chat_params import LATER
 from .errors import APIError
 from .formats import TextFormat
 from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body
@@ -81,6 +80,23 @@ async def _prompt(server, prompt) -> str | list[int]:
     return ids
 
 
+def _constraint(data: dict) -> P.Constraint | None:
+    """llama-server's `json_schema` (an object) or `grammar` (GBNF) as a Constraint; the
+    coordinator compiles it before queueing (a bad one is a 400, code invalid_grammar)."""
+    schema, grammar = data.get("json_schema"), data.get("grammar")
+    if schema not in (None, "", {}) and grammar not in (None, ""):
+        raise APIError(400, "give json_schema or grammar, not both", param="grammar", code="invalid_value")
+    if schema not in (None, "", {}):
+        if not isinstance(schema, (dict, bool)):
+            raise APIError(400, "json_schema must be a JSON schema object", param="json_schema", code="invalid_type")
+        return P.Constraint(kind="json_schema", text=json.dumps(schema))
+    if grammar not in (None, ""):
+        if not isinstance(grammar, str):
+            raise APIError(400, "grammar must be a string (GBNF)", param="grammar", code="invalid_type")
+        return P.Constraint(kind="gbnf", text=grammar)
+    return None
+
+
 async def completion(request: Request):
     from .app import read_body, submit
     server = request.app.state.server
@@ -91,9 +107,8 @@ async def completion(request: Request):
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    for field in ("grammar", "json_schema"):
-        if data.get(field) not in (None, ""):
-            raise APIError(400, f"{field} {LATER}", param=field, code="unsupported_parameter")
+    constraint = _constraint(data)
+    data.pop("grammar", None), data.pop("json_schema", None)     # taken above, not llama_server.apply's to refuse
     if "prompt" not in data:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
                        code="missing_required_parameter")
@@ -103,6 +118,8 @@ async def completion(request: Request):
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     msg = params.completion_generate(body)
+    if constraint is not None:                  # the same constrained path as chat's response_format
+        msg = msgspec.structs.replace(msg, grammar=constraint)
     tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
     text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
     model, upstream, stream = await submit(server, msg)
