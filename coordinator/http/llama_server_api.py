@@ -6,7 +6,8 @@ fields, llama_server.py's extensions, the same Generate); what differs is the pr
 and the answer:
 - `prompt`: a string, token ids, or a mix of both (strings tokenized here, BOS only before a
   leading string, as llama-server's tokenize_mixed); a list of several prompts is refused.
-- `grammar` / `json_schema` need constrained decoding: refused, as chat's json response_format is.
+- `grammar` (GBNF) / `json_schema` become the Generate's Constraint, compiled by the coordinator
+  as chat's response_format is.
 - The answer: {content, tokens, id_slot, stop, model, tokens_predicted, tokens_evaluated,
   generation_settings, prompt, has_new_line, truncated, stop_type, stopping_word,
   tokens_cached, timings}; `stop_type` is eos, word (`stopping_word` set), limit or none (the
