@@ -62,7 +62,8 @@ def replay(url: str, episode: dict, max_tokens: int = 32, api_key: str | None = 
     messages = [{"role": "system", "content": episode["system"]}]
     rows, previous = [], None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=3600, headers=headers) as http:
+    # a fresh connection a request: a server may close an idle one just as it is reused
+    with httpx.Client(timeout=3600, headers=headers, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         for i, turn in enumerate(episode["turns"]):
             if "user" in turn:
                 messages.append({"role": "user", "content": turn["user"]})

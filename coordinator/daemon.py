@@ -51,6 +51,7 @@ MAX_ATTEMPTS = 3
 # its max_tokens can cross and one for where it ends, at most DECODE_SLOTS; each boundary
 # snapshot adopted is replaced at once, so a long generation always has one ahead.
 DECODE_SLOTS = 4
+TURN_MARKS = 2
 
 
 class Coordinator:
@@ -216,9 +217,21 @@ class Coordinator:
             return
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
-                      grammar=grammar)
+                      grammar=grammar, marks=self._turn_marks(msg, tokens))
         self.requests[req.rid] = req
         self.queue.append(req.rid)
+
+    def _turn_marks(self, msg: P.Generate, tokens: list[int]) -> list[int]:
+        """Where a chat prompt's last TURN_MARKS turns begin (its turn-opening token, ChatML's
+        <|im_start|>): the generation prompt and the last message. The next turn of an agent
+        often matches this prompt only up to one of them (a template drops the reasoning of
+        earlier turns once a new user message comes, rewriting from the last answer's start),
+        so a snapshot there lets it resume right before what changed."""
+        opener = self.tokenizer.token_to_id.get("<|im_start|>")
+        if msg.messages is None or opener is None:
+            return []
+        starts = [i for i, t in enumerate(tokens) if t == opener]
+        return starts[len(starts) - TURN_MARKS:] if len(starts) > TURN_MARKS else starts
 
     def _prompt_tokens(self, msg: P.Generate) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.tokens, msg.messages)]
@@ -431,7 +444,7 @@ class Coordinator:
         req.resume = resume
         if not replay:
             req.cached_tokens = resume.position if resume else 0
-        req.planned = self.index.plan(req.tokens, resume.position if resume else 0) if cache else []
+        req.planned = self.index.plan(req.tokens, resume.position if resume else 0, req.marks) if cache else []
         asked = req.msg.max_tokens
         wanted = DECODE_SLOTS if asked is None else min(DECODE_SLOTS, asked // self.opts.block + 2)
         req.decode_slots = self.index.reserve(wanted) if cache and asked != 0 else []

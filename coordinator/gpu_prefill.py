@@ -55,7 +55,7 @@ class GPUPrefills:
         resume = self.index.lookup(req.tokens, replay=replay)
         if not replay:
             req.cached_tokens = resume.position if resume else 0
-        planned = self.index.plan(req.tokens, resume.position if resume else 0)
+        planned = self.index.plan(req.tokens, resume.position if resume else 0, req.marks)
         if not planned or planned[-1].position != len(req.tokens):
             log.warning("request %s: no snapshot slot free for the end of its prompt: prefilling it on a CPU worker",
                         req.rid)

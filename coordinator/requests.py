@@ -36,6 +36,7 @@ class Request:
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
     sent: int = 0                    # tokens streamed to the client
     generated: list = field(default_factory=list)  # every token sampled for it, end-of-generation ones too
+    marks: list = field(default_factory=list)      # prompt positions where chat turns begin: snapshots there too
     decode_slots: list = field(default_factory=list)   # reserved for its worker's decode snapshots
     skip: int = 0                    # tokens a replaying worker will re-sample before new ones
     attempts: int = 0

@@ -245,11 +245,13 @@ class SnapshotIndex:
         return 1 if self._entries[key].position % self.block == 0 else 0
 
     # ---- writing -------------------------------------------------------------
-    def plan(self, tokens, start: int) -> list[Planned]:
+    def plan(self, tokens, start: int, marks=()) -> list[Planned]:
         """Slots for the snapshots a prefill of tokens[start:] should take: each block
-        boundary in (start, len] and the unaligned end, unless cached or already being
-        written. Evicts least-recently-used unpinned entries; when nothing more can be
-        evicted the rest are skipped (a request never fails for lack of cache)."""
+        boundary in (start, len], the unaligned end, and each of `marks` in (start, len)
+        (where a chat's turns begin: the next turn may diverge right after one), unless
+        cached or already being written. Evicts least-recently-used unpinned entries; when
+        nothing more can be evicted the rest are skipped (a request never fails for lack
+        of cache)."""
         data = token_bytes(tokens)
         n = len(data) // 4
         if not 0 <= start <= n:
@@ -260,6 +262,11 @@ class SnapshotIndex:
         end = self._end(keys[-1] if keys else b"", data, len(keys) * self.block, n)
         if n % self.block and n > start:
             wanted.append((end, n, keys[-1] if keys else None))
+        for m in sorted({int(m) for m in marks if start < m < n and m % self.block}):
+            base = m // self.block                 # the mark's own end entry, after `base` full blocks
+            wanted.append((self._end(keys[base - 1] if base else b"", data, base * self.block, m), m,
+                           keys[base - 1] if base else None))
+        wanted.sort(key=lambda w: w[1])            # in position order, the prompt's end last
         wanted = [w for w in wanted if w[0] not in self._entries and w[0] not in self._planned]
         # This prompt's own cached snapshots must not be evicted to make room for its
         # later ones (a gap would make those useless): hold them out of the LRU.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from bench.agent import replay, summary
 from bench.make_agent_episode import build
 from shared.builtin import BUILTIN
+from shared.model import Model
 from tests.gguf_edit import rewrite_gguf
 from tests.http_server import HttpDaemon
 from tests.qwen_template import QWEN_STYLE_TEMPLATE
@@ -33,3 +34,25 @@ def test_each_agent_turn_prefills_only_what_was_appended(tmp_path):
         assert row["cached_tokens"] >= previous["prompt_tokens"] + GENERATED - SLACK, (previous, row)
     again = summary(rows)["reprefilled_beyond_appended"]
     assert len(again) == 11 and max(again) <= SLACK and sum(again) <= 2 * len(again), again
+
+
+def test_a_new_user_message_that_drops_earlier_reasoning_resumes_where_that_turn_began(tmp_path):
+    """Without preserve_thinking the template drops the reasoning of the turns before the
+    last user message once a new one comes, so that prompt matches the cache only up to
+    where the first answer began: the snapshot taken at its turn's start serves it."""
+    model = tmp_path / "builtin-qwen-template.gguf"
+    rewrite_gguf(BUILTIN["tiny"], model, meta={"tokenizer.chat_template": QWEN_STYLE_TEMPLATE})
+    daemon = HttpDaemon(model, "--block", "64", "--snapshot-mem", "256MiB")
+    episode = build(result_chars=300, notes=False)
+    second_request = next(i for i, t in enumerate(episode["turns"]) if i and "user" in t)
+    try:
+        rows = replay(daemon.url, episode, max_tokens=GENERATED,
+                      request={"ignore_eos": True, "chat_template_kwargs": {"preserve_thinking": False}})
+    finally:
+        assert daemon.stop() == 0
+    first_prompt = rows[0]["prompt_tokens"]
+    turn = rows[second_request]
+    assert turn["cached_tokens"] < rows[second_request - 1]["prompt_tokens"]     # the template rewrote history
+    # resumed at the first answer's turn start: its generation prompt's tokens before that prompt's end
+    opening = len(Model(str(model)).tokenizer.encode("<|im_start|>assistant\n<think>\n"))
+    assert turn["cached_tokens"] == first_prompt - opening, (first_prompt, opening, turn)

@@ -545,3 +545,17 @@ def test_decode_snapshots_are_adopted_under_the_tokens_they_hold():
     more = idx.reserve(10)                                 # the free slots, then every unpinned entry evicted
     assert len(more) == 6 and idx.stats()["entries"] == 0
     idx.check_invariants()
+
+
+def test_marks_inside_a_prompt_are_snapshots_a_diverging_prompt_resumes_from():
+    """A chat's turn starts (marks) get end entries of their own: a prompt that shares
+    the tokens only up to one of them resumes there, not at the block before."""
+    idx = SnapshotIndex(n_slots=16, block=4)
+    prompt = list(range(1, 15))                            # 14 tokens; marks at 6 and 9
+    planned = idx.plan(prompt, 0, marks=[6, 9, 8, 0, 14, 20])
+    assert [p.position for p in planned] == [4, 6, 8, 9, 12, 14]     # aligned and outside ones not doubled
+    idx.commit(planned)
+    idx.check_invariants()
+    rewritten = prompt[:9] + [99, 98, 97]                  # the same up to the second mark
+    assert idx.cached(rewritten) == 9
+    assert idx.cached(prompt[:7] + [99]) == 6
