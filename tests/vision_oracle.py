@@ -114,7 +114,7 @@ def random_image(h: int, w: int, seed: int) -> np.ndarray:
 
 
 def save_multimodal(directory: Path, seed: int = 0, tower: str = "a", text_hidden: int = 64) -> Path:
-    """A tiny Qwen3_5MoeForConditionalGeneration checkpoint with preprocessor_config.json."""
+    """A tiny Qwen3_5MoeForConditionalGeneration checkpoint with a tokenizer and preprocessor_config.json."""
     text = dict(vocab_size=520, hidden_size=text_hidden, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
                 linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
@@ -127,6 +127,7 @@ def save_multimodal(directory: Path, seed: int = 0, tower: str = "a", text_hidde
     torch.manual_seed(seed)
     model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
     rescale(model.model.visual, seed)
-    model.save_pretrained(directory)
+    from tests.hf_oracle import save_checkpoint
+    save_checkpoint(model, directory)                  # with a tokenizer, so the text converts too
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return model
