@@ -30,7 +30,13 @@ HTTP API; `fermoe submit -p "Hello" --stop "\n\n"` sends it a prompt.
 def _add_model(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="GGUF file, or the name of a built-in model (default: tiny)")
+    _add_mmproj(p)
     _add_engine(p)
+
+
+def _add_mmproj(p: argparse.ArgumentParser):
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision tower: an mmproj GGUF (llama.cpp's), checked against the model")
 
 
 def _add_engine(p: argparse.ArgumentParser):
@@ -128,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the GGUF file to write")
     p.add_argument("--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"],
                    help="element type of the large matrices (default f32)")
+    p.add_argument("--mmproj", default=None, metavar="OUT",
+                   help="also write the vision tower to this mmproj GGUF (a Qwen3_5MoeForConditionalGeneration "
+                        "checkpoint with preprocessor_config.json)")
+    _add_mmproj_type(p)
 
     p = sub.add_parser("synth", help="write a model of random weights with the real structure (for speed tests)",
                        description="Write a seeded model of random weights with the real structure, as GGUF: "
@@ -140,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="q4_0", choices=["f32", "f16", "q8_0", "q4_0"],
                    help="element type of the large matrices (default q4_0)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--mmproj", default=None, metavar="OUT",
+                   help="also write a random vision tower of the preset's shape to this mmproj GGUF")
+    _add_mmproj_type(p)
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="the chat template to store (Jinja, e.g. a real model's, which renders tools: what "
                         "`fermoe bench agent` needs); default: a plain one without tools")
@@ -176,13 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub, _add_model, _add_engine)
 
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                     "| http [MODEL]",
+                                     "| http [MODEL] | vision",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent"],
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
-                        "(the daemon: time to first token, clients) or http (the HTTP API end to end)")
+                        "(the daemon: time to first token, clients), http (the HTTP API end to end) or vision "
+                        "(images through the vision tower on the CPU)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
+
+
+def _add_mmproj_type(p: argparse.ArgumentParser):
+    p.add_argument("--mmproj-type", default="f16", choices=["f32", "f16", "q8_0", "q4_0"],
+                   help="element type of the vision tower's matrices (default f16, as llama.cpp's mmproj files)")
 
 
 def _open(args, name: str | None = None):
@@ -191,7 +210,18 @@ def _open(args, name: str | None = None):
     from shared.model import Model
 
     model = Model(resolve_model(name or args.model))
+    model.mmproj = _open_mmproj(args, model)
     return model, _engine(args, model, args.engine)
+
+
+def _open_mmproj(args, model):
+    """--mmproj: the vision tower, refused now if it is not this model's."""
+    if getattr(args, "mmproj", None) is None:
+        return None
+    from shared.vision.mmproj import Mmproj
+    tower = Mmproj(args.mmproj)
+    tower.check_text_model(model.config.n_embd, model.path)
+    return tower
 
 
 def _engine(args, model, name: str):
@@ -248,8 +278,15 @@ def cmd_logits(args) -> None:
 
 def cmd_convert(args) -> None:
     from shared.convert import convert
+    if args.mmproj:         # the tower first: a checkpoint without one fails before the long text pass
+        from shared.vision.convert import vision_config_from_hf
+        vision_config_from_hf(Path(args.hf_dir))
     cfg = convert(args.hf_dir, args.out, args.type)
     print(f"wrote {args.out} ({cfg.arch}, {cfg.n_layer} layers, {args.type})", file=sys.stderr)
+    if args.mmproj:
+        from shared.vision.convert import convert_mmproj
+        vcfg = convert_mmproj(args.hf_dir, args.mmproj, args.mmproj_type)
+        print(f"wrote {args.mmproj} (vision tower, {vcfg.n_layer} blocks, {args.mmproj_type})", file=sys.stderr)
 
 
 def cmd_synth(args) -> None:
@@ -263,6 +300,11 @@ def cmd_synth(args) -> None:
     cfg = synth(args.out, args.preset, args.experts, args.layers, args.type, args.seed, chat_template=template)
     print(f"wrote {args.out} ({args.preset}, {cfg.n_expert} experts, {cfg.n_layer} layers, {args.type})",
           file=sys.stderr)
+    if args.mmproj:
+        from shared.vision.synth import preset_config, synth_mmproj
+        vcfg = preset_config(args.preset, projection_dim=cfg.n_embd)
+        synth_mmproj(args.mmproj, vcfg, args.mmproj_type, args.seed)
+        print(f"wrote {args.mmproj} (random vision tower, {vcfg.n_layer} blocks, {args.mmproj_type})", file=sys.stderr)
 
 
 def _notices(args, metadata: dict, model_path: str) -> None:
@@ -380,6 +422,8 @@ def cmd_bench(args) -> None:
         from bench.http import main as bench_main
     elif args.what == "agent":
         from bench.agent import main as bench_main
+    elif args.what == "vision":
+        from bench.vision import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"
