@@ -199,7 +199,8 @@ class _Worker:
     """CPUWorker as run_cpu_worker builds it, recording its arguments."""
     made = []
 
-    def __init__(self, model_path, connect, worker_id, threads, engine="cpu", cpus=None, shared_memory=True):
+    def __init__(self, model_path, connect, worker_id, threads, engine="cpu", cpus=None, shared_memory=True,
+                 shared_experts=None):
         _Worker.made.append(dict(worker_id=worker_id, threads=threads, cpus=cpus, engine=engine))
 
     def event_loop(self):

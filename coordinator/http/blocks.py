@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from shared import protocol as P
 from shared.tool_parser import ToolCallParser
 
-from .streaming import GenerationResponse, _failure_error, send_json
+from .streaming import GenerationResponse, send_json
 
 
 @dataclass
@@ -98,16 +98,11 @@ class BlockResponse(GenerationResponse):
 
     # ---- GenerationResponse's two ways to answer -------------------------------------------------
     async def _whole(self, msg, send) -> None:
-        texts = []
-        while not isinstance(msg, P.Done):
-            texts.append(msg.text)
-            msg = await self._next()
-            if self.gone:
-                return
-        if msg.finish_reason == "error":
-            await send_json(send, 500, self.error_body(_failure_error(msg)))
+        read = await self._read_all(msg, send)
+        if read is None:
             return
-        self.blocks.feed("".join(texts))
+        tokens, msg = read
+        self.blocks.feed("".join(t.text for t in tokens))
         self.blocks.finish()
         await send_json(send, 200, self.whole(msg), {"x-request-id": self.rid})
 

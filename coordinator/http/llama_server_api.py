@@ -146,18 +146,12 @@ class CompletionResponse(GenerationResponse):
                 "timings": self.timings.final(done)}
 
     async def _whole(self, msg, send) -> None:
-        texts, tokens = [], []
-        while not isinstance(msg, P.Done):
-            texts.append(msg.text)
-            if msg.token >= 0:
-                tokens.append(msg.token)
-            msg = await self._next()
-            if self.gone:
-                return
-        if msg.finish_reason == "error":
-            await send_json(send, 500, self.error_body(_failure_error(msg)))
+        read = await self._read_all(msg, send)
+        if read is None:
             return
-        await send_json(send, 200, self.final(msg, "".join(texts), tokens if self.return_tokens else []))
+        tokens, msg = read
+        ids = [t.token for t in tokens if t.token >= 0] if self.return_tokens else []
+        await send_json(send, 200, self.final(msg, "".join(t.text for t in tokens), ids))
 
     async def _stream_events(self, msg, send) -> None:
         await send({"type": "http.response.start", "status": 200,

@@ -116,19 +116,28 @@ class GenerationResponse:
         return msg
 
     # ---- one JSON body ----------------------------------------------------------
-    async def _whole(self, msg, send) -> None:
-        texts = []
+    async def _read_all(self, msg, send) -> tuple[list[P.Token], P.Done] | None:
+        """Every Token up to the Done, for a one-body answer; None when there is nothing more
+        to send (the client went away, or the request failed and its 500 is sent)."""
+        tokens = []
         while not isinstance(msg, P.Done):
-            texts.append(msg.text)
+            tokens.append(msg)
             self._add_logprobs(msg)
             msg = await self._next()
             if self.gone:
-                return
+                return None
         if msg.finish_reason == "error":
             await send_json(send, 500, self.error_body(_failure_error(msg)))
+            return None
+        return tokens, msg
+
+    async def _whole(self, msg, send) -> None:
+        read = await self._read_all(msg, send)
+        if read is None:
             return
-        await send_json(send, 200, self._envelope(self.fmt.object, [self._with_logprobs(self.fmt.whole("".join(texts),
-                                                                                                          msg))],
+        tokens, msg = read
+        text = "".join(t.text for t in tokens)
+        await send_json(send, 200, self._envelope(self.fmt.object, [self._with_logprobs(self.fmt.whole(text, msg))],
                                                   usage=usage(msg), timings=self.timings.final(msg)),
                         {"x-request-id": self.rid})
 
