@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ["kernels_scalar.c", "kernels_ssse3.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_float_x86.c",
            "dispatch.c", "membench.c",
            "threadpool.c", "bandwidth.c", "linear.c", "forward.c", "gdn.c", "attention.c", "moe.c"]
-HEADERS = ["fermoe_blocks.h", "kernels.h", "threadpool.h", "model.h", "linear.h", "forward.h", "ctx.h", "ops.h"]
+HEADERS = ["fermoe_blocks.h", "kernels.h", "x86.h", "threadpool.h", "model.h", "linear.h", "forward.h", "ctx.h", "ops.h"]
 # -ffp-contract=off: no silent a*b+c fusing, so the scalar reference rounds as written.
 # -fno-trapping-math: nothing here reads floating-point exception flags; without it gcc
 # keeps the clamps of fm_expf as branches, and no SiLU or softmax loop vectorises.

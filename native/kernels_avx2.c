@@ -3,17 +3,10 @@
  * the few-token one. Each function carries its own target attribute, as in
  * kernels_ssse3.c.
  */
-#include <immintrin.h>
 #include "kernels.h"
-
-#define FM_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define FM_INLINE static inline __attribute__((always_inline))
-#define CHUNK_BLOCKS 256  /* activation blocks prepared per pass: 8192 columns, ~10 KB of stack */
+#include "x86.h"
 
 static int imin(int a, int b) { return a < b ? a : b; }
-
-/* Pins a vector in a register here (see kernels_ssse3.c). */
-#define FM_KEEP(v) __asm__("" : "+x"(v))
 
 /* ================================================================ AVX2
  * Q4_0 on AVX2 skips the sign trick: the nibbles (0..15) go into vpmaddubsw

@@ -6,13 +6,9 @@
  * Corrections are applied to the int32 sums, never in float (no cancellation).
  * No AMX anywhere (it faults on our machines).
  */
-#include <immintrin.h>
 #include <stdlib.h>
 #include "kernels.h"
-
-#define FM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#define FM_INLINE static inline __attribute__((always_inline))
-#define CHUNK_BLOCKS 256  /* activation blocks prepared per pass: 16 groups, 10 KB of stack */
+#include "x86.h"
 
 
 /* A group of 16 activation blocks, laid out for 512-bit weight loads: zmm k holds
@@ -193,7 +189,7 @@ typedef struct {
     __m512 dw;
 } wt16_vnni;       /* 576 bytes: one row's group of 16 weight blocks */
 
-#define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* see FM_KEEP in kernels_ssse3.c */
+#define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* FM_KEEP (x86.h) for any of the 32 vector registers */
 
 /* In-lane 4x4 transpose of 32-bit elements: a[m] element 4L+p <- a[p] element 4L+m. */
 FM_INLINE FM_VNNI void transpose4_epi32_vnni(__m512i a[4])

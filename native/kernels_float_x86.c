@@ -2,14 +2,9 @@
  * quantiser, fp16 rows (F16C) and the attention kernels over the KV cache (AVX2).
  * The F32/F16 tensors are the small ones (norm-adjacent vectors, the router);
  * these only need to stay memory-bound. */
-#include <immintrin.h>
 #include <math.h>
 #include "kernels.h"
-
-#define FM_SSSE3 __attribute__((target("ssse3")))
-#define FM_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define FM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#define FM_INLINE static inline __attribute__((always_inline))
+#include "x86.h"
 
 /* Row loops shared by every version: matvec, and the batched product with the
  * row outer so each row comes from memory once and from L1 for the rest. */

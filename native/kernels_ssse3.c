@@ -4,14 +4,10 @@
  * so this file builds without -m flags and one .so runs everywhere; dispatch.c
  * only calls a version the CPU supports.
  */
-#include <immintrin.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include "kernels.h"
-
-#define FM_SSSE3 __attribute__((target("ssse3")))
-#define FM_INLINE static inline __attribute__((always_inline))
-#define CHUNK_BLOCKS 256  /* activation blocks prepared per pass of the matrix-vector product */
+#include "x86.h"
 
 /* Per-thread scratch of the batched kernels (all ISAs): the prepared activations,
  * grown on demand, freed when the thread exits. */
@@ -33,11 +29,6 @@ void *fm_kernel_scratch(size_t n)
     pthread_setspecific(scratch_key, scratch_ptr);
     return scratch_ptr;
 }
-
-/* An empty asm that pins a vector in a register at this point: without it GCC
- * reassociates the sums of a group into a tree, hoists all the products and
- * spills them. */
-#define FM_KEEP(v) __asm__("" : "+x"(v))
 
 /* ================================================================ SSSE3
  * One Q4_0 x Q8_0 block (layouts in fermoe_blocks.h): unpack nibbles, subtract 8;
