@@ -52,6 +52,7 @@ MAX_ATTEMPTS = 3
 # snapshot adopted is replaced at once, so a long generation always has one ahead.
 DECODE_SLOTS = 4
 TURN_MARKS = 2
+ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
 
 
 class Coordinator:
@@ -222,16 +223,22 @@ class Coordinator:
         self.queue.append(req.rid)
 
     def _turn_marks(self, msg: P.Generate, tokens: list[int]) -> list[int]:
-        """Where a chat prompt's last TURN_MARKS turns begin (its turn-opening token, ChatML's
-        <|im_start|>): the generation prompt and the last message. The next turn of an agent
-        often matches this prompt only up to one of them (a template drops the reasoning of
-        earlier turns once a new user message comes, rewriting from the last answer's start),
-        so a snapshot there lets it resume right before what changed."""
+        """Where a chat prompt's last TURN_MARKS turns begin, after their role line (ChatML's
+        <|im_start|>ROLE and a newline): the generation prompt and the last message. The
+        next turn of an agent often matches this prompt only up to one of them (a template
+        drops the reasoning of earlier turns once a new user message comes, rewriting from
+        the last answer's first token), so a snapshot there lets it resume right before what
+        changed."""
         opener = self.tokenizer.token_to_id.get("<|im_start|>")
         if msg.messages is None or opener is None:
             return []
         starts = [i for i, t in enumerate(tokens) if t == opener]
-        return starts[len(starts) - TURN_MARKS:] if len(starts) > TURN_MARKS else starts
+        marks = []
+        for i in starts[len(starts) - TURN_MARKS:] if len(starts) > TURN_MARKS else starts:
+            role_end = next((j for j in range(i + 1, min(i + ROLE_LINE_TOKENS, len(tokens)))
+                             if b"\n" in self.tokenizer.piece_bytes(tokens[j])), None)
+            marks.append(i if role_end is None else role_end + 1)
+        return marks
 
     def _prompt_tokens(self, msg: P.Generate) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.tokens, msg.messages)]

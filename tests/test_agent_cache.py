@@ -53,6 +53,8 @@ def test_a_new_user_message_that_drops_earlier_reasoning_resumes_where_that_turn
     first_prompt = rows[0]["prompt_tokens"]
     turn = rows[second_request]
     assert turn["cached_tokens"] < rows[second_request - 1]["prompt_tokens"]     # the template rewrote history
-    # resumed at the first answer's turn start: its generation prompt's tokens before that prompt's end
-    opening = len(Model(str(model)).tokenizer.encode("<|im_start|>assistant\n<think>\n"))
-    assert turn["cached_tokens"] == first_prompt - opening, (first_prompt, opening, turn)
+    # resumed where the first answer's own text began, after its role line: the tokens of the
+    # opened reasoning block are all that the first prompt has beyond it
+    encode = Model(str(model)).tokenizer.encode
+    opened = len(encode("<|im_start|>assistant\n<think>\n")) - len(encode("<|im_start|>assistant\n"))
+    assert turn["cached_tokens"] == first_prompt - opened, (first_prompt, opened, turn)
