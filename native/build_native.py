@@ -16,7 +16,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["kernels_scalar.c", "kernels_ssse3.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_float_x86.c",
+SOURCES = ["kernels_scalar.c", "kernels_ssse3.c", "kernels_avx2.c", "kernels_avx512vnni.c", "kernels_float_x86.c",
            "dispatch.c", "membench.c",
            "threadpool.c", "bandwidth.c", "linear.c", "forward.c", "gdn.c", "attention.c", "moe.c"]
 HEADERS = ["fermoe_blocks.h", "kernels.h", "x86.h", "threadpool.h", "model.h", "linear.h", "forward.h", "ctx.h", "ops.h"]

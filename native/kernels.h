@@ -312,7 +312,7 @@ FM_DECLARE_INT_KERNELS(generic)     /* kernels_scalar.c */
 FM_DECLARE_F32_KERNELS(generic)
 FM_DECLARE_INT_KERNELS(ssse3)       /* kernels_ssse3.c */
 FM_DECLARE_INT_KERNELS(avx2)        /* kernels_avx2.c */
-FM_DECLARE_INT_KERNELS(avx512vnni)  /* kernels_avx512.c */
+FM_DECLARE_INT_KERNELS(avx512vnni)  /* kernels_avx512vnni.c */
 FM_DECLARE_F32_KERNELS(ssse3)       /* kernels_float_x86.c, as the next three */
 FM_DECLARE_F32_KERNELS(avx2)
 FM_DECLARE_F32_KERNELS(avx512vnni)

@@ -9,7 +9,7 @@
 #define FM_SSSE3 __attribute__((target("ssse3")))
 #define FM_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define FM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))        /* the float kernels */
-#define FM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define FM_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define FM_INLINE static inline __attribute__((always_inline))
 
 /* Activation blocks the matrix-vector products prepare per pass (on the stack: 8192

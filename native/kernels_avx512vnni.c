@@ -1,4 +1,4 @@
-/* kernels_avx512.c: AVX-512 VNNI versions of the integer dot products.
+/* kernels_avx512vnni.c: AVX-512 VNNI versions of the integer dot products.
  * vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of 4 into
  * int32 lanes in one instruction. Its unsigned operand is the weight:
  *   Q4_0: the raw nibbles (0..15), and the -8 offset becomes -8*sum(x) per block;
@@ -19,10 +19,10 @@ typedef struct {
     __m512i xlo[4], xhi[4];
     __m512i corr;  /* -8 * sum(x_b) */
     __m512 dx;
-} xgroup_vnni;
+} xgroup_avx512vnni;
 
 /* 16 bytes at offset off of the 4 Q8_0 blocks x[0..3], one per 128-bit lane. */
-FM_INLINE FM_VNNI __m512i load_quad_q8(const block_q8_0 *x, int off)
+FM_INLINE FM_AVX512VNNI __m512i load_quad_q8(const block_q8_0 *x, int off)
 {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x[0].qs + off)));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x[1].qs + off)), 1);
@@ -30,7 +30,7 @@ FM_INLINE FM_VNNI __m512i load_quad_q8(const block_q8_0 *x, int off)
     return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x[3].qs + off)), 3);
 }
 
-FM_VNNI static void prepare_x_vnni(const block_q8_0 *x, int ngroups, xgroup_vnni *g)
+FM_AVX512VNNI static void prepare_x_avx512vnni(const block_q8_0 *x, int ngroups, xgroup_avx512vnni *g)
 {
     for (int k = 0; k < ngroups; k++, x += 16) {
         int32_t corr[16];
@@ -51,7 +51,7 @@ FM_VNNI static void prepare_x_vnni(const block_q8_0 *x, int ngroups, xgroup_vnni
     }
 }
 
-FM_INLINE FM_VNNI __m512i load_quad_q4(const block_q4_0 *w)
+FM_INLINE FM_AVX512VNNI __m512i load_quad_q4(const block_q4_0 *w)
 {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)w[0].qs));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)w[1].qs), 1);
@@ -60,7 +60,7 @@ FM_INLINE FM_VNNI __m512i load_quad_q4(const block_q4_0 *w)
 }
 
 /* 16 weight scales in fold16 order, gathered in integer registers (18 bytes apart). */
-FM_INLINE FM_VNNI __m512 dw16_vnni(const block_q4_0 *w)
+FM_INLINE FM_AVX512VNNI __m512 dw16_avx512vnni(const block_q4_0 *w)
 {
     uint64_t u[4];
     for (int l = 0; l < 4; l++)
@@ -70,7 +70,7 @@ FM_INLINE FM_VNNI __m512 dw16_vnni(const block_q4_0 *w)
 
 /* 4 x 16 int32 partial sums (4 per block, each <= 15360) -> one int32 per block
  * with pack/madd; intermediate sums (30720, 61440) never saturate int16 packs. */
-FM_INLINE FM_VNNI __m512i fold16_vnni(__m512i i0, __m512i i1, __m512i i2, __m512i i3)
+FM_INLINE FM_AVX512VNNI __m512i fold16_avx512vnni(__m512i i0, __m512i i1, __m512i i2, __m512i i3)
 {
     const __m512i one = _mm512_set1_epi16(1);
     const __m512i a = _mm512_madd_epi16(_mm512_packs_epi32(i0, i1), one);
@@ -82,9 +82,9 @@ FM_INLINE FM_VNNI __m512i fold16_vnni(__m512i i0, __m512i i1, __m512i i2, __m512
 typedef struct {
     __m512i lo[4], hi[4];
     __m512 dw;
-} wgroup_vnni;
+} wgroup_avx512vnni;
 
-FM_INLINE FM_VNNI void unpack_group_q4_vnni(const block_q4_0 *w, wgroup_vnni *u)
+FM_INLINE FM_AVX512VNNI void unpack_group_q4_avx512vnni(const block_q4_0 *w, wgroup_avx512vnni *u)
 {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int k = 0; k < 4; k++) {
@@ -92,20 +92,21 @@ FM_INLINE FM_VNNI void unpack_group_q4_vnni(const block_q4_0 *w, wgroup_vnni *u)
         u->lo[k] = _mm512_and_si512(q, m4);
         u->hi[k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
     }
-    u->dw = dw16_vnni(w);
+    u->dw = dw16_avx512vnni(w);
 }
 
 /* acc += one unpacked weight group . one prepared activation group. */
-FM_INLINE FM_VNNI __m512 group_dot_vnni(const wgroup_vnni *u, const xgroup_vnni *g, __m512 acc)
+FM_INLINE FM_AVX512VNNI __m512 group_dot_avx512vnni(const wgroup_avx512vnni *u, const xgroup_avx512vnni *g, __m512 acc)
 {
     __m512i i[4];
     for (int k = 0; k < 4; k++)
-        i[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u->lo[k], g->xlo[k]), u->hi[k], g->xhi[k]);
-    const __m512i s = _mm512_add_epi32(fold16_vnni(i[0], i[1], i[2], i[3]), g->corr);
+        i[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u->lo[k], g->xlo[k]),
+                                   u->hi[k], g->xhi[k]);
+    const __m512i s = _mm512_add_epi32(fold16_avx512vnni(i[0], i[1], i[2], i[3]), g->corr);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u->dw, g->dx), acc);
 }
 
-FM_INLINE FM_VNNI int hsum_epi32_128(__m128i s)
+FM_INLINE FM_AVX512VNNI int hsum_epi32_128(__m128i s)
 {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
@@ -113,7 +114,7 @@ FM_INLINE FM_VNNI int hsum_epi32_128(__m128i s)
 }
 
 /* One block with 128-bit VNNI (tails and the single dot product). */
-FM_INLINE FM_VNNI int q4_block_sumi_vnni(const block_q4_0 *w, const block_q8_0 *x)
+FM_INLINE FM_AVX512VNNI int q4_block_sumi_avx512vnni(const block_q4_0 *w, const block_q8_0 *x)
 {
     const __m128i m4 = _mm_set1_epi8(0x0F), e8 = _mm_set1_epi8(8), z = _mm_setzero_si128();
     const __m128i q = _mm_loadu_si128((const __m128i *)w->qs);
@@ -125,11 +126,11 @@ FM_INLINE FM_VNNI int q4_block_sumi_vnni(const block_q4_0 *w, const block_q8_0 *
     return hsum_epi32_128(_mm_sub_epi32(s, c));
 }
 
-FM_VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const block_q8_0 *x)
+FM_AVX512VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++)
-        sum += (float)q4_block_sumi_vnni(w + b, x + b) * (_cvtsh_ss(w[b].d) * _cvtsh_ss(x[b].d));
+        sum += (float)q4_block_sumi_avx512vnni(w + b, x + b) * (_cvtsh_ss(w[b].d) * _cvtsh_ss(x[b].d));
     return sum;
 }
 
@@ -142,31 +143,33 @@ FM_VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const 
  * memory (g: T rows of gs groups): each group unpacked once, then dotted with every
  * token's activations; one token is the matrix-vector product's row, more the
  * few-token product's (FM_FEW_MATMUL, kernels.h). */
-FM_INLINE FM_VNNI void row_tokens_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int gs, int ng, const int T,
+FM_INLINE FM_AVX512VNNI void row_tokens_q4_0_avx512vnni(const block_q4_0 *w, const xgroup_avx512vnni *g, int gs,
+                                                        int ng, const int T,
                                             float *s)
 {
     __m512 acc[FM_FEW_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int k = 0; k < ng; k++) {
-        wgroup_vnni u;
+        wgroup_avx512vnni u;
         fm_prefetch(w + 16 * k);
         fm_prefetch((const char *)(w + 16 * k) + 192);
-        unpack_group_q4_vnni(w + 16 * k, &u);
-        for (int t = 0; t < T; t++) acc[t] = group_dot_vnni(&u, g + (size_t)t * gs + k, acc[t]);
+        unpack_group_q4_avx512vnni(w + 16 * k, &u);
+        for (int t = 0; t < T; t++) acc[t] = group_dot_avx512vnni(&u, g + (size_t)t * gs + k, acc[t]);
     }
     for (int t = 0; t < T; t++) s[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-FM_INLINE FM_VNNI float row_q4_0_vnni(const block_q4_0 *w, const xgroup_vnni *g, int ng)
+FM_INLINE FM_AVX512VNNI float row_q4_0_avx512vnni(const block_q4_0 *w, const xgroup_avx512vnni *g, int ng)
 {
     float s;
-    row_tokens_q4_0_vnni(w, g, 0, ng, 1, &s);
+    row_tokens_q4_0_avx512vnni(w, g, 0, ng, 1, &s);
     return s;
 }
 
 /* One row at a time, as on AVX2 (see kernels_avx2.c). */
-FM_GROUP_MATVEC(fm_matvec_q4_0_avx512vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_q4_0_vnni,
-                fm_vec_dot_q4_0_q8_0_avx512vnni, FM_VNNI)
+FM_GROUP_MATVEC(fm_matvec_q4_0_avx512vnni, xgroup_avx512vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16,
+                prepare_x_avx512vnni, row_q4_0_avx512vnni,
+                fm_vec_dot_q4_0_q8_0_avx512vnni, FM_AVX512VNNI)
 
 /* ---------------------------------------------------------------- batched (VNNI)
  * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 512-bit vectors: a group is
@@ -182,17 +185,17 @@ typedef struct {
     __m512i v[8];  /* v[m]: x[4m..4m+3] of the 16 blocks; v[4+m]: x[16+4m..16+4m+3] */
     __m512i corr;  /* -8 * sum(x_b) for Q4_0 weights, -128 * sum(x_b) for Q8_0 */
     __m512 dx;
-} xt16_vnni;       /* 640 bytes: one token's group of 16 activation blocks */
+} xt16_avx512vnni;       /* 640 bytes: one token's group of 16 activation blocks */
 
 typedef struct {
-    __m512i v[8];  /* unsigned weights (nibbles, or w + 128), element order as xt16_vnni */
+    __m512i v[8];  /* unsigned weights (nibbles, or w + 128), element order as xt16_avx512vnni */
     __m512 dw;
-} wt16_vnni;       /* 576 bytes: one row's group of 16 weight blocks */
+} wt16_avx512vnni;       /* 576 bytes: one row's group of 16 weight blocks */
 
 #define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* FM_KEEP (x86.h) for any of the 32 vector registers */
 
 /* In-lane 4x4 transpose of 32-bit elements: a[m] element 4L+p <- a[p] element 4L+m. */
-FM_INLINE FM_VNNI void transpose4_epi32_vnni(__m512i a[4])
+FM_INLINE FM_AVX512VNNI void transpose4_epi32_avx512vnni(__m512i a[4])
 {
     const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
@@ -203,23 +206,23 @@ FM_INLINE FM_VNNI void transpose4_epi32_vnni(__m512i a[4])
 }
 
 /* 16 Q8_0 blocks' ints in the group layout. */
-FM_INLINE FM_VNNI void load_q8_group16_vnni(const block_q8_0 *x, __m512i v[8])
+FM_INLINE FM_AVX512VNNI void load_q8_group16_avx512vnni(const block_q8_0 *x, __m512i v[8])
 {
     __m512i a[4], b[4];
     for (int q = 0; q < 4; q++) {
         a[q] = load_quad_q8(x + 4 * q, 0);
         b[q] = load_quad_q8(x + 4 * q, 16);
     }
-    transpose4_epi32_vnni(a);
-    transpose4_epi32_vnni(b);
+    transpose4_epi32_avx512vnni(a);
+    transpose4_epi32_avx512vnni(b);
     for (int m = 0; m < 4; m++) {
         v[m] = a[m];
         v[4 + m] = b[m];
     }
 }
 
-/* 16 Q8_0 scales (34 bytes apart) in the group order, as dw16_vnni. */
-FM_INLINE FM_VNNI __m512 d16_q8_vnni(const block_q8_0 *x)
+/* 16 Q8_0 scales (34 bytes apart) in the group order, as dw16_avx512vnni. */
+FM_INLINE FM_AVX512VNNI __m512 d16_q8_avx512vnni(const block_q8_0 *x)
 {
     uint64_t u[4];
     for (int l = 0; l < 4; l++)
@@ -228,43 +231,46 @@ FM_INLINE FM_VNNI __m512 d16_q8_vnni(const block_q8_0 *x)
 }
 
 /* One token's groups; corr = -(sum(x) << shift): shift 3 for Q4_0 weights, 7 for Q8_0. */
-FM_INLINE FM_VNNI void prepare_xt16_vnni(const block_q8_0 *x, int ng, xt16_vnni *g, int shift)
+FM_INLINE FM_AVX512VNNI void prepare_xt16_avx512vnni(const block_q8_0 *x, int ng, xt16_avx512vnni *g, int shift)
 {
     const __m512i one8 = _mm512_set1_epi8(1);
     for (int k = 0; k < ng; k++, x += 16) {
-        load_q8_group16_vnni(x, g[k].v);
+        load_q8_group16_avx512vnni(x, g[k].v);
         __m512i s = _mm512_setzero_si512();
         for (int m = 0; m < 8; m++) s = _mm512_dpbusd_epi32(s, one8, g[k].v[m]);
         g[k].corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sll_epi32(s, _mm_cvtsi32_si128(shift)));
-        g[k].dx = d16_q8_vnni(x);
+        g[k].dx = d16_q8_avx512vnni(x);
     }
 }
 
-FM_VNNI static void prepare_xt16_q4_vnni(const block_q8_0 *x, int ng, xt16_vnni *g) { prepare_xt16_vnni(x, ng, g, 3); }
-FM_VNNI static void prepare_xt16_q8_vnni(const block_q8_0 *x, int ng, xt16_vnni *g) { prepare_xt16_vnni(x, ng, g, 7); }
+FM_AVX512VNNI static void prepare_xt16_q4_avx512vnni(const block_q8_0 *x, int ng,
+                                                     xt16_avx512vnni *g) { prepare_xt16_avx512vnni(x, ng, g, 3); }
+FM_AVX512VNNI static void prepare_xt16_q8_avx512vnni(const block_q8_0 *x, int ng,
+                                                     xt16_avx512vnni *g) { prepare_xt16_avx512vnni(x, ng, g, 7); }
 
-FM_INLINE FM_VNNI void unpack_wt16_q4_vnni(const block_q4_0 *w, wt16_vnni *u)
+FM_INLINE FM_AVX512VNNI void unpack_wt16_q4_avx512vnni(const block_q4_0 *w, wt16_avx512vnni *u)
 {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i q[4];
     for (int k = 0; k < 4; k++) q[k] = load_quad_q4(w + 4 * k);
-    transpose4_epi32_vnni(q);
+    transpose4_epi32_avx512vnni(q);
     for (int m = 0; m < 4; m++) {
         u->v[m] = _mm512_and_si512(q[m], m4);
         u->v[4 + m] = _mm512_and_si512(_mm512_srli_epi16(q[m], 4), m4);
     }
-    u->dw = dw16_vnni(w);
+    u->dw = dw16_avx512vnni(w);
 }
 
-FM_INLINE FM_VNNI void unpack_wt16_q8_vnni(const block_q8_0 *w, wt16_vnni *u)
+FM_INLINE FM_AVX512VNNI void unpack_wt16_q8_avx512vnni(const block_q8_0 *w, wt16_avx512vnni *u)
 {
-    load_q8_group16_vnni(w, u->v);
+    load_q8_group16_avx512vnni(w, u->v);
     for (int m = 0; m < 8; m++) u->v[m] = _mm512_xor_si512(u->v[m], _mm512_set1_epi8((char)0x80));
-    u->dw = d16_q8_vnni(w);
+    u->dw = d16_q8_avx512vnni(w);
 }
 
 /* R rows (wstride groups apart) x T tokens (xstride groups apart) over nk groups. */
-FM_INLINE FM_VNNI void kernel_vnni(const wt16_vnni *w, int wstride, const xt16_vnni *x, int xstride, int nk,
+FM_INLINE FM_AVX512VNNI void kernel_avx512vnni(const wt16_avx512vnni *w, int wstride, const xt16_avx512vnni *x,
+                                               int xstride, int nk,
                                    float *Y, int ldy, int acc_out, const int R, const int T)
 {
     __m512 acc[4][2];
@@ -304,30 +310,33 @@ FM_INLINE FM_VNNI void kernel_vnni(const wt16_vnni *w, int wstride, const xt16_v
         }
 }
 
-FM_TILED_MATMUL(matmul_tiled_q4_0_vnni, block_q4_0, wt16_vnni, xt16_vnni, 16, VNNI_Q4_KC, 4, prepare_xt16_q4_vnni,
-                unpack_wt16_q4_vnni, kernel_vnni, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, static FM_VNNI)
+FM_TILED_MATMUL(matmul_tiled_q4_0_avx512vnni, block_q4_0, wt16_avx512vnni, xt16_avx512vnni, 16, VNNI_Q4_KC, 4,
+                prepare_xt16_q4_avx512vnni, unpack_wt16_q4_avx512vnni, kernel_avx512vnni,
+                fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, static FM_AVX512VNNI)
 
-FM_FEW_MATMUL(matmul_few_q4_0_vnni, xgroup_vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_vnni, row_tokens_q4_0_vnni,
-              fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_VNNI)
+FM_FEW_MATMUL(matmul_few_q4_0_avx512vnni, xgroup_avx512vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_avx512vnni,
+              row_tokens_q4_0_avx512vnni,
+              fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_AVX512VNNI)
 
-FM_FEW_OR_TILED(fm_matmul_q4_0_avx512vnni, matmul_few_q4_0_vnni, matmul_tiled_q4_0_vnni, 4, FM_VNNI)
+FM_FEW_OR_TILED(fm_matmul_q4_0_avx512vnni, matmul_few_q4_0_avx512vnni, matmul_tiled_q4_0_avx512vnni, 4, FM_AVX512VNNI)
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0
  * 256-bit VNNI per block: 34-byte blocks leave enough time per byte. negc is
  * -128*sum(x) spread over the lanes, computed once per block and shared by rows. */
-FM_INLINE FM_VNNI __m256i q8_negc_vnni(__m256i xq)
+FM_INLINE FM_AVX512VNNI __m256i q8_negc_avx512vnni(__m256i xq)
 {
-    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), xq));
+    return _mm256_sub_epi32(_mm256_setzero_si256(),
+                            _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), xq));
 }
 
-FM_INLINE FM_VNNI __m256 q8_block_vnni(const block_q8_0 *w, __m256i xq, __m256i negc, float s, __m256 acc)
+FM_INLINE FM_AVX512VNNI __m256 q8_block_avx512vnni(const block_q8_0 *w, __m256i xq, __m256i negc, float s, __m256 acc)
 {
     const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w->qs), _mm256_set1_epi8((char)0x80));
     const __m256i i = _mm256_dpbusd_epi32(negc, u, xq);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(s), acc);
 }
 
-FM_INLINE FM_VNNI float hsum256_ps(__m256 v)
+FM_INLINE FM_AVX512VNNI float hsum256_ps(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -335,18 +344,21 @@ FM_INLINE FM_VNNI float hsum256_ps(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-FM_VNNI float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_AVX512VNNI float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const block_q8_0 *x)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        acc = q8_block_vnni(w + b, xq, q8_negc_vnni(xq), _cvtsh_ss(w[b].d) * _cvtsh_ss(x[b].d), acc);
+        acc = q8_block_avx512vnni(w + b, xq, q8_negc_avx512vnni(xq), _cvtsh_ss(w[b].d) * _cvtsh_ss(x[b].d), acc);
     }
     return hsum256_ps(acc);
 }
 
-FM_KERNEL_MATVEC(fm_matvec_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, VNNI_Q8_KC, prepare_xt16_q8_vnni,
-                 unpack_wt16_q8_vnni, kernel_vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, FM_VNNI)
+FM_KERNEL_MATVEC(fm_matvec_q8_0_avx512vnni, block_q8_0, wt16_avx512vnni, xt16_avx512vnni, 16, VNNI_Q8_KC,
+                 prepare_xt16_q8_avx512vnni,
+                 unpack_wt16_q8_avx512vnni, kernel_avx512vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, FM_AVX512VNNI)
 
-FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_vnni, xt16_vnni, 16, VNNI_Q8_KC, 4, prepare_xt16_q8_vnni,
-                unpack_wt16_q8_vnni, kernel_vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, fm_matvec_q8_0_avx512vnni, FM_VNNI)
+FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_avx512vnni, xt16_avx512vnni, 16, VNNI_Q8_KC, 4,
+                prepare_xt16_q8_avx512vnni,
+                unpack_wt16_q8_avx512vnni, kernel_avx512vnni, fm_vec_dot_q8_0_q8_0_avx512vnni,
+                    fm_matvec_q8_0_avx512vnni, FM_AVX512VNNI)
