@@ -232,6 +232,8 @@ def test_responses_input_items_become_the_chat_history():
     (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]),
      "input[0].arguments", "not JSON"),
     (dict(text={"format": {"type": "xml"}}), "text.format", "json_schema"),
+    (dict(top_logprobs=3), "top_logprobs", "not supported"),
+    (dict(include=["reasoning.encrypted_content", "message.output_text.logprobs"]), "include", "not supported"),
 ])
 def test_responses_bad_requests_name_the_field(fields, param, word):
     body = {k: v for k, v in (RESPONSES | fields).items() if v is not None}

@@ -15,7 +15,9 @@
 - `text.format`: text, json_object or json_schema, onto chat's response_format (the same).
 - `reasoning.effort` is chat's reasoning_effort ("none": thinking off); `max_output_tokens`
   is max_tokens. Other top-level fields clients add (`include`, `prompt_cache_key`...) are
-  logged and ignored.
+  logged and ignored, except a request for logprobs (`top_logprobs`, or `include` naming
+  `message.output_text.logprobs`): refused, as they are not attributed to output items yet
+  (/v1/chat/completions has them).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             raise APIError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        _refuse_logprobs(data)
         unknown = sorted(set(data) - set(cls.__struct_fields__))
         if unknown:
             log.info("ignored Responses fields: %s", ", ".join(unknown))
@@ -80,6 +83,19 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         if req.background:
             raise invalid("background", "background responses are not supported", "unsupported_parameter")
         return req
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _refuse_logprobs(data: dict) -> None:
+    if data.get("top_logprobs") not in (None, 0, False):
+        raise invalid("top_logprobs", "logprobs are not supported on /v1/responses yet (/v1/chat/completions "
+                                      "has them)", "unsupported_parameter")
+    include = data.get("include")
+    if isinstance(include, list) and LOGPROBS_INCLUDE in include:
+        raise invalid("include", f"{LOGPROBS_INCLUDE} is not supported yet (/v1/chat/completions has logprobs)",
+                      "unsupported_parameter")
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
