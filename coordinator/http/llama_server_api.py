@@ -37,7 +37,7 @@ from shared.sampling import SamplingParams
 from . import params
 from .errors import APIError
 from .formats import TextFormat
-from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body
+from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body, decode_object
 from .streaming import GenerationResponse, _failure_error, send_json
 
 STOP_TYPES = {"stop": "eos", "length": "limit", "cancelled": "none"}
@@ -101,13 +101,7 @@ def _constraint(data: dict) -> P.Constraint | None:
 async def completion(request: Request):
     from .app import read_body, submit
     server = request.app.state.server
-    raw = await read_body(request)
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    data = decode_object(await read_body(request))
     constraint = _constraint(data)
     data.pop("grammar", None), data.pop("json_schema", None)     # taken above, not llama_server.apply's to refuse
     if "prompt" not in data:

@@ -29,7 +29,7 @@ import msgspec
 
 from .errors import APIError
 from .fields import MaxTokens, Temperature, TopP
-from .schemas import ChatCompletionRequest, _validation_error
+from .schemas import ChatCompletionRequest, _validation_error, decode_object
 
 log = logging.getLogger("fermoe.http")
 NOT_KEPT = "fermoe keeps no responses: send the whole conversation in `input` (with store: false)"
@@ -62,12 +62,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
     @classmethod
     def decode(cls, raw: bytes) -> "ResponsesRequest":
-        try:
-            data = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            raise APIError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        data = decode_object(raw)
         _refuse_logprobs(data)
         unknown = sorted(set(data) - set(cls.__struct_fields__))
         if unknown:

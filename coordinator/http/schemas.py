@@ -142,6 +142,18 @@ def decode_body(body: bytes, kind):
                        code="invalid_json") from None
 
 
+def decode_object(body: bytes) -> dict:
+    """A request body as a plain JSON object, for endpoints that look at its fields before
+    typing it; not JSON, or not an object, is a 400."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        raise APIError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
 def _field(m: re.Match) -> str:
     where = (m.group(2) or "").lstrip(".")
     return f"{where}.{m.group(1)}" if where else m.group(1)
