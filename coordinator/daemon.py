@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 
+import numpy as np
 import zmq
 
 from shared import protocol as P
@@ -232,7 +233,7 @@ class Coordinator:
         opener = self.tokenizer.token_to_id.get("<|im_start|>")
         if msg.messages is None or opener is None:
             return []
-        starts = [i for i, t in enumerate(tokens) if t == opener]
+        starts = np.flatnonzero(np.asarray(tokens) == opener).tolist()     # a prompt may be 200k tokens
         marks = []
         for i in starts[len(starts) - TURN_MARKS:] if len(starts) > TURN_MARKS else starts:
             role_end = next((j for j in range(i + 1, min(i + ROLE_LINE_TOKENS, len(tokens)))

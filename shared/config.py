@@ -12,6 +12,18 @@ from .errors import GGUFError
 ARCHITECTURES = ("qwen35moe", "qwen3next")
 
 
+def metadata_value(meta: dict, path, full: str, kind=int, default=None):
+    """GGUF metadata key `full` as `kind`; missing (without a default) or of the wrong type
+    is a GGUFError naming the key."""
+    value = meta.get(full, default)
+    if value is None:
+        raise GGUFError(path, f"missing metadata key {full}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise GGUFError(path, f"metadata key {full} has value {value!r}, expected {kind.__name__}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str                 # qwen35moe (Qwen3.5/3.6) or qwen3next
@@ -128,14 +140,7 @@ class ModelConfig:
             raise GGUFError(path, f"architecture {arch!r} is not supported (expected one of {', '.join(ARCHITECTURES)})")
 
         def key(name, kind=int, default=None):
-            full = f"{arch}.{name}"
-            value = meta.get(full, default)
-            if value is None:
-                raise GGUFError(path, f"missing metadata key {full}")
-            try:
-                return kind(value)
-            except (TypeError, ValueError):
-                raise GGUFError(path, f"metadata key {full} has value {value!r}, expected {kind.__name__}") from None
+            return metadata_value(meta, path, f"{arch}.{name}", kind, default)
 
         block_count = key("block_count")
         n_embd = key("embedding_length")

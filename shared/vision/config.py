@@ -10,6 +10,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from ..config import metadata_value
 from ..errors import GGUFError
 
 PROJECTOR = "qwen3vl_merger"
@@ -100,14 +101,7 @@ class VisionConfig:
             raise GGUFError(path, f"{key_name} is {projector!r}; only {PROJECTOR!r} (Qwen3.5/3.6) is supported")
 
         def key(name, kind=int, default=None):
-            full = "clip.vision." + name
-            value = meta.get(full, default)
-            if value is None:
-                raise GGUFError(path, f"missing metadata key {full}")
-            try:
-                return kind(value)
-            except (TypeError, ValueError):
-                raise GGUFError(path, f"metadata key {full} has value {value!r}, expected {kind.__name__}") from None
+            return metadata_value(meta, path, "clip.vision." + name, kind, default)
 
         def triple(name):
             value = meta.get("clip.vision." + name, (0.5, 0.5, 0.5))
