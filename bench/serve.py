@@ -5,7 +5,8 @@ its logits: no prefill) and extended by 16 tokens (resumes from the longest
 cached prefix); aggregate decode tokens/s with 1, 2 and 4 concurrent clients (a
 worker decodes them in one batched pass a token); and how a running generation
 fares while two cold prompts arrive: the gaps between its tokens during their
-prefill, and their times to first token.
+prefill, and their times to first token; and four cold prompts sent at once (a GPU
+worker prefills those waiting behind the first in one batch).
 The paper's figures for a 947-token prompt: 78.4 s cold, 0.5 s repeated."""
 from __future__ import annotations
 
@@ -62,7 +63,29 @@ def ttft(client: Client, tokens: list[int], max_tokens: int = 1) -> tuple[float,
             first = time.perf_counter() - t0
         done = msg
     return first, {"cached_prompt_tokens": done.cached_prompt_tokens, "prefill_ms": done.prefill_ms,
-                   "prefill_device": done.prefill_device}
+                   "prefill_device": done.prefill_device, "prefill_batch": done.prefill_batch}
+
+
+def burst(addr: str, vocab_hi: int, prompts: int = 4, tokens: int = 256) -> dict:
+    """`prompts` cold prompts of `tokens` tokens sent at once: the time until the last has
+    its first token, where each was prefilled and in how large a batch."""
+    out = [None] * prompts
+
+    def one(i):
+        cold = np.random.default_rng(200 + i).integers(10, vocab_hi, tokens).tolist()
+        with Client(addr) as c:
+            out[i] = ttft(c, cold)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(prompts)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"prompts": prompts, "prompt_tokens": tokens, "last_first_token_s": round(time.perf_counter() - t0, 3),
+            "ttft_s": sorted(round(t, 3) for t, _ in out),
+            "prefill_device": sorted(str(info["prefill_device"]) for _, info in out),
+            "prefill_batch": sorted(info["prefill_batch"] for _, info in out)}
 
 
 def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> float:
@@ -152,6 +175,7 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             short = prompt[:32]
             rates = {n: round(aggregate(addr, n, short, decode_tokens), 2) for n in (1, 2, 4)}
             during = decode_during_prefill(addr, short, vocab_hi)
+            together = burst(addr, vocab_hi)
         # every process of the daemon, pages they share counted once, at its fullest
         host_memory = memory.stop()
         return {
@@ -171,6 +195,7 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             "cold_over_repeated": round(cold / repeat, 1),
             "aggregate_decode_tok_s": rates,
             "decode_during_prefill": during,
+            "cold_burst": together,
             "host_memory": host_memory,
         }
     finally:

@@ -33,7 +33,7 @@ from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
-from shared.state import snapshot_nbytes
+from shared.state import recurrent_nbytes, snapshot_nbytes
 from shared.synth import has_random_weights, random_weights_notice
 
 from .memory import host_footprint, resolve_max_model_len
@@ -68,7 +68,7 @@ class Coordinator:
         weight_bytes, sequences = host_footprint(
             os.path.getsize(opts.model_path), expert_nbytes(self.model) if gpus else 0,
             opts.max_sequences * len(worker_plan(opts)), gpus, shared_experts=why_not_shared is None,
-            snapshot_bytes=opts.snapshot_mem)
+            snapshot_bytes=opts.snapshot_mem, state_bytes=recurrent_nbytes(self.model.config))
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    weight_bytes, sequences)
         self.ctx = zmq.Context.instance()
@@ -326,7 +326,7 @@ class Coordinator:
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
                                         n_slots=arena.n_slots if arena else 0, block=self.opts.block,
-                                        kv_cache_dtype=self.opts.kv_cache_dtype))
+                                        kv_cache_dtype=self.opts.kv_cache_dtype, max_model_len=self.max_model_len))
         log.info("%s worker %s (pid %d, %s) joined: prefill %.0f ms + %.0f tok/s", msg.kind, wid, msg.pid,
                  msg.device or f"{msg.threads} threads", msg.prefill_fixed_ms, msg.prefill_tok_s)
 
@@ -501,7 +501,8 @@ class Coordinator:
                                       completion_tokens=req.sent, prefill_ms=round(prefill_ms, 3),
                                       decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by,
                                       prefill_device=req.prefill_device,
-                                      prefill_estimates_ms={k: round(v, 1) for k, v in req.estimates.items()}))
+                                      prefill_estimates_ms={k: round(v, 1) for k, v in req.estimates.items()},
+                                      prefill_batch=req.prefill_batch))
 
     @staticmethod
     def _log_finished(req: Request, reason: str, error: str | None, prefill_ms: float, decode_tok_s: float,

@@ -39,7 +39,9 @@ class GPUPrefills:
         gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
         uncached = len(req.tokens) - self.index.cached(req.tokens)
         cpus = [w.prefill_tok_s for w in self.workers.values() if w.kind == "cpu" and w.ready and w.prefill_tok_s]
-        placement = place_prefill(self.opts.prefill, uncached, gpus, sum(cpus) / len(cpus) if cpus else 0.0)
+        queued = {w.worker_id: sum(self.requests[r].gpu_tokens for r in w.requests if r in self.requests)
+                  for w in gpus}
+        placement = place_prefill(self.opts.prefill, uncached, gpus, sum(cpus) / len(cpus) if cpus else 0.0, queued)
         if placement is None:
             return "wait"
         req.estimates = placement.estimates
@@ -64,6 +66,7 @@ class GPUPrefills:
             req.gpu_failed = True
             return False
         req.resume, req.planned, req.worker, req.prefill_device = resume, planned, wid, "gpu"
+        req.gpu_tokens = len(req.tokens) - (resume.position if resume else 0)
         req.phase = Phase.PREFILLING
         req.first_dispatch = req.first_dispatch or time.monotonic()
         req.attempts += 1
@@ -91,11 +94,11 @@ class GPUPrefills:
             log.warning("request %s: its prefill on %s failed (%s): prefilling it on a CPU worker", req.rid, wid, why)
             self.fail_over(req)
             return req
-        prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
+        prefilled = msg.batch_tokens or req.gpu_tokens      # a batch's time is all its prompts'
         if msg.prefill_ms > view.prefill_fixed_ms:      # the rate of what the fixed cost leaves
             view.prefill_tok_s = update_rate(view.prefill_tok_s,
                                              1000 * prefilled / (msg.prefill_ms - view.prefill_fixed_ms))
-        req.gpu_prefill_ms = msg.prefill_ms
+        req.gpu_prefill_ms, req.prefill_batch = msg.prefill_ms, msg.batch_prompts
         req.release(self.index)
         # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it
         req.handoff, req.phase = self.index.lookup(req.tokens, counted=False), Phase.HANDED_OFF

@@ -15,6 +15,8 @@ from shared.config import ModelConfig
 from shared.errors import FermoeError
 from shared.state import kv_bytes_per_position, recurrent_nbytes
 
+from .placement import GPU_QUEUE
+
 log = logging.getLogger("fermoe.coordinator")
 
 BLOCK = 256                     # a fitted limit is a whole number of KV pages
@@ -59,23 +61,25 @@ def default_snapshot_mem() -> tuple[int, str]:
     return size, why
 
 
-# What one GPU worker holds in host memory, in sequences: the state of the prompt it
-# prefills (its KV grows to the prompt's length) and the page-locked rows that prompt's K
-# and V land in first (as long, in one pass).
+# What one GPU worker holds in host memory, in sequences: the state of the prompts it
+# prefills in one batch (their KV together at most max_model_len positions: the worker
+# is told) and the page-locked rows their K and V land in first (as many).
 GPU_WORKER_SEQUENCES = 2
 
 
 def host_footprint(model_bytes: int, expert_bytes: int, cpu_sequences: int, gpu_workers: int,
-                   shared_experts: bool, snapshot_bytes: int = 0) -> tuple[int, int]:
+                   shared_experts: bool, snapshot_bytes: int = 0, state_bytes: int = 0) -> tuple[int, int]:
     """(bytes held beside the sequences' state, sequences held at once) of a daemon: the
     model file once (its page cache, or the shared expert segment and the rest of the
     file), a page-locked copy of the experts for each GPU worker that cannot stream from
     the shared segment, the snapshot store where a GPU worker page-locks it (all of it
     resident from the start, where without one it fills as prompts come), and each GPU
-    worker's prompt beside the CPU workers' sequences."""
+    worker's batch of prompts beside the CPU workers' sequences: two sequences, and for
+    each prompt past the first the recurrent state (`state_bytes`) and its landing."""
     copies = 0 if shared_experts else gpu_workers
     pinned_store = snapshot_bytes if gpu_workers else 0
-    return (model_bytes + copies * expert_bytes + pinned_store,
+    batch_states = gpu_workers * (GPU_QUEUE - 1) * 2 * state_bytes
+    return (model_bytes + copies * expert_bytes + pinned_store + batch_states,
             cpu_sequences + GPU_WORKER_SEQUENCES * gpu_workers)
 
 

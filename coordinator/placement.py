@@ -4,16 +4,18 @@ will decode it.
 Each kind's time for the part of the prompt not in the snapshot cache is estimated from
 what the workers measured at start and update as they serve: a fixed cost (a GPU worker
 streams the expert layers it does not hold, however short the prompt) plus the tokens at
-the worker's prefill rate. A GPU worker runs one prompt at a time, so its estimate includes the prompts
-queued on it; a CPU worker interleaves a prompt with its running sequences, so its
-estimate is the prompt alone. `--prefill gpu|cpu` overrides the choice.
+the worker's prefill rate. A GPU worker takes the prompts waiting on it into one batch
+after the one it is running, so a prompt sent to a busy one waits for the running batch
+and then shares the next one's fixed cost: its estimate counts the fixed cost twice and
+the tokens queued before it. A CPU worker interleaves a prompt with its running
+sequences, so its estimate is the prompt alone. `--prefill gpu|cpu` overrides the choice.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 PREFILL_MODES = ("auto", "gpu", "cpu")
-GPU_QUEUE = 1               # prompts a GPU worker holds at once (one running)
+GPU_QUEUE = 8               # prompts a GPU worker holds at once: those running and the next batch
 
 
 @dataclass(frozen=True)
@@ -27,19 +29,28 @@ def estimate_ms(tokens: int, tok_s: float, fixed_ms: float = 0.0) -> float | Non
     return fixed_ms + 1000.0 * tokens / tok_s if tok_s > 0 else None
 
 
-def place_prefill(mode: str, uncached: int, gpu_workers: list, cpu_tok_s: float) -> Placement | None:
+def gpu_estimate_ms(worker, uncached: int, queued_tokens: int = 0) -> float | None:
+    """A GPU worker's time to prefill `uncached` tokens behind the `queued_tokens` of the
+    prompts it holds (a busy worker: the running batch's fixed cost, then the next's)."""
+    fixed = worker.prefill_fixed_ms * (2 if worker.requests else 1)
+    return estimate_ms(queued_tokens + uncached, worker.prefill_tok_s, fixed)
+
+
+def place_prefill(mode: str, uncached: int, gpu_workers: list, cpu_tok_s: float,
+                  queued: dict[str, int] | None = None) -> Placement | None:
     """The placement of a prefill of `uncached` tokens; None: wait (only `--prefill gpu`
-    with every GPU worker busy). gpu_workers: the ready GPU workers' views (their
-    prefill_tok_s and running prompts)."""
+    with every GPU worker full). gpu_workers: the ready GPU workers' views (their
+    prefill_tok_s and the prompts they hold); queued: each one's tokens still to prefill."""
+    queued = queued or {}
     cpu_ms = estimate_ms(uncached, cpu_tok_s)
     free = [w for w in gpu_workers if len(w.requests) < GPU_QUEUE]
     if uncached == 0 or mode == "cpu" or not gpu_workers:
         return Placement("cpu", None, {"cpu": cpu_ms} if cpu_ms is not None else {})
     if not free:
         return None if mode == "gpu" else Placement("cpu", None, {"cpu": cpu_ms} if cpu_ms is not None else {})
-    best = min(free, key=lambda w: (estimate_ms(uncached, w.prefill_tok_s, w.prefill_fixed_ms) or float("inf"),
+    best = min(free, key=lambda w: (gpu_estimate_ms(w, uncached, queued.get(w.worker_id, 0)) or float("inf"),
                                     w.worker_id))
-    gpu_ms = estimate_ms(uncached, best.prefill_tok_s, best.prefill_fixed_ms)
+    gpu_ms = gpu_estimate_ms(best, uncached, queued.get(best.worker_id, 0))
     estimates = {k: v for k, v in (("gpu", gpu_ms), ("cpu", cpu_ms)) if v is not None}
     if mode == "gpu" or cpu_ms is None or (gpu_ms is not None and gpu_ms < cpu_ms):
         return Placement("gpu", best.worker_id, estimates)

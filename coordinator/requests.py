@@ -53,6 +53,8 @@ class Request:
     prefill_device: str | None = None
     estimates: dict = field(default_factory=dict)
     gpu_prefill_ms: float | None = None
+    gpu_tokens: int = 0              # the tokens sent to the GPU worker to prefill
+    prefill_batch: int = 0           # the prompts of its batch there
     handoff: object = None
     gpu_failed: bool = False         # a GPU worker failed it: the prompt runs on a CPU worker
 

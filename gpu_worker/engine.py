@@ -26,6 +26,7 @@ from shared.model import Model
 from shared.reference import rope_angles
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
+from .batch import Lane, PrefillJob, Prompt, Segment, logit_rows, segment_of
 from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
@@ -85,16 +86,12 @@ class GPUEngine:
         self.w = ResidentWeights(self.device, model)
         self.experts = ExpertStore(self.device, model, ring_slots, pinned, segment=shared_experts)
         self.resident_bytes = resident_nbytes(model)      # for the plan of every prefill
-        self.ws, self.kv_positions, self.Kc, self.Vc = None, 0, [], []
-        cfg = self.cfg
-        self.S = {L: DeviceArray(self.device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
-                  for L in cfg.gdn_layers}
-        self.conv = {L: DeviceArray(self.device, (cfg.ssm_conv_kernel - 1, cfg.conv_channels)) for L in cfg.gdn_layers}
+        self.ws, self.lanes = None, [Lane(self.device, self.cfg)]
         n = min(PLAN_TOKENS, max_pass_tokens or PLAN_TOKENS)
-        self._fit(n, n)
+        self._fit(n, [n])
         log.info("%s: %s", self.device.name, self.plan.describe())
         self.profile = None                     # a PhaseTimer, for bench prefill
-        self.land = Landing(self.device, cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
+        self.land = Landing(self.device, self.cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
 
     def set_kv_cache_dtype(self, name: str) -> None:
         """The KV element type of the states this engine hands over (a worker's snapshot
@@ -135,58 +132,86 @@ class GPUEngine:
         slot (shared/state.py's snapshot layout, KV pages of `block` positions).
         should_stop(): asked before each pass after the first; true ends the prefill with
         PrefillStopped once the device is idle (the state and the slots are then unusable)."""
+        job = PrefillJob(tokens, state, snapshot_at, into, block)
+        return self.prefill_batch([job], should_stop, all_logits)[0]
+
+    def prefill_batch(self, jobs: list[PrefillJob], should_stop=None, all_logits: bool = False) -> list[tuple]:
+        """Several prompts through the model together: their rows share every pass (the
+        expert layers cross PCIe once for all of them), each prompt's recurrence, conv and
+        attention on its own state. Returns each job's (logits, snapshots) as prefill()."""
         t0 = time.perf_counter()
-        tokens = check_tokens(tokens, self.cfg.n_vocab)
-        T, start = len(tokens), state.position
-        state.check_room(T)
-        if into is not None:
-            if any(not start < p <= start + T for p in into) or not block:
-                raise FermoeError(f"snapshot slots at {sorted(into)} (block {block}): each must be in "
-                                  f"({start}, {start + T}], with a block size")
-            snapshot_at = into
-        boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
-        self._fit(T, start + T, [p - start for p in boundaries])
-        self._upload_state(state)
-        if into is not None:
-            snaps = self.land.slot_states(state, into)
-        else:
-            snaps = {p: self.land.pinned_state(state) for p in boundaries}
-        self.land.begin(state, start, T)
-        out, snap_logits = [], {}
-        for a in range(0, T, self.pass_n):
+        if not jobs:
+            raise FermoeError("a prefill of no prompts")
+        prompts, offset = [], 0
+        for i, job in enumerate(jobs):
+            prompts.append(self._admit(job, offset))
+            offset += len(prompts[-1].tokens)
+        total, stream = offset, np.concatenate([p.tokens for p in prompts])
+        # the stream is cut where a prompt ends or a snapshot falls: no GDN chunk spans one
+        edges = sorted({p.offset + b - p.start for p in prompts for b in p.boundaries}
+                       | {p.offset + len(p.tokens) for p in prompts})
+        self._fit(total, [p.start + len(p.tokens) for p in prompts], edges)
+        sites = self.land.begin([(p.state, p.start, len(p.tokens)) for p in prompts])
+        for lane, (p, job) in enumerate(zip(prompts, jobs)):
+            p.lane, p.site = self.lanes[lane], sites[lane]
+            self._upload_state(p.state, p.lane)
+            p.snaps = (self.land.slot_states(p.state, job.into) if job.into is not None
+                       else {b: self.land.pinned_state(p.state) for b in p.boundaries})
+        for a in range(0, total, self.pass_n):
             if a and should_stop is not None and should_stop():
                 self.device.synchronize()
-                raise PrefillStopped(f"stopped after {a} of {T} tokens")
-            b = min(T, a + self.pass_n)
-            cuts = [p - start - a for p in boundaries if start + a < p <= start + b]
-            rows = list(range(b - a)) if all_logits else sorted({c - 1 for c in cuts} | ({T - 1 - a} if b == T else set()))
-            logits = self._pass(tokens[a:b], start + a, cuts, rows, snaps, last=b == T)
-            for r, row in zip(rows, logits):
-                snap_logits[start + a + r + 1] = row
-            if all_logits:
-                out.append(logits)
+                raise PrefillStopped(f"stopped after {a} of {total} tokens")
+            b = min(total, a + self.pass_n)
+            segments = [segment_of(p, a, b) for p in prompts if p.offset < b and a < p.offset + len(p.tokens)]
+            rows = logit_rows(segments, all_logits)
+            logits = self._pass(stream[a:b], segments, list(rows))
+            for r, (p, position) in zip(logits, rows.values()):
+                p.logits[position] = r
+                if all_logits:
+                    p.rows.append(r)
         t1 = time.perf_counter()
-        self.device.synchronize()              # the state's and the snapshots' asynchronous copies
+        self.device.synchronize()              # the states' and the snapshots' asynchronous copies
         t2 = time.perf_counter()
-        self.land.finish(state, T)
-        state.set_logits(snap_logits[start + T])
-        if into is not None:
-            self.land.finish_slots(snaps, into, state, snap_logits, block)
-        else:
-            self.land.finish_snapshots(snaps, state, snap_logits)
-        result = np.concatenate(out) if all_logits else snap_logits[start + T][None]
+        results = [self._finish(p, job, all_logits) for p, job in zip(prompts, jobs)]
         # host-side seconds: enqueueing (with the passes' own waits), waiting for the device, finishing
         self.last_timing = {"enqueue_s": t1 - t0, "wait_s": t2 - t1, "finish_s": time.perf_counter() - t2}
-        return result, snaps
+        return results
+
+    def _admit(self, job: PrefillJob, offset: int) -> Prompt:
+        tokens = check_tokens(job.tokens, self.cfg.n_vocab)
+        state, T = job.state, len(tokens)
+        start = state.position
+        state.check_room(T)
+        snapshot_at = job.snapshot_at
+        if job.into is not None:
+            if any(not start < p <= start + T for p in job.into) or not job.block:
+                raise FermoeError(f"snapshot slots at {sorted(job.into)} (block {job.block}): each must be in "
+                                  f"({start}, {start + T}], with a block size")
+            snapshot_at = job.into
+        boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
+        return Prompt(tokens, state, start, offset, boundaries)
+
+    def _finish(self, p: Prompt, job: PrefillJob, all_logits: bool) -> tuple:
+        """A prompt's results, landed: into its state, its snapshots (or their slots)."""
+        T = len(p.tokens)
+        end = p.start + T
+        self.land.finish(p.site, p.state, T)
+        p.state.set_logits(p.logits[end])
+        if job.into is not None:
+            self.land.finish_slots(p.snaps, job.into, p.state, p.logits, job.block)
+        else:
+            self.land.finish_snapshots(p.snaps, p.state, p.logits)
+        return (np.stack(p.rows) if all_logits else p.logits[end][None]), p.snaps
 
     def _mark(self, phase: str) -> None:
         if self.profile is not None:
             self.profile.mark(phase)
 
-    def _pass(self, tokens: np.ndarray, p0: int, cuts: list[int], rows: list[int], snaps, last: bool) -> np.ndarray:
-        """One pass from position p0; `last`: the prompt's last, whose GDN states are the result."""
+    def _pass(self, tokens: np.ndarray, segments: list[Segment], rows: list[int]) -> np.ndarray:
+        """One pass over the rows of `segments` (consecutive, one prompt each); returns the
+        logits of the pass rows `rows`."""
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
-        chunk_at = self._upload_inputs(tokens, p0, cuts)
+        chunk_at = self._upload_inputs(segments, n)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self._mark("embed")
         self._embed(tokens)        # its upload waits for the device: before the first expert copies, not behind them
@@ -196,9 +221,9 @@ class GPUEngine:
             self._mark("norms")
             ops.rmsnorm(ws.x, ws.h, w["attn_norm"].data, n, cfg.n_embd, cfg.rms_eps)
             if cfg.is_attention(L):
-                self._attention(L, n, p0)
+                self._attention(L, n, segments)
             else:
-                self._gdn(L, n, p0, cuts, snaps, chunk_at, last)
+                self._gdn(L, n, segments, chunk_at)
             self._moe(L, n)
         self._mark("lm_head")
         logits = self._lm_head(rows)
@@ -208,15 +233,17 @@ class GPUEngine:
         return logits
 
     # ---- inputs -------------------------------------------------------------------------
-    def _upload_inputs(self, tokens: np.ndarray, p0: int, cuts: list[int]) -> dict[int, int]:
-        """RoPE's cos and sin and the GDN chunk table of the pass; returns the table's
-        index of each chunk by its first row."""
-        cfg, ws, n = self.cfg, self.ws, len(tokens)
+    def _upload_inputs(self, segments: list[Segment], n: int) -> dict[int, int]:
+        """RoPE's cos and sin of every row's position and the GDN chunk table of the pass
+        (cut where a prompt or a snapshot ends); returns the table's index of each chunk by
+        its first row."""
+        cfg, ws = self.cfg, self.ws
         half = cfg.rope_dim // 2
-        angle = rope_angles(np.arange(p0, p0 + n), cfg.rope_dim, cfg.rope_theta)
+        positions = np.concatenate([np.arange(g.p0, g.p0 + g.n) for g in segments])
+        angle = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
-        starts, lengths = chunks_of(n, cuts)
+        starts, lengths = chunks_of(n, [g.s + c for g in segments for c in g.cuts] + [g.e for g in segments])
         ws.chunks.set_chunks(starts, lengths)
         return {e: i for i, e in enumerate(starts)}
 
@@ -233,7 +260,7 @@ class GPUEngine:
         self.ops.embed(self.ws.h.rows(0, n), self.ws.embed_raw, self.ws.tokens, n, d, wtype)
 
     # ---- mixers ---------------------------------------------------------------------------
-    def _attention(self, L: int, n: int, p0: int) -> None:
+    def _attention(self, L: int, n: int, segments: list[Segment]) -> None:
         cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
         nh, nkv, hd, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
         qg, q, attn = ws.proj.view((n, 2 * nh * hd)), ws.mix.view((n, nh * hd)), ws.mid.view((n, nh * hd))
@@ -242,25 +269,29 @@ class GPUEngine:
         for out, name, width in ((qg, "attn_q", 2 * nh * hd), (kk, "attn_k", nkv * hd), (vv, "attn_v", nkv * hd)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
         a = cfg.attention_layers.index(L)
-        Kc, Vc = self.Kc[a], self.Vc[a]
         self._mark("attention")
-        ops.attn_qk_norm_rope(q, Kc, Vc, qg, kk, vv, w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos,
-                              ws.rope_sin, p0, n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
-                              self.kv_cache_dtype == "f16")
-        keys, values = self.land.kv[a]
-        rows = slice(p0 - self.land.start, p0 - self.land.start + n)
-        if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
-            for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
-                ops.to_f16(half.rows(0, n), src.rows(p0, p0 + n))
-                self._to_host(dst[rows], half.rows(0, n))
-        else:
-            self._to_host(keys[rows], Kc.rows(p0, p0 + n))
-            self._to_host(values[rows], Vc.rows(p0, p0 + n))
-        ops.attn_prompt(attn, q, Kc, Vc, qg, p0, n, nh, nkv, hd)
+        for g in segments:                  # each prompt against its own keys
+            s, e, site = g.s, g.e, g.prompt.site
+            Kc, Vc = g.prompt.lane.Kc[a], g.prompt.lane.Vc[a]
+            ops.attn_qk_norm_rope(q.rows(s, e), Kc, Vc, qg.rows(s, e), kk.rows(s, e), vv.rows(s, e),
+                                  w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
+                                  ws.rope_sin.rows(s, e), g.p0, g.n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
+                                  self.kv_cache_dtype == "f16")
+            keys, values = site.kv[a]
+            rows = slice(g.p0 - site.start, g.p0 - site.start + g.n)
+            new = slice(g.p0, g.p0 + g.n)
+            if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
+                for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
+                    ops.to_f16(half.rows(s, e), src.rows(new.start, new.stop))
+                    self._to_host(dst[rows], half.rows(s, e))
+            else:
+                self._to_host(keys[rows], Kc.rows(new.start, new.stop))
+                self._to_host(values[rows], Vc.rows(new.start, new.stop))
+            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.p0, g.n, nh, nkv, hd)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
-    def _gdn(self, L: int, n: int, p0: int, cuts: list[int], snaps, chunk_at: dict[int, int], last: bool) -> None:
+    def _gdn(self, L: int, n: int, segments: list[Segment], chunk_at: dict[int, int]) -> None:
         cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
         C, Di, d, K = cfg.conv_channels, cfg.ssm_d_inner, cfg.n_embd, cfg.ssm_conv_kernel
         hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
@@ -269,35 +300,40 @@ class GPUEngine:
         self._mark("dense")
         for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (b, "ssm_beta", hv), (a, "ssm_alpha", hv)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
-        state, g_slot = self.conv[L], cfg.gdn_layers.index(L)
+        g_slot = cfg.gdn_layers.index(L)
         self._mark("gdn")
-        ops.gdn_conv(conv, qkv, state, w["ssm_conv1d"].data, n, C, K)
-        for c in cuts:                      # the conv state at each snapshot position, then at the end
-            ops.gdn_conv_history(ws.conv_snap, state, qkv, c, n, C, K)
-            self._to_host(snaps[p0 + c].conv[g_slot], ws.conv_snap)
-        ops.gdn_conv_history(state, state, qkv, n, n, C, K)
-        if last:
-            self._to_host(self.land.out.conv[g_slot], state)
+        for seg in segments:                # each prompt's convolution continues its own history
+            state, x, snaps = seg.prompt.lane.conv[L], qkv.rows(seg.s, seg.e), seg.prompt.snaps
+            ops.gdn_conv(conv.rows(seg.s, seg.e), x, state, w["ssm_conv1d"].data, seg.n, C, K)
+            for c in seg.cuts:              # the conv state at each snapshot position, then at the end
+                ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.n, C, K)
+                self._to_host(snaps[seg.p0 + c].conv[g_slot], ws.conv_snap)
+            ops.gdn_conv_history(state, state, x, seg.n, seg.n, C, K)
+            if seg.last:
+                self._to_host(seg.prompt.site.out.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
         v = conv.at(4 * 2 * cfg.ssm_key_dim, (n, hv * dv))
-        o, S = ws.o.rows(0, n), self.S[L]
-        tiled = cfg.v_heads_tiled
-        if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and n < RECURRENT_BELOW):
-            for s, e in zip([0] + cuts, cuts + [n]):
-                if e > s:
-                    v_se = conv.at(4 * (s * C + 2 * cfg.ssm_key_dim), (e - s, hv * dv))
-                    ops.gdn_recurrent(o.rows(s, e), S, q.rows(s, e), k.rows(s, e), v_se,
-                                      beta.rows(s, e), g.rows(s, e), e - s, hk, hv, dk, dv, C, tiled)
-                if e in cuts:
-                    self._to_host(snaps[p0 + e].ssm[g_slot], S)
-        else:
-            ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks, len(chunk_at), hk, hv, dk, dv, C, tiled)
-            for c in cuts:
-                src = S if c == n else ws.chunks.S0.rows(chunk_at[c], chunk_at[c] + 1)
-                self._to_host(snaps[p0 + c].ssm[g_slot], src)
-        if last:
-            self._to_host(self.land.out.ssm[g_slot], S)
+        o, tiled = ws.o.rows(0, n), cfg.v_heads_tiled
+        for seg in segments:                # each prompt's recurrence on its own state
+            S, snaps = seg.prompt.lane.S[L], seg.prompt.snaps
+            if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.n < RECURRENT_BELOW):
+                for s, e in zip([0] + seg.cuts, seg.cuts + [seg.n]):
+                    if e > s:
+                        r0, r1 = seg.s + s, seg.s + e
+                        v_se = conv.at(4 * (r0 * C + 2 * cfg.ssm_key_dim), (r1 - r0, hv * dv))
+                        ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
+                                          beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, hk, hv, dk, dv, C, tiled)
+                    if e in seg.cuts:
+                        self._to_host(snaps[seg.p0 + e].ssm[g_slot], S)
+            else:
+                c0, c1 = chunk_at[seg.s], chunk_at.get(seg.e, len(chunk_at))
+                ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, hk, hv, dk, dv, C, tiled)
+                for c in seg.cuts:          # the state entering the chunk that starts there
+                    src = S if c == seg.n else ws.chunks.S0.rows(chunk_at[seg.s + c], chunk_at[seg.s + c] + 1)
+                    self._to_host(snaps[seg.p0 + c].ssm[g_slot], src)
+            if seg.last:
+                self._to_host(seg.prompt.site.out.ssm[g_slot], S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
@@ -361,12 +397,13 @@ class GPUEngine:
         return x @ w.f32().T
 
     # ---- state in and out --------------------------------------------------------------------------
-    def _fit(self, T: int, positions: int, boundaries=()) -> None:
-        """Memory for a prompt of T tokens reaching `positions` positions: the fewest
-        passes whose activations fit beside the resident weights and the KV of every
-        position (a single pass when it fits, so each expert crosses PCIe once); the
+    def _fit(self, T: int, positions: list[int], boundaries=()) -> None:
+        """Memory for a batch of T tokens whose prompts reach `positions` positions: the
+        fewest passes whose activations fit beside the resident weights and each prompt's
+        state and KV (a single pass when it fits, so each expert crosses PCIe once); the
         expert layers kept resident are what the budget leaves, fewer for a long prompt
-        and more again after. VRAM is freed before it is taken."""
+        and more again after. `boundaries`: rows of the batch where GDN chunks are cut.
+        VRAM is freed before it is taken."""
         error = None
         cap = min(T, self.max_pass_tokens or T)
         for n in sorted({-(-T // c) for c in range(-(-T // cap), T + 1)}, reverse=True):
@@ -376,8 +413,8 @@ class GPUEngine:
             n_chunks = max(n_chunks, ws_tokens // CHUNK)
             try:
                 plan = make_plan(self.model, self.budget, ws_tokens, self.ring_slots, self.max_resident,
-                                 kv_positions=positions, n_chunks=n_chunks, resident_bytes=self.resident_bytes,
-                                 layer_bytes=self.experts.layer_bytes)
+                                 kv_positions=sum(positions), n_chunks=n_chunks, resident_bytes=self.resident_bytes,
+                                 layer_bytes=self.experts.layer_bytes, sequences=len(positions))
             except FermoeError as e:
                 error = error or e
                 continue
@@ -386,42 +423,45 @@ class GPUEngine:
             return
         raise error
 
-    def _apply(self, plan, ws_tokens: int, n_chunks: int, positions: int) -> None:
+    def _apply(self, plan, ws_tokens: int, n_chunks: int, positions: list[int]) -> None:
         cfg, resident = self.cfg, spread_resident(self.cfg.n_layer, plan.resident_layers)
         if plan.resident_layers < len(self.experts.resident):
             self.experts.set_resident(resident)      # fewer: their VRAM freed before the buffers below take theirs
+        while len(self.lanes) > len(positions):
+            self.lanes.pop().free()
+        for lane, n in zip(self.lanes, positions):
+            if lane.positions != n:
+                lane.free_kv()
         if self.ws is None or (self.ws.T, self.ws.n_chunks) != (ws_tokens, n_chunks):
             if self.ws is not None:
                 self.ws.free()
             self.ws = Workspace(self.device, cfg, ws_tokens, n_chunks)
             self.ops.split_scratch = self.ws.splitk
-        if positions != self.kv_positions:
-            for buf in self.Kc + self.Vc:
-                buf.free()
-            shape = (positions, cfg.n_head_kv, cfg.head_dim)
-            self.Kc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
-            self.Vc = [DeviceArray(self.device, shape) for _ in cfg.attention_layers]
-            self.kv_positions = positions
+        while len(self.lanes) < len(positions):
+            self.lanes.append(Lane(self.device, cfg))
+        for lane, n in zip(self.lanes, positions):
+            if lane.positions != n:
+                lane.alloc_kv(n)
         self.experts.set_resident(resident)
         self.plan = plan
 
-    def _upload_state(self, state: SequenceState) -> None:
+    def _upload_state(self, state: SequenceState, lane: Lane) -> None:
         cfg = self.cfg
         if state.kv.dtype_name != self.kv_cache_dtype:
             raise FermoeError(f"the state keeps its KV in {state.kv.dtype_name}; this engine runs "
                               f"--kv-cache-dtype {self.kv_cache_dtype}")
         for g, L in enumerate(cfg.gdn_layers):
             if state.position == 0:            # nothing consumed: the recurrent state is zero
-                self.S[L].zero(self.ops.stream)
-                self.conv[L].zero(self.ops.stream)
+                lane.S[L].zero(self.ops.stream)
+                lane.conv[L].zero(self.ops.stream)
             else:
-                self.S[L].upload(state.ssm[g])
-                self.conv[L].upload(state.conv[g])
+                lane.S[L].upload(state.ssm[g])
+                lane.conv[L].upload(state.conv[g])
         for a in range(len(cfg.attention_layers)):
             keys, values = state.kv.view(a)
             if len(keys):
-                self.Kc[a].rows(0, len(keys)).upload(keys)
-                self.Vc[a].rows(0, len(values)).upload(values)
+                lane.Kc[a].rows(0, len(keys)).upload(keys)
+                lane.Vc[a].rows(0, len(values)).upload(values)
 
     def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
         """An asynchronous copy into page-locked host memory, in order on the compute stream."""

@@ -15,6 +15,7 @@ its own block's K and V rows only."""
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,15 +25,25 @@ from shared.state import HEADER_BYTES, SequenceState, kv_dtype, recurrent_nbytes
 PAGE = 4096                 # host pages: what cuMemHostRegister locks
 
 
+@dataclass
+class Site:
+    """Where one sequence's prefill lands: `out` receives its recurrent state, `kv[a]` the
+    new K and V rows of attention layer a, the first of them position `start`'s."""
+    out: SequenceState
+    kv: list[tuple[np.ndarray, np.ndarray]]
+    start: int
+
+
 class Landing:
     def __init__(self, device, cfg: ModelConfig, fingerprint: str, kv_cache_dtype: str):
         self.device, self.cfg, self.fingerprint = device, cfg, fingerprint
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer made here
-        self._staging: SequenceState | None = None
-        self._kv: list[tuple[np.ndarray, np.ndarray]] = []
+        self._staging: list[SequenceState] = []        # a page-locked recurrent state per lane
+        self._kv: list[tuple[np.ndarray, np.ndarray]] = []    # page-locked K, V rows of a batch, by layer
         self._registered: list[tuple] = []      # (start, end, the device's registration)
         self._pool: list[np.ndarray] = []                             # page-locked buffers for staged snapshots
+        self._pool_used = 0                                           # of them, by the batch landing now
 
     def register(self, memory) -> None:
         """Page-lock host memory (its whole pages), so slot_state() lands snapshots in it."""
@@ -55,12 +66,15 @@ class Landing:
 
     def slot_states(self, state: SequenceState, slots: dict[int, object]) -> dict[int, SequenceState]:
         """For each snapshot position, the state its recurrent part lands in: the slot's own
-        bytes if page-locked, else a pooled page-locked buffer (its header `state`'s)."""
+        bytes if page-locked, else a pooled page-locked buffer (its header `state`'s), one
+        the batch begun last has not handed out yet."""
         nbytes = recurrent_nbytes(self.cfg)
         staged = [p for p, slot in slots.items() if not self._pagelocked(np.frombuffer(slot, np.uint8, nbytes))]
-        while len(self._pool) < len(staged):
+        used = self._pool_used                  # the batch's earlier prompts hold those
+        while len(self._pool) < used + len(staged):
             self._pool.append(self.device.pagelocked_empty((nbytes,), np.uint8))
-        pool = dict(zip(staged, self._pool))
+        pool = dict(zip(staged, self._pool[used:]))
+        self._pool_used += len(staged)
         out = {}
         for p, slot in slots.items():
             buf = pool.get(p)
@@ -81,30 +95,36 @@ class Landing:
         return SequenceState(self.cfg, self.fingerprint, buffer=buf, kv_block=state.kv.block,
                              kv_dtype=state.kv.dtype_name)
 
-    def begin(self, state: SequenceState, start: int, T: int) -> None:
-        """Land a prefill of T tokens from position `start` for `state`: `out` receives the
-        recurrent state, `kv[a]` the prompt's K and V rows of attention layer a."""
-        if self._pinned.get(id(state.buffer)) is state.buffer:
-            self.out = state
-        else:
-            if self._staging is None:
-                self._staging = self.pinned_state(SequenceState(self.cfg, self.fingerprint))
-            self.out = self._staging
-        if not self._kv or len(self._kv[0][0]) < T:      # grown as needed, doubling
-            rows = max(T, 2 * len(self._kv[0][0]) if self._kv else T)
+    def begin(self, prompts: list[tuple[SequenceState, int, int]]) -> list[Site]:
+        """Land a batch's prefills, each (state, start position, T tokens): a site for each.
+        Their K and V rows share one page-locked buffer (grown as needed, doubling); a
+        state not made by pinned_state() lands in a page-locked staging state of its lane."""
+        total, self._pool_used = sum(T for _, _, T in prompts), 0
+        if not self._kv or len(self._kv[0][0]) < total:
+            rows = max(total, 2 * len(self._kv[0][0]) if self._kv else total)
             shape = (rows, self.cfg.n_head_kv, self.cfg.head_dim)
             self._kv = [(self.device.pagelocked_empty(shape, self.kv_dtype),
                          self.device.pagelocked_empty(shape, self.kv_dtype)) for _ in self.cfg.attention_layers]
-        self.kv, self.start = self._kv, start
+        sites, row = [], 0
+        for lane, (state, start, T) in enumerate(prompts):
+            if self._pinned.get(id(state.buffer)) is state.buffer:
+                out = state
+            else:
+                while len(self._staging) <= lane:
+                    self._staging.append(self.pinned_state(SequenceState(self.cfg, self.fingerprint)))
+                out = self._staging[lane]
+            sites.append(Site(out, [(k[row:row + T], v[row:row + T]) for k, v in self._kv], start))
+            row += T
+        return sites
 
-    def finish(self, state: SequenceState, T: int) -> None:
+    def finish(self, site: Site, state: SequenceState, T: int) -> None:
         """The copies have landed (the caller synchronised): into the state."""
-        if self.out is not state:
-            state.ssm[:] = self.out.ssm
-            state.conv[:] = self.out.conv
-        for a, (keys, values) in enumerate(self.kv):
+        if site.out is not state:
+            state.ssm[:] = site.out.ssm
+            state.conv[:] = site.out.conv
+        for a, (keys, values) in enumerate(site.kv):
             state.kv.append(a, keys[:T], values[:T])
-        state.position = self.start + T
+        state.position = site.start + T
 
     def finish_slots(self, snaps: dict[int, SequenceState], slots: dict[int, object], state: SequenceState,
                      logits: dict[int, np.ndarray], block: int) -> None:

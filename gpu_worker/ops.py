@@ -2,6 +2,8 @@
 shapes it expects, checked before the launch. Every call goes on `self.stream`."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from .buffers import DeviceArray
@@ -260,6 +262,15 @@ class ChunkWork:
         self.chunk_start = DeviceArray(device, (n_chunks,), np.int32)
         self.chunk_len = DeviceArray(device, (n_chunks,), np.int32)
         self.n_chunks = n_chunks
+
+    def part(self, c0: int, c1: int) -> "ChunkWork":
+        """Chunks [c0, c1) of the table, as a table of their own (one prompt's, in a pass
+        shared by several); their starts stay rows of the whole pass."""
+        out = copy.copy(self)
+        for name in ("W", "U", "Vn", "P", "Gc", "S0", "chunk_start", "chunk_len"):
+            setattr(out, name, getattr(self, name).rows(c0, c1))
+        out.n_chunks = c1 - c0
+        return out
 
     def set_chunks(self, starts, lengths) -> int:
         n = len(starts)

@@ -3,9 +3,9 @@ from the config, so the plan can be printed, tested and checked before anything 
 allocated.
 
     budget = resident weights (all but the routed experts, LM head included)
-           + the recurrent state of one sequence (S and conv of every GDN layer)
+           + the recurrent state of each sequence of a batch (S and conv of every GDN layer)
            + the workspace of one pass of up to `pass_tokens` tokens
-           + the attention KV of the positions a pass reaches
+           + the attention KV of the positions the batch's prompts reach
            + a ring of `ring_slots` expert-layer slots (when some layer streams)
            + resident expert layers: as many as the rest holds
 """
@@ -67,7 +67,7 @@ class MemoryPlan:
 def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
               max_resident: int | None = None, kv_positions: int | None = None,
               n_chunks: int | None = None, resident_bytes: int | None = None,
-              layer_bytes: int | None = None) -> MemoryPlan:
+              layer_bytes: int | None = None, sequences: int = 1) -> MemoryPlan:
     """The plan for `budget` bytes with passes of up to `pass_tokens` tokens in up to
     `n_chunks` GDN chunks and room for the attention KV of `kv_positions` positions
     (default: one pass), or a FermoeError saying what does not fit. `resident_bytes`
@@ -80,7 +80,7 @@ def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
         layer_bytes = cfg.n_expert * ExpertLayout.of(model.layers[0]).expert_bytes
     if resident_bytes is None:
         resident_bytes = resident_nbytes(model)
-    fixed = dict(resident_weights=resident_bytes, state=cfg.recurrent_state_bytes,
+    fixed = dict(resident_weights=resident_bytes, state=sequences * cfg.recurrent_state_bytes,
                  workspace=workspace_nbytes(cfg, pass_tokens, n_chunks), kv=kv_nbytes(cfg, kv_positions or pass_tokens))
     base = sum(fixed.values()) + MARGIN
     n = cfg.n_layer

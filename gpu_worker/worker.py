@@ -26,7 +26,7 @@ from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import (HEARTBEAT_S, WorkerLink, add_worker_options, attach_experts, serve_until_stopped,
                                 worker_main)
 
-from .engine import GPUEngine, PrefillStopped
+from .engine import GPUEngine, PrefillJob, PrefillStopped
 
 log = logging.getLogger("fermoe.gpu_worker")
 # The prompts timed at start, each while the one before took under PROBE_BUDGET_S: the
@@ -34,6 +34,12 @@ log = logging.getLogger("fermoe.gpu_worker")
 # planned and the streamed expert layers packed (a first long prompt would pay for both).
 PROBE_TOKENS = (64, 256, 1024)
 PROBE_BUDGET_S = 2.0
+# A Prefill takes the prompts waiting behind it into its batch while they add up to
+# BATCH_TOKENS (or the first prompt's length, if longer): a long prompt already shares its
+# expert streaming among its own tokens; short ones share it with each other. The batch
+# holds at most the coordinator's max_model_len positions in all, what its memory plan
+# counts a GPU worker's prompt state for; the prompts it sends are its limit on their number.
+BATCH_TOKENS = 2048
 
 
 class GPUWorker:
@@ -63,25 +69,54 @@ class GPUWorker:
                 self.link.beat(0)
 
     def handle_prefill(self, msg: P.Prefill, data: list[bytes] = ()) -> None:
-        """Run the job, heartbeating meanwhile (a long prompt takes a minute), stopped
-        between passes by a Stop of it or a Shutdown; a failure (a bad job, a device error)
-        fails this job, never the worker."""
-        t0, stop = time.perf_counter(), threading.Event()
+        """Run the job with the prompts already waiting behind it (one batch: the expert
+        layers stream once for all of them), heartbeating meanwhile (a long prompt takes a
+        minute). A Stop of a job, or a Shutdown, ends the batch between passes once every
+        job in it is stopped. A bad job fails alone; a device error fails the batch, never
+        the worker."""
+        t0, stopped, everything = time.perf_counter(), set(), threading.Event()
+        room = max(len(msg.tokens), min(BATCH_TOKENS, self.link.max_model_len or BATCH_TOKENS)) - len(msg.tokens)
+
+        def fits(m: P.Prefill) -> bool:
+            nonlocal room
+            room -= len(m.tokens)
+            return room >= 0
+        batch = [(msg, data)] + self.link.waiting(P.Prefill, fits)
+        ids = {m.request_id for m, _ in batch}
 
         def urgent(m):
-            if isinstance(m, P.Shutdown) or (isinstance(m, P.Stop) and m.request_id == msg.request_id):
-                stop.set()
+            if isinstance(m, P.Stop) and m.request_id in ids:
+                stopped.add(m.request_id)
+            if isinstance(m, P.Shutdown) or stopped >= ids:
+                everything.set()
+        jobs, failed = [], {}
+        for m, d in batch:
+            try:
+                jobs.append((m, self.job(m, d)))
+            except Exception as e:             # this prompt's own fault: the others run
+                failed[m.request_id] = f"{type(e).__name__}: {e}"
         try:
-            with self.link.keepalive(1, urgent):
-                self.prefill(msg, data, stop.is_set)
+            if jobs:
+                with self.link.keepalive(len(batch), urgent):
+                    self.engine.prefill_batch([job for _, job in jobs], everything.is_set)
         except Exception as e:                 # report, never die silently
             if not isinstance(e, PrefillStopped):
-                log.exception("prefill %s failed", msg.request_id)
-            self.link.send(P.Prefilled(request_id=msg.request_id, prefill_ms=0.0, error=f"{type(e).__name__}: {e}"))
-            return
-        self.link.send(P.Prefilled(request_id=msg.request_id, prefill_ms=1000 * (time.perf_counter() - t0)))
+                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _ in jobs))
+            failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _ in jobs)
+        ms = 1000 * (time.perf_counter() - t0)
+        tokens = sum(len(job.tokens) for _, job in jobs)
+        for m, job in jobs:
+            if m.request_id not in failed:
+                for ref in m.snapshots:
+                    self.link.snapshot_written(m.request_id, ref.slot, job.into[ref.position])
+        for m, _ in batch:
+            error = failed.get(m.request_id)
+            self.link.send(P.Prefilled(request_id=m.request_id, prefill_ms=0.0 if error else ms, error=error,
+                                       batch_tokens=0 if error else tokens, batch_prompts=len(jobs)))
 
-    def prefill(self, msg: P.Prefill, data: list[bytes], should_stop=None) -> None:
+    def job(self, msg: P.Prefill, data: list[bytes]) -> PrefillJob:
+        """A Prefill as the engine's job: its resumed state (or an empty one), the rest of
+        its prompt, its snapshots written into their arena slots."""
         slots = self.link.resume_slots(msg, data)
         if slots:
             state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
@@ -98,10 +133,7 @@ class GPUWorker:
             self.engine.land.register(self.link.arena.memory())      # snapshots land in their slots
             self._registered = self.link.arena
         slots = {ref.position: self.link.snapshot_buffer(ref.slot) for ref in msg.snapshots}
-        self.engine.prefill(msg.tokens[state.position:], state, into=slots, block=self.link.block,
-                            should_stop=should_stop)
-        for ref in msg.snapshots:
-            self.link.snapshot_written(msg.request_id, ref.slot, slots[ref.position])
+        return PrefillJob(msg.tokens[state.position:], state, into=slots, block=self.link.block)
 
     def handle_stop(self, msg: P.Stop, data=()) -> None:
         pass                    # of a job already over (one running is stopped by handle_prefill's urgent)

@@ -123,6 +123,7 @@ class Done(_Msg, tag="done"):
     stop_reason: str | None = None      # as vLLM's: the stop string matched (None: end of generation or other)
     prefill_device: str | None = None   # where the uncached part of the prompt ran: gpu or cpu (None: no prefill)
     prefill_estimates_ms: dict[str, float] = {}     # what the choice was made on, by device
+    prefill_batch: int = 0              # prompts prefilled in one batch with it on a GPU worker, itself included
 
 
 class Error(_Msg, tag="error"):
@@ -185,12 +186,15 @@ class Hello(_Msg, tag="hello"):
 
 class Welcome(_Msg, tag="welcome"):
     """coordinator -> worker, answer to Hello: the snapshot arena to attach (shared memory)
-    and the element type of every sequence's KV cache (f16, f32), which its slots hold."""
+    and the element type of every sequence's KV cache (f16, f32), which its slots hold;
+    `max_model_len`, the positions the host's memory is planned for (a GPU worker's batch
+    of prompts holds at most that many in all; 0: unknown)."""
     arena: str
     slot_bytes: int
     n_slots: int
     block: int
     kv_cache_dtype: str
+    max_model_len: int = 0
 
 
 class Attached(_Msg, tag="attached"):
@@ -291,10 +295,14 @@ class Prefill(_Msg, tag="prefill"):
 
 class Prefilled(_Msg, tag="prefilled"):
     """gpu worker -> coordinator: a Prefill is done (every SnapshotWritten sent before
-    it), or failed with `error` (then no snapshot of it is to be trusted)."""
+    it), or failed with `error` (then no snapshot of it is to be trusted). Prompts
+    waiting on a GPU worker are prefilled in one batch: `prefill_ms` is the batch's time,
+    `batch_tokens` the tokens it prefilled, `batch_prompts` its prompts (this one included)."""
     request_id: str
     prefill_ms: float
     error: str | None = None
+    batch_tokens: int = 0
+    batch_prompts: int = 1
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

@@ -44,6 +44,7 @@ class WorkerLink:
         self.arena = None                      # the SnapshotArena, once attached
         self.block: int | None = None          # from the Welcome: positions a slot's KV covers
         self.slot_bytes: int | None = None
+        self.max_model_len = 0                 # from the Welcome: the positions the host's memory is planned for
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -103,6 +104,29 @@ class WorkerLink:
             self.report(f"this worker does not take {type(msg).__name__} messages")
         return True
 
+    def waiting(self, kind: type, accept: Callable[[object], bool]) -> list[tuple[object, list[bytes]]]:
+        """The messages of type `kind` that have already arrived, with their data frames, in
+        order while accept(msg) says yes; they leave the queue, every other message stays
+        in it for serve() (a GPU worker batches the prompts waiting behind the one it got)."""
+        with self._lock:
+            while self.sock.poll(0):
+                self._early.append(self.sock.recv_multipart())
+            taken, kept, taking = [], deque(), True
+            for frames in self._early:
+                if taking:
+                    try:
+                        msg = P.decode(frames[0], P.TO_WORKER)
+                    except ProtocolError:
+                        msg = None                  # serve() reports it
+                    if isinstance(msg, kind):
+                        if accept(msg):
+                            taken.append((msg, frames[1:]))
+                            continue
+                        taking = False
+                kept.append(frames)
+            self._early = kept
+        return taken
+
     @contextlib.contextmanager
     def keepalive(self, running: int, urgent: Callable[[object], None] | None = None):
         """While the worker is busy with one long step (a GPU prefill): a thread sends the
@@ -139,7 +163,7 @@ class WorkerLink:
             self.report(str(e))
             return
         self.configure(msg.kv_cache_dtype)
-        self.block, self.slot_bytes = msg.block, msg.slot_bytes
+        self.block, self.slot_bytes, self.max_model_len = msg.block, msg.slot_bytes, msg.max_model_len
         if self.arena is None and msg.n_slots and self.shared_memory:
             try:
                 self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator.memory import GPU_WORKER_SEQUENCES, host_footprint
+from coordinator.placement import GPU_QUEUE
 from cpu_worker.native_engine import NativeEngine
 from shared.errors import FermoeError
 from shared.expert_segment import (EXPERT_TENSORS, ExpertSegment, RecordLayout, expert_nbytes, expert_tensor_names,
@@ -103,7 +104,7 @@ def test_what_cannot_be_shared_is_named(model, monkeypatch):
 
 
 def test_the_memory_plan_counts_a_gpu_workers_host_memory():
-    """Its prompt's state and landing rows as sequences; its page-locked experts unless shared."""
+    """Its prompts' state and landing rows as sequences; its page-locked experts unless shared."""
     file, experts = 10 << 30, 9 << 30
     assert host_footprint(file, experts, 4, 0, shared_experts=False) == (file, 4)
     assert host_footprint(file, experts, 4, 1, shared_experts=True) == (file, 4 + GPU_WORKER_SEQUENCES)
@@ -112,3 +113,7 @@ def test_the_memory_plan_counts_a_gpu_workers_host_memory():
     store = 8 << 30                  # page-locked whole by a GPU worker; filled as used without one
     assert host_footprint(file, experts, 4, 1, shared_experts=True, snapshot_bytes=store)[0] == file + store
     assert host_footprint(file, experts, 4, 0, shared_experts=False, snapshot_bytes=store)[0] == file
+    # a batch of GPU_QUEUE prompts: each past the first adds its recurrent state and its landing
+    state = 7 << 20
+    assert host_footprint(file, experts, 4, 2, shared_experts=True, state_bytes=state)[0] == (
+        file + 2 * (GPU_QUEUE - 1) * 2 * state)

@@ -140,6 +140,34 @@ def test_passes_and_snapshot_boundaries(tiny, reference_logits, device_kind, pas
             close(snap.kv.view(a)[0], want.kv.view(a)[0], 2e-3, floor=0.1)
 
 
+@pytest.mark.parametrize("pass_tokens, gdn", [(None, "auto"), (40, "chunked"), (None, "recurrent")])
+def test_several_prompts_in_one_batch_each_get_their_own_results(tiny, device_kind, pass_tokens, gdn):
+    """Three prompts prefilled together (one resumed from a state made elsewhere, with
+    snapshots; passes that cut a prompt in two) give each prompt the logits, final
+    state and snapshots of the reference run on that prompt alone."""
+    from gpu_worker.engine import PrefillJob
+    engine = gpu(tiny, device_kind, max_pass_tokens=pass_tokens, gdn=gdn)
+    prompts = [PROMPT[:50], PROMPT[10:80][::-1], PROMPT]
+    resumed = _reference_state(tiny, PROMPT[:30])
+    jobs = [PrefillJob(prompts[0], engine.new_state(), snapshot_at=[20]),
+            PrefillJob(prompts[1], engine.new_state()),
+            PrefillJob(PROMPT[30:], resumed, snapshot_at=[31, 64, 80])]
+    results = engine.prefill_batch(jobs, all_logits=True)
+    for tokens, job, (logits, snaps) in zip(prompts, jobs, results):
+        want = ReferenceEngine(tiny).forward(tokens, ReferenceEngine(tiny).new_state())
+        close(logits, want[len(tokens) - len(logits):])
+        end = _reference_state(tiny, tokens)
+        assert job.state.position == len(tokens)
+        close(job.state.ssm, end.ssm, floor=0.1)
+        close(job.state.conv, end.conv, floor=0.1)
+        for p, snap in snaps.items():
+            at = _reference_state(tiny, tokens[:p])
+            assert snap.position == p
+            close(snap.ssm, at.ssm, floor=0.1)
+            close(snap.logits, at.logits)
+        assert sorted(snaps) == sorted(job.snapshot_at)
+
+
 def _budget_for(model, resident_layers, ring_slots=2, tokens=len(PROMPT)):
     """A budget that keeps `resident_layers` expert layers resident for a `tokens` prompt."""
     ws = -(-tokens // 64) * 64

@@ -86,7 +86,8 @@ def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(g
 
     chain = first + _refs(4, [32, 40])                    # the extension resumes from all four
     gpu_worker.handle_prefill(P.Prefill(request_id="b", tokens=PROMPT + MORE, resume=first, snapshots=chain[4:]))
-    assert gpu_worker.sent[-1] == P.Prefilled(request_id="b", prefill_ms=gpu_worker.sent[-1].prefill_ms)
+    assert gpu_worker.sent[-1] == P.Prefilled(request_id="b", prefill_ms=gpu_worker.sent[-1].prefill_ms,
+                                              batch_tokens=len(MORE))
     state = restore_snapshots(tiny.config, tiny.fingerprint, [slots.slot(r.slot) for r in chain[:3] + chain[4:]],
                               BLOCK)
     assert state.position == 40
@@ -139,7 +140,48 @@ def test_a_bad_job_fails_alone_and_the_worker_serves_on(gpu_worker, snapshots, p
     gpu_worker.handle_prefill(P.Prefill(request_id="bad", tokens=PROMPT, resume=[], snapshots=snapshots))
     assert gpu_worker.sent[-1].request_id == "bad" and problem in gpu_worker.sent[-1].error
     gpu_worker.handle_prefill(P.Prefill(request_id="ok", tokens=PROMPT[:8], resume=[], snapshots=_refs(0, [8])))
-    assert gpu_worker.sent[-1] == P.Prefilled(request_id="ok", prefill_ms=gpu_worker.sent[-1].prefill_ms)
+    assert gpu_worker.sent[-1] == P.Prefilled(request_id="ok", prefill_ms=gpu_worker.sent[-1].prefill_ms,
+                                              batch_tokens=8)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_prompts_waiting_behind_a_prefill_join_its_batch(gpu_worker, tiny, monkeypatch, staged):
+    """Prefills already queued behind the one being handled run in the same batch, up to
+    its token budget (the rest, and other messages, stay queued in order); each prompt's
+    slots hold its own states, landed in the page-locked arena or staged; a bad job among
+    them fails alone."""
+    if staged:                                            # as if the arena could not be page-locked
+        gpu_worker._registered = gpu_worker.link.arena
+    batches = []
+    prefill_batch = gpu_worker.engine.prefill_batch
+    monkeypatch.setattr(gpu_worker.engine, "prefill_batch", lambda jobs, *a: batches.append(len(jobs))
+                        or prefill_batch(jobs, *a))
+    monkeypatch.setattr("gpu_worker.worker.BATCH_TOKENS", len(PROMPT) + 8 + 2 * len(MORE))
+    prompts = {"a": PROMPT, "b": PROMPT[:8], "bad": MORE, "c": MORE, "late": PROMPT}
+    slots = {"a": _refs(0, [8, 16, 24, 30]), "b": _refs(4, [8]), "bad": [], "c": _refs(5, [8, 10]),
+             "late": _refs(7, [30])}      # a chain: a slot holds its own block of KV
+    jobs = {rid: P.Prefill(request_id=rid, tokens=t, resume=[], snapshots=slots[rid]) for rid, t in prompts.items()}
+    queue = [jobs["b"], jobs["bad"], P.Stop(request_id="x"), jobs["c"], jobs["late"]]
+    gpu_worker.link._early.extend([P.encode(m)] for m in queue)
+    gpu_worker.handle_prefill(jobs["a"])
+    assert batches == [3]                 # a, b, c: late is over the budget; bad failed before the batch ran
+    done = {m.request_id: m for m in gpu_worker.sent if isinstance(m, P.Prefilled)}
+    assert sorted(done) == ["a", "b", "bad", "c"] and "must end with a snapshot" in done["bad"].error
+    assert {done[r].batch_tokens for r in "abc"} == {len(PROMPT) + 8 + len(MORE)}
+    arena = gpu_worker.link.arena
+    for rid in "abc":
+        want = ReferenceEngine(tiny).forward(prompts[rid], ReferenceEngine(tiny).new_state())
+        for k, ref in enumerate(slots[rid]):              # every snapshot of the chain its own
+            state = restore_snapshots(tiny.config, tiny.fingerprint, [arena.slot(r.slot) for r in slots[rid][:k + 1]],
+                                      BLOCK)
+            assert state.position == ref.position
+            assert_close(state.logits, want[ref.position - 1], GPU_RTOL, floor=1.0)
+            engine = ReferenceEngine(tiny, kv_cache_dtype="f16")
+            there = engine.new_state()
+            engine.forward(prompts[rid][:ref.position], there)
+            assert_close(state.ssm, there.ssm, GPU_RTOL, floor=0.1)
+    left = [P.decode(f[0], P.TO_WORKER) for f in gpu_worker.link._early]
+    assert left == [P.Stop(request_id="x"), jobs["late"]]
 
 
 def test_the_gpu_worker_announces_its_kind_device_and_rate(tiny_q4_path, monkeypatch):

@@ -29,10 +29,19 @@ def test_a_short_prompt_stays_on_the_cpu_and_a_long_one_goes_to_the_gpu():
     assert place_prefill("auto", 947, [GPU], 0.0).device == "gpu"             # the CPU's rate unknown yet
 
 
-def test_a_busy_gpu_sends_auto_to_the_cpu_and_makes_gpu_wait():
-    busy = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, requests={"r"})
-    assert place_prefill("auto", 947, [busy], CPU_TOK_S).device == "cpu"
-    assert place_prefill("gpu", 947, [busy], CPU_TOK_S) is None
+def test_a_busy_gpu_queues_what_it_still_does_faster_and_a_full_one_makes_gpu_wait():
+    """A prompt behind a running batch waits for it, then shares the next batch's fixed
+    cost: 947 tokens behind 2000 queued ones take 2 x 280 + 2947 / 3 = 1542 ms on the GPU,
+    still ahead of the CPU's 7.9 s; 16 tokens stay on the CPU (133 ms) while it is busy."""
+    busy = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, prefill_fixed_ms=280.0,
+                      requests={"r"})
+    queued = place_prefill("auto", 947, [busy], CPU_TOK_S, {"gpu0": 2000})
+    assert queued.device == "gpu" and queued.estimates["gpu"] == pytest.approx(1542.33, abs=0.01)
+    assert place_prefill("auto", 16, [busy], CPU_TOK_S, {"gpu0": 2000}).device == "cpu"
+    assert place_prefill("auto", 947, [busy], 1000.0, {"gpu0": 2000}).device == "cpu"   # a CPU this fast: 947 ms
+    full = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, requests={f"r{i}" for i in range(8)})
+    assert place_prefill("auto", 947, [full], CPU_TOK_S).device == "cpu"
+    assert place_prefill("gpu", 947, [full], CPU_TOK_S) is None
     assert place_prefill("auto", 0, [GPU], CPU_TOK_S).device == "cpu"          # nothing to prefill
     faster = WorkerView("gpu1", ready=True, kind="gpu", prefill_tok_s=6000.0, prefill_fixed_ms=280.0)
     assert place_prefill("gpu", 947, [GPU, faster], CPU_TOK_S).worker == "gpu1"

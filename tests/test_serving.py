@@ -513,5 +513,6 @@ def test_bench_serve_on_the_tiny_model(tiny_q4_path):
     assert set(out["aggregate_decode_tok_s"]) == {1, 2, 4} and min(out["aggregate_decode_tok_s"].values()) > 0
     during = out["decode_during_prefill"]
     assert during["arriving_prompts"] == len(during["arriving_ttft_s"]) == 2
+    assert out["cold_burst"]["prefill_batch"] == [0] * 4 and out["cold_burst"]["prefill_device"] == ["cpu"] * 4
     # tokens read in a burst are microseconds apart: the median, rounded to 10 us, may be 0
     assert 0 <= during["running_median_gap_s"] <= during["running_max_gap_s"] and during["running_max_gap_s"] > 0

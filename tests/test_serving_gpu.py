@@ -112,6 +112,45 @@ def test_a_prompt_prefilled_on_the_gpu_is_decoded_on_a_cpu_worker(tiny_q4_path):
     assert not shm_names(daemon.proc.pid), "SIGTERM left a shared-memory segment"
 
 
+def test_prompts_waiting_for_the_gpu_share_a_batch_while_generations_run_on(tiny_q4_path):
+    """--prefill gpu: prompts sent together are prefilled in fewer batches than prompts
+    (those waiting behind the first go in one), each decoded as a CPU-only run decodes it;
+    a generation already running on a CPU worker streams on while they prefill."""
+    import threading
+    import time
+    daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu")
+    try:
+        gpu_ready(daemon)
+        stamps = []
+
+        def running():
+            with Client(daemon.addr, timeout_s=300) as c:
+                for m in c.generate("Once", max_tokens=3000, ignore_eos=True, temperature=0.0):
+                    stamps.append(time.monotonic())
+        long = threading.Thread(target=running)
+        long.start()
+        wait_until(lambda: len(stamps) > 1, 120, "the long generation's first tokens")
+        prompts = [f"{PROMPT} Variation {i} of four." for i in range(4)]
+        out, threads = {}, [threading.Thread(target=lambda p=p: out.__setitem__(p, generate(
+            daemon, p, max_tokens=6, ignore_eos=True, temperature=0.0))) for p in prompts]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        t1 = time.monotonic()
+        dones = [out[p][1] for p in prompts]
+        assert all(d.prefill_device == "gpu" and d.finish_reason == "length" for d in dones), dones
+        assert max(d.prefill_batch for d in dones) >= 2, [d.prefill_batch for d in dones]
+        for p in prompts:
+            assert_greedy_as_cpu_only(tiny_q4_path, p, out[p][0])
+        during = [t for t in stamps if t0 < t < t1]
+        assert len(during) >= 10, f"{len(during)} tokens of the running generation while the prompts prefilled"
+        long.join(300)
+    finally:
+        assert daemon.stop() == 0
+
+
 @pytest.mark.parametrize("mode", ["cpu", "auto"])
 def test_prefill_cpu_never_uses_the_gpu_and_auto_says_what_it_chose(tiny_q4_path, mode):
     daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", mode)
@@ -207,6 +246,9 @@ def test_bench_serve_with_a_gpu_worker(tiny_q4_path):
     assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
     assert 0 < out["cold_prefill_s"] < out["ttft_cold_s"] and out["cold_rest_s"] > 0
     assert {w["kind"] for w in out["workers_detail"]} == {"cpu", "gpu"}
+    burst = out["cold_burst"]            # sent at once: those waiting behind the first share a batch
+    assert burst["prefill_device"] == ["gpu"] * 4 and max(burst["prefill_batch"]) >= 2
+    assert 0 < burst["ttft_s"][-1] <= burst["last_first_token_s"]
     memory = out["host_memory"]      # every process of the daemon, at its fullest
     assert {"coordinator.daemon", "cpu_worker.worker", "gpu_worker.worker"} <= set(memory["peak_by_process_gib"])
     assert memory["peak_gib"] == pytest.approx(sum(memory["peak_by_process_gib"].values()), abs=0.05)

@@ -1,0 +1,103 @@
+"""The prompts of a batched GPU prefill (GPUEngine.prefill_batch). Their tokens form one
+stream that passes cut where the memory plan says; the rows of a pass that belong to
+one prompt are a Segment. Every row-wise step (norms, projections, experts) runs on the
+whole pass; the steps that carry a sequence's history (the GDN convolution and
+recurrence, attention) run a segment at a time on that prompt's Lane."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.state import SequenceState
+
+from .buffers import DeviceArray
+
+
+@dataclass
+class PrefillJob:
+    """One prompt of a batched prefill: its tokens from `state`'s position on, and the
+    snapshots wanted (positions, or {position: slot} with the slots' KV block size)."""
+    tokens: object
+    state: SequenceState
+    snapshot_at: tuple = ()
+    into: dict | None = None
+    block: int | None = None
+
+
+@dataclass
+class Prompt:
+    """A job in flight: its rows' place in the batch's stream of tokens, its device lane
+    and where its results land."""
+    tokens: np.ndarray
+    state: SequenceState
+    start: int                  # the position of its first token
+    offset: int                 # its first row's index in the batch's stream
+    boundaries: list[int]       # snapshot positions
+    lane: "Lane | None" = None
+    snaps: dict = field(default_factory=dict)
+    site: object = None         # its Landing site
+    logits: dict = field(default_factory=dict)  # position -> the logits that predict it
+    rows: list = field(default_factory=list)    # every row's logits, when all are asked for
+
+
+@dataclass
+class Segment:
+    """The rows [s, e) of a pass that belong to one prompt, the first at position p0."""
+    prompt: Prompt
+    s: int
+    e: int
+    p0: int
+    cuts: list[int]             # snapshot positions inside, as row counts from s (1..e - s)
+    last: bool                  # the prompt ends here: its recurrent state is the result
+
+    @property
+    def n(self) -> int:
+        return self.e - self.s
+
+
+class Lane:
+    """One sequence's state on the device: each GDN layer's S and conv state, each
+    attention layer's K and V of every position the prompt reaches (fp32)."""
+
+    def __init__(self, device, cfg):
+        self.device, self.cfg = device, cfg
+        self.S = {L: DeviceArray(device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
+                  for L in cfg.gdn_layers}
+        self.conv = {L: DeviceArray(device, (cfg.ssm_conv_kernel - 1, cfg.conv_channels)) for L in cfg.gdn_layers}
+        self.Kc, self.Vc, self.positions = [], [], 0
+
+    def free_kv(self) -> None:
+        for buf in self.Kc + self.Vc:
+            buf.free()
+        self.Kc, self.Vc, self.positions = [], [], 0
+
+    def alloc_kv(self, positions: int) -> None:
+        shape = (positions, self.cfg.n_head_kv, self.cfg.head_dim)
+        self.Kc = [DeviceArray(self.device, shape) for _ in self.cfg.attention_layers]
+        self.Vc = [DeviceArray(self.device, shape) for _ in self.cfg.attention_layers]
+        self.positions = positions
+
+    def free(self) -> None:
+        self.free_kv()
+        for buf in [*self.S.values(), *self.conv.values()]:
+            buf.free()
+
+
+def segment_of(p: Prompt, a: int, b: int) -> Segment:
+    """Prompt p's rows within the pass over the batch's rows [a, b)."""
+    s, e = max(p.offset, a), min(p.offset + len(p.tokens), b)
+    p0 = p.start + s - p.offset
+    return Segment(p, s - a, e - a, p0, [q - p0 for q in p.boundaries if p0 < q <= p0 + e - s],
+                   last=e == p.offset + len(p.tokens))
+
+
+def logit_rows(segments: list[Segment], all_logits: bool) -> dict[int, tuple[Prompt, int]]:
+    """The pass rows whose logits are kept, ascending: row -> (its prompt, the position the
+    logits predict): a snapshot's, a prompt's last, or all of them."""
+    rows = {}
+    for g in segments:
+        wanted = range(g.n) if all_logits else sorted({c - 1 for c in g.cuts} | ({g.n - 1} if g.last else set()))
+        for r in wanted:
+            rows[g.s + r] = (g.prompt, g.p0 + r + 1)
+    return rows
