@@ -12,6 +12,8 @@ A pass of n tokens at positions [p0, p0 + n), top to bottom as the reference rea
 
 Snapshot positions (block boundaries) cut the GDN chunks, so the state there comes
 out of the chunked recurrence as it passes; their conv states, KV and logits too.
+Several prompts may go through together (prefill_batch, batch.py): the row-wise steps
+run over all their rows at once, the mixers over each prompt's rows on its own state.
 """
 from __future__ import annotations
 
