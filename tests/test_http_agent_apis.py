@@ -176,6 +176,7 @@ def test_responses_output_items():
     assert call.name == "read_file" and json.loads(call.arguments) == {"path": "src/ünï.py", "limit": 20}
     assert call.call_id.startswith("call_") and r.status == "completed"
     assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) == (50, 30)
+    assert r.usage.output_tokens_details.reasoning_tokens == RECORDED.index("</think>") + 1    # its tag too
     assert [t.name for t in r.tools] == ["read_file"]
 
 
@@ -192,6 +193,7 @@ def test_responses_stream_is_accumulated_by_the_sdk():
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
     assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
     assert final.output_text == "Reading it." and json.loads(final.output[2].arguments)["limit"] == 20
+    assert final.usage.output_tokens_details.reasoning_tokens == RECORDED.index("</think>") + 1
 
 
 def test_responses_cut_by_the_limit_is_incomplete():

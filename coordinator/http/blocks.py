@@ -33,9 +33,15 @@ class Blocks:
     parser: ToolCallParser
     done: list[Block] = field(default_factory=list)
     open: Block | None = None
+    reasoning_tokens: int = 0   # tokens the parser read inside the reasoning (its tags included)
 
-    def feed(self, text: str) -> list[tuple]:
-        return self._events(self.parser.feed(text)) if text else []
+    def feed(self, text: str, token: bool = False) -> list[tuple]:
+        """The events of the next piece of text; `token`: it is one sampled token's."""
+        before = self.parser.state
+        events = self._events(self.parser.feed(text)) if text else []
+        if token and "reasoning" in (before, self.parser.state):
+            self.reasoning_tokens += 1
+        return events
 
     def finish(self) -> list[tuple]:
         return self._events(self.parser.finish()) + self._close()
@@ -102,7 +108,8 @@ class BlockResponse(GenerationResponse):
         if read is None:
             return
         tokens, msg = read
-        self.blocks.feed("".join(t.text for t in tokens))
+        for t in tokens:
+            self.blocks.feed(t.text, token=t.token >= 0)
         self.blocks.finish()
         await send_json(send, 200, self.whole(msg), {"x-request-id": self.rid})
 
@@ -112,7 +119,7 @@ class BlockResponse(GenerationResponse):
                                 (b"x-request-id", self.rid.encode())]})
         out = self.opening()
         while not isinstance(msg, P.Done):
-            for e in self.blocks.feed(msg.text):
+            for e in self.blocks.feed(msg.text, token=msg.token >= 0):
                 out += self.event(e)
             if self.stream.queue.empty() and out:           # write what has come in one send
                 await self._send_events(send, out)

@@ -16,7 +16,8 @@ failed), carrying the whole response with its usage. Nothing is stored (`store` 
 answered false).
 
 Usage: `input_tokens` counts the whole prompt, `input_tokens_details.cached_tokens` the part
-the prefix cache held; `reasoning_tokens` is 0, as tokens are not attributed to items.
+the prefix cache held; `reasoning_tokens` the tokens generated inside the reasoning (its
+<think> and </think> included).
 """
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ from .responses_request import ResponsesRequest, chat_request
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
 
-def usage(done: P.Done) -> dict:
+def usage(done: P.Done, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_prompt_tokens},
-            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
@@ -84,7 +85,7 @@ class ResponsesResponse(BlockResponse):
                "tools": [t for t in r.tools or () if t.get("type") == "function"], "top_p": r.top_p,
                "truncation": "disabled", "metadata": r.metadata or {}, "user": r.user, "usage": None}
         if done is not None and done.finish_reason != "error":
-            out["usage"] = usage(done)
+            out["usage"] = usage(done, self.blocks.reasoning_tokens)
             if done.finish_reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
