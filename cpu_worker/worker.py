@@ -84,7 +84,7 @@ class CPUWorker:
 
     def event_loop(self) -> None:
         rate, _, _ = measure_prefill_rate(self.engine, self.model.config, [self.probe_tokens])
-        self.link.hello(os.getpid(), getattr(self.engine, "threads", 1), self.model.fingerprint,
+        self.link.hello(os.getpid(), self.engine.threads, self.model.fingerprint,
                         prefill_tok_s=round(rate, 1))
         while self.running:
             busy = bool(self.sequences)
@@ -132,7 +132,7 @@ class CPUWorker:
                 self.sequences.pop(rid, None)
                 self.guarded(rid, seq, self.write_final_snapshot)
                 self.finish(rid, seq, seq.decoder.finish_reason)
-        budget = min(DECODING_PASS_TOKENS if batch else PASS_TOKENS, getattr(self.engine, "max_batch", PASS_TOKENS))
+        budget = min(DECODING_PASS_TOKENS if batch else PASS_TOKENS, self.engine.max_batch)
         budget = max(budget - len(batch), MIN_PROMPT_TOKENS)
         for rid, seq in list(self.sequences.items()):
             pos, tokens = seq.state.position, seq.msg.tokens
@@ -232,9 +232,7 @@ class CPUWorker:
 
     def close(self) -> None:
         self.link.close()
-        close = getattr(self.engine, "close", None)
-        if close:
-            close()
+        self.engine.close()
 
 
 def run_cpu_worker(args) -> int:

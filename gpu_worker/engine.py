@@ -63,6 +63,7 @@ class PrefillStopped(FermoeError):
 
 class GPUEngine:
     name = "gpu"
+    threads = 1              # the host thread that feeds the device
 
     def __init__(self, model: Model, gpu_mem: int | None = None, gpu: int = 0,
                  kv_cache_dtype: str = DEFAULT_KV_DTYPE, max_pass_tokens: int | None = None,
@@ -74,6 +75,7 @@ class GPUEngine:
             raise FermoeError(f"lm_head {lm_head!r} (gpu or cpu), gdn {gdn!r} ({', '.join(GDN_MODES)}), "
                               f"max_pass_tokens {max_pass_tokens} (>= 1)")
         self.model, self.cfg = model, model.config
+        self.max_batch = self.cfg.n_ctx_train        # a prompt of any length: as many passes as it needs
         self.kv_cache_dtype, self.lm_head, self.gdn_mode, self.used_experts = kv_cache_dtype, lm_head, gdn, used_experts
         self._owns_device = device is None
         self.device = device if device is not None else open_device(gpu)
@@ -112,6 +114,13 @@ class GPUEngine:
     def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
         """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on."""
         return self.prefill(tokens, state, all_logits=all_logits)[0]
+
+    def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
+        """Several sequences prefilled in one batch: the logits of each one's last token."""
+        if not segments or len({id(s) for _, s in segments}) != len(segments):
+            raise FermoeError("forward_batch needs one or more distinct sequences")
+        results = self.prefill_batch([PrefillJob(tokens, state) for tokens, state in segments])
+        return np.concatenate([logits for logits, _ in results])
 
     def close(self) -> None:
         """Wait for the device's work; release the CUDA context if this engine opened it."""

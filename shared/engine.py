@@ -29,8 +29,11 @@ def check_tokens(tokens, n_vocab: int) -> np.ndarray:
 
 @runtime_checkable
 class Engine(Protocol):
+    """What the workers and the commands call on an engine."""
     name: str
     kv_cache_dtype: str           # the KV dtype of the states new_state() makes
+    threads: int                  # the CPU threads it computes with (a GPU engine's: its host thread)
+    max_batch: int                # the most tokens one forward_batch segment may hold
 
     def new_state(self) -> SequenceState:
         """An empty sequence of this engine's model."""
@@ -39,15 +42,21 @@ class Engine(Protocol):
         """Run `tokens` after the state's position: logits [T, vocab] of every new
         position (or [1, vocab], the last one's); the state moves on by T."""
 
+    def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
+        """Several distinct sequences together, each with tokens of its own: the logits of
+        each one's last token [n, vocab]; each state moves on by its tokens."""
+
     def close(self) -> None:
         """Release what the engine holds (threads, device memory)."""
 
 
 class ReferenceEngine:
     name = "reference"
+    threads = 1
 
     def __init__(self, model: Model, activations_q8: bool = False, kv_cache_dtype: str = DEFAULT_KV_DTYPE):
         self.model = model
+        self.max_batch = model.config.n_ctx_train       # numpy takes any length at once
         self.activations_q8 = activations_q8        # round activations like the W4A8 kernels
         kv_dtype(kv_cache_dtype)                    # refuse an unknown name now
         self.kv_cache_dtype = kv_cache_dtype
@@ -68,6 +77,8 @@ class ReferenceEngine:
 
     def forward_batch(self, segments) -> np.ndarray:
         """Several (tokens, state) segments: the logits of each one's last token [n, vocab]."""
+        if not segments or len({id(s) for _, s in segments}) != len(segments):
+            raise FermoeError("forward_batch needs one or more distinct sequences")
         return np.concatenate([self.forward(tokens, state, all_logits=False) for tokens, state in segments])
 
     def decode_batch(self, tokens, states) -> np.ndarray:

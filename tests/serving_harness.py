@@ -134,7 +134,7 @@ def local_ids(model_path, prompt_or_ids, n, eos=False, engine="cpu", **sampling)
     try:
         return [t for t in generate(eng, ids, n, SamplingParams(**sampling), stop_ids=stop) if t not in stop]
     finally:
-        getattr(eng, "close", lambda: None)()
+        eng.close()
 
 
 def local_text(model_path, prompt_or_ids, n, eos=False, engine="cpu", **sampling) -> str:

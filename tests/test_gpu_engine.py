@@ -56,9 +56,21 @@ def reference_logits(tiny):
 
 
 def test_the_engines_implement_one_interface(tiny):
+    """Every engine has what the workers call, and its forward_batch gives each sequence
+    the last logits forward() gives it alone."""
     from cpu_worker.native_engine import NativeEngine
     for engine in (ReferenceEngine(tiny), NativeEngine(tiny, threads=1), gpu(tiny, "emulate")):
-        assert isinstance(engine, Engine)
+        assert isinstance(engine, Engine), engine.name
+        assert isinstance(engine.threads, int) and engine.threads >= 1
+        assert isinstance(engine.max_batch, int) and engine.max_batch >= 1
+        segments = [(PROMPT[:20], engine.new_state()), (PROMPT[20:27], engine.new_state())]
+        alone = [engine.forward(t, engine.new_state(), all_logits=False)[0] for t, _ in segments]
+        together = engine.forward_batch(segments)
+        assert together.shape == (2, tiny.config.n_vocab) and [s.position for _, s in segments] == [20, 7]
+        for got, want in zip(together, alone):
+            close(got, want)
+        with pytest.raises(FermoeError, match="distinct sequences"):
+            engine.forward_batch([segments[0], segments[0]])
         engine.close()
 
 
