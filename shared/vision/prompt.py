@@ -129,3 +129,41 @@ def build(ids, images, encode, image_pad_id: int, n_embd: int, merge: int = 2) -
     -> the expanded ids and their TokenMedia; encode(pixels, grid) is the tower's forward."""
     ids, spans = expand(ids, [grid for _, grid in images], image_pad_id, merge)
     return ids, prompt_media(len(ids), spans, [encode(p, g) for p, g in images], n_embd)
+
+
+class ImageEncoder:
+    """PNG/JPEG bytes -> the tower's merged tokens [rows * cols, n_embd] and (rows, cols):
+    the image processor, then forward(pixels, (gh, gw)) (a VisionEngine's encode, or the
+    reference's)."""
+
+    def __init__(self, config, forward, limits=None):
+        from .image import ImageLimits
+        self.config, self.forward, self.limits = config, forward, limits or ImageLimits()
+
+    def __call__(self, data: bytes, name: str = "image") -> tuple[np.ndarray, tuple[int, int]]:
+        from .image import load
+        pixels, (gh, gw) = load(data, self.config, self.limits, name)
+        m = self.config.n_merge
+        return np.asarray(self.forward(pixels, (gh, gw)), np.float32), (gh // m, gw // m)
+
+
+def media_of_images(n_tokens: int, images, n_embd: int, encode: ImageEncoder, start: int = 0) -> TokenMedia:
+    """The TokenMedia of a prompt of n_tokens whose images (each with .data, .start, .rows,
+    .cols: protocol ImageInputs) lie where they say; only the images that reach past
+    `start` (where the prompt resumes) are encoded, as only their rows are read."""
+    spans = [ImageSpan(im.start, im.rows, im.cols) for im in images]
+    for s in spans:
+        if s.start < 0 or s.start + s.n > n_tokens:
+            raise FermoeError(f"an image's tokens [{s.start}, {s.start + s.n}) lie outside the prompt's {n_tokens}")
+    rows, embeds = [], []
+    for i, (s, im) in enumerate(zip(spans, images)):
+        if s.start + s.n <= start:
+            continue
+        e, grid = encode(im.data, f"image {i + 1}")
+        if grid != (s.rows, s.cols):
+            raise FermoeError(f"image {i + 1}: a {grid[0]}x{grid[1]} merged grid, but the prompt holds "
+                              f"{s.rows}x{s.cols} tokens for it")
+        rows.append(np.arange(s.start, s.start + s.n, dtype=np.int64))
+        embeds.append(e)
+    return TokenMedia(positions(n_tokens, spans), np.concatenate(rows) if rows else np.zeros(0, np.int64),
+                      np.concatenate(embeds) if embeds else np.zeros((0, n_embd), np.float32))
