@@ -4,10 +4,13 @@ pixels (the same image and text resume whole, another image never shares past it
 bad images are one clear error each and the daemon serves on."""
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
 import pytest
+
+import httpx
 
 from coordinator.client import Client
 from fermoe.engines import load_engine
@@ -21,7 +24,8 @@ from shared.vision.chat import chat_prompt
 from shared.vision.mmproj import Mmproj
 from shared.vision.prompt import ImageEncoder, media_of_images
 from shared.vision.synth import preset_config, synth_mmproj
-from tests.serving_harness import Daemon, streamed_ids
+from tests.http_server import HttpDaemon
+from tests.serving_harness import streamed_ids
 
 PIL = pytest.importorskip("PIL.Image")
 TEXT = "What is in this picture?"
@@ -50,10 +54,10 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(files):
-    d = Daemon(files[0], "--mmproj", files[1])
+    """The coordinator with the tower, its ZeroMQ endpoint (addr) and its HTTP API (url)."""
+    d = HttpDaemon(files[0], "--mmproj", files[1])
     yield d
-    if d.proc.poll() is None:
-        d.stop()
+    d.stop()
 
 
 def local_ids(files, messages, n: int, seed: int) -> list[int]:
@@ -121,3 +125,30 @@ def test_images_need_a_tower(files):
     model = Model(files[0])
     with pytest.raises(FermoeError, match=r"hold 1 image\(s\), but no vision tower is loaded \(start with --mmproj"):
         chat_prompt(model.tokenizer, chat(png(1)))
+
+
+def _http_chat(daemon, parts, **kw):
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 10, **kw}
+    return httpx.post(f"{daemon.url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_openai_image_url_data_urls(daemon, files):
+    a = png(1)
+    url = "data:image/png;base64," + base64.b64encode(a).decode()
+    r = _http_chat(daemon, [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": TEXT}],
+                   seed=5, temperature=0.8, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    want = Model(files[0]).tokenizer.decode(local_ids(files, chat(a), 10, seed=5))
+    assert r.json()["choices"][0]["message"]["content"] == want
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("https://example.com/cat.png", "http(s) URLs are not fetched"),
+    ("http://127.0.0.1/x.png", "http(s) URLs are not fetched"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("data:image/png,rawbytes", "expected a base64 data: URL"),
+    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "image 1: not a PNG or JPEG"),
+])
+def test_bad_image_urls_are_a_400(daemon, url, problem):
+    r = _http_chat(daemon, [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}])
+    assert r.status_code == 400 and problem in r.json()["error"]["message"], r.text
