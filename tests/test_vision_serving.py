@@ -60,7 +60,7 @@ def daemon(files):
     d.stop()
 
 
-def local_ids(files, messages, n: int, seed: int) -> list[int]:
+def local_ids(files, messages, n: int, seed: int | None, temperature: float = 0.8) -> list[int]:
     """What `fermoe generate --image ... --chat` samples, in this process."""
     from cpu_worker.vision_engine import VisionEngine
     model, tower = Model(files[0]), Mmproj(files[1])
@@ -75,7 +75,7 @@ def local_ids(files, messages, n: int, seed: int) -> list[int]:
         vision.close()
     eng = load_engine("cpu", model, threads=1)
     try:
-        return list(generate(eng, prompt.tokens, n, SamplingParams(temperature=0.8, seed=seed), media=media))
+        return list(generate(eng, prompt.tokens, n, SamplingParams(temperature=temperature, seed=seed), media=media))
     finally:
         eng.close()
 
@@ -152,3 +152,31 @@ def test_openai_image_url_data_urls(daemon, files):
 def test_bad_image_urls_are_a_400(daemon, url, problem):
     r = _http_chat(daemon, [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}])
     assert r.status_code == 400 and problem in r.json()["error"]["message"], r.text
+
+
+def test_the_chat_page_attaches_an_image(daemon, files, tmp_path):
+    """The page in headless chromium: an attached PNG goes out as a data: URL with the text;
+    the reply is the local run's on that image."""
+    import shutil
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("chromium and chromedriver are not installed")
+    from tests.test_http_browser import LAST_REPLY, Browser
+    image = tmp_path / "picture.png"
+    image.write_bytes(png(7))
+    model = Model(files[0])
+    prompt = chat_prompt(model.tokenizer, chat(png(7)), vision=Mmproj(files[1]).config)
+    want = model.tokenizer.decode(local_ids(files, chat(png(7)), 6, seed=None, temperature=0.0))
+    browser = Browser()
+    try:
+        browser.cmd("POST", "/url", {"url": daemon.url + "/"})
+        browser.type("#max-tokens", "6")
+        browser.type("#temperature", "0")
+        browser.type("#message", TEXT)
+        browser.cmd("POST", f"/element/{browser.find('#image')}/value", {"text": str(image)})
+        browser.cmd("POST", f"/element/{browser.find('#send')}/click", {})
+        kind, text, stats = browser.wait_js(LAST_REPLY, "a finished reply")
+        assert browser.js("return document.querySelector('#log .msg.user img').src.startsWith('data:image/png')")
+    finally:
+        browser.close()
+    assert kind == "msg assistant" and f"prompt {len(prompt.tokens)} tokens" in stats
+    assert text == want.split("<|im_end|>")[0]
