@@ -171,3 +171,38 @@ def test_bad_media_is_refused(tiny_model):
         eng.forward([1, 2, 3], eng.new_state(), media=bad)
     with pytest.raises(FermoeError, match="image positions of shape"):
         eng.forward([1, 2], eng.new_state(), media=bad)
+
+
+def test_only_images_past_the_resume_point_are_encoded():
+    from shared import protocol as P
+    from shared.vision.prompt import media_of_images
+    calls = []
+
+    def encode(data, name):
+        calls.append(data)
+        return np.full((6, 4), float(data[0]), np.float32), (2, 3)
+    images = [P.ImageInput(data=b"\1", start=2, rows=2, cols=3), P.ImageInput(data=b"\2", start=10, rows=2, cols=3)]
+    whole = media_of_images(20, images, 4, encode)
+    assert calls == [b"\1", b"\2"] and whole.rows.tolist() == list(range(2, 8)) + list(range(10, 16))
+    calls.clear()
+    resumed = media_of_images(20, images, 4, encode, start=8)          # the first image is in the snapshot
+    assert calls == [b"\2"] and (resumed.embeds == 2).all()
+    np.testing.assert_array_equal(resumed.slice(8, 20).positions, whole.positions[8:])
+    calls.clear()
+    assert len(media_of_images(20, images, 4, encode, start=20).rows) == 0 and calls == []   # a repeated prompt
+    with pytest.raises(FermoeError, match="a 2x3 merged grid, but the prompt holds 3x2"):
+        media_of_images(20, [P.ImageInput(data=b"\1", start=2, rows=3, cols=2)], 4, encode)
+    with pytest.raises(FermoeError, match="outside the prompt"):
+        media_of_images(5, images, 4, encode)
+
+
+def test_cache_keys_follow_the_pixels():
+    from shared.vision.chat import ChatPrompt, PromptImage
+    from shared.vision.prompt import ImageSpan
+    spans = [ImageSpan(2, 2, 3)]
+    tokens = [1, 2] + [9] * 6 + [3]
+    key = lambda digest: ChatPrompt(tokens, spans, [PromptImage(b"", (4, 6), digest)]).cache_key()
+    a, a2, b = key(b"a" * 16), key(b"a" * 16), key(b"b" * 16)
+    assert a == a2 and a[:2] == b[:2] == [1, 2] and a[-1] == b[-1] == 3
+    assert all(x != y for x, y in zip(a[2:8], b[2:8])) and len(set(a[2:8])) == 6
+    assert min(a[2:8]) >= 1 << 30 and max(a[2:8]) < 1 << 31
