@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from shared import protocol as P
-from shared.chat import render_chat
+from shared.vision.chat import chat_prompt
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
@@ -63,6 +63,7 @@ class Coordinator:
         if has_random_weights(self.model.file.metadata):
             log.warning("%s", random_weights_notice(opts.model))
         self.tokenizer = self.model.tokenizer
+        self.vision = self._vision_config(opts)     # the tower's shapes (--mmproj), for images' token counts
         gpus = len(opts.gpus)
         why_not_shared = unshareable(self.model) if gpus else "no GPU worker"
         weight_bytes, sequences = host_footprint(
@@ -97,6 +98,17 @@ class Coordinator:
             P.Sampled: self.handle_sampled, P.SnapshotWritten: self.handle_snapshotwritten,
             P.Finished: self.handle_finished, P.Prefilled: self.handle_prefilled, P.Goodbye: self.handle_goodbye}
         self.stopping = False
+
+    def _vision_config(self, opts):
+        if getattr(opts, "mmproj", None) is None:
+            return None
+        from shared.vision.mmproj import Mmproj
+        tower = Mmproj(opts.mmproj)
+        try:
+            tower.check_text_model(self.model.config.n_embd, opts.model_path)
+            return tower.config
+        finally:
+            tower.close()
 
     def _socket(self, endpoint: str, mandatory: bool = False):
         sock = self.ctx.socket(zmq.ROUTER)
@@ -203,7 +215,7 @@ class Coordinator:
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
-            tokens = self._prompt_tokens(msg)              # (msg.sampling was checked as it was decoded)
+            tokens, chat = self._prompt_tokens(msg)        # (msg.sampling was checked as it was decoded)
             if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
                 raise FermoeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or null: none), got {msg.logprobs}")
             if msg.max_tokens is not None and msg.max_tokens < 0:
@@ -220,6 +232,10 @@ class Coordinator:
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
                       grammar=grammar, marks=self._turn_marks(msg, tokens))
+        if chat is not None and chat.images:
+            req.images = [P.ImageInput(data=im.data, start=s.start, rows=s.rows, cols=s.cols)
+                          for im, s in zip(chat.images, chat.spans)]
+            req.key = chat.cache_key()
         self.requests[req.rid] = req
         self.queue.append(req.rid)
 
@@ -241,17 +257,20 @@ class Coordinator:
             marks.append(i if role_end is None else role_end + 1)
         return marks
 
-    def _prompt_tokens(self, msg: P.Generate) -> list[int]:
+    def _prompt_tokens(self, msg: P.Generate):
+        """(the prompt's token ids, its ChatPrompt with the images or None)."""
         given = [x is not None for x in (msg.prompt, msg.tokens, msg.messages)]
         if sum(given) != 1:
             raise FermoeError("give exactly one of prompt, tokens, messages")
+        chat = None
         if msg.tokens is not None:
             tokens = msg.tokens
         elif msg.prompt is not None:
             tokens = self.tokenizer.encode(msg.prompt)
         else:
-            text = render_chat(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs)
-            tokens = self.tokenizer.encode(text)
+            chat = chat_prompt(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs,
+                               self.vision, max_image_bytes=P.MAX_IMAGE_BYTES)
+            tokens = chat.tokens
         n_vocab = self.model.config.n_vocab
         if not tokens:
             raise FermoeError("the prompt has no tokens")
@@ -262,7 +281,7 @@ class Coordinator:
                      if self.max_model_len == self.model.config.n_ctx_train else f"--max-model-len {self.max_model_len}")
             raise PromptTooLong(f"the prompt is {len(tokens)} tokens, longer than {limit}", len(tokens),
                                 self.max_model_len)
-        return tokens
+        return tokens, chat
 
     def handle_cancel(self, client: bytes, msg: P.Cancel) -> None:
         req = self.requests.get(msg.request_id)
@@ -388,7 +407,7 @@ class Coordinator:
         sequence holds there (every one of them came in a Sampled before this); a block
         boundary's slot is replaced, for the next one."""
         req.decode_slots.remove(msg.slot)
-        tokens = req.tokens + req.generated
+        tokens = list(req.cache_tokens) + req.generated
         if not len(req.tokens) < msg.position <= len(tokens) or not self._slot_from(wid, msg.slot, data):
             log.error("worker %s: decode snapshot at %d of request %s does not match its %d tokens",
                       wid, msg.position, req.rid, len(tokens))
@@ -448,11 +467,11 @@ class Coordinator:
         if req.phase is Phase.HANDED_OFF:
             resume, req.handoff = req.handoff, None
         else:
-            resume = self.index.lookup(req.tokens, replay=replay) if cache else None
+            resume = self.index.lookup(req.cache_tokens, replay=replay) if cache else None
         req.resume = resume
         if not replay:
             req.cached_tokens = resume.position if resume else 0
-        req.planned = self.index.plan(req.tokens, resume.position if resume else 0, req.marks) if cache else []
+        req.planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks) if cache else []
         asked = req.msg.max_tokens
         wanted = DECODE_SLOTS if asked is None else min(DECODE_SLOTS, asked // self.opts.block + 2)
         req.decode_slots = self.index.reserve(wanted) if cache and asked != 0 else []
@@ -473,7 +492,7 @@ class Coordinator:
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
             sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs,
-            grammar=req.grammar), data)
+            grammar=req.grammar, images=req.images), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True,
             worker_done: bool = False) -> None:

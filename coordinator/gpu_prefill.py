@@ -34,10 +34,11 @@ class GPUPrefills:
         """Where a queued request's prompt is prefilled: "gpu" (sent to a GPU worker: off
         the queue), "cpu" (on the CPU worker that decodes it), or "wait" (--prefill gpu with
         every GPU worker busy)."""
-        if req.phase is Phase.HANDED_OFF or req.gpu_failed or self.arena is None or not self.opts.gpus:
+        if (req.phase is Phase.HANDED_OFF or req.gpu_failed or self.arena is None or not self.opts.gpus
+                or req.images):                  # the GPU engine takes no images yet: the CPU worker runs the tower
             return "cpu"
         gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
-        uncached = len(req.tokens) - self.index.cached(req.tokens)
+        uncached = len(req.tokens) - self.index.cached(req.cache_tokens)
         cpus = [w.prefill_tok_s for w in self.workers.values() if w.kind == "cpu" and w.ready and w.prefill_tok_s]
         queued = {w.worker_id: sum(self.requests[r].gpu_tokens for r in w.requests if r in self.requests)
                   for w in gpus}
@@ -54,10 +55,10 @@ class GPUPrefills:
         prompt's end. False if that end cannot be stored (the arena full of pinned entries):
         the prompt is then prefilled on a CPU worker, before any token is sent."""
         replay = req.attempts > 0
-        resume = self.index.lookup(req.tokens, replay=replay)
+        resume = self.index.lookup(req.cache_tokens, replay=replay)
         if not replay:
             req.cached_tokens = resume.position if resume else 0
-        planned = self.index.plan(req.tokens, resume.position if resume else 0, req.marks)
+        planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks)
         if not planned or planned[-1].position != len(req.tokens):
             log.warning("request %s: no snapshot slot free for the end of its prompt: prefilling it on a CPU worker",
                         req.rid)
@@ -101,7 +102,7 @@ class GPUPrefills:
         req.gpu_prefill_ms, req.prefill_batch = msg.prefill_ms, msg.batch_prompts
         req.release(self.index)
         # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it
-        req.handoff, req.phase = self.index.lookup(req.tokens, counted=False), Phase.HANDED_OFF
+        req.handoff, req.phase = self.index.lookup(req.cache_tokens, counted=False), Phase.HANDED_OFF
         return req
 
     def fail_over(self, req: Request) -> None:

@@ -13,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "workers, keeps the prefix snapshot cache and serves clients (`fermoe submit`, "
                                 "ZeroMQ; the OpenAI-compatible HTTP API with --http) until SIGTERM or Ctrl-C.")
     p.add_argument("--model", required=True, help="GGUF path or built-in model name (tiny)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision tower (an mmproj GGUF, llama.cpp's): chat messages may then hold images")
     p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: tcp://127.0.0.1:5557)")
     p.add_argument("--worker-bind", default="tcp://127.0.0.1:*",
                    help="worker endpoint; loopback by default, a routable address lets other hosts' workers in")
@@ -78,6 +80,7 @@ def parse_options(argv=None):
     else:
         opts.snapshot_mem, opts.snapshot_mem_default = parse_size(opts.snapshot_mem), None
     opts.model_path = resolve_model(opts.model)
+    opts.mmproj = os.path.abspath(opts.mmproj) if opts.mmproj else None     # workers start elsewhere
     opts.gpus = _gpus(opts)
     return opts
 

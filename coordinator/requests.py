@@ -57,6 +57,15 @@ class Request:
     prefill_batch: int = 0           # the prompts of its batch there
     handoff: object = None
     gpu_failed: bool = False         # a GPU worker failed it: the prompt runs on a CPU worker
+    # A chat's images (Assign.images) and the prompt as the snapshot index keys it: each image's
+    # tokens replaced by values drawn from its pixels' hash (shared/vision/chat.py); None: tokens.
+    images: list = field(default_factory=list)
+    key: list | None = None
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The prompt as the snapshot index sees it (two images never share a key past their start)."""
+        return self.tokens if self.key is None else self.key
 
     @property
     def rid(self) -> str:

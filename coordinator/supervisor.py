@@ -80,6 +80,8 @@ class Supervisor:
                *self.experts_args]
         if self.opts.numa_interleave:
             cmd.append("--numa-interleave")
+        if getattr(self.opts, "mmproj", None):
+            cmd += ["--mmproj", self.opts.mmproj]
         # own session: a Ctrl-C meant for the coordinator must not kill the workers
         # before it can stop them in order
         self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -16,9 +16,11 @@ from shared.errors import FermoeError
 from shared.expert_segment import EXPERT_TENSORS, expert_tensor_names
 from shared.ggml_types import GGMLType, row_nbytes
 from shared.model import Model, Weight
+from shared.reference import mrope_streams, text_positions
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 
 from shared.topology import default_cpus
+from shared.vision.prompt import media_for
 
 COMPUTE_TYPES = {GGMLType.F32, GGMLType.Q4_0, GGMLType.Q8_0}
 MAX_BATCH = 256         # tokens per native call: scratch grows with it (~60 MB at 256 for the
@@ -170,30 +172,38 @@ class NativeEngine:
     def new_state(self) -> SequenceState:
         return SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.kv_cache_dtype)
 
-    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
-        """Logits of every new position [T, vocab] (or of the last one, [1, vocab])."""
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
+        """Logits of every new position [T, vocab] (or of the last one, [1, vocab]); media:
+        the tokens' images and M-RoPE positions (shared/vision/prompt.TokenMedia)."""
         tokens = check_tokens(tokens, self.model.config.n_vocab)
         state.check_room(len(tokens))
+        if media is not None:
+            media.check(len(tokens), self.model.config.n_embd)
         out = []
         for start in range(0, len(tokens), self.max_batch):
             chunk = tokens[start:start + self.max_batch]
+            part = media.slice(start, start + len(chunk)) if media is not None else None
             last = start + self.max_batch >= len(tokens)
-            out.append(self._run([(chunk, state)], all_logits, want=all_logits or last))
+            out.append(self._run([(chunk, state, part)], all_logits, want=all_logits or last))
         logits = out[0] if len(out) == 1 else np.concatenate([o for o in out if o is not None])
         state.set_logits(logits[-1])
         return logits
 
-    def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
+    def forward_batch(self, segments) -> np.ndarray:
         """Several sequences in one pass, each with tokens of its own (a prompt chunk, or
         the one token it decodes): the logits of each one's last token [n, vocab], bitwise
         what forward(tokens, state, all_logits=False) gives each alone. Each weight is
-        read once per pass of at most max_batch tokens for all the sequences in it."""
-        if not segments or len({id(s) for _, s in segments}) != len(segments):
+        read once per pass of at most max_batch tokens for all the sequences in it.
+        segments: (tokens, state) or (tokens, state, media) each."""
+        if not segments or len({id(s[1]) for s in segments}) != len(segments):
             raise FermoeError("forward_batch needs one or more distinct sequences")
-        checked = [(check_tokens(t, self.model.config.n_vocab), s) for t, s in segments]
-        for tokens, state in checked:
+        checked = [(check_tokens(s[0], self.model.config.n_vocab), s[1], s[2] if len(s) > 2 else None)
+                   for s in segments]
+        for tokens, state, media in checked:
             state.check_room(len(tokens))
-        if max(len(t) for t, _ in checked) > self.max_batch:
+            if media is not None:
+                media.check(len(tokens), self.model.config.n_embd)
+        if max(len(t) for t, _, _ in checked) > self.max_batch:
             raise FermoeError(f"a segment of forward_batch holds more than {self.max_batch} tokens")
         out, group, size = [], [], 0
         for seg in checked + [None]:
@@ -204,7 +214,7 @@ class NativeEngine:
                 group.append(seg)
                 size += len(seg[0])
         logits = out[0] if len(out) == 1 else np.concatenate(out)
-        for (_, state), row in zip(checked, logits):
+        for (_, state, _), row in zip(checked, logits):
             state.set_logits(row)
         return logits
 
@@ -214,14 +224,15 @@ class NativeEngine:
             raise FermoeError("decode_batch needs one token for each of distinct sequences")
         return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
 
-    def _run(self, segments: list[tuple[np.ndarray, SequenceState]], all_logits: bool, want: bool):
-        """One native pass over segments (tokens, state), at most max_batch tokens in all;
-        logits [T, vocab] (all_logits) or [segments, vocab]. `want` False skips the LM
-        head (a prompt chunk before the last)."""
+    def _run(self, segments, all_logits: bool, want: bool):
+        """One native pass over segments (tokens, state, media or None), at most max_batch
+        tokens in all; logits [T, vocab] (all_logits) or [segments, vocab]. `want` False
+        skips the LM head (a prompt chunk before the last)."""
         ffi = self.ffi
         seqs = ffi.new("fm_seq[]", len(segments))
         keep = []
-        for seq, (tokens, state) in zip(seqs, segments):
+        media = [media_for(state, len(tokens), m) for tokens, state, m in segments]
+        for seq, (tokens, state, _) in zip(seqs, segments):
             end = state.position + len(tokens)
             state.kv.reserve(end)
             k_table, v_table = state.kv.page_tables()
@@ -233,17 +244,48 @@ class NativeEngine:
             seq.max_pages, seq.block, seq.position = k_table.shape[1], state.kv.block, state.position
             seq.kv_type = _KV_TYPES[state.kv.dtype_name]
         pointers = ffi.new("fm_seq *[]", [seqs + i for i in range(len(segments))])
-        counts = np.array([len(t) for t, _ in segments], np.int32)
-        tokens = np.ascontiguousarray(np.concatenate([t for t, _ in segments]), dtype=np.int32)
+        counts = np.array([len(s[0]) for s in segments], np.int32)
+        tokens = np.ascontiguousarray(np.concatenate([s[0] for s in segments]), dtype=np.int32)
         rows = len(tokens) if all_logits else len(segments)
         logits = np.empty((rows, self.model.config.n_vocab), np.float32) if want else None
         out = ffi.cast("float *", ffi.from_buffer(logits)) if want else ffi.NULL
-        rc = self.lib.fm_forward(self._ctx, pointers, ffi.cast("int32_t *", ffi.from_buffer(counts)), len(segments),
-                                 ffi.cast("int32_t *", ffi.from_buffer(tokens)), out, int(all_logits))
+        inputs = self._inputs(segments, media, keep) if any(m is not None for m in media) else ffi.NULL
+        rc = self.lib.fm_forward_inputs(self._ctx, pointers, ffi.cast("int32_t *", ffi.from_buffer(counts)),
+                                        len(segments), ffi.cast("int32_t *", ffi.from_buffer(tokens)), inputs,
+                                        out, int(all_logits))
         if rc != 0:
             raise FermoeError("native forward refused its input")
-        for tokens_i, state in segments:
+        for (tokens_i, state, _), m in zip(segments, media):
             end = state.position + len(tokens_i)
             state.position = end
             state.kv.filled_to(end)
+            if m is not None:
+                state.rope_delta = m.next_position() - end
         return logits
+
+    def _inputs(self, segments, media, keep):
+        """The fm_inputs of a pass where some sequence has images or runs after one: every
+        token's (t, h, w) position (text ones from their sequence's), the image rows."""
+        ffi, cfg = self.ffi, self.model.config
+        pos, rows, embeds, n = [], [], [], 0
+        for (tokens, state, _), m in zip(segments, media):
+            row = np.full(len(tokens), -1, np.int32)
+            if m is None:
+                pos.append(text_positions(state.position, len(tokens)))
+            else:
+                pos.append(m.positions)
+                row[m.rows] = n + np.arange(len(m.rows), dtype=np.int32)
+                embeds.append(m.embeds)
+                n += len(m.rows)
+            rows.append(row)
+        arrays = [np.ascontiguousarray(np.concatenate(pos), np.int64), np.concatenate(rows),
+                  np.ascontiguousarray(np.concatenate(embeds) if n else np.zeros((1, cfg.n_embd)), np.float32),
+                  mrope_streams(cfg.rope_dim, cfg.rope_sections)]
+        keep += arrays
+        inputs = ffi.new("fm_inputs *")
+        inputs.rope_pos = ffi.cast("int64_t *", ffi.from_buffer(arrays[0]))
+        inputs.embd_row = ffi.cast("int32_t *", ffi.from_buffer(arrays[1]))
+        inputs.embd = ffi.cast("float *", ffi.from_buffer(arrays[2]))
+        inputs.rope_stream = ffi.cast("int32_t *", ffi.from_buffer(arrays[3]))
+        keep.append(inputs)
+        return inputs

@@ -54,6 +54,7 @@ class Sequence:
     decode_slots: list = field(default_factory=list)   # for snapshots while decoding (Assign.decode_slots)
     decode_gap: bool = False     # a block boundary passed without a slot: later decode snapshots are useless
     decoder: Decoder | None = None
+    media: object = None         # the prompt's images and M-RoPE positions (TokenMedia), None: text
     prefill_ms: float = 0.0
     decode_s: float = 0.0
 
@@ -61,7 +62,8 @@ class Sequence:
 class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
                  cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS,
-                 shared_experts: str | None = None):
+                 shared_experts: str | None = None, mmproj: str | None = None):
+        """mmproj: the vision tower's file; a sequence with images needs it."""
         from shared.builtin import resolve_model
         from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
@@ -71,6 +73,7 @@ class CPUWorker:
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
                          P.DecodeSlots: self.handle_decode_slots}
+        self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
         self.sequences: dict[str, Sequence] = {}
         self._spare: list[bytearray] = []          # recurrent buffers of finished sequences
         self.running = True
@@ -117,8 +120,24 @@ class CPUWorker:
                                       self.engine.kv_cache_dtype, self._spare.pop() if self._spare else None)
         else:
             state = self.engine.new_state()
+        media = self.media(msg, state.position) if msg.images else None
         return Sequence(msg, state, msg.sampling, sorted(msg.snapshots, key=lambda s: s.position),
-                        decode_slots=list(msg.decode_slots))
+                        decode_slots=list(msg.decode_slots), media=media)
+
+    def media(self, msg: P.Assign, start: int):
+        """The TokenMedia of an Assign's prompt: its images through the tower (those its
+        resumed snapshots do not cover: none for a repeated prompt), every token's position."""
+        from shared.vision.prompt import media_of_images
+        if self.mmproj is None:
+            raise FermoeError("the prompt has images, but this worker has no vision tower (--mmproj)")
+        if self._images is None:
+            from shared.vision.mmproj import Mmproj
+            from shared.vision.prompt import ImageEncoder
+            from .vision_engine import VisionEngine
+            tower = Mmproj(self.mmproj)
+            tower.check_text_model(self.model.config.n_embd, self.model.path)
+            self._images = ImageEncoder(tower.config, VisionEngine(tower, getattr(self.engine, "threads", 1)).encode)
+        return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
 
     def work_round(self) -> None:
         """One forward pass: a token for each decoding sequence, then prompt chunks."""
@@ -147,7 +166,7 @@ class CPUWorker:
     def run_pass(self, batch) -> None:
         t0 = time.perf_counter()
         try:
-            logits = self.engine.forward_batch([(tokens, seq.state) for _, seq, tokens in batch])
+            logits = self.engine.forward_batch([self._segment(seq, tokens) for _, seq, tokens in batch])
         except Exception as e:                  # the pass failed: every sequence in it did
             log.exception("forward pass failed")
             for rid, seq, _ in batch:
@@ -164,6 +183,14 @@ class CPUWorker:
             else:
                 seq.prefill_ms += 1000 * elapsed
                 self.guarded(rid, seq, self.write_snapshots)
+
+    @staticmethod
+    def _segment(seq: Sequence, tokens):
+        """A forward_batch segment: a prompt chunk with images carries its part of the media."""
+        if seq.media is None or seq.decoder is not None:
+            return tokens, seq.state
+        pos = seq.state.position
+        return tokens, seq.state, seq.media.slice(pos, pos + len(tokens))
 
     def write_boundary_snapshot(self, rid: str, seq: Sequence) -> None:
         """At a block boundary while decoding: a snapshot into a decode slot, keeping one
@@ -244,7 +271,7 @@ def run_cpu_worker(args) -> int:
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory,
-                       shared_experts=args.shared_experts)
+                       shared_experts=args.shared_experts, mmproj=args.mmproj)
     return serve_until_stopped(worker)
 
 
@@ -256,6 +283,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", default=None, help="comma-separated CPUs to pin to (default: the node's physical cores)")
     p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
     p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
+    p.add_argument("--mmproj", default=None, help="the model's vision tower (mmproj GGUF): prompts with images")
     return worker_main("cpu_worker", p, run_cpu_worker, argv)
 
 

@@ -39,6 +39,55 @@ def _add_mmproj(p: argparse.ArgumentParser):
                    help="the model's vision tower: an mmproj GGUF (llama.cpp's), checked against the model")
 
 
+def _add_image(p: argparse.ArgumentParser):
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="a PNG or JPEG image before the prompt's text in the user message (repeatable, in "
+                        "order; needs --chat and --mmproj)")
+
+
+def _chat_ids(args, model, prompt: str):
+    """The token ids of a chat prompt (with args.image: expanded) and its TokenMedia or None."""
+    from shared.vision.chat import chat_prompt
+    from shared.vision.prompt import media_of_images
+    images = []
+    for path in args.image:
+        try:
+            images.append({"type": "image", "data": Path(path).read_bytes()})
+        except OSError as e:
+            raise FermoeError(f"--image {path}: {e.strerror or e}") from None
+    if images and model.mmproj is None:
+        raise FermoeError("--image needs --mmproj FILE (the model's vision tower)")
+    content = images + [{"type": "text", "text": prompt}] if images else prompt
+    vision = model.mmproj.config if model.mmproj is not None else None
+    chat = chat_prompt(model.tokenizer, [{"role": "user", "content": content}], vision=vision)
+    if not images:
+        return chat.tokens, None
+    inputs = [_ImageAt(im.data, s.start, s.rows, s.cols) for im, s in zip(chat.images, chat.spans)]
+    encoder, close = _image_encoder(args, model)
+    try:
+        return chat.tokens, media_of_images(len(chat.tokens), inputs, model.config.n_embd, encoder)
+    finally:
+        close()
+
+
+class _ImageAt:
+    def __init__(self, data, start, rows, cols):
+        self.data, self.start, self.rows, self.cols = data, start, rows, cols
+
+
+def _image_encoder(args, model):
+    """(the tower as the engine asks, what closes it): the float64 reference with --engine
+    reference, else the CPU's."""
+    from shared.vision.prompt import ImageEncoder
+    tower = model.mmproj
+    if args.engine == "reference":
+        from shared.vision.reference import encode_image
+        return ImageEncoder(tower.config, lambda pixels, grid: encode_image(tower, pixels, grid)), lambda: None
+    from cpu_worker.vision_engine import VisionEngine
+    engine = VisionEngine(tower, threads=args.threads)
+    return ImageEncoder(tower.config, engine.encode), engine.close
+
+
 def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--engine", default="cpu",
                    help="cpu (native W4A8 kernels, the default), gpu (prefill on the GPU, decode on the cpu "
@@ -119,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt(p, required=True)
     _add_n_predict(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    _add_image(p)
     _add_sampling(p)
 
     p = sub.add_parser("logits", help="write the float32 [T, vocab] logits of every prompt position",
@@ -126,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--tokens", help="comma-separated token ids")
     p.add_argument("--prompt", help="text to tokenize (instead of --tokens), taken as given")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    _add_image(p)
     p.add_argument("--out", required=True, help="output .npy file")
 
     p = sub.add_parser("convert", help="Hugging Face checkpoint -> GGUF",
@@ -241,12 +293,20 @@ def cmd_generate(args) -> None:
     if args.engine == "gpu":        # the prompt on the GPU, the tokens on the CPU from the state it hands over
         prefill, engine = engine, _engine(args, model, "cpu")
     tok = model.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    ids = tok.encode(text)
+    if args.image and not args.chat:
+        raise FermoeError("--image needs --chat: the chat template places the image")
+    media = None
+    if args.chat:
+        ids, media = _chat_ids(args, model, args.prompt)
+    else:
+        ids = tok.encode(args.prompt)
+    if media is not None and prefill is not None:
+        raise FermoeError("--image with --engine gpu: the GPU engine takes no images yet (use --engine cpu)")
     params = _sampling(args)
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
-    for i, token in enumerate(generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill)):
+    for i, token in enumerate(generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill,
+                                       media=media)):
         if i == 0:              # the options all checked: any error came as the only line
             _notices(args, model.file.metadata, model.path)
         if token in stop_ids:
@@ -260,7 +320,14 @@ def cmd_logits(args) -> None:
     model, engine = _open(args)
     if (args.tokens is None) == (args.prompt is None):
         raise FermoeError("give exactly one of --tokens and --prompt")
-    if args.tokens is not None:
+    if (args.chat or args.image) and args.prompt is None:
+        raise FermoeError("--chat and --image take --prompt (the user message's text), not --tokens")
+    if args.image and not args.chat:
+        raise FermoeError("--image needs --chat: the chat template places the image")
+    media = None
+    if args.chat:
+        ids, media = _chat_ids(args, model, args.prompt)
+    elif args.tokens is not None:
         try:
             ids = [int(t) for t in args.tokens.split(",") if t.strip()]
         except ValueError:
@@ -270,7 +337,9 @@ def cmd_logits(args) -> None:
     bad = [t for t in ids if not 0 <= t < model.config.n_vocab]
     if not ids or bad:
         raise FermoeError(f"token ids must be in [0, {model.config.n_vocab}); got {bad or 'none'}")
-    logits = engine.forward(ids, engine.new_state())
+    if media is not None and args.engine == "gpu":
+        raise FermoeError("--image with --engine gpu: the GPU engine takes no images yet (use --engine cpu)")
+    logits = engine.forward(ids, engine.new_state(), **({"media": media} if media is not None else {}))
     engine.close()
     np.save(args.out, logits.astype(np.float32))
     print(f"wrote {args.out}: {logits.shape[0]} positions x {logits.shape[1]} logits", file=sys.stderr)

@@ -61,6 +61,11 @@ class PrefillStopped(FermoeError):
     """A prefill ended early because its caller asked (a cancelled request)."""
 
 
+def _text_only(media) -> None:
+    if media is not None:
+        raise FermoeError("the GPU engine takes no images yet: prefill prompts with images on the CPU (--engine cpu)")
+
+
 class GPUEngine:
     name = "gpu"
     threads = 1              # the host thread that feeds the device
@@ -111,15 +116,18 @@ class GPUEngine:
         in it by asynchronous copies while later layers compute."""
         return self.land.pinned_state(SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype))
 
-    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
         """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on."""
+        _text_only(media)
         return self.prefill(tokens, state, all_logits=all_logits)[0]
 
     def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
         """Several sequences prefilled in one batch: the logits of each one's last token."""
-        if not segments or len({id(s) for _, s in segments}) != len(segments):
+        if not segments or len({id(s[1]) for s in segments}) != len(segments):
             raise FermoeError("forward_batch needs one or more distinct sequences")
-        results = self.prefill_batch([PrefillJob(tokens, state) for tokens, state in segments])
+        for s in segments:
+            _text_only(s[2] if len(s) > 2 else None)
+        results = self.prefill_batch([PrefillJob(s[0], s[1]) for s in segments])
         return np.concatenate([logits for logits, _ in results])
 
     def close(self) -> None:

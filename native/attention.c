@@ -17,11 +17,13 @@ typedef struct {
 } attn_ctx;
 
 /* The rotations of NeoX RoPE at one position, pair i = (i, i + rope_dim/2): computed
- * once a token for all its heads, not per head: pow, cos and sin are costly calls. */
-static void rope_angles(int64_t pos, int rope_dim, float theta, float *cs, float *sn) {
+ * once a token for all its heads, not per head: pow, cos and sin are costly calls.
+ * pos3: the (t, h, w) M-RoPE position, pair i turning by pos3[stream[i]]; stream NULL:
+ * all three are pos3[0] (text), the same products. */
+static void rope_angles(const int64_t *pos3, const int32_t *stream, int rope_dim, float theta, float *cs, float *sn) {
     for (int i = 0; i < rope_dim / 2; i++) {
         double inv_freq = 1.0 / pow(theta, (double)(2 * i) / rope_dim);
-        float angle = (float)(pos * inv_freq);
+        float angle = (float)(pos3[stream ? stream[i] : 0] * inv_freq);
         cs[i] = cosf(angle), sn[i] = sinf(angle);
     }
 }
@@ -55,8 +57,10 @@ static void prepare_task(void *p, int t, int worker) {
     int hd = m->head_dim, nkv = m->n_head_kv, kvw = nkv * hd, slot = a->l->attn_slot;
     const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
     int64_t pos = a->c->tok_pos[t];
+    const fm_inputs *in = a->c->inputs;
     float cs[m->rope_dim / 2 + 1], sn[m->rope_dim / 2 + 1];
-    rope_angles(pos, m->rope_dim, m->rope_theta, cs, sn);
+    rope_angles(in ? in->rope_pos + 3 * (size_t)t : &pos, in ? in->rope_stream : NULL, m->rope_dim, m->rope_theta,
+                cs, sn);
     for (int h = 0; h < m->n_head; h++) {
         float *q = a->qg + ((size_t)t * m->n_head + h) * 2 * hd;
         fm_rmsnorm(q, q, a->l->attn_q_norm.data, hd, m->rms_eps);

@@ -27,6 +27,7 @@ struct fm_ctx {
     int32_t *seq_first, *seq_count; /* [max_tokens] */
     int32_t *tok_seq;               /* [max_tokens] the sequence of each token */
     int64_t *tok_pos;               /* [max_tokens] the position of each token */
+    const fm_inputs *inputs;        /* images and M-RoPE positions of the pass's tokens, or NULL */
     double seconds[FM_N_PHASES];    /* where the time went, by phase (fm_ctx_times) */
     double region_seconds[FM_N_PHASES]; /* of which inside parallel regions (fm_ctx_region_times) */
     double regions_at;              /* the pool's region seconds at the last phase boundary */

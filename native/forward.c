@@ -123,15 +123,26 @@ static int plan(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seq
 
 int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
                float *logits, int all_logits) {
+    return fm_forward_inputs(c, seqs, counts, n_seqs, tokens, NULL, logits, all_logits);
+}
+
+int fm_forward_inputs(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
+                      const fm_inputs *inputs, float *logits, int all_logits) {
     const fm_model *m = c->m;
     int T = plan(c, seqs, counts, n_seqs);
     if (T < 1) return -1;
     for (int t = 0; t < T; t++)
         if (tokens[t] < 0 || tokens[t] >= m->n_vocab) return -1;
+    if (inputs && (!inputs->rope_pos || !inputs->rope_stream || !inputs->embd_row)) return -1;
     int D = m->n_embd;
     double t0 = fm_now();
     c->regions_at = fm_pool_region_seconds(c->pool);
-    for (int t = 0; t < T; t++) fm_dequant_row(&m->token_embd, tokens[t], c->x + (size_t)t * D);
+    c->inputs = inputs;
+    for (int t = 0; t < T; t++) {
+        int32_t row = inputs ? inputs->embd_row[t] : -1;
+        if (row >= 0) memcpy(c->x + (size_t)t * D, inputs->embd + (size_t)row * D, (size_t)D * sizeof(float));
+        else fm_dequant_row(&m->token_embd, tokens[t], c->x + (size_t)t * D);
+    }
     for (int i = 0; i < m->n_layer; i++) {
         const fm_layer *l = &m->layers[i];
         norm_rows(c, c->xn, c->x, &l->attn_norm, T);
@@ -149,6 +160,7 @@ int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs
     if (logits) lm_head(c, T, logits, all_logits);
     phase_end(c, logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER, t0);
     for (int i = 0; i < n_seqs; i++) seqs[i]->position += counts[i];
+    c->inputs = NULL;
     return 0;
 }
 

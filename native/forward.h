@@ -26,6 +26,22 @@ void fm_ctx_destroy(fm_ctx *c);
 int fm_forward(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
                float *logits, int all_logits);
 
+/* What a pass's tokens carry besides their ids (images, shared/vision/prompt.py):
+ * embd_row[t] >= 0 takes token t's input from row embd_row[t] of embd instead of the
+ * token embedding; rope_pos[t] is its (t, h, w) M-RoPE position, and frequency pair i
+ * of the rotary turns by rope_pos[t][rope_stream[i]] (a position in the sequence still
+ * orders the KV and the causal mask). */
+typedef struct {
+    const float *embd;          /* [rows][n_embd] */
+    const int32_t *embd_row;    /* [T] a row of embd, or -1: the token's own embedding */
+    const int64_t *rope_pos;    /* [T][3] */
+    const int32_t *rope_stream; /* [rope_dim / 2] 0, 1 or 2 */
+} fm_inputs;
+
+/* fm_forward with inputs (NULL: text, the positions those of the sequence). */
+int fm_forward_inputs(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
+                      const fm_inputs *inputs, float *logits, int all_logits);
+
 /* Wall time spent in each phase since the context was created or last reset:
  * Gated DeltaNet blocks, attention blocks, MoE blocks, LM head, the rest (norms,
  * embedding). For `fermoe bench decode`'s breakdown. */

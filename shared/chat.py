@@ -46,11 +46,40 @@ def function_tools(tools) -> list[dict]:
     return kept
 
 
+def _parts(content):
+    """Content parts as the template reads them: {"type": "text", "text": ...} and, for an image,
+    {"type": "image"} (its bytes stay out of the template: chat_images() hands them on)."""
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None) or type(part).__name__
+        if kind in ("image", "ImagePart"):
+            out.append({"type": "image"})
+        else:
+            out.append({"type": "text", "text": part["text"] if isinstance(part, dict) else part.text})
+    return out
+
+
+def chat_images(messages) -> list[bytes]:
+    """The image bytes of a chat's messages, in the order the template places them."""
+    images = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else m.content
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image":
+                images.append(part["data"])
+            elif not isinstance(part, dict) and hasattr(part, "data"):
+                images.append(part.data)
+    return images
+
+
 def template_messages(messages) -> list[dict]:
     """Protocol ChatMessages (or dicts of their fields) as the template's message mappings."""
     out = []
     for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else m.content
         m = msgspec.to_builtins(m) if not isinstance(m, dict) else dict(m)
+        if isinstance(content, list):
+            m["content"] = _parts(content)
         m = {k: v for k, v in m.items() if v is not None}
         if m.get("role") == "developer":
             m["role"] = "system"

@@ -38,9 +38,11 @@ class Engine(Protocol):
     def new_state(self) -> SequenceState:
         """An empty sequence of this engine's model."""
 
-    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
         """Run `tokens` after the state's position: logits [T, vocab] of every new
-        position (or [1, vocab], the last one's); the state moves on by T."""
+        position (or [1, vocab], the last one's); the state moves on by T. media: the
+        tokens' images and M-RoPE positions (shared/vision/prompt.TokenMedia), or None
+        for text."""
 
     def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
         """Several distinct sequences together, each with tokens of its own: the logits of
@@ -64,22 +66,24 @@ class ReferenceEngine:
     def new_state(self) -> SequenceState:
         return SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.kv_cache_dtype)
 
-    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
         """Logits [T, vocab] of every new position (or [1, vocab] of the last one);
         the state moves on by len(tokens)."""
         from .reference import ACTIVATIONS_Q8, forward
         token = ACTIVATIONS_Q8.set(self.activations_q8)
         try:
-            logits = forward(self.model, tokens, state)
+            logits = forward(self.model, tokens, state, media)
             return logits if all_logits else logits[-1:]
         finally:
             ACTIVATIONS_Q8.reset(token)
 
     def forward_batch(self, segments) -> np.ndarray:
-        """Several (tokens, state) segments: the logits of each one's last token [n, vocab]."""
-        if not segments or len({id(s) for _, s in segments}) != len(segments):
+        """Several (tokens, state) or (tokens, state, media) segments: the logits of each
+        one's last token [n, vocab]."""
+        if not segments or len({id(s[1]) for s in segments}) != len(segments):
             raise FermoeError("forward_batch needs one or more distinct sequences")
-        return np.concatenate([self.forward(tokens, state, all_logits=False) for tokens, state in segments])
+        return np.concatenate([self.forward(s[0], s[1], all_logits=False, media=s[2] if len(s) > 2 else None)
+                               for s in segments])
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         """One new token for each of several sequences: their logits [n, vocab]."""

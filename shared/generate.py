@@ -55,18 +55,20 @@ class Decoder:
 
 
 def generate(engine, prompt_ids: list[int], max_tokens: int | None, params: SamplingParams,
-             stop_ids=frozenset(), state=None, prefill=None) -> Iterator[int]:
+             stop_ids=frozenset(), state=None, prefill=None, media=None) -> Iterator[int]:
     """Yield up to max_tokens sampled tokens (None: until the context is full); stops after a token in stop_ids. The
     prompt runs on `prefill` (another engine: the GPU's) when given, and is closed
-    after it; engine decodes on from the state it leaves."""
+    after it; engine decodes on from the state it leaves. media: the prompt's images and
+    M-RoPE positions (shared/vision/prompt.TokenMedia)."""
     if not prompt_ids:
         raise FermoeError("the prompt has no tokens")
     state = state or engine.new_state()
+    kw = {"media": media} if media is not None else {}
     if prefill is not None:
-        logits = prefill.forward(prompt_ids, state, all_logits=False)[-1]
+        logits = prefill.forward(prompt_ids, state, all_logits=False, **kw)[-1]
         prefill.close()
     else:
-        logits = engine.forward(prompt_ids, state, all_logits=False)[-1]
+        logits = engine.forward(prompt_ids, state, all_logits=False, **kw)[-1]
     decoder = Decoder(engine, state, logits, prompt_ids, params, max_tokens, stop_ids)
     while decoder.finish_reason is None:
         yield decoder.step()

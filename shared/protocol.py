@@ -25,6 +25,9 @@ from .sampling import SamplingParams
 # longer contexts and for text of many bytes a token.
 MAX_MESSAGE_BYTES = 64 << 20
 _limit = MAX_MESSAGE_BYTES
+# The largest image a chat message may carry (its PNG or JPEG bytes); the coordinator
+# refuses a larger one by name. Its pixels are bounded apart (shared/vision/image.py).
+MAX_IMAGE_BYTES = 20 << 20
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -45,11 +48,23 @@ class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
     type: str = "function"
 
 
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """Text within a message's content parts."""
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
+    """An image within a message's content parts: its PNG or JPEG bytes (MessagePack bin),
+    at most MAX_IMAGE_BYTES. Needs a coordinator started with --mmproj (the vision tower)."""
+    data: bytes
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     """One message of a chat; the optional fields are those the model's chat template reads
-    (an assistant's reasoning and tool calls, a tool result's call id and name)."""
+    (an assistant's reasoning and tool calls, a tool result's call id and name). content:
+    text, or parts in order (text and images: the template places each image's tokens)."""
     role: str
-    content: str | None = ""
+    content: str | list[TextPart | ImagePart] | None = ""
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -212,6 +227,15 @@ class SnapshotRef(msgspec.Struct, forbid_unknown_fields=True):
     position: int
 
 
+class ImageInput(msgspec.Struct, forbid_unknown_fields=True):
+    """An image of an Assign's prompt: its bytes, and where its merged tokens lie in
+    `tokens`: [start, start + rows * cols), a rows x cols grid (the worker checks it)."""
+    data: bytes
+    start: int
+    rows: int
+    cols: int
+
+
 class Assign(_Msg, tag="assign"):
     """coordinator -> worker: run a sequence. The worker restores `resume` (chain slots
     in block order, the last one also holding the recurrent state), prefills the rest of
@@ -231,6 +255,9 @@ class Assign(_Msg, tag="assign"):
     # the request's Constraint as llguidance's grammar (its JSON form), the reasoning before it
     # included, compiled by the coordinator: the worker masks every token with it
     grammar: str | None = None
+    # the prompt's images, in order: the worker runs the vision tower for those its resumed
+    # snapshots do not cover, and gives every token its M-RoPE position
+    images: list[ImageInput] = []
 
 
 class Stop(_Msg, tag="stop"):

@@ -68,19 +68,52 @@ def rope_angles(positions, rope_dim, theta) -> np.ndarray:
     return (np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]).astype(F32)
 
 
-def rope(x, positions, rope_dim, theta):
-    """NeoX-style RoPE on the first rope_dim dims of each head: pairs (i, i + rope_dim/2).
+# ---- M-RoPE: the (t, h, w) positions of Qwen3.5's text rotary ---------------------
+#
+# Every token has three positions: a text token (p, p, p), an image token (p0, p0 + row,
+# p0 + col) on the merged patch grid of its image, which starts at p0; the text after an
+# image goes on from p0 + max(rows, cols), so a sequence's next position runs behind its
+# length by `rope delta` (SequenceState.rope_delta). Frequency pair i turns by one of the
+# three (HF's apply_interleaved_mrope, llama.cpp's IMROPE): h where i % 3 == 1 and
+# i < 3 * sections[1], w where i % 3 == 2 and i < 3 * sections[2], t everywhere else. With
+# the three equal (all text) this is plain RoPE, bit for bit.
 
-    Text positions make Qwen3.5's interleaved M-RoPE sections identical, so this is
-    plain 1-D RoPE. x: [T, heads, head_dim]."""
+def mrope_streams(rope_dim: int, sections) -> np.ndarray:
+    """Which position (0 t, 1 h, 2 w) turns each of the rope_dim/2 frequency pairs [int32]."""
+    i = np.arange(rope_dim // 2)
+    stream = np.zeros(len(i), np.int32)
+    stream[(i % 3 == 1) & (i < 3 * sections[1])] = 1
+    stream[(i % 3 == 2) & (i < 3 * sections[2])] = 2
+    return stream
+
+
+def text_positions(start: int, n: int) -> np.ndarray:
+    """The (t, h, w) positions [n, 3] of n text tokens from M-RoPE position `start`."""
+    return np.repeat(np.arange(start, start + n, dtype=np.int64)[:, None], 3, axis=1)
+
+
+def mrope_angles(positions3, rope_dim, theta, sections) -> np.ndarray:
+    """rope_angles of (t, h, w) positions [T, 3]: each pair turned by its own stream's position."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    pos = np.asarray(positions3, np.float64)[:, mrope_streams(rope_dim, sections)]
+    return (pos * inv_freq[None, :]).astype(F32)
+
+
+def rope_turn(x, angle, rope_dim):
+    """NeoX-style RoPE on the first rope_dim dims of each head: pairs (i, i + rope_dim/2)
+    turned by angle [T, rope_dim/2]. x: [T, heads, head_dim]."""
     half = rope_dim // 2
-    angle = rope_angles(positions, rope_dim, theta)
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:rope_dim]
     out = x.copy()
     out[..., :half] = x1 * cos - x2 * sin
     out[..., half:rope_dim] = x2 * cos + x1 * sin
     return out
+
+
+def rope(x, positions, rope_dim, theta):
+    """RoPE at 1-D positions (text: the three M-RoPE positions equal). x: [T, heads, head_dim]."""
+    return rope_turn(x, rope_angles(positions, rope_dim, theta), rope_dim)
 
 
 # ---- Gated DeltaNet --------------------------------------------------------
@@ -133,18 +166,22 @@ def gated_deltanet(layer: Layer, x, cfg: ModelConfig, state: SequenceState):
 
 
 # ---- gated attention -------------------------------------------------------
-def gated_attention(layer: Layer, x, cfg: ModelConfig, state: SequenceState):
+def gated_attention(layer: Layer, x, cfg: ModelConfig, state: SequenceState, rope_pos=None):
+    """rope_pos: the tokens' (t, h, w) positions [T, 3]; None: text from the state's next one."""
     T, nh, nkv, hd = len(x), cfg.n_head, cfg.n_head_kv, cfg.head_dim
     slot = state.attn_slot[layer.index]
     start = state.position
-    positions = np.arange(start, start + T)
+    positions = np.arange(start, start + T)                   # in the sequence (the causal mask)
+    if rope_pos is None:
+        rope_pos = text_positions(start + state.rope_delta, T)
+    angle = mrope_angles(rope_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_sections)
     # W_q gives per head [query | gate], interleaved head by head.
     qg = linear(x, layer.attn_q).reshape(T, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nh * hd)
     k = linear(x, layer.attn_k).reshape(T, nkv, hd)
     v = linear(x, layer.attn_v).reshape(T, nkv, hd)
-    q = rope(rms_norm(q, layer.attn_q_norm.f32(), cfg.rms_eps), positions, cfg.rope_dim, cfg.rope_theta)
-    k = rope(rms_norm(k, layer.attn_k_norm.f32(), cfg.rms_eps), positions, cfg.rope_dim, cfg.rope_theta)
+    q = rope_turn(rms_norm(q, layer.attn_q_norm.f32(), cfg.rms_eps), angle, cfg.rope_dim)
+    k = rope_turn(rms_norm(k, layer.attn_k_norm.f32(), cfg.rms_eps), angle, cfg.rope_dim)
     state.kv.append(slot, k, v)
     keys, values = state.kv.view(slot)                        # [P, nkv, hd]
 
@@ -207,27 +244,38 @@ def moe(layer: Layer, x, cfg: ModelConfig):
 
 
 # ---- the model -------------------------------------------------------------
-def block(layer: Layer, h, cfg: ModelConfig, state: SequenceState):
+def block(layer: Layer, h, cfg: ModelConfig, state: SequenceState, rope_pos=None):
     """One decoder layer: h += mixer(norm1(h)); h += moe(norm2(h))."""
     x = rms_norm(h, layer.attn_norm.f32(), cfg.rms_eps)
     if layer.kind == "attention":
-        h = h + gated_attention(layer, x, cfg, state)
+        h = h + gated_attention(layer, x, cfg, state, rope_pos)
     else:
         h = h + gated_deltanet(layer, x, cfg, state)
     x = rms_norm(h, layer.post_attention_norm.f32(), cfg.rms_eps)
     return h + moe(layer, x, cfg)
 
 
-def forward(model: Model, tokens, state: SequenceState) -> np.ndarray:
-    """Advance `state` by `tokens`; return the logits of every new position [T, vocab]."""
+def forward(model: Model, tokens, state: SequenceState, media=None) -> np.ndarray:
+    """Advance `state` by `tokens`; return the logits of every new position [T, vocab].
+
+    media (shared/vision/prompt.TokenMedia, for these tokens): image embeddings that
+    replace some tokens' own, and every token's (t, h, w) position; the state's rope
+    delta then follows the last one. Without it the tokens are text."""
     cfg = model.config
     tokens = np.asarray(tokens, dtype=np.int64)
     state.check_room(len(tokens))
     h = model.token_embd.take(tokens)
+    rope_pos = None
+    if media is not None:
+        media.check(len(tokens), cfg.n_embd)
+        h[media.rows] = media.embeds
+        rope_pos = media.positions
     for layer in model.layers:
-        h = block(layer, h, cfg, state)
+        h = block(layer, h, cfg, state, rope_pos)
     h = rms_norm(h, model.output_norm.f32(), cfg.rms_eps)
     logits = linear(h, model.output)
     state.position += len(tokens)
+    if media is not None:
+        state.rope_delta = media.next_position() - state.position
     state.set_logits(logits[-1])
     return logits

@@ -11,7 +11,9 @@ Recurrent part, one contiguous buffer of fixed size per model (little-endian):
     16  model fingerprint           16 ASCII hex chars
     32  position                    u64   tokens consumed so far
     40  n_gdn_layers, n_vocab       u32, u32
-    48  reserved                    16 bytes
+    48  rope delta                  i64   M-RoPE position of the next token less `position`
+                                          (0 for text; an image's tokens take fewer positions)
+    56  reserved                    8 bytes
     64  S      [n_gdn][v_heads, k_dim, v_dim]   fp32   (o = S^T q; HF's layout)
     ..  conv   [n_gdn][kernel-1, conv_channels] fp32   (oldest input first)
     ..  logits [n_vocab]                        fp32   (of the last position)
@@ -189,6 +191,16 @@ class SequenceState:
     @position.setter
     def position(self, value: int) -> None:
         struct.pack_into("<Q", self.buffer, 32, value)
+
+    @property
+    def rope_delta(self) -> int:
+        """The next token's M-RoPE position less `position`: 0 until an image, whose
+        tokens span fewer positions than they are many (Qwen3.5's get_rope_index)."""
+        return struct.unpack_from("<q", self.buffer, 48)[0]
+
+    @rope_delta.setter
+    def rope_delta(self, value: int) -> None:
+        struct.pack_into("<q", self.buffer, 48, value)
 
     @property
     def room(self) -> int:

@@ -38,7 +38,8 @@ QWEN_SPECIAL_TOKENS = (
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 )
 
-# ChatML, as Qwen3 writes it; enable_thinking=false pre-fills an empty think block.
+# ChatML, as Qwen3 writes it; enable_thinking=false pre-fills an empty think block; an image
+# part is `<|vision_start|><|image_pad|><|vision_end|>`, as Qwen3.5's template writes it.
 CHAT_TEMPLATE = """\
 {%- for message in messages %}
 {%- if message.role not in ['system', 'user', 'assistant'] %}
@@ -47,7 +48,15 @@ CHAT_TEMPLATE = """\
 {%- if message.content is string %}
 {%- set content = message.content %}
 {%- else %}
-{%- set content = message.content | selectattr('type', 'eq', 'text') | map(attribute='text') | join %}
+{%- set ns = namespace(content='') %}
+{%- for part in message.content %}
+{%- if part.type == 'image' %}
+{%- set ns.content = ns.content + '<|vision_start|><|image_pad|><|vision_end|>' %}
+{%- else %}
+{%- set ns.content = ns.content + part.text %}
+{%- endif %}
+{%- endfor %}
+{%- set content = ns.content %}
 {%- endif %}
 {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
 {%- endfor %}

@@ -56,3 +56,52 @@ def test_bench_vision_prints_json():
     assert out["threads"] == 1 and image["grid"] == [14, 20] and image["tokens"] == 70 and image["encode_s"] > 0
     run = fermoe("bench", "vision", "--sizes", "big", check=False)
     assert run.returncode == 2 and "expected WIDTHxHEIGHT" in run.stderr
+
+
+def _png(path, seed: int, size=(256, 256)):
+    from PIL import Image
+    import numpy as np
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, size + (3,), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_generate_and_logits_take_images(tmp_path):
+    import numpy as np
+    model, tower = tmp_path / "m.gguf", tmp_path / "mmproj.gguf"
+    fermoe("synth", model, "--layers", 2, "--mmproj", tower, "--mmproj-type", "f32")
+    a, b = _png(tmp_path / "a.png", 1), _png(tmp_path / "b.png", 2)
+    out = tmp_path / "l.npy"
+    fermoe("logits", model, "--mmproj", tower, "--chat", "--image", a, "--image", b, "--prompt", "hi",
+           "--out", out, "-t", 1)
+    text_only = tmp_path / "t.npy"
+    fermoe("logits", model, "--chat", "--prompt", "hi", "--out", text_only, "-t", 1)
+    # 256 x 256 (the fewest pixels taken as they are): 16 x 16 patches, 64 merged tokens; each
+    # image adds <|vision_start|>, them and <|vision_end|> to the text-only prompt
+    assert np.load(out).shape[0] == np.load(text_only).shape[0] + 2 * (1 + 64 + 1)
+    fermoe("logits", model, "--mmproj", tower, "--chat", "--image", b, "--image", b, "--prompt", "hi",
+           "--out", tmp_path / "bb.npy", "-t", 1)
+    ab, bb = np.load(out), np.load(tmp_path / "bb.npy")
+    from shared.model import Model
+    tok = Model(model).tokenizer                # the first image token: after the user turn's opening
+    first_image_pad = tok.encode(tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}])) \
+        .index(tok.token_to_id["<|image_pad|>"])
+    np.testing.assert_array_equal(ab[:first_image_pad], bb[:first_image_pad])
+    assert np.abs(ab[first_image_pad:] - bb[first_image_pad:]).max(axis=1).min() > 0   # every later position
+    run = fermoe("generate", model, "--mmproj", tower, "--chat", "--image", a, "-p", "hi", "-n", 4, "--temp", 0,
+                 "--ignore-eos", "-t", 1)
+    assert run.stdout.strip()
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--image", "{a}", "-p", "hi"], "--image needs --chat"),
+    (["--chat", "--image", "{a}", "-p", "hi"], "--image needs --mmproj FILE"),
+    (["--chat", "--mmproj", "{t}", "--image", "{missing}", "-p", "hi"], "missing.png: No such file"),
+    (["--chat", "--mmproj", "{t}", "--image", "{bad}", "-p", "hi"], "image 1: not a PNG or JPEG image"),
+])
+def test_bad_image_options_are_one_error(tmp_path, args, problem):
+    model, tower = tmp_path / "m.gguf", tmp_path / "mmproj.gguf"
+    fermoe("synth", model, "--layers", 1, "--mmproj", tower)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    paths = dict(a=_png(tmp_path / "a.png", 1), t=tower, missing=tmp_path / "missing.png", bad=tmp_path / "bad.png")
+    run = fermoe("generate", model, *[str(x).format(**paths) for x in args], "-n", 1, check=False)
+    assert run.returncode == 1 and problem in run.stderr and run.stderr.count("\n") == 1, run.stderr

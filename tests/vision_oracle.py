@@ -113,21 +113,44 @@ def random_image(h: int, w: int, seed: int) -> np.ndarray:
     return np.clip(0.7 * base + 0.3 * rng.uniform(-1, 1, (3, h, w)), -1, 1).astype(np.float32)
 
 
+def vision_token_ids() -> dict:
+    """The config's vision token ids: those of the synthetic tokenizer the checkpoint is saved with."""
+    from shared.synth_vocab import synth_tokenizer_metadata
+    from tests.hf_oracle import VOCAB
+    tokens = synth_tokenizer_metadata(VOCAB, seed=0)["tokenizer.ggml.tokens"]
+    names = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+             "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+    return {key: tokens.index(text) for key, text in names.items()}
+
+
+@torch.no_grad()
+def hf_multimodal_logits(model, ids, images: list[np.ndarray]) -> np.ndarray:
+    """HF's logits of every position of an expanded prompt with its images (normalised [3, H, W])."""
+    pixels = torch.from_numpy(np.concatenate([hf_patchify(im) for im in images]))
+    thw = torch.tensor([[1, im.shape[1] // 16, im.shape[2] // 16] for im in images])
+    ids = torch.tensor([ids])
+    mm = (ids == model.config.image_token_id).long()
+    return model(input_ids=ids, pixel_values=pixels, image_grid_thw=thw, mm_token_type_ids=mm,
+                 use_cache=False).logits[0].numpy()
+
+
 def save_multimodal(directory: Path, seed: int = 0, tower: str = "a", text_hidden: int = 64) -> Path:
     """A tiny Qwen3_5MoeForConditionalGeneration checkpoint with a tokenizer and preprocessor_config.json."""
-    text = dict(vocab_size=520, hidden_size=text_hidden, num_hidden_layers=2, num_attention_heads=2,
+    # four layers, two of them attention: the M-RoPE positions reach the logits
+    text = dict(vocab_size=520, hidden_size=text_hidden, num_hidden_layers=4, full_attention_interval=2,
+                num_attention_heads=2,
                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
                 linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
                 shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                 rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                      mrope_section=[2, 1, 1], mrope_interleaved=True))
     vision = dict(hf_vision_config(tower).to_dict(), out_hidden_size=text_hidden)
-    cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=512,
-                                        video_token_id=513, vision_start_token_id=514, vision_end_token_id=515)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **vision_token_ids())
     torch.manual_seed(seed)
     model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    from tests.hf_oracle import _rescale, save_checkpoint
+    _rescale(model, seed)                              # the text model's O(1) activations, as its oracle's
     rescale(model.model.visual, seed)
-    from tests.hf_oracle import save_checkpoint
     save_checkpoint(model, directory)                  # with a tokenizer, so the text converts too
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return model

@@ -11,6 +11,8 @@ checked and mapped in llama_server.py.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import uuid
 
 from shared import protocol as P
@@ -61,18 +63,49 @@ def _fields(body, max_tokens: int | None) -> dict:
     return llama_server.apply(body, dict(max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, **fields))
 
 
-def _message_text(i: int, message) -> str:
+def _message_content(i: int, message) -> str | list:
+    """A message's content for the Generate: its text (text parts joined by newlines), or,
+    with images, its parts in order (text parts as they are, images as their bytes)."""
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
-    texts = []
+    parts = []
     for j, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
+        if part.type == "image_url":
+            parts.append(P.ImagePart(data=data_url_bytes(f"messages[{i}].content[{j}]", part.image_url)))
+        elif part.type != "text" or part.text is None:
             raise _refuse(f"messages[{i}].content[{j}]",
-                          f"content parts of type {part.type!r} are not supported (text only)")
-        texts.append(part.text)
-    return "\n".join(texts)
+                          f"content parts of type {part.type!r} are not supported (text and image_url only)")
+        else:
+            parts.append(P.TextPart(text=part.text))
+    if not any(isinstance(p, P.ImagePart) for p in parts):
+        return "\n".join(p.text for p in parts)
+    return parts
+
+
+def data_url_bytes(param: str, image_url) -> bytes:
+    """The bytes of OpenAI's image_url ({"url": ...} or the URL itself) when it is a base64
+    data: URL; an http(s) URL is refused: the server fetches nothing."""
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise APIError(400, "image_url needs a url: a data: URL (data:image/png;base64,...)", param=param,
+                       code="invalid_value")
+    if url.split(":", 1)[0].lower() in ("http", "https"):
+        raise APIError(400, "image_url: http(s) URLs are not fetched (the server fetches nothing); send the image "
+                       "inline as a data: URL (data:image/png;base64,...)", param=param, code="invalid_value")
+    head, sep, payload = url.partition(",")
+    if not head.lower().startswith("data:") or not sep or not head.lower().endswith(";base64"):
+        raise APIError(400, "image_url: expected a base64 data: URL (data:image/png;base64,...)", param=param,
+                       code="invalid_value")
+    if len(payload) > 4 * (P.MAX_IMAGE_BYTES // 3 + 1):
+        raise APIError(400, f"image_url: the image is over the limit of {P.MAX_IMAGE_BYTES} bytes", param=param,
+                       code="invalid_value")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "image_url: the data: URL's payload is not valid base64", param=param,
+                       code="invalid_value") from None
 
 
 def chat_generate(body: ChatCompletionRequest) -> P.Generate:
@@ -81,7 +114,7 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
     tools = chat_params.tools(body)
     grammar = chat_params.grammar(body, tools)
     chat_params.reasoning_format(body, "deepseek")
-    messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m),
+    messages = [P.ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_content(i, m),
                               reasoning_content=chat_params.reasoning(m), tool_calls=chat_params.tool_calls(i, m),
                               tool_call_id=m.tool_call_id, name=m.name)
                 for i, m in enumerate(body.messages)]

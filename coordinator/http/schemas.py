@@ -31,7 +31,7 @@ class StreamOptions(_Body):
 
 
 class ContentPart(_Body):
-    """One part of a message's content; only text parts can be served (refused by name otherwise)."""
+    """One part of a message's content: text, or image_url (a data: URL; others are refused by name)."""
     type: str
     text: str | None = None
     image_url: Any = None
