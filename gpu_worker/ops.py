@@ -217,7 +217,12 @@ class Ops:
     def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
                     tiled: bool):
         """The chunked recurrence over w's chunk table (a ChunkWork): prep, state pass, output."""
-        _need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
+        _need(dk <= MAX_GDN_KEY_DIM and dk % 4 == 0,
+              f"ssm.state_size {dk}: the chunked GPU kernels take multiples of 4 up to {MAX_GDN_KEY_DIM}")
+        _need(int(k) % 16 == 0, "gdn_chunked: k must be 16-byte aligned (the state pass reads it 4 floats at once)")
+        _need(w.W.shape[-2:] == (dk, CHUNK) and w.chunk_start.shape[0] >= nc and w.S0.shape[0] >= nc,
+              f"gdn_chunked: a chunk table of {w.chunk_start.shape[0]} chunks, W {w.W.shape}, for {nc} chunks of "
+              f"dk {dk}")
         s = self.stream
         self.k.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g, w.chunk_start,
                               w.chunk_len, hk, hv, dk, dv, ldv, int(tiled))
@@ -254,12 +259,24 @@ class ChunkWork:
 
     def __init__(self, device, n_chunks: int, hv: int, dk: int, dv: int):
         f = (n_chunks, hv)
-        self.W, self.U, self.Vn = (DeviceArray(device, f + (CHUNK, w)) for w in (dk, dv, dv))
+        self.W = DeviceArray(device, f + (dk, CHUNK))        # key-major: the state pass reads slabs of key dims
+        self.U, self.Vn = (DeviceArray(device, f + (CHUNK, w)) for w in (dv, dv))
         self.P, self.Gc = DeviceArray(device, f + (CHUNK, CHUNK)), DeviceArray(device, f + (CHUNK,))
         self.S0 = DeviceArray(device, f + (dk, dv))
         self.chunk_start = DeviceArray(device, (n_chunks,), np.int32)
         self.chunk_len = DeviceArray(device, (n_chunks,), np.int32)
         self.n_chunks = n_chunks
+
+    def part(self, first: int, stop: int) -> "ChunkWork":
+        """Chunks [first, stop) of the table as a ChunkWork of their own (views: the same
+        memory), for a GDN call over one sequence of a pass; their chunk_start values stay
+        rows of the whole pass."""
+        _need(0 <= first < stop <= self.n_chunks, f"chunks [{first}, {stop}) of a table of {self.n_chunks}")
+        out = object.__new__(ChunkWork)
+        for name, a in vars(self).items():
+            setattr(out, name, a.rows(first, stop) if isinstance(a, DeviceArray) else a)
+        out.n_chunks = stop - first
+        return out
 
     def set_chunks(self, starts, lengths) -> int:
         n = len(starts)

@@ -51,7 +51,7 @@ def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
 def chunk_spec(cfg: ModelConfig, n_chunks: int) -> dict[str, tuple]:
     hv, dk, dv = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
     f = (n_chunks, hv)
-    return {"W": f + (CHUNK, dk), "U": f + (CHUNK, dv), "Vn": f + (CHUNK, dv), "P": f + (CHUNK, CHUNK),
+    return {"W": f + (dk, CHUNK), "U": f + (CHUNK, dv), "Vn": f + (CHUNK, dv), "P": f + (CHUNK, CHUNK),
             "Gc": f + (CHUNK,), "S0": f + (dk, dv), "chunk_start int": (n_chunks,), "chunk_len int": (n_chunks,)}
 
 

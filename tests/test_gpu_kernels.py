@@ -455,6 +455,31 @@ def test_gdn_chunked_equals_the_token_recurrence(ops, T, dk, dv, cuts, tiled):
     close(work.S0.download()[:nc], np.stack(starts_ref), CHUNK_RTOL)   # the states at the chunk starts
 
 
+def test_gdn_chunked_over_part_of_the_chunk_table(ops):
+    """Two sequences in one pass (rows 0..99 and 100..229), one chunk table: each GDN
+    call takes its sequence's chunks (ChunkWork.part, starts absolute within the pass)
+    and its own state; dk = 128 (4 W slabs a chunk), dv = 24 (a partial column block)."""
+    rng = np.random.default_rng(12)
+    T, split, hk, hv, dk, dv = 230, 100, 1, 2, 128, 24
+    q, k, v, beta, g, _ = _delta_inputs(rng, T, hk, hv, dk, dv)
+    states = [(0.3 * rng.standard_normal((hv, dk, dv))).astype(np.float32) for _ in range(2)]
+    starts, lengths = chunks_for(T, (split,))
+    work = ChunkWork(ops.device, len(starts) + 2, hv, dk, dv)          # a table longer than the pass
+    work.set_chunks(starts, lengths)
+    first_b = starts.index(split)
+    o = empty(ops, (T, hv, dv))
+    buffers = [dev(ops, x) for x in (q, k, v, beta, g)]
+    S = [dev(ops, s) for s in states]
+    for (c0, c1), Sd in zip(((0, first_b), (first_b, len(starts))), S):
+        ops.gdn_chunked(o, Sd, *buffers, work.part(c0, c1), c1 - c0, hk, hv, dk, dv, hv * dv, False)
+    got = o.download()
+    for (r0, r1), S_ref, Sd in zip(((0, split), (split, T)), [s.copy() for s in states], S):
+        want = R.delta_rule(q[r0:r1][:, [0, 0]], k[r0:r1][:, [0, 0]], v[r0:r1].reshape(r1 - r0, hv, dv), g[r0:r1],
+                            beta[r0:r1], S_ref)
+        close(got[r0:r1], want, CHUNK_RTOL)
+        close(Sd.download(), S_ref, CHUNK_RTOL)
+
+
 def test_to_f16_rounds_as_numpy(ops):
     """fp32 -> fp16 bits on the device, bit for bit numpy's (ties to even, subnormals, overflow)."""
     rng = np.random.default_rng(11)
