@@ -21,7 +21,9 @@ MIN_SPLIT_STEPS = 16
 SPLIT_K_FLOATS = 1 << 22
 WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
-WIDE_TILE_ROWS_PER_EXPERT = 192              # tokens an expert from which its tiles take 128 rows
+# The grouped expert GEMMs' tile rows by the mean rows an expert gets (P / E): the
+# tallest height whose threshold that mean reaches (moe_tile_rows)
+MOE_TILE_FROM_ROWS = {32: 0, 64: 48, 128: 192}
 CHUNK = 64              # gdn_chunk.cu's chunk
 STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
@@ -62,8 +64,11 @@ def warp_rows(bm: int, bn: int) -> int:
 
 
 def moe_tile_rows(T: int, E: int, k: int) -> int:
-    """The grouped expert GEMMs' tile rows: 128 when an expert averages enough tokens."""
-    return MOE_BM[-1] if T * k >= WIDE_TILE_ROWS_PER_EXPERT * E else MOE_BM[0]
+    """The grouped expert GEMMs' tile rows for T tokens routed to k of E experts each:
+    short tiles while an expert averages few rows (less padding, finer waves), taller
+    ones as the rows grow (each weight dequantised for more rows)."""
+    mean = T * k / max(1, E)
+    return max(bm for bm, rows in MOE_TILE_FROM_ROWS.items() if mean >= rows)
 
 
 def moe_useful_fraction(tile_rows, bm: int) -> dict[str, float]:
@@ -144,10 +149,12 @@ class Ops:
                                                           f"(the GPU kernels take up to {MAX_EXPERTS})")
         self.k.moe_route((T,), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
 
-    def moe_group(self, g, T: int, E: int, k: int):
+    def moe_group(self, g, T: int, E: int, k: int, bm: int | None = None):
         """Offsets, the tile table and the grouped order from g.counts (a MoeGroups), in
-        tiles of moe_tile_rows rows."""
-        g.bm = moe_tile_rows(T, E, k)
+        tiles of moe_tile_rows rows (or `bm`: the benchmark's sweep, the tests)."""
+        _need(bm is None or bm in MOE_TILES, f"moe_group: tiles of {bm} rows (gemm.cu has {MOE_BM})")
+        g.bm = bm or moe_tile_rows(T, E, k)
+        g.cursor.zero(self.stream)          # moe_scatter's arrival counts: zero for every grouping
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
                          g.counts, E, g.bm, g.max_tiles)
         P = T * k
@@ -237,7 +244,7 @@ class MoeGroups:
 
     def __init__(self, device, T: int, E: int, k: int):
         P = T * k
-        self.max_tiles = _cdiv(P, MOE_BM[0]) + E      # tiles of the smallest height, a partial one an expert
+        self.max_tiles = _cdiv(P, min(MOE_BM)) + E    # tiles of the smallest height, a partial one an expert
         i32 = np.int32
         self.topk_ids, self.topk_w = DeviceArray(device, (T, k), i32), DeviceArray(device, (T, k))
         self.counts, self.cursor = DeviceArray(device, (E,), i32), DeviceArray(device, (E,), i32)

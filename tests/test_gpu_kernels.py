@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_useful_fraction
+from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_tile_rows, moe_useful_fraction
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
@@ -181,6 +181,16 @@ def test_moe_useful_fraction():
     f = moe_useful_fraction([64, 64, 6], 64)
     assert f["of_tiles"] == pytest.approx(134 / 192)
     assert f["of_computed"] == pytest.approx(134 / 160)
+    f = moe_useful_fraction([32, 32, 32, 6], 32)                   # 32 x 256: warps of 16 rows
+    assert f["of_tiles"] == pytest.approx(102 / 128) and f["of_computed"] == pytest.approx(102 / 112)
+
+
+def test_moe_tile_rows_by_rows_an_expert():
+    """Short tiles for few rows an expert, taller as they grow (947 and 8192 tokens
+    over 128 experts, 8 each: 59 and 512 rows)."""
+    assert moe_tile_rows(40, 128, 8) == 32
+    assert moe_tile_rows(947, 128, 8) == 64
+    assert moe_tile_rows(8192, 128, 8) == 128
 
 
 # ---- MoE -------------------------------------------------------------------------------------
@@ -213,9 +223,13 @@ def test_moe_route_and_group(ops):
         assert offsets[e] <= pair_pos[p] < offsets[e + 1] and pair_token[pair_pos[p]] == p // k
     n = int(g.n_tiles.download()[0])
     tiles = list(zip(g.tile_expert.download()[:n], g.tile_row0.download()[:n], g.tile_rows.download()[:n]))
-    assert n == sum(-(-c // 64) for c in counts)
-    assert sum(r for _, _, r in tiles) == T * k and all(0 < r <= 64 for _, _, r in tiles)
+    assert g.bm == 32                                              # 37.5 rows an expert
+    assert n == sum(-(-c // 32) for c in counts)
+    assert sum(r for _, _, r in tiles) == T * k and all(0 < r <= 32 for _, _, r in tiles)
     assert all(offsets[e] <= r0 and r0 + r <= offsets[e + 1] for e, r0, r in tiles)
+    ops.moe_group(g, T, E, k, bm=128)                              # grouped again, in other tiles
+    assert sorted(g.pair_pos.download()) == list(range(T * k))
+    assert int(g.n_tiles.download()[0]) == sum(-(-c // 128) for c in counts)
 
 
 @pytest.mark.parametrize("kind, T, ff, d", [("q4_0", 90, 32, 64), ("q8_0", 90, 32, 64), ("f16", 90, 32, 64),
@@ -223,8 +237,9 @@ def test_moe_route_and_group(ops):
 def test_moe_experts_and_combine(ops, kind, T, ff, d):
     """The whole routed block from device routing: grouped gate/up (its SwiGLU in the
     epilogue) and down products over every expert in one launch each, weighted combine
-    with the shared expert, against the reference's loop over experts (T = 700: 233 rows
-    an expert, 128-row tiles; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
+    with the shared expert, against the reference's loop over experts (T = 90: 30 rows an
+    expert, 32-row tiles; T = 150: 50 rows, 64-row tiles; T = 700: 233 rows, 128-row tiles;
+    ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
     rng = np.random.default_rng(7)
     E, k = 6, 2
     x = rng.standard_normal((T, d)).astype(np.float32)
@@ -245,7 +260,7 @@ def test_moe_experts_and_combine(ops, kind, T, ff, d):
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
     ops.moe_group(g, T, E, k)
-    assert g.bm == (128 if T == 700 else 64)
+    assert g.bm == {90: 32, 150: 64, 700: 128}[T]
     act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)
