@@ -23,7 +23,7 @@ WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the ti
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
 # The grouped expert GEMMs' tile rows by the mean rows an expert gets (P / E): the
 # tallest height whose threshold that mean reaches (moe_tile_rows)
-MOE_TILE_FROM_ROWS = {32: 0, 64: 48, 128: 192}
+MOE_TILE_FROM_ROWS = {32: 0, 64: 96, 128: 192}
 CHUNK = 64              # gdn_chunk.cu's chunk
 STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block

@@ -186,10 +186,11 @@ def test_moe_useful_fraction():
 
 
 def test_moe_tile_rows_by_rows_an_expert():
-    """Short tiles for few rows an expert, taller as they grow (947 and 8192 tokens
-    over 128 experts, 8 each: 59 and 512 rows)."""
+    """Short tiles for few rows an expert, taller as they grow (947, 2048 and 8192 tokens
+    over 128 experts, 8 each: 59, 128 and 512 rows)."""
     assert moe_tile_rows(40, 128, 8) == 32
-    assert moe_tile_rows(947, 128, 8) == 64
+    assert moe_tile_rows(947, 128, 8) == 32
+    assert moe_tile_rows(2048, 128, 8) == 64
     assert moe_tile_rows(8192, 128, 8) == 128
 
 
@@ -232,14 +233,15 @@ def test_moe_route_and_group(ops):
     assert int(g.n_tiles.download()[0]) == sum(-(-c // 128) for c in counts)
 
 
-@pytest.mark.parametrize("kind, T, ff, d", [("q4_0", 90, 32, 64), ("q8_0", 90, 32, 64), ("f16", 90, 32, 64),
-                                            ("q4_0", 700, 32, 64), ("q8_0", 150, 96, 160)])
-def test_moe_experts_and_combine(ops, kind, T, ff, d):
+@pytest.mark.parametrize("kind, T, ff, d, bm", [("q4_0", 90, 32, 64, None), ("q8_0", 90, 32, 64, None),
+                                                ("f16", 90, 32, 64, None), ("q4_0", 700, 32, 64, None),
+                                                ("q8_0", 150, 96, 160, 64)])
+def test_moe_experts_and_combine(ops, kind, T, ff, d, bm):
     """The whole routed block from device routing: grouped gate/up (its SwiGLU in the
     epilogue) and down products over every expert in one launch each, weighted combine
     with the shared expert, against the reference's loop over experts (T = 90: 30 rows an
-    expert, 32-row tiles; T = 150: 50 rows, 64-row tiles; T = 700: 233 rows, 128-row tiles;
-    ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
+    expert, 32-row tiles; T = 700: 233 rows, 128-row tiles; T = 150: 50 rows in 64-row tiles,
+    forced; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
     rng = np.random.default_rng(7)
     E, k = 6, 2
     x = rng.standard_normal((T, d)).astype(np.float32)
@@ -259,8 +261,8 @@ def test_moe_experts_and_combine(ops, kind, T, ff, d):
     g = MoeGroups(ops.device, T, E, k)
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
-    ops.moe_group(g, T, E, k)
-    assert g.bm == {90: 32, 150: 64, 700: 128}[T]
+    ops.moe_group(g, T, E, k, bm)
+    assert g.bm == (bm or {90: 32, 700: 128}[T])
     act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)
