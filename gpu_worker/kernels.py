@@ -37,7 +37,7 @@ SIGNATURES = {
 # gemm.cu's tile rows (BM) of the dense GEMMs (all 128 columns wide), and of the
 # grouped-expert GEMMs with their columns (BN)
 DENSE_BM, DENSE_BN = (32, 64, 128), 128
-MOE_TILES = {32: 256, 64: 256, 128: 128}
+MOE_TILES = {64: 256, 128: 128}
 MOE_BM = tuple(MOE_TILES)
 for _t in KERNEL_TYPES.values():
     SIGNATURES[f"gemm_narrow_{_t}"] = "PPPiiiiii"

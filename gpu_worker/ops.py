@@ -22,8 +22,9 @@ SPLIT_K_FLOATS = 1 << 22
 WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
 # The grouped expert GEMMs' tile rows by the mean rows an expert gets (P / E): the
-# tallest height whose threshold that mean reaches (moe_tile_rows)
-MOE_TILE_FROM_ROWS = {32: 0, 64: 96, 128: 192}
+# tallest height whose threshold that mean reaches (moe_tile_rows; `bench kernels --gpu`
+# sweeps them: at 59 rows 64 x 256 tiles, at 512 rows 128 x 128)
+MOE_TILE_FROM_ROWS = {64: 0, 128: 192}
 CHUNK = 64              # gdn_chunk.cu's chunk
 STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
@@ -65,8 +66,8 @@ def warp_rows(bm: int, bn: int) -> int:
 
 def moe_tile_rows(T: int, E: int, k: int) -> int:
     """The grouped expert GEMMs' tile rows for T tokens routed to k of E experts each:
-    short tiles while an expert averages few rows (less padding, finer waves), taller
-    ones as the rows grow (each weight dequantised for more rows)."""
+    taller tiles once an expert averages enough rows (each weight dequantised for more
+    rows)."""
     mean = T * k / max(1, E)
     return max(bm for bm, rows in MOE_TILE_FROM_ROWS.items() if mean >= rows)
 

@@ -181,15 +181,13 @@ def test_moe_useful_fraction():
     f = moe_useful_fraction([64, 64, 6], 64)
     assert f["of_tiles"] == pytest.approx(134 / 192)
     assert f["of_computed"] == pytest.approx(134 / 160)
-    f = moe_useful_fraction([32, 32, 32, 6], 32)                   # 32 x 256: warps of 16 rows
-    assert f["of_tiles"] == pytest.approx(102 / 128) and f["of_computed"] == pytest.approx(102 / 112)
 
 
 def test_moe_tile_rows_by_rows_an_expert():
-    """Short tiles for few rows an expert, taller as they grow (947, 2048 and 8192 tokens
-    over 128 experts, 8 each: 59, 128 and 512 rows)."""
-    assert moe_tile_rows(40, 128, 8) == 32
-    assert moe_tile_rows(947, 128, 8) == 32
+    """Taller tiles once an expert averages enough rows (40, 947, 2048 and 8192 tokens
+    over 128 experts, 8 each: 2.5, 59, 128 and 512 rows)."""
+    assert moe_tile_rows(40, 128, 8) == 64
+    assert moe_tile_rows(947, 128, 8) == 64
     assert moe_tile_rows(2048, 128, 8) == 64
     assert moe_tile_rows(8192, 128, 8) == 128
 
@@ -224,9 +222,9 @@ def test_moe_route_and_group(ops):
         assert offsets[e] <= pair_pos[p] < offsets[e + 1] and pair_token[pair_pos[p]] == p // k
     n = int(g.n_tiles.download()[0])
     tiles = list(zip(g.tile_expert.download()[:n], g.tile_row0.download()[:n], g.tile_rows.download()[:n]))
-    assert g.bm == 32                                              # 37.5 rows an expert
-    assert n == sum(-(-c // 32) for c in counts)
-    assert sum(r for _, _, r in tiles) == T * k and all(0 < r <= 32 for _, _, r in tiles)
+    assert g.bm == 64                                              # 37.5 rows an expert
+    assert n == sum(-(-c // 64) for c in counts)
+    assert sum(r for _, _, r in tiles) == T * k and all(0 < r <= 64 for _, _, r in tiles)
     assert all(offsets[e] <= r0 and r0 + r <= offsets[e + 1] for e, r0, r in tiles)
     ops.moe_group(g, T, E, k, bm=128)                              # grouped again, in other tiles
     assert sorted(g.pair_pos.download()) == list(range(T * k))
@@ -235,12 +233,12 @@ def test_moe_route_and_group(ops):
 
 @pytest.mark.parametrize("kind, T, ff, d, bm", [("q4_0", 90, 32, 64, None), ("q8_0", 90, 32, 64, None),
                                                 ("f16", 90, 32, 64, None), ("q4_0", 700, 32, 64, None),
-                                                ("q8_0", 150, 96, 160, 64)])
+                                                ("q8_0", 150, 96, 160, 128)])
 def test_moe_experts_and_combine(ops, kind, T, ff, d, bm):
     """The whole routed block from device routing: grouped gate/up (its SwiGLU in the
     epilogue) and down products over every expert in one launch each, weighted combine
     with the shared expert, against the reference's loop over experts (T = 90: 30 rows an
-    expert, 32-row tiles; T = 700: 233 rows, 128-row tiles; T = 150: 50 rows in 64-row tiles,
+    expert, 64-row tiles; T = 700: 233 rows, 128-row tiles; T = 150: 50 rows in 128-row tiles,
     forced; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
     rng = np.random.default_rng(7)
     E, k = 6, 2
@@ -262,7 +260,7 @@ def test_moe_experts_and_combine(ops, kind, T, ff, d, bm):
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
     ops.moe_group(g, T, E, k, bm)
-    assert g.bm == (bm or {90: 32, 700: 128}[T])
+    assert g.bm == (bm or {90: 64, 700: 128}[T])
     act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)

@@ -56,6 +56,7 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
     __shared__ float Gs[FM_CHUNK], Bs[FM_CHUNK], Es[FM_CHUNK], tmp[FM_CHUNK];
     __shared__ float Am[FM_CHUNK][FM_CHUNK + 1];
     __shared__ float Ks[FM_CHUNK][FM_SLAB + 1], Qs[FM_CHUNK][FM_SLAB + 1];
+    __shared__ float Ts[FM_SLAB][FM_CHUNK + 1];     /* a W slab, key-major, on its way out */
     int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_chunk_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
@@ -113,10 +114,10 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
         __syncthreads();
     }
 
-    /* W = T (beta e^G K), U = T (beta V), 32 columns at a time. U [64][dv]: thread owns
-     * (i, c) = (idx / 32, idx % 32); W is stored key-major, [dk][64] (the state pass reads it
-     * in slabs of key dims), so there the thread owns (i, c) = (idx % 64, idx / 64) and a
-     * warp writes 32 consecutive rows of one key dim. */
+    /* W = T (beta e^G K), U = T (beta V), 32 columns at a time: thread owns (i, c) = (idx / 32,
+     * idx % 32), so a warp's m loop has one length. U [64][dv] is written as computed; W is
+     * stored key-major, [dk][64] (the state pass reads it in slabs of key dims), through
+     * Ts [32][65], so that a warp writes 32 consecutive rows of one key dim. */
     for (int pass = 0; pass < 2; pass++) {
         int width = pass == 0 ? dk : dv;
         for (int s0 = 0; s0 < width; s0 += FM_SLAB) {
@@ -124,19 +125,24 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
             else fm_load_slab(Ks, v, ldv, h * dv, t0, n, s0, dv, Bs);
             __syncthreads();
             for (int u = 0; u < FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS; u++) {
-                int idx = tid + FM_CHUNK_THREADS * u;
-                int i = pass == 0 ? idx % FM_CHUNK : idx / FM_SLAB, c = pass == 0 ? idx / FM_CHUNK : idx % FM_SLAB;
+                int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
                 float acc = 0.0f;
                 for (int m = 0; m <= i; m++) acc = fm_fma(Am[i][m], Ks[m][c], acc);
-                if (s0 + c < width) {
-                    if (pass == 0) W[(ch * dk + s0 + c) * FM_CHUNK + i] = acc;
-                    else U[(ch * FM_CHUNK + i) * dv + s0 + c] = acc;
-                }
+                if (pass == 0) Ts[c][i] = acc;
+                else if (s0 + c < width) U[(ch * FM_CHUNK + i) * dv + s0 + c] = acc;
             }
             __syncthreads();
+            if (pass == 0) {
+                for (int idx = tid; idx < FM_CHUNK * FM_SLAB; idx += FM_CHUNK_THREADS) {
+                    int c = idx / FM_CHUNK, i = idx % FM_CHUNK;
+                    if (s0 + c < width) W[(ch * dk + s0 + c) * FM_CHUNK + i] = Ts[c][i];
+                }
+                __syncthreads();        /* Ts and Ks are written again by the next slab */
+            }
         }
     }
 }
+
 
 /* ---- the state pass ----
  *

@@ -9,7 +9,7 @@
  * into the load of its down projection).
  *
  * The tile kernel (fm_gemm_tile): one block of 256 threads computes a BM x BN tile
- * of C, BM x BN = 32, 64 or 128 x 128 or 32 or 64 x 256. Every thread holds TM x 8 outputs
+ * of C, BM x BN = 32, 64 or 128 x 128 or 64 x 256. Every thread holds TM x 8 outputs
  * in registers; the threads form a TY x TX grid (TX = BN / 8) and a warp is 4 x 8 of
  * them, so a k step's shared loads of a warp touch 4 thread rows' A values (one
  * 128-bit load serves 8 threads) and 8 x 4 contiguous W columns twice (128
@@ -50,13 +50,13 @@
  *                     block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
  *                     long prompt still spreads over every SM (no FM_SWIGLU)
  *   moe_gateup_mBM_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of each
- *                     expert e, x gathered by token (pair_token[p]); BM = 32 or 64: BM x 256
+ *                     expert e, x gathered by token (pair_token[p]); BM = 64: 64 x 256
  *                     tiles (128 gate and the matching 128 up columns), BM = 128:
  *                     128 x 128 (64 and 64); N = ff (GLU below). The height goes with the
- *                     rows an expert gets (ops.moe_tile_rows): 32-row tiles waste fewer
- *                     padded rows and fill the SMs' waves in finer steps when experts
- *                     get few rows, taller ones dequantise each weight for more rows
- *   moe_down_mBM_T    y[p] = act[p] Wd_e^T, tiles 32 x 256, 64 x 256 or 128 x 128
+ *                     rows an expert gets (ops.moe_tile_rows). 32 x 256 tiles were measured
+ *                     slower at 59 rows an expert (18.5 against 21.5 TFLOP/s on gate|up):
+ *                     each weight dequantised for half the rows
+ *   moe_down_mBM_T    y[p] = act[p] Wd_e^T, tiles 64 x 256 or 128 x 128
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to BM
  * of its grouped rows; blocks past *n_tiles exit at once) and find expert e's
@@ -449,7 +449,6 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
     FM_GEMM_DENSE(T, WT, 32, 3)                                                                                  \
     FM_GEMM_DENSE(T, WT, 64, 3)                                                                                  \
     FM_GEMM_DENSE(T, WT, 128, 2)                                                                                 \
-    FM_GEMM_MOE(T, WT, 32, 256, 3)                                                                               \
     FM_GEMM_MOE(T, WT, 64, 256, 2)                                                                               \
     FM_GEMM_MOE(T, WT, 128, 128, 2)                                                                              \
     FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,     \
