@@ -10,8 +10,10 @@ pick is the fastest; `unsplit_q4_0`: the pick without its split). The routed exp
 timed as the engine runs them: T tokens routed by random logits on the device
 (moe_route, moe_group), then one grouped gate|up launch and one down launch over
 every expert, with the useful fraction of the rows their tiles hold and compute.
-The fp32 FMA probe (probe.cu) is measured in the same run, and every rate is also
-given as its fraction.
+With the sweep, the experts are also timed in every tile height (`tiles_q4_0`, each
+with its useful fraction). The chunked Gated DeltaNet of one layer (`gdn`) gives each
+of its three kernels' milliseconds. The fp32 FMA probe (probe.cu) is measured in the
+same run, and every rate is also given as its fraction.
 
 TFLOP/s count 2 FLOPs a multiply-add of the product itself (routed rows only for
 the experts), over the best of --reps timings of a batch of launches between two
@@ -137,25 +139,33 @@ def _dense(ops, timer, shape: dict, T: int, peak: float, rng, sweep: bool) -> di
     return out
 
 
-def _experts(ops, timer, cfg, T: int, peak: float, rng) -> list[dict]:
-    """The grouped gate|up and down launches over every expert, Q4_0 and fp32 weights."""
+def _experts(ops, timer, cfg, T: int, peak: float, rng, sweep: bool) -> list[dict]:
+    """The grouped gate|up and down launches over every expert, Q4_0 and fp32 weights,
+    in the tiles the engine picks (ops.moe_tile_rows); with `sweep`, Q4_0 in every tile
+    height too (`tiles_q4_0`: TFLOP/s and the useful fractions of each)."""
     from gpu_worker.buffers import DeviceArray
-    from gpu_worker.ops import MoeGroups, moe_useful_fraction
+    from gpu_worker.kernels import MOE_BM
+    from gpu_worker.ops import MoeGroups, moe_tile_rows, moe_useful_fraction
     dev, E, k, d, ff = ops.device, cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     P = T * k
     g = MoeGroups(dev, T, E, k)
     g.reset(ops.stream)
     logits = DeviceArray.of(dev, rng.standard_normal((T, E)).astype(np.float32))
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, logits, T, E, k)
-    ops.moe_group(g, T, E, k)
-    n_tiles = int(g.n_tiles.download()[0])
-    useful = moe_useful_fraction(g.tile_rows.download()[:n_tiles], g.bm)
+    picked = moe_tile_rows(T, E, k)
+
+    def group(bm: int) -> dict:
+        ops.moe_group(g, T, E, k, bm)
+        n_tiles = int(g.n_tiles.download()[0])
+        useful = moe_useful_fraction(g.tile_rows.download()[:n_tiles], bm)
+        return {"tiles": n_tiles, **{key: round(v, 3) for key, v in useful.items()}}
+
+    useful = group(picked)
     x = DeviceArray.of(dev, rng.standard_normal((T, d)).astype(np.float32))
     act, y = DeviceArray(dev, (P, ff)), DeviceArray(dev, (P, d))
     act.upload(rng.standard_normal((P, ff)).astype(np.float32))
     results = {s["name"]: {"name": s["name"], "M": P, "N": s["N"], "K": s["K"], "experts": E,
-                           "rows_per_expert": round(P / E, 1), "tile_rows": g.bm,
-                           "useful_fraction": {key: round(v, 3) for key, v in useful.items()}}
+                           "rows_per_expert": round(P / E, 1), "tile_rows": picked, "useful_fraction": useful}
                for s in expert_shapes(cfg)}
     for wtype in ("q4_0", "f32"):
         gate_up = [random_weights(2 * ff, d, wtype, rng) for _ in range(E)]
@@ -168,8 +178,16 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng) -> list[dict]:
         runs = {"experts_gate_up": lambda: ops.moe_gateup(act, x, slot, identity, expert_bytes, g, ff, d, wtype),
                 "experts_down": lambda: ops.moe_down(y, act, slot, identity, expert_bytes, down_offset, g, d, ff,
                                                      wtype)}
-        for s in expert_shapes(cfg):
-            results[s["name"]][wtype] = _rate(2.0 * P * s["N"] * s["K"], timer.ms(runs[s["name"]]), peak)
+        heights = [picked] + [bm for bm in MOE_BM if bm != picked] if sweep and wtype == "q4_0" else [picked]
+        for bm in heights:                      # the pick first, so its grouping is the one timed above
+            fraction = group(bm)
+            for s in expert_shapes(cfg):
+                rate = _rate(2.0 * P * s["N"] * s["K"], timer.ms(runs[s["name"]]), peak)
+                if bm == picked:
+                    results[s["name"]][wtype] = rate
+                if len(heights) > 1:
+                    results[s["name"]].setdefault("tiles_q4_0", {})[str(bm)] = {**rate, "useful_fraction": fraction}
+        ops.moe_group(g, T, E, k, picked)
         slot.free()
         identity.free()
     for r in results.values():
@@ -177,6 +195,46 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng) -> list[dict]:
     for a in (x, act, y, logits):
         a.free()
     return list(results.values())
+
+
+def _gdn(ops, timer, cfg, T: int, peak: float, rng) -> dict:
+    """The chunked Gated DeltaNet of one layer over T tokens (chunks of 64): each of its
+    three kernels' milliseconds, the state pass being the sequential one."""
+    from gpu_worker.buffers import DeviceArray
+    from gpu_worker.ops import STATE_COLS, ChunkWork, _cdiv
+    from gpu_worker.workspace import chunks_of
+    dev = ops.device
+    hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)              # noqa: E731
+    q = DeviceArray.of(dev, (unit(rng.standard_normal((T, hk, dk))) / np.sqrt(dk)).astype(np.float32))
+    k = DeviceArray.of(dev, unit(rng.standard_normal((T, hk, dk))).astype(np.float32))
+    v = DeviceArray.of(dev, rng.standard_normal((T, hv * dv)).astype(np.float32))
+    beta = DeviceArray.of(dev, (1 / (1 + np.exp(-rng.standard_normal((T, hv))))).astype(np.float32))
+    g = DeviceArray.of(dev, (-0.3 * np.exp(rng.standard_normal((T, hv)))).astype(np.float32))
+    S, o = DeviceArray(dev, (hv, dk, dv)), DeviceArray(dev, (T, hv, dv))
+    S.zero()
+    starts, lengths = chunks_of(T)
+    w = ChunkWork(dev, len(starts), hv, dk, dv)
+    nc = w.set_chunks(starts, lengths)
+    kk, s, tiled = ops.k, ops.stream, int(cfg.v_heads_tiled)
+    runs = {
+        "gdn_chunk_prep": lambda: kk.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g,
+                                                    w.chunk_start, w.chunk_len, hk, hv, dk, dv, hv * dv, tiled),
+        "gdn_chunk_state": lambda: kk.gdn_chunk_state((hv, _cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W,
+                                                      w.U, w.Gc, k, w.chunk_start, w.chunk_len, nc, hk, hv, dk, dv,
+                                                      tiled),
+        "gdn_chunk_output": lambda: kk.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P,
+                                                        w.Gc, w.chunk_start, w.chunk_len, hk, hv, dk, dv, tiled),
+    }
+    out = {"T": T, "chunks": nc, "heads": hv, "layers": len(cfg.gdn_layers),
+           "ms": {name: round(timer.ms(run), 4) for name, run in runs.items()}}
+    out["ms_all_layers"] = round(sum(out["ms"].values()) * len(cfg.gdn_layers), 2)
+    for a in (q, k, v, beta, g, S, o):
+        a.free()
+    for a in vars(w).values():
+        if isinstance(a, DeviceArray):
+            a.free()
+    return out
 
 
 def run(preset: str = "qwen3.6-35b-a3b", prompts=PROMPTS, reps: int = 5, batch: int = 10, sweep: bool = True,
@@ -194,12 +252,13 @@ def run(preset: str = "qwen3.6-35b-a3b", prompts=PROMPTS, reps: int = 5, batch: 
         rng = np.random.default_rng(0)
         peak = fma_tflops(device, ops.k, ops.stream, probe_ms)
         out = {"device": device.name, "multiprocessors": device.multiprocessors, "preset": preset,
-               "experts": cfg.n_expert, "fp32_fma_tflops": round(peak, 2),
+               "experts": cfg.n_expert, "fp32_fma_tflops": float(f"{peak:.4g}"),
                "setup": {"reps": reps, "launches_a_timing": batch, "weights": ["q4_0", "f32"]}, "prompts": {}}
         for T in prompts:
             out["prompts"][str(T)] = {
                 "dense": [_dense(ops, timer, s, T, peak, rng, sweep) for s in dense_shapes(cfg)],
-                "experts": _experts(ops, timer, cfg, T, peak, rng),
+                "experts": _experts(ops, timer, cfg, T, peak, rng, sweep),
+                "gdn": _gdn(ops, timer, cfg, T, peak, rng),
             }
     finally:
         if owns_device and hasattr(device, "close"):

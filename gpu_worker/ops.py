@@ -2,8 +2,6 @@
 shapes it expects, checked before the launch. Every call goes on `self.stream`."""
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 
 from .buffers import DeviceArray
@@ -23,7 +21,10 @@ MIN_SPLIT_STEPS = 16
 SPLIT_K_FLOATS = 1 << 22
 WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
 ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
-WIDE_TILE_ROWS_PER_EXPERT = 192              # tokens an expert from which its tiles take 128 rows
+# The grouped expert GEMMs' tile rows by the mean rows an expert gets (P / E): the
+# tallest height whose threshold that mean reaches (moe_tile_rows; `bench kernels --gpu`
+# sweeps them: at 59 rows 64 x 256 tiles, at 512 rows 128 x 128)
+MOE_TILE_FROM_ROWS = {64: 0, 128: 192}
 CHUNK = 64              # gdn_chunk.cu's chunk
 STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
 MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
@@ -64,8 +65,11 @@ def warp_rows(bm: int, bn: int) -> int:
 
 
 def moe_tile_rows(T: int, E: int, k: int) -> int:
-    """The grouped expert GEMMs' tile rows: 128 when an expert averages enough tokens."""
-    return MOE_BM[-1] if T * k >= WIDE_TILE_ROWS_PER_EXPERT * E else MOE_BM[0]
+    """The grouped expert GEMMs' tile rows for T tokens routed to k of E experts each:
+    taller tiles once an expert averages enough rows (each weight dequantised for more
+    rows)."""
+    mean = T * k / max(1, E)
+    return max(bm for bm, rows in MOE_TILE_FROM_ROWS.items() if mean >= rows)
 
 
 def moe_useful_fraction(tile_rows, bm: int) -> dict[str, float]:
@@ -146,10 +150,12 @@ class Ops:
                                                           f"(the GPU kernels take up to {MAX_EXPERTS})")
         self.k.moe_route((T,), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
 
-    def moe_group(self, g, T: int, E: int, k: int):
+    def moe_group(self, g, T: int, E: int, k: int, bm: int | None = None):
         """Offsets, the tile table and the grouped order from g.counts (a MoeGroups), in
-        tiles of moe_tile_rows rows."""
-        g.bm = moe_tile_rows(T, E, k)
+        tiles of moe_tile_rows rows (or `bm`: the benchmark's sweep, the tests)."""
+        _need(bm is None or bm in MOE_TILES, f"moe_group: tiles of {bm} rows (gemm.cu has {MOE_BM})")
+        g.bm = bm or moe_tile_rows(T, E, k)
+        g.cursor.zero(self.stream)          # moe_scatter's arrival counts: zero for every grouping
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
                          g.counts, E, g.bm, g.max_tiles)
         P = T * k
@@ -219,7 +225,12 @@ class Ops:
     def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
                     tiled: bool):
         """The chunked recurrence over w's chunk table (a ChunkWork): prep, state pass, output."""
-        _need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
+        _need(dk <= MAX_GDN_KEY_DIM and dk % 4 == 0,
+              f"ssm.state_size {dk}: the chunked GPU kernels take multiples of 4 up to {MAX_GDN_KEY_DIM}")
+        _need(int(k) % 16 == 0, "gdn_chunked: k must be 16-byte aligned (the state pass reads it 4 floats at once)")
+        _need(w.W.shape[-2:] == (dk, CHUNK) and w.chunk_start.shape[0] >= nc and w.S0.shape[0] >= nc,
+              f"gdn_chunked: a chunk table of {w.chunk_start.shape[0]} chunks, W {w.W.shape}, for {nc} chunks of "
+              f"dk {dk}")
         s = self.stream
         self.k.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g, w.chunk_start,
                               w.chunk_len, hk, hv, dk, dv, ldv, int(tiled))
@@ -234,7 +245,7 @@ class MoeGroups:
 
     def __init__(self, device, T: int, E: int, k: int):
         P = T * k
-        self.max_tiles = _cdiv(P, MOE_BM[0]) + E      # tiles of the smallest height, a partial one an expert
+        self.max_tiles = _cdiv(P, min(MOE_BM)) + E    # tiles of the smallest height, a partial one an expert
         i32 = np.int32
         self.topk_ids, self.topk_w = DeviceArray(device, (T, k), i32), DeviceArray(device, (T, k))
         self.counts, self.cursor = DeviceArray(device, (E,), i32), DeviceArray(device, (E,), i32)
@@ -256,20 +267,23 @@ class ChunkWork:
 
     def __init__(self, device, n_chunks: int, hv: int, dk: int, dv: int):
         f = (n_chunks, hv)
-        self.W, self.U, self.Vn = (DeviceArray(device, f + (CHUNK, w)) for w in (dk, dv, dv))
+        self.W = DeviceArray(device, f + (dk, CHUNK))        # key-major: the state pass reads slabs of key dims
+        self.U, self.Vn = (DeviceArray(device, f + (CHUNK, w)) for w in (dv, dv))
         self.P, self.Gc = DeviceArray(device, f + (CHUNK, CHUNK)), DeviceArray(device, f + (CHUNK,))
         self.S0 = DeviceArray(device, f + (dk, dv))
         self.chunk_start = DeviceArray(device, (n_chunks,), np.int32)
         self.chunk_len = DeviceArray(device, (n_chunks,), np.int32)
         self.n_chunks = n_chunks
 
-    def part(self, c0: int, c1: int) -> "ChunkWork":
-        """Chunks [c0, c1) of the table, as a table of their own (one prompt's, in a pass
-        shared by several); their starts stay rows of the whole pass."""
-        out = copy.copy(self)
-        for name in ("W", "U", "Vn", "P", "Gc", "S0", "chunk_start", "chunk_len"):
-            setattr(out, name, getattr(self, name).rows(c0, c1))
-        out.n_chunks = c1 - c0
+    def part(self, first: int, stop: int) -> "ChunkWork":
+        """Chunks [first, stop) of the table as a ChunkWork of their own (views: the same
+        memory), for a GDN call over one sequence of a pass; their chunk_start values stay
+        rows of the whole pass."""
+        _need(0 <= first < stop <= self.n_chunks, f"chunks [{first}, {stop}) of a table of {self.n_chunks}")
+        out = object.__new__(ChunkWork)
+        for name, a in vars(self).items():
+            setattr(out, name, a.rows(first, stop) if isinstance(a, DeviceArray) else a)
+        out.n_chunks = stop - first
         return out
 
     def set_chunks(self, starts, lengths) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 from shared.config import ModelConfig
 
 from .buffers import DeviceArray
+from .kernels import MOE_BM
 from .ops import CHUNK, SPLIT_K_FLOATS, ChunkWork, MoeGroups
 
 LOGIT_ROWS = 64          # LM head rows a launch computes (and a download brings back)
@@ -51,13 +52,13 @@ def workspace_spec(cfg: ModelConfig, T: int) -> dict[str, tuple]:
 def chunk_spec(cfg: ModelConfig, n_chunks: int) -> dict[str, tuple]:
     hv, dk, dv = cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
     f = (n_chunks, hv)
-    return {"W": f + (CHUNK, dk), "U": f + (CHUNK, dv), "Vn": f + (CHUNK, dv), "P": f + (CHUNK, CHUNK),
+    return {"W": f + (dk, CHUNK), "U": f + (CHUNK, dv), "Vn": f + (CHUNK, dv), "P": f + (CHUNK, CHUNK),
             "Gc": f + (CHUNK,), "S0": f + (dk, dv), "chunk_start int": (n_chunks,), "chunk_len int": (n_chunks,)}
 
 
 def routing_nbytes(cfg: ModelConfig, T: int) -> int:
     E, k = cfg.n_expert, cfg.n_expert_used
-    return 4 * (2 * T * k + 3 * E + 1 + 3 * (-(-T * k // 64) + E) + 1 + 2 * T * k)
+    return 4 * (2 * T * k + 3 * E + 1 + 3 * (-(-T * k // min(MOE_BM)) + E) + 1 + 2 * T * k)
 
 
 def workspace_nbytes(cfg: ModelConfig, T: int, n_chunks: int | None = None) -> int:

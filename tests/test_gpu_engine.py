@@ -343,7 +343,7 @@ def test_bench_prefill_reports_its_floor_and_phases(tiny_q4_path, monkeypatch):
 def test_bench_kernels_gpu_reports_every_shape():
     """`fermoe bench kernels --gpu` on the host emulation (the tiny preset's shapes):
     every dense projection and both grouped expert launches, Q4_0 and fp32 weights,
-    the tile sweep, the routed rows' share of the tiles."""
+    the tile sweeps, the routed rows' share of the tiles, the chunked GDN's kernels."""
     from bench.gpu_kernels import dense_shapes, run
     from gpu_worker.emulator import EmulatedDevice
     out = run("tiny", (37,), reps=1, batch=1, device=EmulatedDevice(), probe_ms=1)
@@ -355,6 +355,10 @@ def test_bench_kernels_gpu_reports_every_shape():
     assert all(set(d["tiles_q4_0"]) == {"32", "64", "128"} for d in part["dense"] if d["tile_rows"] != "narrow")
     for e in part["experts"]:
         assert e["M"] == 37 * 2 and 0 < e["useful_fraction"]["of_tiles"] <= e["useful_fraction"]["of_computed"] <= 1
+        assert set(e["tiles_q4_0"]) == {"64", "128"}
+        assert all(t["useful_fraction"]["tiles"] > 0 for t in e["tiles_q4_0"].values())
+    gdn = part["gdn"]
+    assert gdn["chunks"] == 1 and all(ms > 0 for ms in gdn["ms"].values())
     assert out["fp32_fma_tflops"] > 0
 
 

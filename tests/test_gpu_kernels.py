@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_useful_fraction
+from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_tile_rows, moe_useful_fraction
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
@@ -183,6 +183,15 @@ def test_moe_useful_fraction():
     assert f["of_computed"] == pytest.approx(134 / 160)
 
 
+def test_moe_tile_rows_by_rows_an_expert():
+    """Taller tiles once an expert averages enough rows (40, 947, 2048 and 8192 tokens
+    over 128 experts, 8 each: 2.5, 59, 128 and 512 rows)."""
+    assert moe_tile_rows(40, 128, 8) == 64
+    assert moe_tile_rows(947, 128, 8) == 64
+    assert moe_tile_rows(2048, 128, 8) == 64
+    assert moe_tile_rows(8192, 128, 8) == 128
+
+
 # ---- MoE -------------------------------------------------------------------------------------
 def _route(logits, k):
     probs = R.softmax(logits)
@@ -213,18 +222,24 @@ def test_moe_route_and_group(ops):
         assert offsets[e] <= pair_pos[p] < offsets[e + 1] and pair_token[pair_pos[p]] == p // k
     n = int(g.n_tiles.download()[0])
     tiles = list(zip(g.tile_expert.download()[:n], g.tile_row0.download()[:n], g.tile_rows.download()[:n]))
+    assert g.bm == 64                                              # 37.5 rows an expert
     assert n == sum(-(-c // 64) for c in counts)
     assert sum(r for _, _, r in tiles) == T * k and all(0 < r <= 64 for _, _, r in tiles)
     assert all(offsets[e] <= r0 and r0 + r <= offsets[e + 1] for e, r0, r in tiles)
+    ops.moe_group(g, T, E, k, bm=128)                              # grouped again, in other tiles
+    assert sorted(g.pair_pos.download()) == list(range(T * k))
+    assert int(g.n_tiles.download()[0]) == sum(-(-c // 128) for c in counts)
 
 
-@pytest.mark.parametrize("kind, T, ff, d", [("q4_0", 90, 32, 64), ("q8_0", 90, 32, 64), ("f16", 90, 32, 64),
-                                            ("q4_0", 700, 32, 64), ("q8_0", 150, 96, 160)])
-def test_moe_experts_and_combine(ops, kind, T, ff, d):
+@pytest.mark.parametrize("kind, T, ff, d, bm", [("q4_0", 90, 32, 64, None), ("q8_0", 90, 32, 64, None),
+                                                ("f16", 90, 32, 64, None), ("q4_0", 700, 32, 64, None),
+                                                ("q8_0", 150, 96, 160, 128)])
+def test_moe_experts_and_combine(ops, kind, T, ff, d, bm):
     """The whole routed block from device routing: grouped gate/up (its SwiGLU in the
     epilogue) and down products over every expert in one launch each, weighted combine
-    with the shared expert, against the reference's loop over experts (T = 700: 233 rows
-    an expert, 128-row tiles; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
+    with the shared expert, against the reference's loop over experts (T = 90: 30 rows an
+    expert, 64-row tiles; T = 700: 233 rows, 128-row tiles; T = 150: 50 rows in 128-row tiles,
+    forced; ff = 96: a gate|up tile of 64 gate columns and a partial one)."""
     rng = np.random.default_rng(7)
     E, k = 6, 2
     x = rng.standard_normal((T, d)).astype(np.float32)
@@ -244,8 +259,8 @@ def test_moe_experts_and_combine(ops, kind, T, ff, d):
     g = MoeGroups(ops.device, T, E, k)
     g.reset(ops.stream)
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, dev(ops, logits), T, E, k)
-    ops.moe_group(g, T, E, k)
-    assert g.bm == (128 if T == 700 else 64)
+    ops.moe_group(g, T, E, k, bm)
+    assert g.bm == (bm or {90: 64, 700: 128}[T])
     act, y, h = empty(ops, (T * k, ff)), empty(ops, (T * k, d)), dev(ops, h0)
     dslot, dmap, dx = dev(ops, slot), dev(ops, order.astype(np.int32)), dev(ops, x)
     ops.moe_gateup(act, dx, dslot, dmap, expert_bytes, g, ff, d, kind)
@@ -453,6 +468,31 @@ def test_gdn_chunked_equals_the_token_recurrence(ops, T, dk, dv, cuts, tiled):
     close(o.download(), np.concatenate(want), CHUNK_RTOL)
     close(S.download(), S_ref, CHUNK_RTOL)
     close(work.S0.download()[:nc], np.stack(starts_ref), CHUNK_RTOL)   # the states at the chunk starts
+
+
+def test_gdn_chunked_over_part_of_the_chunk_table(ops):
+    """Two sequences in one pass (rows 0..99 and 100..229), one chunk table: each GDN
+    call takes its sequence's chunks (ChunkWork.part, starts absolute within the pass)
+    and its own state; dk = 128 (4 W slabs a chunk), dv = 24 (a partial column block)."""
+    rng = np.random.default_rng(12)
+    T, split, hk, hv, dk, dv = 230, 100, 1, 2, 128, 24
+    q, k, v, beta, g, _ = _delta_inputs(rng, T, hk, hv, dk, dv)
+    states = [(0.3 * rng.standard_normal((hv, dk, dv))).astype(np.float32) for _ in range(2)]
+    starts, lengths = chunks_for(T, (split,))
+    work = ChunkWork(ops.device, len(starts) + 2, hv, dk, dv)          # a table longer than the pass
+    work.set_chunks(starts, lengths)
+    first_b = starts.index(split)
+    o = empty(ops, (T, hv, dv))
+    buffers = [dev(ops, x) for x in (q, k, v, beta, g)]
+    S = [dev(ops, s) for s in states]
+    for (c0, c1), Sd in zip(((0, first_b), (first_b, len(starts))), S):
+        ops.gdn_chunked(o, Sd, *buffers, work.part(c0, c1), c1 - c0, hk, hv, dk, dv, hv * dv, False)
+    got = o.download()
+    for (r0, r1), S_ref, Sd in zip(((0, split), (split, T)), [s.copy() for s in states], S):
+        want = R.delta_rule(q[r0:r1][:, [0, 0]], k[r0:r1][:, [0, 0]], v[r0:r1].reshape(r1 - r0, hv, dv), g[r0:r1],
+                            beta[r0:r1], S_ref)
+        close(got[r0:r1], want, CHUNK_RTOL)
+        close(Sd.download(), S_ref, CHUNK_RTOL)
 
 
 def test_to_f16_rounds_as_numpy(ops):

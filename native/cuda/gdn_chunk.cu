@@ -13,7 +13,7 @@
  * Exponents are masked before they are taken, so every one is <= 0. Chunks are
  * rows [chunk_start[c], + chunk_len[c]) of this pass's tokens (the host cuts them
  * at 64 and at every snapshot boundary). Buffers, per chunk c and head h:
- * Gc [nc, hv, 64], W [nc, hv, 64, dk], U and Vn [nc, hv, 64, dv], P [nc, hv, 64, 64],
+ * Gc [nc, hv, 64], W [nc, hv, dk, 64] (key-major), U and Vn [nc, hv, 64, dv], P [nc, hv, 64, 64],
  * S0 [nc, hv, dk, dv] (the state at each chunk's start: the snapshot at a boundary).
  * Layouts of q, k, v, beta, g, S as in gdn.cu; dk <= 128.
  *
@@ -21,9 +21,10 @@
  *                     grid (nc, hv), block 256; shared: A/T [64][65], K and Q slabs
  *                     [64][33] (dk in slabs of 32)
  *   gdn_chunk_state   the only sequential part: chunk after chunk, Vn and S1 from S0;
- *                     a block holds 16 value columns of a head's state in shared
- *                     memory [dk][17] (many small blocks: the chain of chunks is
- *                     short work a step). grid (hv, ceil(dv / 16)), block 256
+ *                     a block holds 16 value columns of a head's state (in registers,
+ *                     8 entries a thread), W and K stream through shared memory in
+ *                     double-buffered slabs (below). grid (hv, ceil(dv / 16)), block 256;
+ *                     dk a multiple of 4, k 16-byte aligned
  *   gdn_chunk_output  O from S0, P, Vn: every chunk in parallel
  *                     grid (nc, hv, ceil(dv / 32)), block 256 */
 #include "prelude.cuh"
@@ -55,6 +56,7 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
     __shared__ float Gs[FM_CHUNK], Bs[FM_CHUNK], Es[FM_CHUNK], tmp[FM_CHUNK];
     __shared__ float Am[FM_CHUNK][FM_CHUNK + 1];
     __shared__ float Ks[FM_CHUNK][FM_SLAB + 1], Qs[FM_CHUNK][FM_SLAB + 1];
+    __shared__ float Ts[FM_SLAB][FM_CHUNK + 1];     /* a W slab, key-major, on its way out */
     int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_chunk_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
@@ -112,10 +114,12 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
         __syncthreads();
     }
 
-    /* W = T (beta e^G K), U = T (beta V), 32 columns at a time: thread owns (i, c) = (idx / 32, idx % 32) */
+    /* W = T (beta e^G K), U = T (beta V), 32 columns at a time: thread owns (i, c) = (idx / 32,
+     * idx % 32), so a warp's m loop has one length. U [64][dv] is written as computed; W is
+     * stored key-major, [dk][64] (the state pass reads it in slabs of key dims), through
+     * Ts [32][65], so that a warp writes 32 consecutive rows of one key dim. */
     for (int pass = 0; pass < 2; pass++) {
         int width = pass == 0 ? dk : dv;
-        float *dst = pass == 0 ? W : U;
         for (int s0 = 0; s0 < width; s0 += FM_SLAB) {
             if (pass == 0) fm_load_slab(Ks, k, rs, kh * dk, t0, n, s0, dk, Es);
             else fm_load_slab(Ks, v, ldv, h * dv, t0, n, s0, dv, Bs);
@@ -124,72 +128,179 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
                 int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
                 float acc = 0.0f;
                 for (int m = 0; m <= i; m++) acc = fm_fma(Am[i][m], Ks[m][c], acc);
-                if (s0 + c < width) dst[(ch * FM_CHUNK + i) * width + s0 + c] = acc;
+                if (pass == 0) Ts[c][i] = acc;
+                else if (s0 + c < width) U[(ch * FM_CHUNK + i) * dv + s0 + c] = acc;
             }
             __syncthreads();
+            if (pass == 0) {
+                for (int idx = tid; idx < FM_CHUNK * FM_SLAB; idx += FM_CHUNK_THREADS) {
+                    int c = idx / FM_CHUNK, i = idx % FM_CHUNK;
+                    if (s0 + c < width) W[(ch * dk + s0 + c) * FM_CHUNK + i] = Ts[c][i];
+                }
+                __syncthreads();        /* Ts and Ks are written again by the next slab */
+            }
         }
     }
 }
 
-#define FM_STATE_COLS 16     /* value columns of a head's state a block of the state pass holds */
 
-FM_KERNEL void gdn_chunk_state(float *S, float *S0, float *Vn, const float *W, const float *U, const float *Gc,
-                               const float *k, const int *chunk_start, const int *chunk_len, int nc, int hk, int hv,
-                               int dk, int dv, int tiled)
+/* ---- the state pass ----
+ *
+ * Block (h, value columns [c0, c0 + 16)) carries those columns of head h's state
+ * through the chunks. Thread t owns column c = t % 16 and the group g = t / 16:
+ *
+ *   Vn = U - W S0        its outputs are rows 4g .. 4g + 3 (64 x 16 outputs)
+ *   S1 = e^G_n S0 + K^T (e^(G_n - G) Vn)
+ *                        its state entries are rows 8g .. 8g + 7 (dk <= 128), kept in
+ *                        registers from chunk to chunk; a copy in shared memory (Ss)
+ *                        is what the next chunk's W S0 reads
+ *
+ * W (stored key-major by gdn_chunk_prep: [dk][64] a chunk) and the chunk's keys do not
+ * depend on the state, so they stream through shared memory in slabs of 2,048 floats
+ * (W: 32 key dims x 64 rows; K: 16 tokens x 128 key dims), double-buffered: slab s + 1
+ * is loaded into registers while slab s is multiplied, then stored to the other
+ * buffer; one __syncthreads a slab, and the chain of chunks never waits for a global
+ * load. A chunk is ceil(dk / 32) W slabs then 4 K slabs; the last K slab prefetches the
+ * next chunk's first W slab. The decay scale e^(G_n - G_i) goes on Vn (Vs), not on K,
+ * so K's rows are read as they are (16-byte loads: dk a multiple of 4). */
+#define FM_STATE_COLS 16     /* value columns of a head's state a block of the state pass holds */
+#define FM_SLAB_FLOATS 2048  /* a slab: 8 floats a thread */
+#define FM_WS_LD 68          /* W slab [32][64] row stride (16-byte rows) */
+#define FM_KS_LD 132         /* K slab [16][128] row stride */
+#define FM_SS_LD 18          /* Ss [128][16]: 8 rows apart fall 16 banks apart (the stores of a warp) */
+#define FM_VS_LD 20          /* Vs [64][16]: 4 rows apart fall 16 banks apart */
+
+/* A slab into registers: W slab j (key dims 32 j ..) of chunk ch, or K slab j (tokens
+ * 16 j .. of the chunk at row t0, n tokens). Past dk or n: zeros. */
+FM_DEVICE void fm_state_fetch(fm_f4 r[2], bool is_w, int j, const float *Wc, const float *k, long long ks, int koff,
+                              int t0, int n, int dk)
 {
-    const int C = FM_STATE_COLS, ROWS = FM_CHUNK_THREADS / C;   /* a thread: column tid % C, rows tid / C + ROWS u */
-    __shared__ float Ss[FM_GDN_MAX_DK][FM_STATE_COLS + 1];
-    __shared__ float Vs[FM_CHUNK][FM_STATE_COLS + 1], Ks[FM_CHUNK][FM_SLAB + 1];
-    __shared__ float scale[FM_CHUNK];
-    int h = blockIdx.x, c0 = blockIdx.y * C, tid = threadIdx.x, kh = fm_chunk_key_head(h, hk, hv, tiled);
-    int col = tid % C, row = tid / C;
-    bool has_col = c0 + col < dv;
-    float *Sh = S + (long long)h * dk * dv;
-    for (int r = row; r < dk; r += ROWS) Ss[r][col] = has_col ? Sh[(long long)r * dv + c0 + col] : 0.0f;
+    for (int e = 0; e < 2; e++) {
+        int f = 4 * ((int)threadIdx.x + FM_CHUNK_THREADS * e);
+        fm_f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (is_w) {
+            int kk = 32 * j + f / FM_CHUNK;                      /* key dim; f % 64: the chunk row */
+            if (kk < dk) v = *(const fm_f4 *)(Wc + (long long)kk * FM_CHUNK + f % FM_CHUNK);
+        } else {
+            int i = 16 * j + f / 128, d = f % 128;               /* token of the chunk, key dim */
+            if (i < n && d < dk) v = *(const fm_f4 *)(k + (long long)(t0 + i) * ks + koff + d);
+        }
+        r[e] = v;
+    }
+}
+
+FM_DEVICE void fm_state_store(float *buf, const fm_f4 r[2], bool is_w)
+{
+    for (int e = 0; e < 2; e++) {
+        int f = 4 * ((int)threadIdx.x + FM_CHUNK_THREADS * e);
+        float *dst = is_w ? buf + (f / FM_CHUNK) * FM_WS_LD + f % FM_CHUNK : buf + (f / 128) * FM_KS_LD + f % 128;
+        *(fm_f4 *)dst = r[e];
+    }
+}
+
+FM_KERNEL FM_BOUNDS(FM_CHUNK_THREADS, 2) void gdn_chunk_state(float *S, float *S0, float *Vn, const float *W,
+                                                              const float *U, const float *Gc, const float *k,
+                                                              const int *chunk_start, const int *chunk_len, int nc,
+                                                              int hk, int hv, int dk, int dv, int tiled)
+{
+    __shared__ FM_ALIGN16 float buf[2][FM_SLAB_FLOATS + 128];      /* a W slab [32][68] or a K slab [16][132] */
+    __shared__ float Ss[FM_GDN_MAX_DK][FM_SS_LD];
+    __shared__ float Vs[FM_CHUNK][FM_VS_LD];
+    int h = blockIdx.x, c0 = blockIdx.y * FM_STATE_COLS, kh = fm_chunk_key_head(h, hk, hv, tiled);
+    int c = threadIdx.x % FM_STATE_COLS, g = threadIdx.x / FM_STATE_COLS;
+    bool has_col = c0 + c < dv;
+    int nw = (dk + 31) / 32;                                       /* W slabs a chunk */
+    long long ks = (long long)hk * dk;
+    int koff = kh * dk;
+    float *Sh = S + (long long)h * dk * dv + c0 + c;
+    float st[8];                                                   /* S rows 8g .. 8g + 7, column c */
+    for (int m = 0; m < 8; m++) {
+        int r = 8 * g + m;
+        st[m] = r < dk && has_col ? Sh[(long long)r * dv] : 0.0f;
+        Ss[r][c] = st[m];
+    }
+    fm_f4 pre[2];
+    fm_state_fetch(pre, true, 0, W + (long long)h * dk * FM_CHUNK, k, ks, koff, 0, 0, dk);
+    fm_state_store(buf[0], pre, true);
     __syncthreads();
+    int b = 0;
     for (int ci = 0; ci < nc; ci++) {
         long long ch = (long long)ci * hv + h;
         int t0 = chunk_start[ci], n = chunk_len[ci];
-        if (has_col)
-            for (int r = row; r < dk; r += ROWS) S0[(ch * dk + r) * dv + c0 + col] = Ss[r][col];
-        /* Vn = U - W S0, W in slabs of 32 key dims through shared memory: thread owns
-         * the outputs (i, c) = (idx / C, idx % C), idx = tid + 256 u */
-        const int per = FM_CHUNK * C / FM_CHUNK_THREADS;
-        float acc[per];
-        for (int u = 0; u < per; u++) acc[u] = 0.0f;
-        for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {
-            fm_load_slab(Ks, W + ch * FM_CHUNK * dk, dk, 0, 0, FM_CHUNK, r0, dk, 0);
-            __syncthreads();
-            for (int u = 0; u < per; u++) {
-                int idx = tid + FM_CHUNK_THREADS * u, i = idx / C, c = idx % C;
-                for (int r = 0; r < FM_SLAB; r++) acc[u] = fm_fma(Ks[i][r], Ss[r0 + r][c], acc[u]);
-            }
-            __syncthreads();
-        }
-        for (int u = 0; u < per; u++) {
-            int idx = tid + FM_CHUNK_THREADS * u, i = idx / C, c = idx % C;
-            float vn = i < n && c0 + c < dv ? U[(ch * FM_CHUNK + i) * dv + c0 + c] - acc[u] : 0.0f;
-            Vs[i][c] = vn;
-            if (c0 + c < dv) Vn[(ch * FM_CHUNK + i) * dv + c0 + c] = vn;
-        }
+        const float *Wc = W + ch * dk * FM_CHUNK;
+        float G[4], u[4], acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         float G_n = Gc[ch * FM_CHUNK + (n > 0 ? n - 1 : 0)];
-        if (tid < FM_CHUNK) scale[tid] = tid < n ? fm_expf(G_n - Gc[ch * FM_CHUNK + tid]) : 0.0f;
-        __syncthreads();
-        /* S1 = e^G_n S0 + (e^(G_n - G) K)^T Vn, the key dims in slabs of 32 */
-        float decay = fm_expf(G_n);
-        for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {
-            fm_load_slab(Ks, k, (long long)hk * dk, kh * dk, t0, n, r0, dk, scale);
-            __syncthreads();
-            for (int r = r0 + row; r < r0 + FM_SLAB && r < dk; r += ROWS) {
-                float a = Ss[r][col] * decay;
-                for (int i = 0; i < n; i++) a = fm_fma(Ks[i][r - r0], Vs[i][col], a);
-                Ss[r][col] = a;
+        for (int x = 0; x < 4; x++) {                              /* used after the W slabs: their latency hides */
+            int i = 4 * g + x;
+            G[x] = Gc[ch * FM_CHUNK + i];
+            u[x] = i < n && has_col ? U[(ch * FM_CHUNK + i) * dv + c0 + c] : 0.0f;
+        }
+        if (has_col)
+            for (int m = 0; m < 8; m++)
+                if (8 * g + m < dk) S0[(ch * dk + 8 * g + m) * dv + c0 + c] = st[m];
+
+        /* Vn = U - W S0 over the W slabs */
+        for (int j = 0; j < nw; j++) {
+            bool next_w = j + 1 < nw;
+            fm_state_fetch(pre, next_w, next_w ? j + 1 : 0, Wc, k, ks, koff, t0, n, dk);
+            const float *Ws = buf[b];
+#pragma unroll 8
+            for (int kk = 0; kk < 32; kk++) {
+                fm_f4 w = *(const fm_f4 *)(Ws + kk * FM_WS_LD + 4 * g);
+                float s = Ss[32 * j + kk][c];
+                acc[0] = fm_fma(w.x, s, acc[0]);
+                acc[1] = fm_fma(w.y, s, acc[1]);
+                acc[2] = fm_fma(w.z, s, acc[2]);
+                acc[3] = fm_fma(w.w, s, acc[3]);
             }
+            if (!next_w) {                                         /* Vn done: out, and scaled for the update */
+                for (int x = 0; x < 4; x++) {
+                    int i = 4 * g + x;
+                    float vn = i < n && has_col ? u[x] - acc[x] : 0.0f;
+                    if (has_col) Vn[(ch * FM_CHUNK + i) * dv + c0 + c] = vn;
+                    Vs[i][c] = i < n ? vn * fm_expf(G_n - G[x]) : 0.0f;
+                }
+            }
+            fm_state_store(buf[b ^ 1], pre, next_w);
             __syncthreads();
+            b ^= 1;
+        }
+
+        /* S1 = e^G_n S0 + K^T Vs over the K slabs (16 tokens each) */
+        float decay = fm_expf(G_n);
+        for (int m = 0; m < 8; m++) st[m] *= decay;
+        for (int j = 0; j < 4; j++) {
+            bool last = j == 3;
+            if (!last) {
+                fm_state_fetch(pre, false, j + 1, Wc, k, ks, koff, t0, n, dk);
+            } else if (ci + 1 < nc) {
+                fm_state_fetch(pre, true, 0, W + (ch + hv) * dk * FM_CHUNK, k, ks, koff, 0, 0, dk);
+            }
+            const float *Ks = buf[b];
+#pragma unroll 4
+            for (int ii = 0; ii < 16; ii++) {
+                fm_f4 ka = *(const fm_f4 *)(Ks + ii * FM_KS_LD + 8 * g);
+                fm_f4 kb = *(const fm_f4 *)(Ks + ii * FM_KS_LD + 8 * g + 4);
+                float v = Vs[16 * j + ii][c];
+                st[0] = fm_fma(ka.x, v, st[0]);
+                st[1] = fm_fma(ka.y, v, st[1]);
+                st[2] = fm_fma(ka.z, v, st[2]);
+                st[3] = fm_fma(ka.w, v, st[3]);
+                st[4] = fm_fma(kb.x, v, st[4]);
+                st[5] = fm_fma(kb.y, v, st[5]);
+                st[6] = fm_fma(kb.z, v, st[6]);
+                st[7] = fm_fma(kb.w, v, st[7]);
+            }
+            if (last)                                              /* the next chunk's W S0 reads it */
+                for (int m = 0; m < 8; m++) Ss[8 * g + m][c] = st[m];
+            if (!last || ci + 1 < nc) fm_state_store(buf[b ^ 1], pre, last);     /* last: a W slab */
+            __syncthreads();
+            b ^= 1;
         }
     }
     if (has_col)
-        for (int r = row; r < dk; r += ROWS) Sh[(long long)r * dv + c0 + col] = Ss[r][col];
+        for (int m = 0; m < 8; m++)
+            if (8 * g + m < dk) Sh[(long long)(8 * g + m) * dv] = st[m];
 }
 
 FM_KERNEL void gdn_chunk_output(float *O, const float *q, const float *S0, const float *Vn, const float *P,

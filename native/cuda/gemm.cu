@@ -52,7 +52,10 @@
  *   moe_gateup_mBM_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of each
  *                     expert e, x gathered by token (pair_token[p]); BM = 64: 64 x 256
  *                     tiles (128 gate and the matching 128 up columns), BM = 128:
- *                     128 x 128 (64 and 64); N = ff (GLU below)
+ *                     128 x 128 (64 and 64); N = ff (GLU below). The height goes with the
+ *                     rows an expert gets (ops.moe_tile_rows). 32 x 256 tiles were measured
+ *                     slower at 59 rows an expert (18.5 against 21.5 TFLOP/s on gate|up):
+ *                     each weight dequantised for half the rows
  *   moe_down_mBM_T    y[p] = act[p] Wd_e^T, tiles 64 x 256 or 128 x 128
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to BM
