@@ -195,12 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub, _add_model, _add_engine)
 
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                     "| http [MODEL] | vision",
+                                     "| http [MODEL] | agent MODEL | vision | tools [MODEL]",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision"],
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision", "tools"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
-                        "(the daemon: time to first token, clients), http (the HTTP API end to end) or vision "
-                        "(images through the vision tower on the CPU)")
+                        "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
+                        "agent's turns and the prefix cache), vision (images through the vision tower on the CPU) "
+                        "or tools (how often the built-in model calls its pydoc tool correctly on held-out names)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -433,6 +434,8 @@ def cmd_bench(args) -> None:
         from bench.agent import main as bench_main
     elif args.what == "vision":
         from bench.vision import main as bench_main
+    elif args.what == "tools":
+        from bench.tool_calls import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"
