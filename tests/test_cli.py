@@ -1,6 +1,7 @@
 """The `fermoe` command as a user runs it: real processes, real files."""
 from __future__ import annotations
 
+import json
 import msgspec
 import os
 import re
@@ -261,7 +262,6 @@ def test_demo_agent_runs_a_real_tool_loop(tmp_path, monkeypatch):
     """`fermoe demo --agent` on the built-in model: it calls pydoc with the name asked, the tool
     runs here (Python's pydoc: the docstring's first line is shown), and the model answers with
     that docstring's first sentence; one summary line a reply."""
-    import json
     from shared.pydoc_tool import first_sentence, lookup
     monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
     run = fermoe("demo", "--agent", "--addr", f"tcp://127.0.0.1:{free_port()}")
@@ -272,6 +272,18 @@ def test_demo_agent_runs_a_real_tool_loop(tmp_path, monkeypatch):
     assert lines[3].startswith("tool: " + doc.splitlines()[0])
     assert lines[-1] == "answer: " + first_sentence(doc)
     assert [line.split(";")[0] for line in run.stderr.splitlines()] == ["stopped: end of generation"] * 2
+
+
+def test_bench_tools_counts_calls_on_held_out_names(tmp_path):
+    """`fermoe bench tools` prints JSON; on the first held-out names (asyncio's, whose module
+    the model has seen) it calls pydoc with the exact name; a name file it cannot read is refused."""
+    out = json.loads(fermoe("bench", "tools", "--limit", 3, "-t", 1).stdout)
+    assert (out["names"], out["called"], out["called_correctly"]) == (3, 3, 3), out
+    assert 0 <= out["answered_exactly"] <= out["answerable"] <= 3 and out["thinking"] is True
+    bad = tmp_path / "names.txt"
+    bad.write_text("json.dumps\n")
+    run = fermoe("bench", "tools", "--names", bad, check=False)
+    assert run.returncode != 0 and "expected 'KIND NAME'" in run.stderr
 
 
 def test_demo_on_a_random_model_says_its_output_is_noise(tiny_q4_path):
