@@ -13,6 +13,7 @@ from shared.errors import FermoeError
 from shared.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
 
 DEFAULT_MODEL = "tiny"
+AGENT_QUESTION = "What does json.dumps do?"
 DESCRIPTION = """\
 fermoe runs Qwen3.5/3.6-35B-A3B-class mixture-of-experts models (GGUF files) on CPUs, from
 the command line or as a daemon serving many clients (ZeroMQ and an OpenAI-compatible HTTP API)."""
@@ -220,14 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the coordinator")
     _add_sampling(p)
 
-    p = sub.add_parser("demo", help="start a coordinator on a model, stream one prompt's continuation, stop",
+    p = sub.add_parser("demo", help="start a coordinator on a model, stream one prompt's continuation (or run "
+                                    "a tool loop: --agent), stop",
                        description="Start a coordinator on a model, print a prompt and its continuation as it "
-                                   "streams (greedy), say why it stopped, and stop the coordinator.")
+                                   "streams (greedy), say why it stopped, and stop the coordinator. With --agent "
+                                   "the prompt is a question asked in a chat that offers a pydoc tool, run here "
+                                   "with Python's pydoc whenever the model calls it.")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="GGUF file, or the name of a built-in model (default: tiny)")
-    _add_prompt(p, default="This module provides")
-    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default 32; -1: until "
-                                                                     "end of generation or of the context)")
+    _add_prompt(p)
+    p.add_argument("--agent", action="store_true",
+                   help=f"a tool loop: the model may call pydoc (default prompt: {AGENT_QUESTION!r})")
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate (default 32, with "
+                   "--agent 128 a reply; -1: until end of generation or of the context)")
     p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="where the coordinator listens "
                                                                   "(default: loopback 5557)")
 
@@ -241,12 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub, _add_model, _add_engine)
 
     p = sub.add_parser("bench", help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                     "| http [MODEL] | vision",
+                                     "| http [MODEL] | agent MODEL | vision | tools [MODEL]",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision"],
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision", "tools"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
-                        "(the daemon: time to first token, clients), http (the HTTP API end to end) or vision "
-                        "(images through the vision tower on the CPU)")
+                        "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
+                        "agent's turns and the prefix cache), vision (images through the vision tower on the CPU) "
+                        "or tools (how often the built-in model calls its pydoc tool correctly on held-out names)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -308,7 +315,7 @@ def cmd_generate(args) -> None:
     for i, token in enumerate(generate(engine, ids, max_tokens, params, stop_ids=stop_ids, prefill=prefill,
                                        media=media)):
         if i == 0:              # the options all checked: any error came as the only line
-            _notices(args, model.file.metadata, model.path)
+            _notices(args, model.file.metadata)
         if token in stop_ids:
             break
         sys.stdout.write(stream.feed(token))
@@ -376,22 +383,11 @@ def cmd_synth(args) -> None:
         print(f"wrote {args.mmproj} (random vision tower, {vcfg.n_layer} blocks, {args.mmproj_type})", file=sys.stderr)
 
 
-def _notices(args, metadata: dict, model_path: str) -> None:
-    """One line on stderr where the output will be noise: random weights, or chat turns
-    to the built-in model (trained on docstrings)."""
-    from shared.builtin import BUILTIN
+def _notices(args, metadata: dict) -> None:
+    """One line on stderr where the output will be noise: random weights."""
     from shared.synth import has_random_weights, random_weights_notice
     if has_random_weights(metadata):
         print(f"fermoe: {random_weights_notice(args.model)}", file=sys.stderr)
-    elif getattr(args, "chat", False) and model_path in {str(p) for p in BUILTIN.values()}:
-        print(chat_notice(model_path), file=sys.stderr)
-
-
-def chat_notice(model_path: str) -> str:
-    from shared.builtin import BUILTIN
-    name = next(n for n, p in BUILTIN.items() if str(p) == model_path)
-    return (f"fermoe: the built-in model {name} was trained on Python docstrings, not on chat turns: "
-            "its --chat replies are noise")
 
 
 def stop_words(done, max_tokens: int | None) -> str:
@@ -426,17 +422,14 @@ def _stream(client, request_id, max_tokens: int | None) -> None:
 
 def cmd_submit(args) -> None:
     from coordinator.client import Client
-    from shared.builtin import BUILTIN
 
     max_tokens = _max_tokens(args)
     _escaped(args)
     with Client(args.addr) as client:
         if args.wait:
-            status = client.wait_ready(args.wait)
+            client.wait_ready(args.wait)
         else:
-            status = client.status(timeout_s=5.0)    # nothing there: one clear error now, not after minutes
-        if args.chat and status.model in {str(p) for p in BUILTIN.values()}:
-            print(chat_notice(status.model), file=sys.stderr)
+            client.status(timeout_s=5.0)    # nothing there: one clear error now, not after minutes
         kwargs = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
         rid = client.submit(max_tokens=max_tokens, sampling=_sampling(args), stop=args.stop,
                             ignore_eos=args.ignore_eos, **kwargs)
@@ -454,14 +447,18 @@ def cmd_demo(args) -> None:
     from shared.builtin import resolve_model
     from shared.gguf_file import GGUFFile
 
+    if args.n_predict is None:
+        args.n_predict = 128 if args.agent else 32
     max_tokens = _max_tokens(args)
+    if args.prompt is None:
+        args.prompt = AGENT_QUESTION if args.agent else "This module provides"
     _escaped(args)
     path = resolve_model(args.model)
     try:
         metadata = GGUFFile(path).metadata
     except OSError as e:
         raise FermoeError(f"{args.model}: {e.strerror or e}") from None
-    _notices(args, metadata, path)
+    _notices(args, metadata)
     with tempfile.TemporaryFile("w+") as log:
         daemon = start_coordinator(args.model, args.addr, ["--snapshot-mem", "64MiB"], log)
         try:
@@ -471,13 +468,26 @@ def cmd_demo(args) -> None:
                 except FermoeError as e:
                     last = last_words(log)
                     raise FermoeError(f"{e}" + (f": {last}" if last else "")) from None
-                sys.stdout.write(args.prompt)
-                _stream(client, client.submit(args.prompt, max_tokens=max_tokens, temperature=0.0), max_tokens)
+                if args.agent:
+                    _agent(client, args.prompt, max_tokens, metadata)
+                else:
+                    sys.stdout.write(args.prompt)
+                    _stream(client, client.submit(args.prompt, max_tokens=max_tokens, temperature=0.0), max_tokens)
         finally:
             stop_coordinator(daemon)
         if daemon.returncode != 0:
             last = last_words(log)
             raise FermoeError(f"the coordinator exited with status {daemon.returncode}" + (f": {last}" if last else ""))
+
+
+def _agent(client, question: str, max_tokens: int | None, metadata: dict) -> None:
+    from fermoe.agent_demo import run
+    from shared.chat import opens_reasoning
+    from shared.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_metadata(metadata)
+    if not tokenizer.chat_template:
+        raise FermoeError("--agent needs a model with a chat template (tokenizer.chat_template)")
+    run(client, question, max_tokens, opens_reasoning(tokenizer), lambda done: summary(done, max_tokens))
 
 
 def cmd_bench(args) -> None:
@@ -493,6 +503,8 @@ def cmd_bench(args) -> None:
         from bench.agent import main as bench_main
     elif args.what == "vision":
         from bench.vision import main as bench_main
+    elif args.what == "tools":
+        from bench.tool_calls import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"

@@ -1,7 +1,8 @@
 """The built-in models: GGUF files that ship inside the package (shared/data/).
 
 `tiny` is a small Qwen3.5-MoE trained by tools/train_tiny.py on the standard library's
-docstrings (the README's "The built-in model"), stored Q8_0. The random models of
+docstrings and on agent episodes that call a pydoc tool (shared/pydoc_tool.py; docs/models.md,
+"The built-in model"), stored Q8_0. The random models of
 `fermoe synth` are made on demand by whoever needs exact shapes (the tests)."""
 from __future__ import annotations
 

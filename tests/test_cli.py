@@ -1,6 +1,7 @@
 """The `fermoe` command as a user runs it: real processes, real files."""
 from __future__ import annotations
 
+import json
 import msgspec
 import os
 import re
@@ -205,16 +206,19 @@ def test_help_says_what_fermoe_is_and_lists_every_command():
         assert not unexplained, (command, unexplained)
 
 
-def test_random_weights_and_chat_on_the_builtin_model_are_noted_once(tiny_q4_path, tmp_path):
-    """A model of `fermoe synth` (random weights) says so on stderr, once; so does --chat on
-    the built-in model (trained on docstrings); a trained model's plain run says nothing."""
+def test_random_weights_are_noted_once_and_the_builtin_model_chats(tiny_q4_path, tmp_path):
+    """A model of `fermoe synth` (random weights) says so on stderr, once; a trained model's
+    runs say nothing, --chat on the built-in model (trained on chat episodes) included: asked
+    for one sentence about a text (written for this test), it answers with the text's first."""
     synth = fermoe("generate", tiny_q4_path, "-p", "Hi", "-n", 4, "--ignore-eos")
     assert synth.stderr == (f"fermoe: {tiny_q4_path} has random weights (written by fermoe synth): its output is "
                             "noise, for speed measurements only\n")
     assert fermoe("generate", "-p", "Hi", "-n", 4, "--ignore-eos").stderr == ""
-    chat = fermoe("generate", "-p", "Hi", "-n", 4, "--ignore-eos", "--chat").stderr
-    assert chat == ("fermoe: the built-in model tiny was trained on Python docstrings, not on chat turns: its --chat "
-                    "replies are noise\n")
+    text = r"In one sentence, what is this about?\n\nCreate a fresh temporary directory and return its path.\n" \
+           r"The caller removes it when done."
+    chat = fermoe("generate", "-p", text, "-n", 64, "--temp", 0, "--chat")
+    assert chat.stderr == ""
+    assert chat.stdout.endswith("</think>\n\nCreate a fresh temporary directory and return its path.\n"), chat.stdout
 
 
 def test_generate_engine_reference(tiny_q4_path, capsys):
@@ -252,6 +256,34 @@ def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
     assert re.fullmatch(rf"stopped: {re.escape(why)}; prompt \d+ tokens \(0 cached\), prefill \d+ ms, "
                         rf"{len(ids)} tokens generated at [\d.]+ tok/s\n", run.stderr), run.stderr
     assert _dead_arenas() <= leaked_before
+
+
+def test_demo_agent_runs_a_real_tool_loop(tmp_path, monkeypatch):
+    """`fermoe demo --agent` on the built-in model: it calls pydoc with the name asked, the tool
+    runs here (Python's pydoc: the docstring's first line is shown), and the model answers with
+    that docstring's first sentence; one summary line a reply."""
+    from shared.pydoc_tool import first_sentence, lookup
+    monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
+    run = fermoe("demo", "--agent", "--addr", f"tcp://127.0.0.1:{free_port()}")
+    lines = run.stdout.splitlines()
+    doc = lookup("json.dumps")
+    assert lines[0] == "user: What does json.dumps do?"
+    assert lines[1].startswith("think: ") and lines[2] == "call: pydoc " + json.dumps({"name": "json.dumps"})
+    assert lines[3].startswith("tool: " + doc.splitlines()[0])
+    assert lines[-1] == "answer: " + first_sentence(doc)
+    assert [line.split(";")[0] for line in run.stderr.splitlines()] == ["stopped: end of generation"] * 2
+
+
+def test_bench_tools_counts_calls_on_held_out_names(tmp_path):
+    """`fermoe bench tools` prints JSON; on the first held-out names (asyncio's, whose module
+    the model has seen) it calls pydoc with the exact name; a name file it cannot read is refused."""
+    out = json.loads(fermoe("bench", "tools", "--limit", 3, "-t", 1).stdout)
+    assert (out["names"], out["called"], out["called_correctly"]) == (3, 3, 3), out
+    assert 0 <= out["answered_exactly"] <= out["answerable"] <= 3 and out["thinking"] is True
+    bad = tmp_path / "names.txt"
+    bad.write_text("json.dumps\n")
+    run = fermoe("bench", "tools", "--names", bad, check=False)
+    assert run.returncode != 0 and "expected 'KIND NAME'" in run.stderr
 
 
 def test_demo_on_a_random_model_says_its_output_is_noise(tiny_q4_path):

@@ -1,5 +1,7 @@
 """Forced tool calls and JSON answers through the whole daemon, driven by the official `openai`
-client: the tiny model never calls a tool by itself, so every call here is the grammar's doing.
+client: the synthetic tiny model (random weights) never calls a tool by itself, so every call
+here is the grammar's doing (test_http_builtin_tools.py has the built-in model calling under
+"auto").
 Each result is checked against its schema with `jsonschema`; bad schemas and unknown tools are
 clear 400s and the daemon serves on."""
 from __future__ import annotations

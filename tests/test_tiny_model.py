@@ -18,10 +18,9 @@ CALIB = DATA_DIR / "stdlib" / "calib.txt"
 CTX = 512
 EVAL_TOKENS = 4 * CTX                # four llama-perplexity windows of the held-out text
 CALIB_TOKENS = 8192
-# Two of its 256 experts are dead: no token of the whole calibration text (58k tokens)
-# reaches layer 5's expert 18 or layer 6's expert 6; they score 0 and go first.
+# An expert no calibration token reaches scores 0 and goes first.
 # A model that learned nothing predicts about uniformly: perplexity ~ the vocabulary
-# size (4096). The trained one is at ~1/100 of that (README); 1/20 leaves room for
+# size (4096). The trained one is at ~1/50 of that (docs/models.md); 1/20 leaves room for
 # any retraining while still failing for an untrained or broken model.
 LEARNED_FRACTION = 1 / 20
 RANDOM_SEEDS = tuple(range(8))
