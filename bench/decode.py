@@ -154,10 +154,6 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
 
     per_token = bytes_per_token(model)
     phase_bytes = bytes_by_phase(model)
-    breakdown = {p: {"ms_per_token": round(1000 * phase_s[p] / decode_tokens, 2),
-                     "weight_mb_per_token": round(phase_bytes[p] / 1e6, 1),
-                     "gb_s": round(phase_bytes[p] * decode_tokens / phase_s[p] / 1e9, 2) if phase_s[p] else None}
-                 for p in phase_s}
     bandwidth = engine.read_bandwidth()
     weights_bandwidth = engine.read_bandwidth(weights=True)
     ms = 1000 * float(np.median(step_s))
@@ -165,6 +161,16 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     floor_tps = bandwidth / per_token
     state_bytes = 2 * model.config.recurrent_state_bytes    # read and written
     kv_bytes = kv_bytes_per_token(model, context_at, kv_cache_dtype)
+    # beside the weights, what a phase moves for each sequence: the GDN's recurrent state
+    # (read and written), attention's KV (read)
+    moved = {p: phase_bytes[p] + batch * {"gdn": state_bytes, "attention": kv_bytes}.get(p, 0) for p in phase_s}
+    breakdown = {p: {"ms_per_token": round(1000 * phase_s[p] / decode_tokens, 2),
+                     "weight_mb_per_token": round(phase_bytes[p] / 1e6, 1),
+                     "state_mb_per_token": round((moved[p] - phase_bytes[p]) / 1e6, 1),
+                     "gb_s": round(moved[p] * decode_tokens / phase_s[p] / 1e9, 2) if phase_s[p] else None,
+                     "fraction_of_read_bw": round(moved[p] * decode_tokens / phase_s[p] / bandwidth, 3)
+                     if phase_s[p] else None}
+                 for p in phase_s}
     floor_state_tps = bandwidth / (per_token + batch * (state_bytes + kv_bytes))
     return {
         "model": model_path,

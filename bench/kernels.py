@@ -23,7 +23,13 @@ memory bandwidth drift within minutes, so only ratios measured together mean muc
     cache-sized matrix where it is compute-bound, and its speed-up over B matvecs
     (best of --reps);
   - ratios: SSSE3 (the paper's pmaddubsw kernel) over scalar C (the paper: 3x), and
-    each ISA over SSSE3.
+    each ISA over SSSE3;
+  - decode_shaped: the same bytes read the way a decode step reads its weights, in
+    the parallel regions the forward runs (decode_regions: a GDN layer's input
+    projections together, its output alone, the selected experts' gate and up
+    together, then their downs), with the default ISA and N threads, alternated with
+    read passes: each kind's GB/s and fraction of the read bandwidth, beside the one
+    big matrix's above.
 The read loop and the matrix-vector product both run on the engine's own thread
 pool (native.Pool: threads pinned to the node's physical cores, rows cut into
 ~4 MB tasks), so the fraction compares like with like. The batched product runs
@@ -151,6 +157,49 @@ def paired_passes(cpus: list[int], W: np.ndarray, xq: np.ndarray,
     return reads, prefetched, products
 
 
+def decode_regions(preset: str = "qwen3.6-35b-a3b") -> dict[str, list[tuple[int, int]]]:
+    """The parallel regions of a decode step's weight reads, as (rows, cols) Q4_0
+    matrices each, at the preset's real sizes, in the order the forward runs them: a GDN
+    layer's four input projections in one region and its output alone; a MoE layer's
+    selected experts' gate and up (and the shared expert's) in one region, then their
+    down projections."""
+    from shared.synth import preset_config
+    cfg = preset_config(preset)
+    d, k, ff, fs = cfg.n_embd, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp
+    return {"gdn_in": [(cfg.conv_channels, d), (cfg.ssm_d_inner, d), (cfg.ssm_v_heads, d), (cfg.ssm_v_heads, d)],
+            "gdn_out": [(d, cfg.ssm_d_inner)],
+            "experts_gate_up": [(ff, d)] * (2 * k) + [(fs, d)] * 2,
+            "experts_down": [(d, ff)] * k + [(d, fs)]}
+
+
+def decode_shaped_passes(cpus: list[int], W: np.ndarray, pairs: int, preset: str = "qwen3.6-35b-a3b") -> dict:
+    """GB/s of decode's kinds of region (decode_regions), each repeated through W (so
+    every region reads memory, not cache: one after the other as a token's layers run),
+    alternated with read passes over the same bytes on one pinned pool: each kind's
+    median GB/s and fraction of the read bandwidth of its pair."""
+    out = {}
+    buf = W.reshape(-1)
+    with native.Pool(cpus) as pool:
+        for name, region in decode_regions(preset).items():
+            region_bytes = sum(r * (c // 32) * 18 for r, c in region)
+            if region_bytes > buf.nbytes:
+                raise ValueError(f"a {name} region reads {region_bytes} bytes: more than the {buf.nbytes}-byte matrix")
+            regions = [region] * (buf.nbytes // region_bytes)
+            nbytes = region_bytes * len(regions)
+            steps = (lambda: pool.regions_q4_0_seconds(buf, regions), lambda: pool.read_seconds(buf[:nbytes]))
+            for step in steps:
+                step()                              # untimed: pages, caches, the pool's threads
+            speeds, ratios = [], []
+            for i in range(pairs):                  # each pair in alternating order
+                t = {k: steps[k]() for k in ((0, 1) if i % 2 == 0 else (1, 0))}
+                speeds.append(nbytes / t[0] / 1e9)
+                ratios.append(t[1] / t[0])
+            out[name] = {"matrices": len(region), "region_mb": round(region_bytes / 1e6, 2),
+                         "regions_a_pass": len(regions), "gbps": round(statistics.median(speeds), 2),
+                         "fraction_of_read_bw": round(statistics.median(ratios), 3)}
+    return out
+
+
 def matmul_seconds(pool, W, X, Y, nthreads: int, reps: int) -> float:
     task = lambda b, e: native.matmul(W, X, "q4_0", b, e, out=Y)  # noqa: E731
     return _best_time(lambda: _parallel(pool, nthreads, W.shape[0], task), reps)
@@ -191,7 +240,7 @@ def _bench_isa(pool, cpus, isa, big, small, threads, batch_sizes, reps, pairs) -
 
 def run(matrix_mb: int | None = None, threads: int = 2, reps: int = 5,
         isas: list[str] | None = None, cols: int = 2048, batch_sizes=(16, 64),
-        small_rows: int = 4096, pairs: int = 15) -> dict:
+        small_rows: int = 4096, pairs: int = 15, decode_preset: str = "qwen3.6-35b-a3b") -> dict:
     """Measure everything once; returns the JSON-ready dict (see the module docstring)."""
     isas = isas or native.supported_isas()
     thread_counts = sorted({1, threads})
@@ -222,6 +271,10 @@ def run(matrix_mb: int | None = None, threads: int = 2, reps: int = 5,
             for nt, r in reads.items():
                 all_reads[nt] += r
     result["read_bandwidth_gbps"] = {nt: round(statistics.median(r), 2) for nt, r in all_reads.items()}
+    # the same bytes read as decode reads them: its regions of small matrices, not one big one
+    result["decode_shaped"] = {"isa": native.get_isa(), "threads": thread_counts[-1],
+                               "model_shapes": decode_preset,
+                               **decode_shaped_passes(cpus[:thread_counts[-1]], big_W, pairs, decode_preset)}
     result["q4_0"] = by_isa
     result["ratios"] = _ratios(by_isa, thread_counts)
     return result

@@ -242,3 +242,25 @@ class Pool:
         if y.shape != (rows,) or y.dtype != np.float32 or not y.flags.c_contiguous:
             raise ValueError(f"out must be a contiguous float32 array of shape ({rows},)")
         return lib.fm_pool_matvec_q4_0_seconds(self._pool, wp, xp, ffi.cast("float *", ffi.from_buffer(y)), rows, cols)
+
+    def regions_q4_0_seconds(self, buf: np.ndarray, regions: list[list[tuple[int, int]]]) -> float:
+        """Seconds of a sequence of parallel regions as the forward runs them (fm_run_jobs),
+        each a list of Q4_0 matrices (rows, cols) read from `buf` one after the other,
+        against one random Q8_0 vector."""
+        shapes = [shape for region in regions for shape in region]
+        rows = np.array([r for r, _ in shapes], np.int32)
+        cols = np.array([c for _, c in shapes], np.int32)
+        if (cols % 32).any() or (rows < 1).any():
+            raise ValueError("matrices need rows >= 1 and columns in multiples of 32")
+        sizes = rows.astype(np.int64) * (cols // 32) * 18
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        if int(sizes.sum()) > buf.nbytes:
+            raise ValueError(f"the regions read {int(sizes.sum())} bytes of a {buf.nbytes}-byte buffer")
+        ends = np.cumsum([len(region) for region in regions]).astype(np.int32)
+        x = quantize_row_q8_0(np.random.default_rng(0).standard_normal(int(cols.max())).astype(np.float32))
+        y = np.empty(max(sum(r for r, _ in region) for region in regions), np.float32)
+        ptr = ffi.cast("void *", ffi.from_buffer(buf))
+        return lib.fm_pool_regions_q4_0_seconds(
+            self._pool, ptr, ffi.cast("int64_t *", ffi.from_buffer(offsets)), ffi.cast("int *", ffi.from_buffer(rows)),
+            ffi.cast("int *", ffi.from_buffer(cols)), len(shapes), ffi.cast("int *", ffi.from_buffer(ends)), len(ends),
+            ffi.cast("void *", ffi.from_buffer(x)), ffi.cast("float *", ffi.from_buffer(y)))

@@ -5,8 +5,10 @@
  * single passes of each, alternated, and compares them pair by pair: on a noisy
  * machine only neighbouring passes share the conditions a ratio needs. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
+#include "linear.h"
 #include "threadpool.h"
 
 #define CHUNK (4u << 20)    /* bytes a task reads: large enough to stream, small enough to balance */
@@ -72,4 +74,26 @@ double fm_pool_matvec_q4_0_seconds(fm_pool *pool, const void *W, const void *x, 
     per = per < 16 ? 16 : per;
     matvec_ctx c = {W, x, y, rows, cols, per};
     return pass_seconds(pool, matvec_task, &c, (rows + per - 1) / per);
+}
+
+double fm_pool_regions_q4_0_seconds(fm_pool *pool, const void *W, const int64_t *offsets, const int *rows,
+                                    const int *cols, int n_mats, const int *region_end, int n_regions,
+                                    const void *x, float *y) {
+    fm_tensor *mats = calloc((size_t)n_mats, sizeof *mats);
+    fm_job *jobs = calloc((size_t)n_mats, sizeof *jobs);
+    if (!mats || !jobs) {
+        free(mats), free(jobs);
+        return -1.0;
+    }
+    for (int i = 0, k = 0; i < n_regions; i++)
+        for (size_t row = 0; k < region_end[i]; row += rows[k++]) {     /* a region's outputs side by side */
+            mats[k] = (fm_tensor){(const uint8_t *)W + offsets[k], FM_Q4_0, rows[k], cols[k], 0};
+            jobs[k] = (fm_job){.w = &mats[k], .xq = x, .B = 1, .y = y + row, .ldy = rows[k]};
+        }
+    const double t0 = fm_now();
+    for (int i = 0, k = 0; i < n_regions; k = region_end[i++])
+        fm_run_jobs(pool, jobs + k, region_end[i] - k);
+    const double seconds = fm_now() - t0;
+    free(mats), free(jobs);
+    return seconds;
 }

@@ -50,5 +50,13 @@ double fm_pool_region_overhead_seconds(fm_pool *pool, int reps);
 /* seconds of one Q4_0 x Q8_0 matrix-vector product W[rows, cols] . x -> y[rows],
  * rows split into ~4 MB tasks. */
 double fm_pool_matvec_q4_0_seconds(fm_pool *pool, const void *W, const void *x, float *y, int rows, int cols);
+/* seconds of a sequence of parallel regions shaped like a decode step's: Q4_0
+ * matrices k = 0..n_mats-1 (rows[k] x cols[k], at byte offsets[k] into W) run through
+ * the forward's own fm_run_jobs, region i holding matrices [region_end[i-1],
+ * region_end[i]); x: Q8_0 activations of the widest, y: room for the rows of the
+ * largest region. */
+double fm_pool_regions_q4_0_seconds(fm_pool *pool, const void *W, const int64_t *offsets, const int *rows,
+                                    const int *cols, int n_mats, const int *region_end, int n_regions,
+                                    const void *x, float *y);
 
 #endif

@@ -441,6 +441,9 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     assert out["fraction_of_weights_read_floor"] == pytest.approx(
         out["decode_tok_s"] * out["weight_bytes_per_token"] / (out["weights_read_gb_s"] * 1e9), rel=0.02, abs=6e-4)
     assert set(out["decode_breakdown"]) == set(native_engine.NativeEngine.PHASES)
+    gdn = out["decode_breakdown"]["gdn"]         # its weights and 3 sequences' state, at its share of the bandwidth
+    assert gdn["state_mb_per_token"] == round(3 * state_bytes / 1e6, 1)
+    assert gdn["fraction_of_read_bw"] == pytest.approx(gdn["gb_s"] / out["read_bandwidth_gb_s"], rel=0.02, abs=1e-3)
     assert out["sampling_ms_per_token"] > 0
     regions = out["decode_parallel_regions"]
     assert regions["per_token"] == 0     # one thread: every region runs inline

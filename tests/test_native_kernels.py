@@ -429,7 +429,7 @@ def test_bench_kernels_reports_each_isa_against_bandwidth():
     if "ssse3" not in SUPPORTED:
         pytest.skip("this CPU lacks ssse3")
     out = run(matrix_mb=2, threads=2, reps=1, isas=["scalar", "ssse3"], batch_sizes=(4,),
-              small_rows=64, pairs=3)
+              small_rows=64, pairs=3, decode_preset="tiny")
     assert out["setup"]["cpus"] and set(out["q4_0"]) == {"scalar", "ssse3"}
     for isa in ("scalar", "ssse3"):
         got = out["q4_0"][isa]
@@ -439,6 +439,20 @@ def test_bench_kernels_reports_each_isa_against_bandwidth():
             assert got["matvec_gbps"][nt] > 0 and got["read_gbps"][nt] > 0 and got["prefetched_read_gbps"][nt] > 0
             assert got["fraction_of_prefetched_read_bw"][nt] > 0 and got["prefetched_read_fraction_of_read_bw"][nt] > 0
     assert out["ratios"]["ssse3_vs_scalar_matvec_1t"] > 1
+    shaped = out["decode_shaped"]          # the same bytes in decode's regions of small matrices
+    assert {"gdn_in", "gdn_out", "experts_gate_up", "experts_down"} <= set(shaped)
+    for kind in ("gdn_in", "gdn_out", "experts_gate_up", "experts_down"):
+        assert shaped[kind]["gbps"] > 0 and shaped[kind]["fraction_of_read_bw"] > 0
+        assert shaped[kind]["regions_a_pass"] >= 1
+    assert shaped["experts_gate_up"]["matrices"] == 2 * 2 + 2        # the tiny preset: 2 experts of 8, gate and up
+
+
+def test_decode_regions_are_the_forwards_at_real_sizes():
+    from bench.kernels import decode_regions
+    regions = decode_regions()
+    assert regions["gdn_in"] == [(8192, 2048), (4096, 2048), (32, 2048), (32, 2048)]
+    assert regions["experts_gate_up"][:16] == [(512, 2048)] * 16 and regions["experts_down"][:8] == [(2048, 512)] * 8
+    assert sum(r * c // 32 * 18 for r, c in regions["experts_down"][:8]) == 8 * 589824     # 0.59 MB an expert matrix
 
 
 # ---------------------------------------------------------------- batched
