@@ -318,6 +318,7 @@ class Prefill(_Msg, tag="prefill"):
     tokens: list[int]
     resume: list[SnapshotRef]
     snapshots: list[SnapshotRef]
+    images: list[ImageInput] = []       # as in Assign: the GPU worker runs the tower for them
 
 
 class Prefilled(_Msg, tag="prefilled"):

@@ -118,3 +118,29 @@ def test_bad_media_is_refused(mm):
     with pytest.raises(FermoeError, match="image positions of shape"):
         engine.forward([1, 2], engine.new_state(), media=bad)
     engine.close()
+
+
+def test_snapshot_slots_carry_the_rope_delta(mm):
+    """As a GPU worker prefills: snapshots into arena slots, block by block. A chain restored
+    up to the prompt's text end decodes on (the reference) at the positions after the image;
+    one restored inside an image resumes on the GPU with the rest of its media."""
+    from shared.state import restore_snapshots, snapshot_nbytes
+    _, model, tower = mm
+    cfg, block = model.config, 4
+    ids, media = _prompt(model, tower, _images())
+    whole, _ = reference(model, ids, media)
+    n = int(media.rows[-1]) + 2
+    engine = gpu(model)
+    at = list(range(block, n, block)) + [n]
+    slots = {p: bytearray(snapshot_nbytes(cfg, block, "f32")) for p in at}
+    engine.prefill_batch([PrefillJob(ids[:n], engine.new_state(), into=slots, block=block,
+                                     media=media.slice(0, n))])
+
+    def chain(q):
+        return restore_snapshots(cfg, model.fingerprint, [slots[p] for p in at if p <= q], block, "f32")
+    ended = chain(n)
+    assert ended.rope_delta == reference(model, ids[:n], media.slice(0, n))[1].rope_delta != 0
+    close(reference(model, ids[n:], None, ended)[0], whole[n:])
+    inside = max(p for p in at if media.rows[0] < p < media.rows[-1])
+    close(engine.forward(ids[inside:], chain(inside), media=media.slice(inside, len(ids))), whole[inside:])
+    engine.close()
