@@ -132,6 +132,13 @@ def _http_chat(daemon, parts, **kw):
     return httpx.post(f"{daemon.url}/v1/chat/completions", json=body, timeout=120)
 
 
+def test_props_report_vision(daemon):
+    """llama-server's /props: modalities.vision with a tower (test_http_llama_server_api: without)."""
+    assert httpx.get(f"{daemon.url}/props", timeout=30).json()["modalities"] == {"vision": True, "audio": False}
+    with Client(daemon.addr) as c:
+        assert c.status().vision
+
+
 def test_openai_image_url_data_urls(daemon, files):
     a = png(1)
     url = "data:image/png;base64," + base64.b64encode(a).decode()
