@@ -292,7 +292,8 @@ class GPUEngine:
                 continue
             rows = (g.s + m.rows).tolist()
             for j, k in _runs(rows):        # an image's tokens are consecutive: one copy each
-                self.ws.h.rows(rows[j], rows[k - 1] + 1).upload(m.embeds[j:k])    # after the gather, in order
+                # on the compute stream: after the gather, whatever the stream's flags
+                self.ws.h.rows(rows[j], rows[k - 1] + 1).upload(m.embeds[j:k], self.ops.stream)
 
     # ---- mixers ---------------------------------------------------------------------------
     def _attention(self, L: int, n: int, segments: list[Segment]) -> None:
