@@ -301,7 +301,7 @@ class Coordinator:
                                          name=self.opts.alias or self.opts.model,
                                          fingerprint=self.model.fingerprint,
                                          max_request_size=P.max_message_bytes(), n_ctx=self.max_model_len,
-                                         max_sequences=self.opts.max_sequences))
+                                         max_sequences=self.opts.max_sequences, vision=self.vision is not None))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:

@@ -34,8 +34,7 @@ class GPUPrefills:
         """Where a queued request's prompt is prefilled: "gpu" (sent to a GPU worker: off
         the queue), "cpu" (on the CPU worker that decodes it), or "wait" (--prefill gpu with
         every GPU worker busy)."""
-        if (req.phase is Phase.HANDED_OFF or req.gpu_failed or self.arena is None or not self.opts.gpus
-                or req.images):                  # the GPU engine takes no images yet: the CPU worker runs the tower
+        if req.phase is Phase.HANDED_OFF or req.gpu_failed or self.arena is None or not self.opts.gpus:
             return "cpu"
         gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
         uncached = len(req.tokens) - self.index.cached(req.cache_tokens)
@@ -74,9 +73,10 @@ class GPUPrefills:
         self.workers[wid].requests.add(req.rid)
         refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
         data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
+        # images: the tower runs where the prefill runs (the GPU worker, for those past `resume`)
         self.send(wid, P.Prefill(request_id=req.rid, tokens=req.tokens, resume=refs,
-                                 snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned]),
-                  data)
+                                 snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned],
+                                 images=req.images), data)
         return True
 
     def prefilled(self, wid: str, msg: P.Prefilled) -> Request | None:

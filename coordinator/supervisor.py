@@ -92,6 +92,8 @@ class Supervisor:
                "--worker-id", wid, "--gpu", str(self.gpu_plan[wid]), *self.experts_args]
         if self.opts.gpu_mem:
             cmd += ["--gpu-mem", self.opts.gpu_mem]
+        if getattr(self.opts, "mmproj", None):
+            cmd += ["--mmproj", self.opts.mmproj]
         cpus = self.gpu_cpus[wid]
         if cpus:
             cmd += ["--cpus", ",".join(map(str, cpus))]

@@ -174,3 +174,13 @@ class VisionEngine:
         out = y @ m["mm.2.weight"].T
         out += m["mm.2.bias"]
         return out
+
+
+def image_encoder(mmproj: str, model, threads: int):
+    """A worker's ImageEncoder (image bytes -> the tower's merged tokens): the tower of
+    file `mmproj`, checked against the text model, run here on `threads` CPUs."""
+    from shared.vision.mmproj import Mmproj
+    from shared.vision.prompt import ImageEncoder
+    tower = Mmproj(mmproj)
+    tower.check_text_model(model.config.n_embd, model.path)
+    return ImageEncoder(tower.config, VisionEngine(tower, threads).encode)

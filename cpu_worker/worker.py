@@ -131,12 +131,8 @@ class CPUWorker:
         if self.mmproj is None:
             raise FermoeError("the prompt has images, but this worker has no vision tower (--mmproj)")
         if self._images is None:
-            from shared.vision.mmproj import Mmproj
-            from shared.vision.prompt import ImageEncoder
-            from .vision_engine import VisionEngine
-            tower = Mmproj(self.mmproj)
-            tower.check_text_model(self.model.config.n_embd, self.model.path)
-            self._images = ImageEncoder(tower.config, VisionEngine(tower, getattr(self.engine, "threads", 1)).encode)
+            from .vision_engine import image_encoder
+            self._images = image_encoder(self.mmproj, self.model, getattr(self.engine, "threads", 1))
         return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
 
     def work_round(self) -> None:

@@ -307,8 +307,6 @@ def cmd_generate(args) -> None:
         ids, media = _chat_ids(args, model, args.prompt)
     else:
         ids = tok.encode(args.prompt)
-    if media is not None and prefill is not None:
-        raise FermoeError("--image with --engine gpu: the GPU engine takes no images yet (use --engine cpu)")
     params = _sampling(args)
     stream = StreamDecoder(tok)
     stop_ids = () if args.ignore_eos else tok.eos_ids
@@ -344,8 +342,6 @@ def cmd_logits(args) -> None:
     bad = [t for t in ids if not 0 <= t < model.config.n_vocab]
     if not ids or bad:
         raise FermoeError(f"token ids must be in [0, {model.config.n_vocab}); got {bad or 'none'}")
-    if media is not None and args.engine == "gpu":
-        raise FermoeError("--image with --engine gpu: the GPU engine takes no images yet (use --engine cpu)")
     logits = engine.forward(ids, engine.new_state(), **({"media": media} if media is not None else {}))
     engine.close()
     np.save(args.out, logits.astype(np.float32))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.reference import text_positions
 from shared.state import SequenceState
 
 from .buffers import DeviceArray
@@ -17,12 +18,14 @@ from .buffers import DeviceArray
 @dataclass
 class PrefillJob:
     """One prompt of a batched prefill: its tokens from `state`'s position on, and the
-    snapshots wanted (positions, or {position: slot} with the slots' KV block size)."""
+    snapshots wanted (positions, or {position: slot} with the slots' KV block size);
+    media: the tokens' images and M-RoPE positions (shared/vision/prompt.TokenMedia)."""
     tokens: object
     state: SequenceState
     snapshot_at: tuple = ()
     into: dict | None = None
     block: int | None = None
+    media: object = None
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Prompt:
     start: int                  # the position of its first token
     offset: int                 # its first row's index in the batch's stream
     boundaries: list[int]       # snapshot positions
+    media: object = None        # its TokenMedia; None: text at positions from `start` on
     lane: "Lane | None" = None
     snaps: dict = field(default_factory=dict)
     site: object = None         # its Landing site
@@ -54,6 +58,16 @@ class Segment:
     @property
     def n(self) -> int:
         return self.e - self.s
+
+    def media(self):
+        """The part of its prompt's TokenMedia in these rows (rows numbered from s), or None."""
+        m, i = self.prompt.media, self.p0 - self.prompt.start
+        return m.slice(i, i + self.n) if m is not None else None
+
+    def positions(self) -> np.ndarray:
+        """Its rows' (t, h, w) M-RoPE positions [n, 3]."""
+        m = self.media()
+        return m.positions if m is not None else text_positions(self.p0, self.n)
 
 
 class Lane:

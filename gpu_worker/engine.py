@@ -25,8 +25,9 @@ import numpy as np
 from shared.engine import check_tokens
 from shared.errors import FermoeError
 from shared.model import Model
-from shared.reference import rope_angles
+from shared.reference import mrope_angles, rope_angles
 from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
+from shared.vision.prompt import media_for
 
 from .batch import Lane, PrefillJob, Prompt, Segment, logit_rows, segment_of
 from .buffers import DeviceArray
@@ -59,11 +60,6 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
 
 class PrefillStopped(FermoeError):
     """A prefill ended early because its caller asked (a cancelled request)."""
-
-
-def _text_only(media) -> None:
-    if media is not None:
-        raise FermoeError("the GPU engine takes no images yet: prefill prompts with images on the CPU (--engine cpu)")
 
 
 class GPUEngine:
@@ -117,17 +113,16 @@ class GPUEngine:
         return self.land.pinned_state(SequenceState(self.cfg, self.model.fingerprint, kv_dtype=self.kv_cache_dtype))
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
-        """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on."""
-        _text_only(media)
-        return self.prefill(tokens, state, all_logits=all_logits)[0]
+        """Logits of every new position [T, vocab] (or [1, vocab]: the last); the state moves on.
+        media: the tokens' images and M-RoPE positions (shared/vision/prompt.TokenMedia)."""
+        return self.prefill(tokens, state, all_logits=all_logits, media=media)[0]
 
-    def forward_batch(self, segments: list[tuple[list[int], SequenceState]]) -> np.ndarray:
-        """Several sequences prefilled in one batch: the logits of each one's last token."""
+    def forward_batch(self, segments) -> np.ndarray:
+        """Several sequences prefilled in one batch: the logits of each one's last token.
+        segments: (tokens, state) or (tokens, state, media) each."""
         if not segments or len({id(s[1]) for s in segments}) != len(segments):
             raise FermoeError("forward_batch needs one or more distinct sequences")
-        for s in segments:
-            _text_only(s[2] if len(s) > 2 else None)
-        results = self.prefill_batch([PrefillJob(s[0], s[1]) for s in segments])
+        results = self.prefill_batch([PrefillJob(s[0], s[1], media=s[2] if len(s) > 2 else None) for s in segments])
         return np.concatenate([logits for logits, _ in results])
 
     def close(self) -> None:
@@ -143,15 +138,16 @@ class GPUEngine:
 
     # ---- prefill ------------------------------------------------------------------------
     def prefill(self, tokens, state: SequenceState, snapshot_at=(), all_logits: bool = False,
-                into: dict | None = None, block: int | None = None, should_stop=None):
+                into: dict | None = None, block: int | None = None, should_stop=None, media=None):
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
         the snapshot positions in (state.position, state.position + len(tokens)].
 
         into: {position: slot} instead of snapshot_at: each snapshot is written into its
         slot (shared/state.py's snapshot layout, KV pages of `block` positions).
         should_stop(): asked before each pass after the first; true ends the prefill with
-        PrefillStopped once the device is idle (the state and the slots are then unusable)."""
-        job = PrefillJob(tokens, state, snapshot_at, into, block)
+        PrefillStopped once the device is idle (the state and the slots are then unusable).
+        media: the tokens' images and M-RoPE positions (TokenMedia)."""
+        job = PrefillJob(tokens, state, snapshot_at, into, block, media)
         return self.prefill_batch([job], should_stop, all_logits)[0]
 
     def prefill_batch(self, jobs: list[PrefillJob], should_stop=None, all_logits: bool = False) -> list[tuple]:
@@ -208,7 +204,10 @@ class GPUEngine:
                                   f"({start}, {start + T}], with a block size")
             snapshot_at = job.into
         boundaries = sorted({int(p) for p in snapshot_at if start < p <= start + T})
-        return Prompt(tokens, state, start, offset, boundaries)
+        if job.media is not None:
+            job.media.check(T, self.cfg.n_embd)
+        # text after an image (a rope delta) runs at positions from the state's own
+        return Prompt(tokens, state, start, offset, boundaries, media_for(state, T, job.media))
 
     def _finish(self, p: Prompt, job: PrefillJob, all_logits: bool) -> tuple:
         """A prompt's results, landed: into its state, its snapshots (or their slots)."""
@@ -216,6 +215,10 @@ class GPUEngine:
         end = p.start + T
         self.land.finish(p.site, p.state, T)
         p.state.set_logits(p.logits[end])
+        if p.media is not None:             # as the CPU engine: the next position runs behind the length
+            p.state.rope_delta = p.media.next_position() - end
+            for q, snap in p.snaps.items():
+                snap.rope_delta = p.media.slice(0, q - p.start).next_position() - q
         if job.into is not None:
             self.land.finish_slots(p.snaps, job.into, p.state, p.logits, job.block)
         else:
@@ -233,7 +236,7 @@ class GPUEngine:
         chunk_at = self._upload_inputs(segments, n)
         used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self._mark("embed")
-        self._embed(tokens)        # its upload waits for the device: before the first expert copies, not behind them
+        self._embed(tokens, segments)        # its upload waits for the device: before the first expert copies, not behind them
         self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
         for L in range(cfg.n_layer):
             w = self.w.layers[L]
@@ -255,19 +258,25 @@ class GPUEngine:
     def _upload_inputs(self, segments: list[Segment], n: int) -> dict[int, int]:
         """RoPE's cos and sin of every row's position and the GDN chunk table of the pass
         (cut where a prompt or a snapshot ends); returns the table's index of each chunk by
-        its first row."""
+        its first row. A pass with images, or text after one, turns each frequency pair by
+        the (t, h, w) position of its M-RoPE stream (the same angles for text)."""
         cfg, ws = self.cfg, self.ws
         half = cfg.rope_dim // 2
-        positions = np.concatenate([np.arange(g.p0, g.p0 + g.n) for g in segments])
-        angle = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
+        if all(g.prompt.media is None for g in segments):
+            positions = np.concatenate([np.arange(g.p0, g.p0 + g.n) for g in segments])
+            angle = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
+        else:
+            positions = np.concatenate([g.positions() for g in segments])
+            angle = mrope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_sections)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
         starts, lengths = chunks_of(n, [g.s + c for g in segments for c in g.cuts] + [g.e for g in segments])
         ws.chunks.set_chunks(starts, lengths)
         return {e: i for i, e in enumerate(starts)}
 
-    def _embed(self, tokens: np.ndarray) -> None:
-        """The prompt's rows of the embedding table, gathered here and dequantised there."""
+    def _embed(self, tokens: np.ndarray, segments: list[Segment]) -> None:
+        """The prompt's rows of the embedding table, gathered here and dequantised there;
+        the rows of image tokens then take the tower's embeddings instead."""
         emb, n, d = self.model.token_embd, len(tokens), self.cfg.n_embd
         uniq, index = np.unique(tokens, return_inverse=True)
         if emb.qtype in KERNEL_TYPES and len(emb.shape) == 2:
@@ -277,6 +286,14 @@ class GPUEngine:
         self.ws.embed_raw.view((raw.size,), np.uint8).upload(np.ascontiguousarray(raw).reshape(-1))
         self.ws.tokens.rows(0, n).upload(index.astype(np.int32))
         self.ops.embed(self.ws.h.rows(0, n), self.ws.embed_raw, self.ws.tokens, n, d, wtype)
+        for g in segments:
+            m = g.media()
+            if m is None or not len(m.rows):
+                continue
+            rows = (g.s + m.rows).tolist()
+            for j, k in _runs(rows):        # an image's tokens are consecutive: one copy each
+                # on the compute stream: after the gather, whatever the stream's flags
+                self.ws.h.rows(rows[j], rows[k - 1] + 1).upload(m.embeds[j:k], self.ops.stream)
 
     # ---- mixers ---------------------------------------------------------------------------
     def _attention(self, L: int, n: int, segments: list[Segment]) -> None:

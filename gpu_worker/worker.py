@@ -2,11 +2,12 @@
 
 One DEALER socket to the coordinator's worker endpoint (shared/worker_link.py, as the
 CPU workers have). A Prefill job restores its resume snapshots (or starts empty), runs
-the rest of the prompt through the GPU engine with the planned snapshot positions as
+its images past them through the vision tower (on the CPU: cpu_worker/vision_engine.py;
+there is no GPU tower yet), then the rest of the prompt through the GPU engine with the planned snapshot positions as
 chunk boundaries, and writes each snapshot (the last one: the final state and its
 logits) into the coordinator's snapshot arena, where a CPU worker resumes from it and
 decodes. Started by the coordinator, or by hand:
-`gpu_worker --connect tcp://HOST:PORT --model MODEL [--gpu N] [--gpu-mem SIZE]`.
+`gpu_worker --connect tcp://HOST:PORT --model MODEL [--gpu N] [--gpu-mem SIZE] [--mmproj FILE]`.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ BATCH_TOKENS = 2048
 
 class GPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
-                 shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS, shared_experts: str | None = None):
+                 shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS, shared_experts: str | None = None,
+                 mmproj: str | None = None):
+        """mmproj: the vision tower's file; a prompt with images needs it."""
         from shared.builtin import resolve_model
         self.model = Model(resolve_model(model_path))
         self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device,
@@ -53,6 +56,7 @@ class GPUWorker:
         self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory)
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self._registered = None             # the arena page-locked for the engine's copies
+        self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
         self.running = True
 
     def prefill_rate(self) -> tuple[float, float, int]:
@@ -90,14 +94,14 @@ class GPUWorker:
             if isinstance(m, P.Shutdown) or stopped >= ids:
                 everything.set()
         jobs, failed = [], {}
-        for m, d in batch:
-            try:
-                jobs.append((m, self.job(m, d)))
-            except Exception as e:             # this prompt's own fault: the others run
-                failed[m.request_id] = f"{type(e).__name__}: {e}"
         try:
-            if jobs:
-                with self.link.keepalive(len(batch), urgent):
+            with self.link.keepalive(len(batch), urgent):      # the vision tower's passes take seconds too
+                for m, d in batch:
+                    try:
+                        jobs.append((m, self.job(m, d)))
+                    except Exception as e:             # this prompt's own fault: the others run
+                        failed[m.request_id] = f"{type(e).__name__}: {e}"
+                if jobs:
                     self.engine.prefill_batch([job for _, job in jobs], everything.is_set)
         except Exception as e:                 # report, never die silently
             if not isinstance(e, PrefillStopped):
@@ -133,7 +137,19 @@ class GPUWorker:
             self.engine.land.register(self.link.arena.memory())      # snapshots land in their slots
             self._registered = self.link.arena
         slots = {ref.position: self.link.snapshot_buffer(ref.slot) for ref in msg.snapshots}
-        return PrefillJob(msg.tokens[state.position:], state, into=slots, block=self.link.block)
+        media = self.media(msg, state.position).slice(state.position, end) if msg.images else None
+        return PrefillJob(msg.tokens[state.position:], state, into=slots, block=self.link.block, media=media)
+
+    def media(self, msg: P.Prefill, start: int):
+        """The TokenMedia of a Prefill's prompt: its images past `start` through the tower
+        (on this process's CPUs), every token's M-RoPE position."""
+        from shared.vision.prompt import media_of_images
+        if self.mmproj is None:
+            raise FermoeError("the prompt has images, but this GPU worker has no vision tower (--mmproj)")
+        if self._images is None:
+            from cpu_worker.vision_engine import image_encoder
+            self._images = image_encoder(self.mmproj, self.model, len(os.sched_getaffinity(0)))
+        return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
 
     def handle_stop(self, msg: P.Stop, data=()) -> None:
         pass                    # of a job already over (one running is stopped by handle_prefill's urgent)
@@ -155,7 +171,7 @@ def run_gpu_worker(args) -> int:
         log.info("placement: CPUs %s", cpus)
     worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
                        shared_memory=not args.no_shared_memory, shared_experts=args.shared_experts,
-                       **gpu_engine_options(args))
+                       mmproj=args.mmproj, **gpu_engine_options(args))
     return serve_until_stopped(worker)
 
 
@@ -165,6 +181,8 @@ def main(argv=None) -> int:
     add_worker_options(p)
     add_gpu_options(p)
     p.add_argument("--cpus", default=None, help="comma-separated CPUs to run on (default: any)")
+    p.add_argument("--mmproj", default=None,
+                   help="the model's vision tower (mmproj GGUF), run on the CPU: prompts with images")
     return worker_main("gpu_worker", p, run_gpu_worker, argv)
 
 

@@ -177,6 +177,7 @@ class StatusReply(_Msg, tag="status_reply"):
     max_request_size: int = MAX_MESSAGE_BYTES        # the largest client message it takes
     n_ctx: int = 0                  # the longest prompt + generation (--max-model-len); 0: not said
     max_sequences: int = 0          # per worker (--max-sequences); 0: not said
+    vision: bool = False            # a vision tower is loaded (--mmproj): chat messages may hold images
 
 
 # ---- coordinator <-> worker ---------------------------------------------------
@@ -318,6 +319,7 @@ class Prefill(_Msg, tag="prefill"):
     tokens: list[int]
     resume: list[SnapshotRef]
     snapshots: list[SnapshotRef]
+    images: list[ImageInput] = []       # as in Assign: the GPU worker runs the tower for them
 
 
 class Prefilled(_Msg, tag="prefilled"):

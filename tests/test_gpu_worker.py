@@ -132,12 +132,15 @@ def test_snapshots_land_in_their_slots_or_through_reused_staging(gpu_worker, tin
     assert len(allocated) == first                        # staging and landing rows reused
 
 
-@pytest.mark.parametrize("snapshots, problem", [
-    (_refs(0, [8, 16]), "must end with a snapshot at position 30"),
-    ([], "must end with a snapshot at position 30"),
+@pytest.mark.parametrize("snapshots, images, problem", [
+    (_refs(0, [8, 16]), [], "must end with a snapshot at position 30"),
+    ([], [], "must end with a snapshot at position 30"),
+    (_refs(0, [30]), [P.ImageInput(data=b"png", start=2, rows=2, cols=2)], "this GPU worker has no vision tower"),
 ])
-def test_a_bad_job_fails_alone_and_the_worker_serves_on(gpu_worker, snapshots, problem):
-    gpu_worker.handle_prefill(P.Prefill(request_id="bad", tokens=PROMPT, resume=[], snapshots=snapshots))
+def test_a_bad_job_fails_alone_and_the_worker_serves_on(gpu_worker, snapshots, images, problem):
+    """(A prompt with images on a worker without --mmproj: the coordinator prefills it on a CPU worker.)"""
+    gpu_worker.handle_prefill(P.Prefill(request_id="bad", tokens=PROMPT, resume=[], snapshots=snapshots,
+                                        images=images))
     assert gpu_worker.sent[-1].request_id == "bad" and problem in gpu_worker.sent[-1].error
     gpu_worker.handle_prefill(P.Prefill(request_id="ok", tokens=PROMPT[:8], resume=[], snapshots=_refs(0, [8])))
     assert gpu_worker.sent[-1] == P.Prefilled(request_id="ok", prefill_ms=gpu_worker.sent[-1].prefill_ms,

@@ -92,6 +92,24 @@ def test_generate_and_logits_take_images(tmp_path):
     assert run.stdout.strip()
 
 
+def test_engine_gpu_takes_images(tmp_path):
+    """`--engine gpu` (the host emulation) prefills an image prompt: the reference's logits,
+    and generate's tokens those of the CPU engine."""
+    import numpy as np
+    from tests.test_gpu_engine import GPU_RTOL, close
+    model, tower = tmp_path / "m.gguf", tmp_path / "mmproj.gguf"
+    fermoe("synth", model, "--layers", 2, "--mmproj", tower, "--type", "f32", "--mmproj-type", "f32")
+    args = ("--mmproj", tower, "--chat", "--image", _png(tmp_path / "a.png", 1), "-t", 1, "--kv-cache-dtype", "f32")
+    emulate = {"FERMOE_GPU": "emulate"}
+    for engine in ("gpu", "reference"):
+        fermoe("logits", model, *args, "--prompt", "hi", "--out", tmp_path / f"{engine}.npy", "--engine", engine,
+               env=emulate)
+    close(np.load(tmp_path / "gpu.npy"), np.load(tmp_path / "reference.npy"), GPU_RTOL)
+    gen = ("generate", model, *args, "-p", "hi", "-n", 6, "--temp", 0, "--ignore-eos")
+    on_gpu = fermoe(*gen, "--engine", "gpu", env=emulate)
+    assert on_gpu.stdout.strip() and on_gpu.stdout == fermoe(*gen, "--engine", "cpu").stdout
+
+
 @pytest.mark.parametrize("args, problem", [
     (["--image", "{a}", "-p", "hi"], "--image needs --chat"),
     (["--chat", "--image", "{a}", "-p", "hi"], "--image needs --mmproj FILE"),

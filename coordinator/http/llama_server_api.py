@@ -199,7 +199,7 @@ async def props(request: Request):
         return tok.piece_bytes(token_id).decode("utf-8", errors="replace") if tok and token_id is not None else ""
     return JSONResponse({
         "default_generation_settings": _slot(0, st.n_ctx, False), "total_slots": _total_slots(st),
-        "model_alias": server.name, "model_path": st.model, "modalities": {"vision": False, "audio": False},
+        "model_alias": server.name, "model_path": st.model, "modalities": {"vision": st.vision, "audio": False},
         "chat_template": (tok.chat_template or "") if tok else "", "bos_token": piece(tok.bos_id if tok else None),
         "eos_token": piece(tok.eos_id if tok else None), "build_info": _build_info(), "webui": False,
         "is_sleeping": False})
