@@ -158,7 +158,7 @@ class GPUEngine:
         if not jobs:
             raise FermoeError("a prefill of no prompts")
         prompts, offset = [], 0
-        for i, job in enumerate(jobs):
+        for job in jobs:
             prompts.append(self._admit(job, offset))
             offset += len(prompts[-1].tokens)
         total, stream = offset, np.concatenate([p.tokens for p in prompts])

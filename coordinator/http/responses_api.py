@@ -33,7 +33,6 @@ from shared import protocol as P
 
 from . import params
 from .blocks import Block, BlockResponse
-from .errors import APIError
 from .responses_request import ResponsesRequest, chat_request
 
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
