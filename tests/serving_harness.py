@@ -77,8 +77,12 @@ class Daemon:
 
     @property
     def worker_endpoint(self) -> str:
-        """Where workers connect, from the daemon's "ready:" line."""
-        return next(line.split("workers on ")[1].strip() for line in self.log if "workers on " in line)
+        """Where workers connect, from the daemon's "ready:" line (which the daemon may log
+        just after a status reply has said it is ready, and which the reader thread may not
+        have collected yet: wait for it)."""
+        line = wait_until(lambda: next((l for l in self.log if "workers on " in l), None), 30,
+                          "the daemon's ready line")
+        return line.split("workers on ")[1].strip()
 
     def stop(self, sig=signal.SIGTERM) -> int:
         self.proc.send_signal(sig)
