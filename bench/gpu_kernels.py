@@ -53,7 +53,7 @@ def expert_shapes(cfg) -> list[dict]:
 
 
 def bench_config(preset: str):
-    from shared.synth import preset_config
+    from modeltools.synth import preset_config
     return preset_config(preset, experts=min(BENCH_EXPERTS, preset_config(preset).n_expert))
 
 

@@ -163,7 +163,7 @@ def decode_regions(preset: str = "qwen3.6-35b-a3b") -> dict[str, list[tuple[int,
     layer's four input projections in one region and its output alone; a MoE layer's
     selected experts' gate and up (and the shared expert's) in one region, then their
     down projections."""
-    from shared.synth import preset_config
+    from modeltools.synth import preset_config
     cfg = preset_config(preset)
     d, k, ff, fs = cfg.n_embd, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp
     return {"gdn_in": [(cfg.conv_channels, d), (cfg.ssm_d_inner, d), (cfg.ssm_v_heads, d), (cfg.ssm_v_heads, d)],

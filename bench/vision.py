@@ -62,7 +62,7 @@ def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[
     from cpu_worker.vision_engine import VisionEngine
     from shared.vision.image import load
     from shared.vision.mmproj import Mmproj
-    from shared.vision.synth import RandomTower, preset_config
+    from modeltools.vision.synth import RandomTower, preset_config
 
     tower = Mmproj(mmproj) if mmproj else RandomTower(preset_config(preset), seed=0)
     t0 = time.perf_counter()

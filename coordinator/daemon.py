@@ -34,7 +34,7 @@ from shared.grammar import compile_constraint
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
 from shared.state import recurrent_nbytes, snapshot_nbytes
-from shared.synth import has_random_weights, random_weights_notice
+from shared.model import has_random_weights, random_weights_notice
 
 from .memory import host_footprint, resolve_max_model_len
 from .gpu_prefill import GPUPrefills

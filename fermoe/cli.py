@@ -349,20 +349,20 @@ def cmd_logits(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from shared.convert import convert
+    from modeltools.convert import convert
     if args.mmproj:         # the tower first: a checkpoint without one fails before the long text pass
-        from shared.vision.convert import vision_config_from_hf
+        from modeltools.vision.convert import vision_config_from_hf
         vision_config_from_hf(Path(args.hf_dir))
     cfg = convert(args.hf_dir, args.out, args.type)
     print(f"wrote {args.out} ({cfg.arch}, {cfg.n_layer} layers, {args.type})", file=sys.stderr)
     if args.mmproj:
-        from shared.vision.convert import convert_mmproj
+        from modeltools.vision.convert import convert_mmproj
         vcfg = convert_mmproj(args.hf_dir, args.mmproj, args.mmproj_type)
         print(f"wrote {args.mmproj} (vision tower, {vcfg.n_layer} blocks, {args.mmproj_type})", file=sys.stderr)
 
 
 def cmd_synth(args) -> None:
-    from shared.synth import synth
+    from modeltools.synth import synth
     template = None
     if args.chat_template_file:
         try:
@@ -373,7 +373,7 @@ def cmd_synth(args) -> None:
     print(f"wrote {args.out} ({args.preset}, {cfg.n_expert} experts, {cfg.n_layer} layers, {args.type})",
           file=sys.stderr)
     if args.mmproj:
-        from shared.vision.synth import preset_config, synth_mmproj
+        from modeltools.vision.synth import preset_config, synth_mmproj
         vcfg = preset_config(args.preset, projection_dim=cfg.n_embd)
         synth_mmproj(args.mmproj, vcfg, args.mmproj_type, args.seed)
         print(f"wrote {args.mmproj} (random vision tower, {vcfg.n_layer} blocks, {args.mmproj_type})", file=sys.stderr)
@@ -381,7 +381,7 @@ def cmd_synth(args) -> None:
 
 def _notices(args, metadata: dict) -> None:
     """One line on stderr where the output will be noise: random weights."""
-    from shared.synth import has_random_weights, random_weights_notice
+    from shared.model import has_random_weights, random_weights_notice
     if has_random_weights(metadata):
         print(f"fermoe: {random_weights_notice(args.model)}", file=sys.stderr)
 

@@ -1,5 +1,5 @@
 """`fermoe ppl`, `fermoe compare` and `fermoe prune`: measuring a model over a text,
-and making a smaller one. Thin layers over shared/perplexity.py and shared/prune.py."""
+and making a smaller one. Thin layers over modeltools/perplexity.py and modeltools/prune.py."""
 from __future__ import annotations
 
 import argparse
@@ -68,7 +68,7 @@ def _bos(tokenizer) -> int | None:
 
 
 def cmd_ppl(args, open_model) -> None:
-    from shared.perplexity import perplexity
+    from modeltools.perplexity import perplexity
 
     model, engine = open_model(args, args.model)
     tok = model.tokenizer
@@ -78,7 +78,7 @@ def cmd_ppl(args, open_model) -> None:
 
 
 def cmd_compare(args, open_model) -> None:
-    from shared.perplexity import compare
+    from modeltools.perplexity import compare
 
     model_a, engine_a = open_model(args, args.model_a)
     model_b, engine_b = open_model(args, args.model_b)
@@ -99,7 +99,7 @@ def cmd_compare(args, open_model) -> None:
 
 def cmd_prune(args) -> None:
     from shared.builtin import resolve_model
-    from shared.prune import prune
+    from modeltools.prune import prune
 
     text = read_text(args.calib) if args.calib is not None and args.method != "random" else None
     kept, stats = prune(resolve_model(args.model), args.out, args.keep, args.method, text, args.calib_tokens,

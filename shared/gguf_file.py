@@ -14,7 +14,7 @@
 
 str = u64 byte length + UTF-8 bytes. ne[0] is the innermost dimension, so the
 numpy-order shape is ne reversed. Padding is to `general.alignment` (u32), else 32.
-Writing is shared/gguf_writer.py.
+Writing is modeltools/gguf_writer.py.
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ class Layer:
                 value.release()
 
 
-def _expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple]:
+def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple]:
     """Numpy-order shape of every tensor of block `layer`, from the config alone."""
     d, hd = cfg.n_embd, cfg.head_dim
     shapes = {
@@ -112,9 +112,22 @@ def _expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple]:
     return shapes
 
 
-def _gguf_tensor_name(layer: int, attr: str) -> str:
+def gguf_tensor_name(layer: int, attr: str) -> str:
     suffix = {"ssm_dt": ".bias", "ssm_a": ""}.get(attr, ".weight")
     return f"blk.{layer}.{attr}{suffix}"
+
+
+# Set in the metadata of every file `fermoe synth` writes (text model and mmproj).
+RANDOM_WEIGHTS_KEY = "fermoe.random_weights"
+
+
+def has_random_weights(metadata: dict) -> bool:
+    return bool(metadata.get(RANDOM_WEIGHTS_KEY, False))
+
+
+def random_weights_notice(model: str) -> str:
+    """The one line every command prints (or logs) for a model of random weights."""
+    return f"{model} has random weights (written by fermoe synth): its output is noise, for speed measurements only"
 
 
 class Model:
@@ -152,8 +165,8 @@ class Model:
 
     def _load_layer(self, i: int) -> Layer:
         layer = Layer(i, "attention" if self.config.is_attention(i) else "gdn")
-        for attr, shape in _expected_shapes(self.config, i).items():
-            setattr(layer, attr, self._weight(_gguf_tensor_name(i, attr), shape))
+        for attr, shape in expected_shapes(self.config, i).items():
+            setattr(layer, attr, self._weight(gguf_tensor_name(i, attr), shape))
         if hasattr(layer, "ssm_ba"):
             self._split_ssm_ba(layer)
         return layer

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from shared.synth import synth
+from modeltools.synth import synth
 
 try:
     import native

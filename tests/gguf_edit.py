@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from shared.gguf_file import GGUFFile
-from shared.gguf_writer import GGUFWriter
+from modeltools.gguf_writer import GGUFWriter
 
 DROP = object()
 

@@ -13,7 +13,7 @@ transformers = __import__("pytest").importorskip("transformers")
 
 from shared.quants import dequantize, quantize  # noqa: E402
 from shared.ggml_types import GGMLType  # noqa: E402
-from shared.synth_vocab import synth_tokenizer_metadata  # noqa: E402
+from modeltools.synth_vocab import synth_tokenizer_metadata  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB = 512

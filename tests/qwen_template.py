@@ -4,7 +4,7 @@ Qwen3.6 template does, for tests that need no trained model."""
 from __future__ import annotations
 
 from shared.chat_template import QWEN_STYLE_TEMPLATE
-from shared.synth_vocab import synth_tokenizer_metadata
+from modeltools.synth_vocab import synth_tokenizer_metadata
 from shared.tokenizer import Tokenizer
 
 __all__ = ["QWEN_STYLE_TEMPLATE", "qwen_style_metadata", "qwen_style_tokenizer"]

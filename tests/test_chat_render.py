@@ -9,7 +9,7 @@ import pytest
 from shared import protocol as P
 from shared.chat import opens_reasoning, render_chat
 from shared.errors import ChatTemplateError
-from shared.synth_vocab import synth_tokenizer_metadata
+from modeltools.synth_vocab import synth_tokenizer_metadata
 from shared.tokenizer import Tokenizer
 from tests.qwen_template import qwen_style_metadata, qwen_style_tokenizer
 

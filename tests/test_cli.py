@@ -11,8 +11,8 @@ import pytest
 
 from shared.engine import ReferenceEngine
 from shared.model import Model
-from shared.synth import _tensor_list, preset_config
-from shared.convert import tensor_type, OUT_TYPES
+from modeltools.synth import _tensor_list, preset_config
+from modeltools.convert import tensor_type, OUT_TYPES
 from tests.eos_seed import seed_with_early_eos
 from tests.sampling_cases import option_cases
 from tests.serving_harness import fermoe, free_port, local_ids, local_text
@@ -312,8 +312,8 @@ def test_convert_command_writes_f16(tmp_path):
     rounded to half precision."""
     hf_oracle = pytest.importorskip("tests.hf_oracle")
     gguf = pytest.importorskip("gguf")
-    from shared.convert import convert
-    from shared.safetensors_file import Checkpoint
+    from modeltools.convert import convert
+    from modeltools.safetensors_file import Checkpoint
     ckpt = hf_oracle.save_checkpoint(hf_oracle.build_hf_model("qwen35moe-a"), tmp_path / "hf")
     out = tmp_path / "cmd.gguf"
     run = fermoe("convert", ckpt, out, "--type", "f16")

@@ -131,7 +131,7 @@ def test_a_served_generation_stops_at_the_context(short_path, short):
 def test_the_fitted_max_model_len_fits_and_is_the_longest_that_does():
     from coordinator.memory import BLOCK, RESERVE_BYTES, fitted_max_model_len
     from shared.state import kv_bytes_per_position, recurrent_nbytes
-    from shared.synth import preset_config
+    from modeltools.synth import preset_config
     cfg = preset_config("qwen3.6-35b-a3b", experts=128)
     weights, sequences = 10_440_000_000, 8
 
@@ -151,7 +151,7 @@ def test_the_fitted_limit_is_logged_and_a_larger_one_taken_with_a_warning(monkey
     above it is taken as given, with a warning naming what would fit."""
     import logging
     from coordinator.memory import fitted_max_model_len, resolve_max_model_len
-    from shared.synth import preset_config
+    from modeltools.synth import preset_config
     cfg = preset_config("qwen3.6-35b-a3b", experts=128)
     weights, sequences, memory = 10_480_000_000, 8, 24 << 30
     monkeypatch.setenv("FERMOE_HOST_MEMORY", str(memory))

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from shared.convert import convert
+from modeltools.convert import convert
 from shared.errors import ModelError
 from shared.gguf_file import GGUFFile
 
@@ -24,7 +24,7 @@ def causal_lm(tmp_path_factory):
 
 
 def _load_all(directory):
-    from shared.safetensors_file import Checkpoint
+    from modeltools.safetensors_file import Checkpoint
     ck = Checkpoint(directory)
     return {n: ck.load(n) for n in ck.names}
 

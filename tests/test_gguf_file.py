@@ -9,7 +9,7 @@ import pytest
 from shared.errors import GGUFError
 from shared.ggml_types import GGMLType, tensor_nbytes
 from shared.gguf_file import GGUFFile, GGUFValueType as VT, TensorInfo
-from shared.gguf_writer import GGUFWriter
+from modeltools.gguf_writer import GGUFWriter
 
 gguf = pytest.importorskip("gguf")
 

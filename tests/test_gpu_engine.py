@@ -110,7 +110,7 @@ HF_SHAPES = [("qwen3next-b", "q8_0"), ("qwen35moe-b", "q4_0"), ("qwen3next-a", "
 def test_hugging_face_shapes(shape, out_type, tmp_path, device_kind):
     """Qwen3-Next (value heads in HF order, fused beta/alpha) and Qwen3.5 shapes with odd
     head counts, through `fermoe convert`: the GPU engine's logits are Hugging Face's."""
-    from shared.convert import convert
+    from modeltools.convert import convert
     from tests.hf_oracle import build_hf_model, hf_logits, round_trip_weights, save_checkpoint
     from shared.ggml_types import GGMLType
     hf = build_hf_model(shape, seed=3)
@@ -363,7 +363,7 @@ def test_bench_kernels_gpu_reports_every_shape():
 
 
 def tiny_config():
-    from shared.synth import preset_config
+    from modeltools.synth import preset_config
     return preset_config("tiny")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.hf_oracle import SHAPES, build_hf_model, hf_greedy, hf_logits, round_trip_weights, save_checkpoint
 
-from shared.convert import convert
+from modeltools.convert import convert
 from shared.engine import ReferenceEngine
 from shared.generate import generate
 from shared.ggml_types import GGMLType

@@ -16,7 +16,7 @@ from shared.ggml_types import GGMLType
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.state import DEFAULT_KV_DTYPE, SequenceState
-from shared.synth import synth
+from modeltools.synth import synth
 from tests.native_tolerance import PROMPT_RTOL, rel_error
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")

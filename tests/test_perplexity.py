@@ -10,7 +10,7 @@ import pytest
 from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
 from shared.model import Model
-from shared.perplexity import compare, perplexity
+from modeltools.perplexity import compare, perplexity
 from tests.serving_harness import fermoe
 
 VOCAB = 50

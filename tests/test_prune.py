@@ -11,11 +11,11 @@ import pytest
 from shared import reference
 from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
-from shared.expert_saliency import expert_stats
+from modeltools.expert_saliency import expert_stats
 from shared.gguf_file import GGUFFile, GGUFValueType
-from shared.gguf_writer import GGUFWriter
+from modeltools.gguf_writer import GGUFWriter
 from shared.model import Model
-from shared.prune import EXPERT_TENSORS, check_seen, prune, write_pruned
+from modeltools.prune import EXPERT_TENSORS, check_seen, prune, write_pruned
 from shared.state import SequenceState
 from tests.gguf_edit import DROP, rewrite_gguf
 from tests.native_tolerance import PROMPT_RTOL, rel_error

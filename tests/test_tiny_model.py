@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from shared.builtin import BUILTIN, DATA_DIR, resolve_model
-from shared.expert_saliency import expert_stats
+from modeltools.expert_saliency import expert_stats
 from shared.gguf_file import GGUFFile
 from shared.model import Model
-from shared.perplexity import compare, perplexity
-from shared.prune import kept_at_random, kept_by_score, reap_scores, write_pruned
+from modeltools.perplexity import compare, perplexity
+from modeltools.prune import kept_at_random, kept_by_score, reap_scores, write_pruned
 
 HELDOUT = DATA_DIR / "stdlib" / "heldout.txt"
 CALIB = DATA_DIR / "stdlib" / "calib.txt"

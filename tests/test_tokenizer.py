@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from shared.errors import ModelError
-from shared.synth_vocab import synth_tokenizer_metadata
+from modeltools.synth_vocab import synth_tokenizer_metadata
 from shared.tokenizer import (CONTROL, UNICODE_TO_BYTE, UNKNOWN, USER_DEFINED, BYTE_TO_UNICODE,
                               Tokenizer)
 
@@ -258,7 +258,7 @@ def test_synth_vocab_size(n_vocab):
 
 
 def test_synth_vocab_is_deterministic():
-    from shared.synth_vocab import _train_merges
+    from modeltools.synth_vocab import _train_merges
     a = synth_tokenizer_metadata(4096, seed=0)
     _train_merges.cache_clear()
     b = synth_tokenizer_metadata(4096, seed=0)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shared.vision.mmproj import Mmproj
-from shared.vision.synth import preset_config, synth_mmproj
+from modeltools.vision.synth import preset_config, synth_mmproj
 from tests.serving_harness import fermoe
 
 

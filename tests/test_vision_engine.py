@@ -10,7 +10,7 @@ import pytest
 from cpu_worker.vision_engine import VisionEngine, erf
 from shared.errors import FermoeError
 from shared.vision.reference import encode_image
-from shared.vision.synth import RandomTower, preset_config
+from modeltools.vision.synth import RandomTower, preset_config
 
 vo = pytest.importorskip("tests.vision_oracle")
 

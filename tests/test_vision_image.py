@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shared.vision.image import ImageError, ImageLimits, decode, load, smart_resize
-from shared.vision.synth import preset_config
+from modeltools.vision.synth import preset_config
 
 Image = pytest.importorskip("PIL.Image")
 CFG = preset_config("tiny")

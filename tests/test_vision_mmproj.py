@@ -11,10 +11,10 @@ import pytest
 from shared.errors import GGUFError, ModelError
 from shared.ggml_types import GGMLType
 from shared.gguf_file import GGUFFile
-from shared.vision.convert import convert_mmproj
+from modeltools.vision.convert import convert_mmproj
 from shared.vision.mmproj import Mmproj, expected_tensors
 from shared.vision.reference import encode_image
-from shared.vision.synth import preset_config, synth_mmproj
+from modeltools.vision.synth import preset_config, synth_mmproj
 from tests.gguf_edit import DROP, rewrite_gguf
 
 vo = pytest.importorskip("tests.vision_oracle")

@@ -30,8 +30,8 @@ def tiny_model(tiny_path):
 @pytest.fixture(scope="module")
 def mm(tmp_path_factory):
     """(HF model, text Model, its Mmproj) of one tiny multimodal checkpoint, converted to f32."""
-    from shared.convert import convert
-    from shared.vision.convert import convert_mmproj
+    from modeltools.convert import convert
+    from modeltools.vision.convert import convert_mmproj
     d = tmp_path_factory.mktemp("mm")
     hf = vo.save_multimodal(d / "hf", seed=3)
     convert(d / "hf", d / "m.gguf", "f32", progress=False)

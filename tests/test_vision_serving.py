@@ -19,11 +19,11 @@ from shared.errors import FermoeError
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
-from shared.synth import synth
+from modeltools.synth import synth
 from shared.vision.chat import chat_prompt
 from shared.vision.mmproj import Mmproj
 from shared.vision.prompt import ImageEncoder, media_of_images
-from shared.vision.synth import preset_config, synth_mmproj
+from modeltools.vision.synth import preset_config, synth_mmproj
 from tests.http_server import HttpDaemon
 from tests.serving_harness import streamed_ids
 

@@ -12,7 +12,7 @@ torch = __import__("pytest").importorskip("torch")
 transformers = __import__("pytest").importorskip("transformers")
 
 from shared.vision.config import VisionConfig  # noqa: E402
-from shared.vision.convert import plan  # noqa: E402
+from modeltools.vision.convert import plan  # noqa: E402
 
 # Shapes: the real position table (48 x 48, so resampling is real), odd head counts,
 # one and three blocks; every width whole 32-blocks so Q8_0 files quantise them.
@@ -115,7 +115,7 @@ def random_image(h: int, w: int, seed: int) -> np.ndarray:
 
 def vision_token_ids() -> dict:
     """The config's vision token ids: those of the synthetic tokenizer the checkpoint is saved with."""
-    from shared.synth_vocab import synth_tokenizer_metadata
+    from modeltools.synth_vocab import synth_tokenizer_metadata
     from tests.hf_oracle import VOCAB
     tokens = synth_tokenizer_metadata(VOCAB, seed=0)["tokenizer.ggml.tokens"]
     names = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",

@@ -41,7 +41,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.chat_template import QWEN_STYLE_TEMPLATE  # noqa: E402
-from shared.synth_vocab import QWEN_SPECIAL_TOKENS  # noqa: E402
+from modeltools.synth_vocab import QWEN_SPECIAL_TOKENS  # noqa: E402
 from shared.tokenizer import QWEN35_SPLIT  # noqa: E402
 from tools.stdlib_chat import episodes  # noqa: E402
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 
 from ..convert import FILE_TYPE, Item, tensor_type as text_tensor_type
-from ..ggml_types import GGMLType
+from shared.ggml_types import GGMLType
 from ..gguf_writer import GGUFWriter
-from ..quants import quantize
+from shared.quants import quantize
 
 # llama.cpp keeps the patch kernels in F16/F32 (MmprojModel.tensor_force_quant); the
 # position table is added to every patch, so it keeps its precision the same way.

@@ -11,12 +11,12 @@ import zlib
 import numpy as np
 
 from ..convert import OUT_TYPES, Item
-from ..errors import ModelError
-from .config import VisionConfig
-from .mmproj import expected_tensors
+from shared.errors import ModelError
+from shared.model import RANDOM_WEIGHTS_KEY
+from shared.vision.config import VisionConfig
+from shared.vision.mmproj import expected_tensors
 from .writer import write_mmproj
 
-RANDOM_WEIGHTS_KEY = "fermoe.random_weights"      # as the text model's synth writes it
 
 
 def preset_config(preset: str, projection_dim: int | None = None) -> VisionConfig:

@@ -20,12 +20,12 @@ from typing import Callable
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelError
-from .ggml_types import GGMLType, BLOCK_GEOMETRY
+from shared.config import ModelConfig
+from shared.errors import ModelError
+from shared.ggml_types import GGMLType, BLOCK_GEOMETRY
 from .gguf_writer import GGUFWriter
 from .hf_tokenizer import hf_tokenizer_metadata
-from .quants import quantize
+from shared.quants import quantize
 
 OUT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
 FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7}

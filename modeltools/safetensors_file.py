@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelError
+from shared.errors import ModelError
 
 _DTYPES = {
     "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FermoeError
-from .model import Model
-from .reference import MOE_OBSERVER, block
-from .state import SequenceState
+from shared.errors import FermoeError
+from shared.model import Model
+from shared.reference import MOE_OBSERVER, block
+from shared.state import SequenceState
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`fermoe prune`: keep K experts a layer and write the smaller GGUF.
 
-Methods: `reap` keeps the K experts of highest REAP saliency (shared/expert_saliency.py),
+Methods: `reap` keeps the K experts of highest REAP saliency (modeltools/expert_saliency.py),
 `frequency` the K the router chose most often over the calibration text, `random` K
 drawn with a seed (no calibration). The written file is the input with, in every
 block, the kept experts' slices of ffn_gate_exps, ffn_up_exps and ffn_down_exps and
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FermoeError
-from .gguf_file import ALIGNMENT_KEY, GGUFFile
+from shared.errors import FermoeError
+from shared.gguf_file import ALIGNMENT_KEY, GGUFFile
 from .gguf_writer import GGUFWriter
 
 METHODS = ("reap", "frequency", "random")
@@ -173,7 +173,7 @@ def prune(model_path, out, keep: int, method: str = "reap", calib_text: str | No
             if calib_tokens is not None and calib_tokens < 1:
                 raise FermoeError(f"--calib-tokens {calib_tokens}: must be at least 1")
             from .expert_saliency import expert_stats
-            from .model import Model
+            from shared.model import Model
             model = Model(model_path)
             try:
                 stats = expert_stats(model, model.tokenizer.encode(calib_text)[:calib_tokens], ctx, progress)

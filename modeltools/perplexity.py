@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FermoeError
+from shared.errors import FermoeError
 
 
 def windows(tokens, ctx: int, bos: int | None = None) -> list[np.ndarray]:

@@ -13,17 +13,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from .config import ModelConfig
+from shared.config import ModelConfig
 from .convert import FILE_TYPE, OUT_TYPES, Item, tensor_type, write_gguf
-from .errors import ModelError
-from .ggml_types import GGMLType
-from .model import _expected_shapes, _gguf_tensor_name
+from shared.errors import ModelError
+from shared.ggml_types import GGMLType
+from shared.model import RANDOM_WEIGHTS_KEY, expected_shapes, gguf_tensor_name
 from .synth_vocab import synth_tokenizer_metadata
 
 # Set (true) in the files synth writes, so every command can say that what such a model
 # prints is noise; llama.cpp and other GGUF readers ignore keys they do not know.
-RANDOM_WEIGHTS_KEY = "fermoe.random_weights"
-
 # Bumped whenever the same preset and seed would give different weights, so a cached
 # built-in model is regenerated rather than silently stale.
 SYNTH_VERSION = 2
@@ -42,15 +40,6 @@ PRESETS = {
         n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
     ),
 }
-
-
-def has_random_weights(metadata: dict) -> bool:
-    return bool(metadata.get(RANDOM_WEIGHTS_KEY, False))
-
-
-def random_weights_notice(model: str) -> str:
-    """The one line every command prints (or logs) for a model of random weights."""
-    return f"{model} has random weights (written by fermoe synth): its output is noise, for speed measurements only"
 
 
 def preset_config(preset: str, experts: int | None = None, layers: int | None = None) -> ModelConfig:
@@ -120,10 +109,10 @@ def _random_q4_0(shape: tuple, std: float, rng: np.random.Generator) -> np.ndarr
 def _tensor_list(cfg: ModelConfig) -> list[tuple[str, tuple]]:
     names = [("token_embd.weight", (cfg.n_vocab, cfg.n_embd))]
     for i in range(cfg.n_layer):
-        for attr, shape in _expected_shapes(cfg, i).items():
+        for attr, shape in expected_shapes(cfg, i).items():
             if attr == "ffn_gate_inp_shexp":
                 shape = (1, cfg.n_embd)
-            names.append((_gguf_tensor_name(i, attr), shape))
+            names.append((gguf_tensor_name(i, attr), shape))
     names += [("output_norm.weight", (cfg.n_embd,)), ("output.weight", (cfg.n_vocab, cfg.n_embd))]
     return names
 

@@ -14,9 +14,9 @@ import math
 from pathlib import Path
 
 from ..convert import OUT_TYPES, Item
-from ..errors import ModelError
-from .config import VisionConfig
-from .mmproj import expected_tensors
+from shared.errors import ModelError
+from shared.vision.config import VisionConfig
+from shared.vision.mmproj import expected_tensors
 from .writer import write_mmproj
 
 ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import ModelError
+from shared.errors import ModelError
 
 # llama.cpp token types
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5

@@ -1,0 +1,1 @@
+"""Writing mmproj GGUF files: from a Hugging Face checkpoint's vision tower, or random."""
