@@ -1,6 +1,6 @@
 """Numpy spec of the ggml quant formats we read and write.
 
-Bit-exact with llama.cpp's `gguf.quants` (the oracle in tests/test_quants.py).
+Bit-exact with llama.cpp's `gguf.quants` (the oracle in tests/shared/test_quants.py).
 Every format is a sequence of blocks; a row (innermost dimension) is a whole
 number of blocks; all multi-byte fields are little-endian; "fp16" is IEEE half.
 

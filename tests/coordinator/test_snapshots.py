@@ -1,0 +1,561 @@
+"""The prefix snapshot cache's building blocks: the coordinator's index (pure) and the
+shared-memory arena (real processes)."""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.snapshots import Planned, SnapshotIndex
+from shared.shm_arena import HEADER_BYTES, SHM_DIR, ArenaError, SnapshotArena
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cache(idx: SnapshotIndex, tokens, start: int = 0) -> list[Planned]:
+    """Plan and commit every snapshot of a prefill of tokens[start:]."""
+    planned = idx.plan(tokens, start)
+    idx.commit(planned)
+    return planned
+
+
+def lookup_position(idx, tokens) -> int:
+    res = idx.lookup(tokens)
+    idx.release(res)
+    return res.position if res else 0
+
+
+# ---- keys --------------------------------------------------------------------
+def test_equal_prefixes_give_equal_keys():
+    idx = SnapshotIndex(4, block=4)
+    a = idx.chain_keys(list(range(8)) + [50, 51, 52, 53, 54])
+    b = idx.chain_keys(list(range(8)) + [60, 61, 62, 63])
+    assert len(a) == 3 and len(b) == 3
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert all(len(k) == 16 for k in a)
+    assert idx.chain_keys([1, 2, 3]) == [] and idx.chain_keys([]) == []
+    assert idx.end_key(np.array([1, 2, 3, 4, 5], np.int32)) == idx.end_key([1, 2, 3, 4, 5])
+
+
+def test_one_changed_token_changes_its_block_and_every_later_key():
+    idx = SnapshotIndex(4, block=4)
+    tokens = list(range(100, 120))
+    changed = list(tokens)
+    changed[9] += 1                       # block 3 (positions 8..11)
+    a, b = idx.chain_keys(tokens), idx.chain_keys(changed)
+    assert a[:2] == b[:2]
+    assert all(x != y for x, y in zip(a[2:], b[2:]))
+    assert idx.end_key(tokens[:18]) != idx.end_key(changed[:18])
+    assert idx.end_key(tokens[:6]) == idx.end_key(changed[:6])
+
+
+def test_no_collisions_between_splits_blocks_and_end_keys():
+    # Every key of every prefix of every short token list, for several block sizes:
+    # a key may only ever name one (block size, kind, exact token prefix).
+    def record(key, what):
+        assert named.setdefault(key, what) == what, f"{what} collides with {named[key]}"
+
+    for block in (1, 2, 3):
+        named: dict[bytes, tuple] = {}                 # one index has one block size
+        idx = SnapshotIndex(1, block=block)
+        for n in range(1, 7):
+            for tokens in itertools.product((0, 1, 2), repeat=n):
+                for i, key in enumerate(idx.chain_keys(tokens)):
+                    record(key, (block, "chain", tokens[:(i + 1) * block]))
+                if n % block:
+                    record(idx.end_key(tokens), (block, "end", tokens))
+    # The classic split ambiguity, spelled out.
+    two = SnapshotIndex(1, block=2)
+    assert two.end_key([1, 2, 3]) not in SnapshotIndex(1, block=1).chain_keys([1, 2, 3])
+    assert two.chain_keys([1, 2, 3, 4])[0] != SnapshotIndex(1, block=1).chain_keys([1, 2])[1]
+
+
+def test_bad_tokens_refused():
+    idx = SnapshotIndex(4, block=4)
+    for bad in ([1.5, 2.0], [-1, 3], [2**31], [[1, 2], [3, 4]], ["a"]):
+        with pytest.raises(ValueError):
+            idx.chain_keys(bad)
+
+
+# ---- lookup ------------------------------------------------------------------
+def test_lookup_longest_prefix_and_exact_hits():
+    idx = SnapshotIndex(16, block=4)
+    prompt = list(range(14))
+    planned = idx.plan(prompt, 0)
+    assert [p.position for p in planned] == [4, 8, 12, 14]
+    assert [p.parent for p in planned] == [None] + idx.chain_keys(prompt)
+    assert idx.lookup(prompt) is None                  # planned is invisible
+    idx.commit(planned)
+
+    exact = idx.lookup(prompt)
+    assert exact.exact and exact.position == 14
+    assert [e.position for e in exact.entries] == [4, 8, 12, 14]
+    assert [e.key for e in exact.chain] == idx.chain_keys(prompt)
+    assert exact.end.key == idx.end_key(prompt)
+    assert [e.slot for e in exact.entries] == [p.slot for p in planned]
+    idx.release(exact)
+
+    branch = idx.lookup(prompt[:10] + [99, 98, 97])
+    assert (branch.position, branch.exact, branch.end) == (8, False, None)
+    idx.release(branch)
+    aligned = idx.lookup(prompt[:12])                  # the last chain entry has logits
+    assert (aligned.position, aligned.exact, aligned.end) == (12, True, None)
+    idx.release(aligned)
+    longer = idx.lookup(prompt + [5, 6, 7])            # the next turn extends the prompt
+    assert (longer.position, longer.exact) == (14, False)
+    idx.release(longer)
+    assert idx.plan(prompt, 14) == []
+    assert [p.position for p in idx.plan(prompt + [5, 6, 7], 14)] == [16, 17]
+
+    assert idx.lookup([7, 7, 7]) is None and idx.lookup([]) is None
+    s = idx.stats()
+    assert (s["hits"], s["misses"], s["pinned"]) == (4, 3, 2)
+
+
+def test_short_prompt_exact_hit_and_release_rules():
+    idx = SnapshotIndex(4, block=4)
+    (p,) = cache(idx, [5, 6])
+    assert (p.position, p.parent) == (2, None)
+    res = idx.lookup([5, 6])
+    assert res.exact and res.chain == () and res.end.slot == p.slot
+    idx.release(res)
+    with pytest.raises(ValueError):
+        idx.release(res)
+    idx.release(None)
+    with pytest.raises(ValueError):
+        idx.plan([1, 2, 3], 4)
+
+
+def test_concurrent_prefills_share_no_slot_and_no_key():
+    idx = SnapshotIndex(16, block=4)
+    prompt = list(range(16))
+    first = idx.plan(prompt[:8], 0)
+    second = idx.plan(prompt, 0)                       # blocks 1-2 are being written
+    assert [p.position for p in first] == [4, 8]
+    assert [p.position for p in second] == [12, 16]
+    idx.commit(second)
+    assert idx.lookup(prompt) is None                  # a gap at blocks 1-2
+    idx.abort(first)                                   # the first writer died
+    assert idx.lookup(prompt) is None
+    assert [p.position for p in cache(idx, prompt)] == [4, 8]
+    assert lookup_position(idx, prompt) == 16
+    idx.check_invariants()
+
+
+# ---- eviction and pinning ----------------------------------------------------
+def test_lru_eviction_order():
+    idx = SnapshotIndex(3, block=4)
+    a, b, c, d = ([k] * 4 for k in (1, 2, 3, 4))
+    for p in (a, b, c):
+        cache(idx, p)
+    assert lookup_position(idx, a) == 4                # a is now the most recent
+    cache(idx, d)                                      # evicts b, the oldest
+    assert [lookup_position(idx, p) for p in (a, b, c, d)] == [4, 0, 4, 4]
+    assert idx.stats()["evictions"] == 1
+
+
+def test_chain_evicted_from_its_deep_end():
+    idx = SnapshotIndex(3, block=4)
+    chain = list(range(12))
+    cache(idx, chain)
+    cache(idx, [9] * 4)
+    cache(idx, [8] * 4)
+    assert lookup_position(idx, chain) == 4
+    assert lookup_position(idx, [9] * 4) == 4
+
+
+def test_reused_entries_outlive_those_never_reused():
+    idx = SnapshotIndex(4, block=4)
+    chain = list(range(12))
+    cache(idx, chain)
+    assert lookup_position(idx, chain) == 12           # reused: now behind everything never reused
+    cache(idx, [9] * 4)
+    cache(idx, [8] * 4)                                # evicts [9] * 4, the oldest never reused
+    assert lookup_position(idx, [9] * 4) == 0
+    assert lookup_position(idx, chain) == 12
+    cache(idx, [7] * 4)                                # evicts [8] * 4 ([9] * 4's miss cached nothing)
+    cache(idx, [6] * 4)
+    assert lookup_position(idx, chain) == 12 and idx.stats()["evictions"] == 3
+    idx.check_invariants()
+
+
+def test_one_off_short_prompts_never_evict_a_long_prompts_blocks():
+    """A long prompt's block snapshots are shared by every extension of it; the end
+    snapshots of a stream of one-off short prompts (none ever asked for again) take
+    each other's slots, never those blocks, however many of them come."""
+    block, slots = 8, 24
+    idx = SnapshotIndex(slots, block=block)
+    rng = random.Random(5)
+    long_prompt = [rng.randrange(1000) for _ in range(block * 16 + 3)]     # 16 blocks and an end
+    cache(idx, long_prompt)
+    for i in range(500):                                                   # each one new
+        short = [1000 + i] + [rng.randrange(1000) for _ in range(rng.randrange(block - 1))]
+        res = idx.lookup(short)
+        cache(idx, short, res.position if res else 0)
+        idx.release(res)
+    extension = long_prompt + [rng.randrange(1000) for _ in range(20)]
+    assert lookup_position(idx, extension) == block * 16
+    s = idx.stats()
+    assert s["entries"] == slots and s["evictions"] == 500 - (slots - 17)     # the long prompt's end went too
+    idx.check_invariants()
+
+
+def test_a_replays_lookup_is_no_cache_hit():
+    idx = SnapshotIndex(4, block=4)
+    prompt = list(range(6))
+    assert idx.lookup(prompt) is None                  # the request's own lookup: a miss
+    cache(idx, prompt)
+    res = idx.lookup(prompt, replay=True)              # its replay finds what it wrote itself
+    assert res.position == 6
+    idx.release(res)
+    s = idx.stats()
+    assert (s["hits"], s["misses"], s["hit_tokens"], s["replays"], s["replay_hit_tokens"]) == (0, 1, 0, 1, 6)
+    for k in (9, 8, 7):
+        cache(idx, [k] * 4)                            # the last evicts the prompt's end entry: a replay
+    assert lookup_position(idx, prompt) == 4           # promoted nothing (a reused one would stay)
+    idx.check_invariants()
+
+
+def test_a_prompt_never_evicts_its_own_blocks():
+    idx = SnapshotIndex(3, block=4)
+    prompt = list(range(20))
+    cache(idx, prompt[:8])
+    planned = idx.plan(prompt, 0)                      # only one slot left, nothing evictable
+    assert [p.position for p in planned] == [12]
+    assert idx.stats()["skipped"] == 2
+    idx.commit(planned)
+    assert lookup_position(idx, prompt) == 12
+
+
+def test_pinned_entries_are_never_evicted():
+    idx = SnapshotIndex(2, block=4)
+    a = [1] * 4
+    cache(idx, a)
+    res = idx.lookup(a)
+    planned = idx.plan([2] * 8, 0)
+    assert [p.position for p in planned] == [4]        # one free slot; a is pinned
+    assert idx.plan([3] * 4, 0) == []                  # every slot pinned: plan nothing
+    s = idx.stats()
+    assert (s["pinned"], s["writing"], s["free_slots"], s["entries"]) == (2, 1, 0, 1)
+    again = idx.lookup(a)                              # pinned twice now
+    idx.commit(planned)
+    idx.release(res)
+    (p,) = idx.plan([3] * 4, 0)                        # a is still pinned by `again`
+    assert p.slot == planned[0].slot
+    idx.release(again)
+    idx.check_invariants()
+
+
+def test_budget_full_of_planned_entries():
+    idx = SnapshotIndex(3, block=4)
+    held = idx.plan(list(range(12)), 0)
+    assert len(held) == 3 and idx.plan(list(range(50, 70)), 0) == []
+    assert idx.stats()["free_slots"] == 0
+    empty = SnapshotIndex(0, block=4)
+    assert empty.plan(list(range(12)), 0) == [] and empty.lookup([1]) is None
+
+
+def test_abort_frees_and_double_commit_is_refused():
+    idx = SnapshotIndex(4, block=4)
+    planned = idx.plan(list(range(10)), 0)
+    assert idx.stats()["free_slots"] == 1
+    assert idx.planned_in(planned[0].slot) == planned[0]
+    idx.abort(planned)
+    assert idx.stats()["free_slots"] == 4 and idx.planned_in(planned[0].slot) is None
+    assert idx.lookup(list(range(10))) is None
+    with pytest.raises(ValueError):
+        idx.commit(planned[0])
+    again = idx.plan(list(range(10)), 0)
+    idx.commit(again[0])
+    with pytest.raises(ValueError):
+        idx.commit(again)                              # again[0] already committed: nothing changes
+    assert idx.stats()["writing"] == 2
+    idx.check_invariants()
+
+
+def test_eviction_inside_a_chain_truncates_lookups():
+    idx = SnapshotIndex(4, block=4)
+    prompt = list(range(16))
+    planned = cache(idx, prompt)
+    idx._lru.touch(planned[1].key, last=False)   # force block 2 to go first
+    (other,) = idx.plan([7] * 4, 0)
+    assert other.slot == planned[1].slot               # its slot is reused ...
+    res = idx.lookup(prompt)                           # ... and never returned for block 2
+    assert res.position == 4 and [e.slot for e in res.entries] == [planned[0].slot]
+    idx.release(res)
+    idx.commit(other)
+    refill = idx.plan(prompt, 4)                       # the gap is filled, blocks 3-4 kept
+    assert [p.position for p in refill] == [8]
+    idx.commit(refill)
+    assert lookup_position(idx, prompt) == 16
+    idx.check_invariants()
+
+
+# ---- model-based random test -------------------------------------------------
+def _expected_position(idx, tokens) -> int:
+    """Brute force: the longest p whose chain entries and own entry are all cached."""
+    cached = idx._entries
+    data = np.asarray(tokens, "<i4").tobytes()
+    keys = idx.chain_keys(tokens)
+    for p in range(len(tokens), 0, -1):
+        k = p // idx.block
+        if not all(key in cached for key in keys[:k]):
+            continue
+        if p % idx.block == 0:
+            return p
+        base = keys[k - 1] if k else b""
+        if idx._end(base, data, k * idx.block, p) in cached:
+            return p
+    return 0
+
+
+def test_random_operations_keep_the_index_sound():
+    rng = random.Random(1234)
+    block, n_slots = 4, 16
+    idx = SnapshotIndex(n_slots, block=block)
+    docs = [[rng.randrange(5) for _ in range(30)] for _ in range(3)]
+
+    asked: list[list[int]] = []
+
+    def prompt():
+        if asked and rng.random() < 0.4:               # a repeated or extended request
+            return rng.choice(asked[-8:]) + [rng.randrange(5)] * rng.choice((0, 0, 2))
+        doc = rng.choice(docs)
+        tokens = doc[:rng.randrange(1, len(doc) + 1)]
+        asked.append(tokens + [rng.randrange(5) for _ in range(rng.choice((0, 0, 1, 3)))])
+        return asked[-1]
+
+    content: dict[int, object] = {}        # what the simulated arena's slots hold
+    resumes, pending = [], []
+
+    def check_resume(res, tokens):
+        for e in res.entries:
+            assert content.get(e.slot) == e.key, "a resume points at a stale slot"
+        assert [e.position for e in res.chain] == [block * (i + 1) for i in range(len(res.chain))]
+        assert [e.key for e in res.chain] == idx.chain_keys(tokens)[:len(res.chain)]
+        if res.end is not None:
+            assert res.end.key == idx.end_key(tokens[:res.position])
+
+    exact_hits = 0
+    for _ in range(4000):
+        op = rng.random()
+        if len(resumes) > 3:                            # keep a steady state: requests end
+            op = 0.4
+        elif len(pending) > 6:
+            op = 0.9
+        if op < 0.35:
+            tokens = prompt()
+            expected = _expected_position(idx, tokens)
+            res = idx.lookup(tokens)
+            assert (res.position if res else 0) == expected
+            if res:
+                assert res.exact == (res.position == len(tokens))
+                exact_hits += res.exact
+                check_resume(res, tokens)
+                resumes.append((res, tokens))
+        elif op < 0.55 and resumes:
+            res, tokens = resumes.pop(rng.randrange(len(resumes)))
+            check_resume(res, tokens)                  # nothing overwrote it while pinned
+            idx.release(res)
+        elif op < 0.8:
+            tokens = prompt()
+            start = rng.choice((0, _expected_position(idx, tokens)))
+            for p in idx.plan(tokens, start):
+                assert p.key not in idx._entries and start < p.position <= len(tokens)
+                content[p.slot] = ("writing", p.key)   # the worker scribbles at once
+                pending.append(p)
+        elif pending:
+            p = pending.pop(rng.randrange(len(pending)))
+            if rng.random() < 0.8:
+                content[p.slot] = p.key
+                idx.commit(p)
+            else:
+                content[p.slot] = None
+                idx.abort(p)
+        idx.check_invariants()
+        s = idx.stats()
+        assert s["entries"] + s["writing"] + s["free_slots"] == n_slots
+    s = idx.stats()
+    assert min(s["hits"], s["misses"], s["evictions"], s["skipped"], exact_hits) > 15, (s, exact_hits)
+
+
+# ---- shared-memory arena -----------------------------------------------------
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def shm_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_arena_shared_between_processes():
+    with SnapshotArena.create(slot_bytes=1000, n_slots=4, prefix="fermoetest") as arena:
+        assert arena.stride == 1024 and shm_exists(arena.name)
+        assert arena.name.startswith(f"fermoetest-{os.getpid()}-")
+        np.frombuffer(arena.slot(2), np.uint8)[:] = np.arange(1000) % 251
+        child = run_python("""
+            import sys
+            import numpy as np
+            from shared.shm_arena import SnapshotArena
+            arena = SnapshotArena.attach(sys.argv[1], 1000, 4)
+            got = np.frombuffer(arena.slot(2), np.uint8)
+            assert (got == np.arange(1000) % 251).all()
+            arena.slot(3)[:5] = b"child"
+            del got
+            arena.close()
+            print("ok")
+            """, arena.name)
+        assert child.returncode == 0, child.stderr
+        assert child.stdout == "ok\n" and child.stderr == ""    # no resource_tracker noise
+        assert shm_exists(arena.name)                  # the attacher exiting unlinked nothing
+        assert bytes(arena.slot(3)[:5]) == b"child"
+        name = arena.name
+    assert not shm_exists(name)
+
+
+def test_arena_slots_are_aligned_and_bounded():
+    with SnapshotArena.create(slot_bytes=100, n_slots=3, prefix="fermoetest", reserve=True) as arena:
+        assert os.path.getsize(os.path.join(SHM_DIR, arena.name)) == HEADER_BYTES + 3 * 128
+        for i in range(3):
+            view = arena.slot(i)
+            assert len(view) == 100 and arena.offset(i) % 64 == 0
+            assert np.frombuffer(view, np.uint8).ctypes.data % 64 == 0
+        assert arena.offset(np.int64(2)) == HEADER_BYTES + 256
+        for bad in (3, -1, True, 1.0):
+            with pytest.raises(ValueError, match=f"slot {bad!r}"):
+                arena.slot(bad)
+
+
+def test_arena_attach_refuses_a_wrong_geometry():
+    with SnapshotArena.create(slot_bytes=1000, n_slots=4, prefix="fermoetest") as arena:
+        with pytest.raises(ArenaError, match="bytes"):
+            SnapshotArena.attach(arena.name, 1000, 5)
+        with pytest.raises(ArenaError, match="header"):
+            SnapshotArena.attach(arena.name, 1001, 4)  # same size once padded
+        with SnapshotArena.attach(arena.name, 1000, 4) as same:
+            with pytest.raises(ArenaError, match="only the creating process"):
+                same.unlink()
+        assert shm_exists(arena.name)
+    with pytest.raises(ArenaError, match="no such segment"):
+        SnapshotArena.attach(arena.name, 1000, 4)
+    with pytest.raises(ArenaError):
+        SnapshotArena.attach("../etc/passwd", 1000, 4)
+
+
+def test_arena_larger_than_dev_shm_is_refused():
+    before = set(os.listdir(SHM_DIR))
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    with pytest.raises(ArenaError, match="do not fit"):
+        SnapshotArena.create(slot_bytes=1 << 30, n_slots=free // (1 << 30) + 2, prefix="fermoetest")
+    assert set(os.listdir(SHM_DIR)) <= before
+    with pytest.raises(ArenaError, match="n_slots"):
+        SnapshotArena.create(slot_bytes=64, n_slots=0)
+    with pytest.raises(ArenaError, match="prefix"):
+        SnapshotArena.create(slot_bytes=64, n_slots=1, prefix="a/b")
+
+
+def test_arena_close_with_live_arrays_and_views():
+    arena = SnapshotArena.create(slot_bytes=64, n_slots=2, prefix="fermoetest")
+    arr = np.frombuffer(arena.slot(0), np.uint8)
+    view = arena.slot(1)
+    arr[:] = 7
+    arena.close()
+    assert arena.closed and (arr == 7).all()           # still mapped while the array lives
+    with pytest.raises(ValueError):
+        view[0]                                         # a released view refuses use
+    with pytest.raises(ArenaError, match="closed"):
+        arena.slot(0)
+    arena.unlink()
+    assert not shm_exists(arena.name)
+    arena.close()                                      # idempotent
+
+
+@pytest.mark.parametrize("how", ["exit", "with", "fork"])
+def test_arena_creator_exit_leaves_nothing(how):
+    child = run_python("""
+        import os, sys
+        from shared.shm_arena import SHM_DIR, SnapshotArena
+        how = sys.argv[1]
+        path = lambda name: os.path.join(SHM_DIR, name)
+        if how == "with":
+            with SnapshotArena.create(4096, 4, prefix="fermoetest") as arena:
+                print(arena.name)
+        else:
+            arena = SnapshotArena.create(4096, 4, prefix="fermoetest")
+            print(arena.name)
+            arena.slot(0)[:3] = b"abc"
+        if how == "fork":
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)                            # runs atexit hooks in the child
+            os.waitpid(pid, 0)
+            assert os.path.exists(path(arena.name)), "a forked child unlinked the arena"
+            print("kept")
+        """, how)
+    assert child.returncode == 0, child.stderr
+    assert child.stderr == ""
+    name = child.stdout.split()[0]
+    assert name.startswith("fermoetest-") and not shm_exists(name)
+    if how == "fork":
+        assert child.stdout.split()[1] == "kept"
+
+
+def test_remove_stale_reclaims_dead_creators_only():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = f"fermoetest-{dead}-deadbeef"
+    with open(os.path.join(SHM_DIR, stale), "wb"):
+        pass
+    with SnapshotArena.create(64, 1, prefix="fermoetest") as live:
+        removed = SnapshotArena.remove_stale("fermoetest")
+        assert stale in removed and live.name not in removed
+        assert shm_exists(live.name) and not shm_exists(stale)
+
+
+def test_decode_snapshots_are_adopted_under_the_tokens_they_hold():
+    """Slots reserved for a decoding sequence: each one written is cached under the key of
+    the tokens there (block or end entry); a duplicate frees its slot; unwritten ones
+    come back."""
+    idx = SnapshotIndex(n_slots=6, block=4)
+    tokens = list(range(1, 20))
+    idx.commit(idx.plan(tokens[:6], 0))                 # a prompt of 6: block 4 and end 6
+    slots = idx.reserve(4)
+    assert len(slots) == 4 and idx.stats()["free_slots"] == 0
+    idx.check_invariants()
+    assert idx.adopt(slots[0], tokens[:8])               # a block boundary while decoding
+    assert idx.adopt(slots[1], tokens[:11])              # where it ended
+    assert not idx.adopt(slots[2], tokens[:8])           # written again (a replay): the slot is free
+    idx.unreserve(slots[3:])
+    idx.check_invariants()
+    assert idx.cached(tokens[:11] + [99, 98]) == 11 and idx.stats()["free_slots"] == 2
+    resume = idx.lookup(tokens[:11] + [99])
+    assert [e.position for e in resume.entries] == [4, 8, 11]
+    idx.release(resume)
+    with pytest.raises(KeyError):
+        idx.unreserve([slots[0]])                          # adopted: no longer reserved
+    more = idx.reserve(10)                                 # the free slots, then every unpinned entry evicted
+    assert len(more) == 6 and idx.stats()["entries"] == 0
+    idx.check_invariants()
+
+
+def test_marks_inside_a_prompt_are_snapshots_a_diverging_prompt_resumes_from():
+    """A chat's turn starts (marks) get end entries of their own: a prompt that shares
+    the tokens only up to one of them resumes there, not at the block before."""
+    idx = SnapshotIndex(n_slots=16, block=4)
+    prompt = list(range(1, 15))                            # 14 tokens; marks at 6 and 9
+    planned = idx.plan(prompt, 0, marks=[6, 9, 8, 0, 14, 20])
+    assert [p.position for p in planned] == [4, 6, 8, 9, 12, 14]     # aligned and outside ones not doubled
+    idx.commit(planned)
+    idx.check_invariants()
+    rewritten = prompt[:9] + [99, 98, 97]                  # the same up to the second mark
+    assert idx.cached(rewritten) == 9
+    assert idx.cached(prompt[:7] + [99]) == 6

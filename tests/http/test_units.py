@@ -1,0 +1,486 @@
+"""The HTTP front end's parts in this process, no model: the routing of replies to
+bounded per-request queues (against a ZeroMQ ROUTER standing in for the
+coordinator), OpenAI bodies -> Generate, the listen address."""
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+
+from coordinator.http import params
+from coordinator.http.options import parse_listen
+from coordinator.http.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       decode_body)
+from coordinator.http.upstream import Upstream
+from shared import protocol as P
+from shared.errors import FermoeError
+from shared.sampling import SamplingParams
+
+RECV_TIMEOUT_MS = 5000      # one loopback hop; generous for a loaded machine
+
+
+class FakeCoordinator:
+    """A ROUTER bound on loopback that answers as the test says."""
+
+    def __init__(self):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.peer = None
+
+    def recv(self):
+        assert self.sock.poll(RECV_TIMEOUT_MS)
+        self.peer, data = self.sock.recv_multipart()
+        return P.decode(data, P.CLIENT_MESSAGES)
+
+    def send(self, msg):
+        self.sock.send_multipart([self.peer, P.encode(msg)])
+
+    def close(self):
+        self.sock.close()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def token(rid, i):
+    return P.Token(request_id=rid, token=i, text=f"<{i}>")
+
+
+def test_replies_reach_their_own_request_in_order():
+    fake = FakeCoordinator()
+
+    async def go():
+        up = Upstream(fake.addr)
+        up.start()
+        a, b = up.submit(P.Generate(request_id="a", prompt="x")), up.submit(P.Generate(request_id="b", prompt="y"))
+        assert {fake.recv().request_id, fake.recv().request_id} == {"a", "b"}
+        assert up.waiting == 2
+        for i in range(3):
+            fake.send(token("b", i))
+            fake.send(token("a", 10 + i))
+        fake.send(P.Done(request_id="a", finish_reason="length"))
+        got_a = [await a.get() for _ in range(4)]
+        got_b = [await b.get() for _ in range(3)]
+        assert [m.token for m in got_a[:3]] == [10, 11, 12] and isinstance(got_a[3], P.Done)
+        assert [m.token for m in got_b] == [0, 1, 2]
+        assert set(up.streams) == {"b"} and up.waiting == 0
+        await up.close()
+    run(go())
+    fake.close()
+
+
+def test_a_client_that_does_not_read_is_cancelled_not_buffered_forever():
+    fake = FakeCoordinator()
+    bound = 4
+
+    async def go():
+        up = Upstream(fake.addr, bound=bound)
+        up.start()
+        slow, other = up.submit(P.Generate(request_id="slow", prompt="x")), up.submit(P.Generate(request_id="ok",
+                                                                                                  prompt="y"))
+        fake.recv(), fake.recv()
+        for i in range(bound + 1):                  # one more than its queue holds
+            fake.send(token("slow", i))
+        fake.send(token("ok", 0))
+        assert (await other.get()).token == 0       # the reader went on for the others
+        cancel = fake.recv()
+        assert isinstance(cancel, P.Cancel) and cancel.request_id == "slow"
+        got = [await slow.get() for _ in range(bound + 1)]
+        assert [m.token for m in got[:bound]] == list(range(bound))
+        assert got[-1].finish_reason == "error" and "too slowly" in got[-1].error
+        await up.close()
+    run(go())
+    fake.close()
+
+
+def test_status_replies_go_to_the_callers_in_order_and_silence_fails_requests():
+    fake = FakeCoordinator()
+
+    async def go():
+        up = Upstream(fake.addr, timeout_s=0.5, watch_s=0.1)
+        up.start()
+        first, second = asyncio.ensure_future(up.status()), asyncio.ensure_future(up.status())
+        await asyncio.sleep(0)
+        for n in (1, 2):
+            assert isinstance(fake.recv(), P.Status)
+            fake.send(P.StatusReply(model="m", workers=[], queued=n, running=0, snapshots={}))
+        assert ((await first).queued, (await second).queued) == (1, 2)
+        stream = up.submit(P.Generate(request_id="r", prompt="x"))
+        fake.recv()                                 # and then the coordinator says nothing more
+        done = await stream.get()
+        assert done.finish_reason == "error" and "did not answer" in done.error
+        await up.close()
+    run(go())
+    fake.close()
+
+
+def chat(**fields):
+    body = {"messages": [{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    return params.chat_generate(decode_body(msgspec.json.encode(body | fields), ChatCompletionRequest))
+
+
+def completion(**fields):
+    return params.completion_generate(decode_body(msgspec.json.encode({"prompt": "x"} | fields), CompletionRequest))
+
+
+def test_openai_fields_map_onto_generate():
+    g = chat(max_completion_tokens=7, max_tokens=3, top_k=-1, seed=-1, stop="END", presence_penalty=0.5,
+             frequency_penalty=-0.25, repeat_penalty=1.1, temperature=0, min_p=0.1, top_p=0.9)
+    assert [(m.role, m.content) for m in g.messages] == [("system", "be brief"), ("user", "a\nb")]
+    assert (g.max_tokens, g.sampling.top_k, g.sampling.seed, g.stop) == (7, 0, None, ["END"])  # -1s: off, random
+    assert g.sampling == SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repeat_penalty=1.1,
+                                        temperature=0.0, min_p=0.1, top_p=0.9, top_k=0)
+    defaults = completion()
+    assert (defaults.sampling, defaults.max_tokens) == (SamplingParams(), None)
+    with pytest.raises(APIError) as e:              # within the API's bounds, outside the sampler's
+        chat(top_p=0.0)
+    assert (e.value.status, e.value.param) == (400, "top_p") and "top_p must be in (0, 1]" in e.value.message
+    assert completion(prompt=[[5, 6]]).tokens == [5, 6] and completion(prompt=["hi"]).prompt == "hi"
+    assert completion(seed=3, stop=["a", "b"], max_tokens=2).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(n=2), "n"), (dict(logprobs=True), "logprobs"), (dict(logit_bias={"1": 5}), "logit_bias"),
+    (dict(stream_options={"include_usage": True}), "stream_options"), (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=[True]), "prompt"), (dict(prompt=[2**63]), "prompt"), (dict(echo=True), "echo"),
+    (dict(best_of=2), "best_of"), (dict(suffix="s"), "suffix"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
+    with pytest.raises(APIError) as e:
+        completion(**fields)
+    assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("text, expected", [("127.0.0.1:8080", ("127.0.0.1", 8080)), ("8081", ("127.0.0.1", 8081)),
+                                            ("[::1]:9000", ("::1", 9000)), ("localhost:80", ("localhost", 80)),
+                                            (":8082", ("127.0.0.1", 8082))])
+def test_listen_addresses(text, expected):
+    assert parse_listen(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "host", "1.2.3.4:99999", "a:b", "[::1]"])
+def test_bad_listen_addresses_are_named(text):
+    with pytest.raises(FermoeError, match="--http"):
+        parse_listen(text)
+
+
+class _NoUpstream:
+    def cancel(self, rid, on_done=None):
+        return False
+
+
+def test_a_request_that_fails_is_counted_once():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    async def go(streaming):
+        metrics, stream, sent = Metrics(), RequestStream("r"), []
+        stream.fail("the worker died")
+        response = GenerationResponse(_NoUpstream(), stream, TextFormat(), "m", streaming, False, metrics)
+
+        async def receive():
+            await asyncio.Event().wait()            # the client stays connected
+
+        async def send(message):
+            sent.append(message)
+        await response(None, receive, send)
+        return metrics, sent
+
+    for streaming in (False, True):
+        metrics, sent = run(go(streaming))
+        assert sent[0]["status"] == 500
+        assert metrics.registry.get_sample_value("fermoe:request_success_total", {"finished_reason": "error"}) == 1
+        assert metrics.registry.get_sample_value("fermoe:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_front_end_that_keeps_exiting_is_restarted_within_the_workers_budget(monkeypatch):
+    from types import SimpleNamespace
+
+    from coordinator import supervisor
+    from coordinator.http.process import FrontEnd
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def poll(self):
+            return self.returncode
+
+    front = FrontEnd(SimpleNamespace(http="127.0.0.1:0", api_key=None, max_queue=None), "tcp://127.0.0.1:1")
+    starts = []
+    monkeypatch.setattr(front, "start", lambda: (starts.append(1), setattr(front, "proc", Exited())))
+    front.start()
+    for _ in range(supervisor.MAX_RESTARTS + 3):
+        front.poll()
+    front.stop()
+    assert front.given_up and len(starts) == supervisor.MAX_RESTARTS + 1
+
+
+# ---- llama-server's fields --------------------------------------------------------
+def test_llama_server_fields_that_mean_something_here_are_honoured():
+    assert completion(n_predict=5).max_tokens == 5
+    assert completion(n_predict=-1, max_tokens=9).max_tokens is None        # -1: until the end, as llama.cpp's
+    assert completion(n_predict=7, max_tokens=3).max_tokens == 7            # n_predict first, as llama-server
+    assert chat(n_predict=4, max_completion_tokens=2).max_tokens == 4
+    g = completion(samplers=["top_k", "temperature"], top_p=0.5, min_p=0.2).sampling  # left out: not used
+    assert (g.top_k, g.top_p, g.min_p) == (SamplingParams().top_k, 1.0, 0.0)
+    g = completion(samplers="edkypmxt", top_p=0.5).sampling                  # llama-server's default chain
+    assert (g.top_k, g.top_p, g.min_p) == (SamplingParams().top_k, 0.5, SamplingParams().min_p)
+    assert completion(repeat_last_n=128, repeat_penalty=1.1).sampling.repeat_last_n == 128
+    assert completion(repeat_last_n=-1).sampling.repeat_last_n >= 2**31 - 1     # the whole context
+    assert completion(repeat_last_n=0).sampling.repeat_last_n == 0
+
+
+def test_llama_server_fields_without_effect_are_accepted_and_logged(caplog):
+    web_page = dict(cache_prompt=True, id_slot=-1, timings_per_token=True, return_progress=True, verbose=False,
+                    n_keep=0, dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1,
+                    dry_sequence_breakers=["\n"], typical_p=1.0, xtc_probability=0.0, xtc_threshold=0.1,
+                    mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, dynatemp_range=0.0, dynatemp_exponent=1.0,
+                    n_probs=0, post_sampling_probs=False, return_tokens=False, top_n_sigma=-1.0, repeat_last_n=64,
+                    reasoning_format="none", min_keep=0)
+    with caplog.at_level("INFO", logger="fermoe.http"):
+        g = chat(**web_page)
+    assert msgspec.structs.replace(g, request_id="") == msgspec.structs.replace(chat(), request_id="")
+    lines = [r.getMessage() for r in caplog.records if "ignored llama-server fields" in r.getMessage()]
+    assert len(lines) == 1 and "cache_prompt" in lines[0] and "id_slot" in lines[0] and "mirostat" in lines[0]
+    assert "timings_per_token" not in lines[0]                              # honoured, not ignored
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fermoe.http"):
+        completion(seed=3)
+    assert not caplog.records                                               # nothing to say
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(dry_multiplier=0.8), "dry_multiplier"), (dict(mirostat=2), "mirostat"),
+    (dict(xtc_probability=0.5), "xtc_probability"), (dict(typical_p=0.9), "typical_p"),
+    (dict(dynatemp_range=0.5), "dynatemp_range"), (dict(top_n_sigma=1.5), "top_n_sigma"),
+    (dict(n_probs=3), "n_probs"), (dict(n_indent=4), "n_indent"), (dict(n_cmpl=2), "n_cmpl"),
+    (dict(t_max_predict_ms=100), "t_max_predict_ms"), (dict(grammar="root ::= [a]"), "grammar"),
+    (dict(json_schema={}), "json_schema"), (dict(lora=[{"id": 0, "scale": 1}]), "lora"),
+    (dict(min_keep=5), "min_keep"), (dict(n_predict=0), "n_predict"),
+    (dict(repeat_last_n=-2, repeat_penalty=1.1), "repeat_last_n"), (dict(samplers=["top_k", "bogus"]), "samplers"),
+    (dict(samplers="kpm"), "samplers"), (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (dict(reasoning_format="raw"), "reasoning_format"),
+])
+def test_llama_server_settings_we_cannot_honour_are_refused_by_name(fields, param):
+    with pytest.raises(APIError) as e:
+        chat(**fields)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+def test_xtc_is_off_above_its_threshold_as_in_llama_cpp():
+    assert chat(xtc_probability=0.5, xtc_threshold=0.6).max_tokens is None
+
+
+# ---- integers: bounded before they reach MessagePack -------------------------------
+@pytest.mark.parametrize("fields, param", [
+    (dict(seed=2**64), "seed"), (dict(max_tokens=2**64), "max_tokens"), (dict(max_tokens=2**63), "max_tokens"),
+    (dict(top_k=2**70), "top_k"), (dict(n_predict=2**64), "n_predict"), (dict(n_predict=-(2**70)), "n_predict"),
+    (dict(id_slot=2**64), "id_slot"), (dict(n_keep=-(2**64)), "n_keep"), (dict(n=2**64), "n"),
+    (dict(top_logprobs=2**64), "top_logprobs"), (dict(best_of=-(2**70)), "best_of"),
+    (dict(prompt=[2**64]), "prompt"), (dict(prompt=[[1, -(2**64)]]), "prompt"),
+])
+def test_integers_out_of_range_are_a_400_naming_the_field(fields, param):
+    with pytest.raises(APIError) as e:
+        completion(**fields)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_integers_at_their_bounds_reach_the_coordinator_whole():
+    g = completion(seed=2**64 - 1, max_tokens=2**63 - 1, top_k=2**63 - 1, id_slot=-(2**63))
+    assert P.decode(P.encode(g), P.CLIENT_MESSAGES) == g
+    with pytest.raises(APIError) as e:
+        decode_body(msgspec.json.encode({"tokens": [2**64]}), DetokenizeRequest)
+    assert e.value.param == "tokens[0]"
+
+
+# ---- llama-server's timings -------------------------------------------------------
+def test_timings_are_llama_servers():
+    from coordinator.http.llama_server import Timings
+    t = Timings()
+    assert t.partial() == {}
+    t.arrived = 10.0
+    for now in (10.5, 10.6, 10.7):
+        t.token(now)
+    part = t.partial()
+    assert part["prompt_ms"] == 500.0 and part["predicted_n"] == 3 and part["predicted_ms"] == pytest.approx(200.0)
+    done = P.Done(request_id="r", finish_reason="length", prompt_tokens=12, cached_prompt_tokens=8,
+                  completion_tokens=4, prefill_ms=20.0, decode_tok_s=50.0)
+    assert t.final(done) == {"cache_n": 8, "prompt_n": 4, "prompt_ms": 20.0, "prompt_per_token_ms": 5.0,
+                             "prompt_per_second": 200.0, "predicted_n": 4, "predicted_ms": 80.0,
+                             "predicted_per_token_ms": 20.0, "predicted_per_second": 50.0}
+
+
+# ---- sizes: one limit, and a full context within it --------------------------------
+def test_a_whole_context_of_token_ids_fits_in_an_assign():
+    tokens = [248319] * 262144                       # the largest ids of Qwen3.5's vocabulary: 5 bytes each
+    msg = P.Assign(request_id="r", tokens=tokens, resume=[], snapshots=[], max_tokens=1,
+                   sampling=SamplingParams(seed=1))
+    data = P.encode(msg)
+    assert len(data) > 1 << 20 and P.decode(data, P.TO_WORKER).tokens == tokens
+
+
+def test_the_message_limit_names_the_option_that_raises_it():
+    data = P.encode(P.Generate(request_id="r", prompt="x" * 5000))
+    P.set_max_message_bytes(4096)
+    try:
+        with pytest.raises(FermoeError, match=r"the message is \d+ bytes, over the limit of 4096 bytes .*"
+                                              r"--max-request-size"):
+            P.decode(data, P.CLIENT_MESSAGES)
+    finally:
+        P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
+    assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
+
+
+def test_the_coordinators_sockets_take_a_snapshot_frame_whatever_the_request_limit(tiny_q4_path):
+    from shared.state import snapshot_nbytes
+    from coordinator.daemon import Coordinator
+    from coordinator.options import parse_options
+    from tests.support.serving_harness import free_port
+    opts = parse_options(["--model", str(tiny_q4_path), "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem",
+                          "0", "--block", "4096", "--max-request-size", "1KiB"])
+    coord = Coordinator(opts)
+    try:
+        slot = snapshot_nbytes(coord.model.config, 4096, opts.kv_cache_dtype)
+        assert slot > 2 << 20 and coord.workers_sock.getsockopt(zmq.MAXMSGSIZE) > slot
+        assert P.max_message_bytes() == 1024
+    finally:
+        coord.shutdown()
+        P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
+
+
+@pytest.mark.parametrize("text, expected", [("*", ("*",)), ("", ()), ("http://a.b:3000/, https://c", (
+    "http://a.b:3000", "https://c"))])
+def test_cors_origins(text, expected):
+    from coordinator.http.options import parse_origins
+    assert parse_origins(text) == expected
+
+
+@pytest.mark.parametrize("text", ["*,http://a", "localhost", "http://a/path"])
+def test_bad_cors_origins_are_named(text):
+    from coordinator.http.options import parse_origins
+    with pytest.raises(FermoeError, match="--cors-origins"):
+        parse_origins(text)
+
+
+def test_http_options_on_the_coordinators_command_line():
+    from coordinator.options import parse_options
+    opts = parse_options(["--model", "tiny", "--alias", "qwen", "--max-request-size", "8MiB", "--http", "8080",
+                          "--cors-origins", "http://localhost:3000"])
+    assert (opts.alias, opts.max_request_size, opts.cors_origins) == ("qwen", 8 << 20, ("http://localhost:3000",))
+    opts = parse_options(["--model", "tiny"])
+    assert (opts.model, opts.alias, opts.max_request_size) == ("tiny", None, P.MAX_MESSAGE_BYTES)
+    for bad, word in [(["--max-request-size", "12"], "at least"), (["--max-request-size", "lots"], "size"),
+                      (["--cors-origins", "*"], "needs --http")]:
+        with pytest.raises(FermoeError, match=f"--(max-request-size|cors-origins).*{word}"):
+            parse_options(["--model", "tiny", *bad])
+
+
+# ---- /metrics: a request whose client left is counted, once, as an abort ----------
+class _Cancelling:
+    """An upstream whose one request is open until the first cancel(), which keeps its callback."""
+
+    def __init__(self):
+        self.open, self.on_done = True, None
+
+    def cancel(self, rid, on_done=None):
+        was_open, self.open = self.open, False
+        if was_open:
+            self.on_done = on_done
+        return was_open
+
+
+def test_a_request_whose_client_left_is_counted_as_an_abort_once():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    async def go():
+        metrics, stream, upstream = Metrics(), RequestStream("r"), _Cancelling()
+        response = GenerationResponse(upstream, stream, TextFormat(), "m", True, False, metrics)
+        stream.push(token("r", 1))
+        stream.push(token("r", 2))
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            left.set()                              # the client leaves once the stream has begun
+        await response(None, receive, send)
+        upstream.on_done(P.Done(request_id="r", finish_reason="cancelled", prompt_tokens=7, completion_tokens=5))
+        upstream.on_done(P.Done(request_id="r", finish_reason="cancelled", prompt_tokens=7, completion_tokens=5))
+        return metrics
+
+    metrics = run(go())
+    get = metrics.registry.get_sample_value
+    assert get("fermoe:request_success_total", {"finished_reason": "abort"}) == 1
+    assert (get("fermoe:generation_tokens_total"), get("fermoe:prompt_tokens_total")) == (5, 7)
+    assert get("fermoe:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_request_that_had_ended_when_its_client_left_is_counted_by_its_own_reason():
+    from coordinator.http.metrics import Metrics
+    from coordinator.http.streaming import GenerationResponse, TextFormat
+    from coordinator.http.upstream import RequestStream
+
+    class Closed:                                   # its Done came: nothing left to cancel
+        def cancel(self, rid, on_done=None):
+            return False
+
+    async def go():
+        metrics, stream = Metrics(), RequestStream("r")
+        for msg in (token("r", 1), token("r", 2), P.Done(request_id="r", finish_reason="length", prompt_tokens=3,
+                                                          completion_tokens=2)):
+            stream.push(msg)
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            left.set()
+            await asyncio.sleep(0.05)               # the client is gone before the Done is read
+        await GenerationResponse(Closed(), stream, TextFormat(), "m", True, False, metrics)(None, receive, send)
+        return metrics
+
+    get = run(go()).registry.get_sample_value
+    assert get("fermoe:request_success_total", {"finished_reason": "length"}) == 1
+    assert get("fermoe:request_success_total", {"finished_reason": "abort"}) is None
+    assert get("fermoe:generation_tokens_total") == 2
+
+
+def test_a_cancelled_requests_done_reaches_whoever_cancelled_it():
+    fake = FakeCoordinator()
+
+    async def go():
+        up = Upstream(fake.addr)
+        up.start()
+        up.submit(P.Generate(request_id="a", prompt="x"))
+        fake.recv()
+        got = []
+        assert up.cancel("a", got.append) and not up.cancel("a", got.append)
+        assert isinstance(fake.recv(), P.Cancel)
+        fake.send(token("a", 1))                                    # late: dropped
+        fake.send(P.Done(request_id="a", finish_reason="cancelled", completion_tokens=1))
+        await asyncio.sleep(0.2)
+        assert [d.finish_reason for d in got] == ["cancelled"] and not up.draining
+        await up.close()
+    run(go())
+    fake.close()
+
+
+# ---- system_fingerprint ------------------------------------------------------------
+def test_system_fingerprint_is_one_per_model():
+    from coordinator.http.app import system_fingerprint
+    a = system_fingerprint("df81f6403566e03a")
+    assert a == system_fingerprint("df81f6403566e03a") != system_fingerprint("0123456789abcdef")
+    assert a.startswith("fp_") and len(a) == 13
