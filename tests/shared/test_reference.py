@@ -1,6 +1,6 @@
 """The reference forward run two ways that must agree (whole prompt at once, and
-in pieces / token by token with carried state), and the sequence state saved,
-restored and copied without changing a result."""
+in pieces / token by token with carried state); the synthetic model a useful workload.
+The state it carries is tested in test_state.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,6 @@ import pytest
 from shared.engine import ReferenceEngine
 from shared.model import Model
 from shared.reference import route
-from shared.state import SequenceState, StateError, restore_snapshots, snapshot_nbytes, write_snapshot
 
 # Pieces and whole differ only by float summation order.
 SPLIT_RTOL = 1e-5
@@ -37,44 +36,6 @@ def test_whole_prompt_equals_pieces_and_single_tokens(engine):
     assert state.logits_valid
 
 
-def test_state_save_restore_continues_identically(engine, tmp_path):
-    state = engine.new_state()
-    engine.forward(PROMPT[:12], state)
-    state.save(tmp_path / "seq.state")
-    straight = engine.forward(PROMPT[12:], state)
-
-    cfg, fp = engine.model.config, engine.model.fingerprint
-    restored = SequenceState.load(tmp_path / "seq.state", cfg, fp)
-    assert restored.position == 12
-    np.testing.assert_array_equal(engine.forward(PROMPT[12:], restored), straight)
-
-
-def test_copy_is_independent(engine):
-    state = engine.new_state()
-    engine.forward(PROMPT[:10], state)
-    fork = state.copy()
-    a = engine.forward([5, 6], state)
-    engine.forward([200, 201, 202], fork)          # the fork moves on; the original must not see it
-    state2 = engine.new_state()
-    engine.forward(PROMPT[:10], state2)
-    np.testing.assert_array_equal(engine.forward([5, 6], state2), a)
-
-
-def test_state_refuses_another_model(engine, tmp_path):
-    state = engine.new_state()
-    engine.forward(PROMPT[:3], state)
-    state.save(tmp_path / "seq.state")
-    with pytest.raises(StateError, match="belongs to model"):
-        SequenceState.load(tmp_path / "seq.state", engine.model.config, "0123456789abcdef")
-    data = (tmp_path / "seq.state").read_bytes()
-    (tmp_path / "cut.state").write_bytes(data[:-10])
-    with pytest.raises(StateError, match="expected"):
-        SequenceState.load(tmp_path / "cut.state", engine.model.config, engine.model.fingerprint)
-    (tmp_path / "junk.state").write_bytes(b"x" * len(data))
-    with pytest.raises(StateError, match="magic"):
-        SequenceState.load(tmp_path / "junk.state", engine.model.config, engine.model.fingerprint)
-
-
 def test_activations_and_routing_are_sane(tiny_q4_path):
     """The synthetic model is a useful workload: O(1) logits, routers that spread."""
     model = Model(tiny_q4_path)
@@ -87,41 +48,3 @@ def test_activations_and_routing_are_sane(tiny_q4_path):
     np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kv", ["f16", "f32"])
-def test_snapshots_restore_a_state_that_continues_identically(tiny_path, kv):
-    """A chain of snapshot slots (each block's KV, the last one's recurrent part)
-    restores to a state whose continuation is bitwise the original's."""
-    engine = ReferenceEngine(Model(tiny_path), kv_cache_dtype=kv)
-    cfg, fp, block = engine.model.config, engine.model.fingerprint, 8
-    state = engine.new_state()
-    slots = []
-    for end in (8, 16, 19):                          # two full blocks and a partial one
-        engine.forward(PROMPT[state.position:end], state)
-        slots.append(bytearray(snapshot_nbytes(cfg, block, kv)))
-        write_snapshot(state, slots[-1], block)
-    restored = restore_snapshots(cfg, fp, slots, block, kv)
-    assert restored.position == 19 and restored.kv.dtype == state.kv.dtype
-    spare = bytearray(b"\xff") * len(restored.buffer)           # a finished sequence's buffer, reused
-    again = restore_snapshots(cfg, fp, slots, block, kv, buffer=spare)
-    assert again.buffer is spare and bytes(spare) == bytes(restored.buffer)
-    np.testing.assert_array_equal(engine.forward(PROMPT[19:], restored), engine.forward(PROMPT[19:], state))
-    other = "f32" if kv == "f16" else "f16"
-    with pytest.raises(StateError, match=f"expected {other}"):
-        restore_snapshots(cfg, fp, slots, block, other)
-
-
-def test_f16_kv_cache_holds_rounded_values_and_halves_the_snapshot(tiny_path):
-    model = Model(tiny_path)
-    f16, f32 = (ReferenceEngine(model, kv_cache_dtype=kv) for kv in ("f16", "f32"))
-    a, b = f16.new_state(), f32.new_state()
-    f16.forward(PROMPT, a)
-    f32.forward(PROMPT, b)
-    assert a.kv.k_pages[0][0].dtype == np.float16 and b.kv.k_pages[0][0].dtype == np.float32
-    k16, k32 = a.kv.view(0)[0], b.kv.view(0)[0]
-    np.testing.assert_array_equal(k16, k16.astype(np.float16).astype(np.float32))
-    np.testing.assert_allclose(k16, k32, rtol=2e-3, atol=1e-3 * np.abs(k32).max())
-    cfg = model.config
-    kv_bytes = {kv: snapshot_nbytes(cfg, 8, kv) - snapshot_nbytes(cfg, 0, kv) for kv in ("f16", "f32")}
-    assert kv_bytes["f32"] == 2 * kv_bytes["f16"] > 0
-    with pytest.raises(Exception, match="KV cache dtype 'bf16'"):
-        ReferenceEngine(model, kv_cache_dtype="bf16")
