@@ -4,7 +4,6 @@ answered as each API answers, read back by the vendor's own client (`openai`, `a
 through a mock transport: its stream parser and accumulator check the event sequences."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import anthropic
@@ -24,38 +23,14 @@ from coordinator.http.metrics import Metrics
 from coordinator.http.responses_api import ResponsesResponse
 from coordinator.http.responses_request import ResponsesRequest
 from coordinator.http.responses_request import chat_request as responses_chat
-from coordinator.http.upstream import RequestStream
-from shared import protocol as P
+from tests.support import recorded_response as recorded
+from tests.support.recorded_response import RECORDED, NoUpstream
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}
-RECORDED = ["The user", " wants a.py.", "\n", "</think>", "\n\n", "Reading", " it.", "\n\n", "<tool_call>", "\n<",
-            "function=read", "_file>\n<parameter=", "path>\nsrc/ü", "nï.py\n</parameter>\n<parameter=limit>\n",
-            "20\n</parameter>\n</function>\n", "</tool_call>"]
-
-
-class _Open:
-    def cancel(self, rid, on_done=None):
-        return False
 
 
 def answer(make, pieces, finish="stop", stop_reason=None) -> bytes:
-    """The bytes of the HTTP body a response object sends for `pieces` of model text."""
-    async def go():
-        stream, sent = RequestStream("r"), []
-        for i, text in enumerate(pieces):
-            stream.push(P.Token(request_id="r", token=i, text=text))
-        stream.push(P.Done(request_id="r", finish_reason=finish, prompt_tokens=50, cached_prompt_tokens=30,
-                           completion_tokens=len(pieces), stop_reason=stop_reason))
-        response = make(stream)
-
-        async def receive():
-            await asyncio.Event().wait()
-
-        async def send(message):
-            sent.append(message)
-        await response(None, receive, send)
-        return b"".join(m.get("body", b"") for m in sent[1:])
-    return asyncio.run(asyncio.wait_for(go(), 20))
+    return recorded.answer(make, pieces, finish=finish, prompt_tokens=50, cached_prompt_tokens=30, stop_reason=stop_reason)
 
 
 def transport(body: bytes, streaming: bool, http=httpx):
@@ -74,7 +49,7 @@ def anthropic_response(streaming: bool, pieces=RECORDED, **done) -> anthropic.An
     req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"stream": streaming}).encode())
     body = anthropic_chat(req, streaming)
     parser = params.chat_parser(body, params.chat_generate(body), True, "deepseek")
-    raw = answer(lambda s: MessagesResponse(_Open(), s, ChatFormat(), "m", streaming, Metrics(), parser),
+    raw = answer(lambda s: MessagesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser),
                  pieces, **done)
     return anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, streaming, httpx2))
 
@@ -163,7 +138,7 @@ def responses_client(streaming: bool, pieces=RECORDED, **done) -> openai.OpenAI:
     req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": streaming}).encode())
     body = responses_chat(req)
     parser = params.chat_parser(body, params.chat_generate(body), True, "deepseek")
-    raw = answer(lambda s: ResponsesResponse(_Open(), s, ChatFormat(), "m", streaming, Metrics(), parser,
+    raw = answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser,
                                              request=req), pieces, **done)
     return openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, streaming))
 

@@ -4,7 +4,6 @@ response a stream of recorded model text becomes, streamed and not, read back wi
 official `openai` client's own types; and the API key on every route of the table."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import msgspec
@@ -16,8 +15,8 @@ from coordinator.http.formats import ChatFormat
 from coordinator.http.metrics import Metrics
 from coordinator.http.schemas import APIError, ChatCompletionRequest, decode_body
 from coordinator.http.streaming import GenerationResponse
-from coordinator.http.upstream import RequestStream
 from shared import protocol as P
+from tests.support.recorded_response import RECORDED, NoUpstream, answer
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}},
@@ -114,35 +113,11 @@ def test_tool_choice_none_renders_the_tools_and_parses_no_call():
 
 
 # ---- recorded model text -> the response ------------------------------------------------------
-RECORDED = ["The user", " wants a.py.", "\n", "</think>", "\n\n", "Reading", " it.", "\n\n", "<tool_call>", "\n<",
-            "function=read", "_file>\n<parameter=", "path>\nsrc/ü", "nï.py\n</parameter>\n<parameter=limit>\n",
-            "20\n</parameter>\n</function>\n", "</tool_call>"]
-
-
-class _Open:
-    def cancel(self, rid, on_done=None):
-        return False
-
-
 def respond(pieces, streaming: bool, finish="stop", reasoning_format="deepseek", tools=TOOLS):
-    async def go():
-        stream, sent = RequestStream("chatcmpl-x"), []
-        for i, text in enumerate(pieces):
-            stream.push(P.Token(request_id="chatcmpl-x", token=i, text=text))
-        stream.push(P.Done(request_id="chatcmpl-x", finish_reason=finish, prompt_tokens=5,
-                           completion_tokens=len(pieces)))
-        b = body(tools=tools)
-        fmt = ChatFormat(params.chat_parser(b, params.chat_generate(b), True, reasoning_format), reasoning_format)
-        response = GenerationResponse(_Open(), stream, fmt, "m", streaming, False, Metrics())
-
-        async def receive():
-            await asyncio.Event().wait()
-
-        async def send(message):
-            sent.append(message)
-        await response(None, receive, send)
-        return b"".join(m.get("body", b"") for m in sent[1:])
-    return asyncio.run(asyncio.wait_for(go(), 20))
+    b = body(tools=tools)
+    fmt = ChatFormat(params.chat_parser(b, params.chat_generate(b), True, reasoning_format), reasoning_format)
+    return answer(lambda stream: GenerationResponse(NoUpstream(), stream, fmt, "m", streaming, False, Metrics()),
+                  pieces, request_id="chatcmpl-x", finish=finish, prompt_tokens=5)
 
 
 def chunks(raw: bytes) -> list[ChatCompletionChunk]:
