@@ -13,13 +13,12 @@ import os
 
 from shared.config import ModelConfig
 from shared.errors import FermoeError
-from shared.state import kv_bytes_per_position, recurrent_nbytes
+from shared.state import DEFAULT_BLOCK, kv_bytes_per_position, recurrent_nbytes
 
 from .placement import GPU_QUEUE
 
 log = logging.getLogger("fermoe.coordinator")
 
-BLOCK = 256                     # a fitted limit is a whole number of KV pages
 RESERVE_BYTES = 2 << 30         # left to the OS, the processes and the page cache's churn
 RESERVE_FRACTION = 0.05
 
@@ -84,15 +83,15 @@ def host_footprint(model_bytes: int, expert_bytes: int, cpu_sequences: int, gpu_
 
 
 def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequences: int, memory: int) -> int:
-    """The longest context (a multiple of BLOCK, at most the model's) that `sequences`
-    sequences can all reach in `memory` bytes beside the weights; 0 if not even their
+    """The longest context (whole KV pages of DEFAULT_BLOCK, at most the model's) that
+    `sequences` sequences can all reach in `memory` bytes beside the weights; 0 if not even their
     recurrent states fit."""
     budget = memory - weight_bytes - max(RESERVE_BYTES, int(memory * RESERVE_FRACTION))
     per_sequence = budget // max(sequences, 1) - recurrent_nbytes(cfg)
     if per_sequence <= 0:
         return 0
     positions = per_sequence // kv_bytes_per_position(cfg, dtype)
-    return min(cfg.n_ctx_train, positions // BLOCK * BLOCK)
+    return min(cfg.n_ctx_train, positions // DEFAULT_BLOCK * DEFAULT_BLOCK)
 
 
 def resolve_max_model_len(asked: int | None, cfg: ModelConfig, dtype: str, weight_bytes: int,

@@ -6,7 +6,7 @@ import os
 
 from shared.errors import FermoeError
 from shared.options import add_kv_cache_dtype, parse_size
-from shared.state import KV_DTYPES
+from shared.state import DEFAULT_BLOCK, KV_DTYPES
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description="The fermoe daemon: loads a model, starts its CPU "
@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-mem", default=None,
                    help="shared memory (/dev/shm) for prefix snapshots, e.g. 2GiB; 0 = no cache (default: an "
                         "eighth of the host's memory, at most half of /dev/shm's free space and 8 GiB)")
-    p.add_argument("--block", type=int, default=256, help="snapshot every this many prompt tokens (default 256)")
+    p.add_argument("--block", type=int, default=DEFAULT_BLOCK,
+                   help=f"snapshot every this many prompt tokens (default {DEFAULT_BLOCK})")
     p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions a sequence may hold, prompt and output (default: the model's context "

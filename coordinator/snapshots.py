@@ -52,6 +52,8 @@ from typing import Iterable
 
 import numpy as np
 
+from shared.state import DEFAULT_BLOCK
+
 KEY_BYTES = 16
 
 
@@ -115,7 +117,7 @@ def _hash(*parts) -> bytes:
 class SnapshotIndex:
     """Maps token prefixes to snapshot slots, with LRU eviction within n_slots."""
 
-    def __init__(self, n_slots: int, block: int = 256):
+    def __init__(self, n_slots: int, block: int = DEFAULT_BLOCK):
         if n_slots < 0 or block < 1:
             raise ValueError(f"need n_slots >= 0 and block >= 1, got {n_slots}, {block}")
         self.n_slots = n_slots

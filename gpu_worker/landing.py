@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.config import ModelConfig
-from shared.state import HEADER_BYTES, SequenceState, kv_dtype, recurrent_nbytes, write_snapshot_kv
+from shared.state import HeaderLayout, SequenceState, kv_dtype, recurrent_nbytes, write_snapshot_kv
 
 PAGE = 4096                 # host pages: what cuMemHostRegister locks
 
@@ -80,7 +80,7 @@ class Landing:
             buf = pool.get(p)
             if buf is None:
                 buf = np.frombuffer(slot, np.uint8, nbytes)
-            buf[:HEADER_BYTES] = np.frombuffer(state.buffer, np.uint8, HEADER_BYTES)
+            buf[:HeaderLayout.NBYTES] = np.frombuffer(state.buffer, np.uint8, HeaderLayout.NBYTES)
             out[p] = SequenceState(self.cfg, self.fingerprint, buffer=buf, kv_block=state.kv.block,
                                    kv_dtype=state.kv.dtype_name)
         return out
@@ -141,12 +141,9 @@ class Landing:
 
     def finish_snapshots(self, snaps: dict[int, SequenceState], state: SequenceState,
                          logits: dict[int, np.ndarray]) -> None:
-        """Each snapshot's KV is the state's first `position` rows (a layer's pages joined
-        once for all of them); its recurrent part has landed."""
-        for a in range(len(self.cfg.attention_layers) if snaps else 0):
-            keys, values = state.kv.view(a)
-            for position, snap in snaps.items():
-                snap.kv.append(a, keys[:position], values[:position])
+        """Each snapshot's KV is the state's first `position` rows, copied a page at a time;
+        its recurrent part has landed."""
         for position, snap in snaps.items():
+            snap.kv.take_prefix(state.kv, position)
             snap.position = position
             snap.set_logits(logits[position])

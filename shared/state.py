@@ -1,32 +1,19 @@
 """The state of one sequence: what prefill leaves behind and decode carries on.
 
-It is plain memory so it can live in shared memory and be handed between
-processes by name and offset. Two parts:
-
-Recurrent part, one contiguous buffer of fixed size per model (little-endian):
-
-    0   magic "FMSTATE1"            8 bytes
-    8   layout version              u32
-    12  flags (bit 0: logits valid) u32
-    16  model fingerprint           16 ASCII hex chars
-    32  position                    u64   tokens consumed so far
-    40  n_gdn_layers, n_vocab       u32, u32
-    48  rope delta                  i64   M-RoPE position of the next token less `position`
-                                          (0 for text; an image's tokens take fewer positions)
-    56  reserved                    8 bytes
-    64  S      [n_gdn][v_heads, k_dim, v_dim]   fp32   (o = S^T q; HF's layout)
-    ..  conv   [n_gdn][kernel-1, conv_channels] fp32   (oldest input first)
-    ..  logits [n_vocab]                        fp32   (of the last position)
-
-Attention part, growing with the sequence: K and V of each attention layer in
-pages of `block` positions, [block, n_head_kv, head_dim] each, so sequences that
-share a prefix can share its pages read-only. Their elements are the state's KV
-dtype: f16 (the default, as llama.cpp's cache; values rounded to nearest even on the
-way in) or f32. Every engine reads and writes both.
+It is plain memory so it can live in shared memory and be handed between processes by
+name and offset. Two parts: the recurrent part, one buffer of a size fixed by the model
+(RecurrentLayout: a 64-byte header, S and the conv state of every GDN layer, the last
+position's logits), and the attention part, K and V of each attention layer in pages of
+`block` positions (KVCache), so sequences that share a prefix can share its pages
+read-only. A snapshot is the state at a position in one slot of shared memory
+(SlotLayout). These two layouts are the one description every reader and writer uses:
+the array views here, the slot writer and reader, the C engine (given the views'
+addresses) and the GPU worker's landing. docs/state.md draws them.
 """
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,8 +22,73 @@ from .errors import ContextLengthError, FermoeError
 
 MAGIC = b"FMSTATE1"
 LAYOUT_VERSION = 1
-HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sII16sQII")
+DEFAULT_BLOCK = 256        # positions a KV page (and a snapshot) holds, unless --block says otherwise
+
+
+class HeaderLayout:
+    """The recurrent buffer's 64-byte header, little-endian, field by name."""
+
+    FIELDS = {                                     # name: (offset, struct format)
+        "magic": (0, "8s"),                         # MAGIC
+        "version": (8, "I"),                        # LAYOUT_VERSION
+        "flags": (12, "I"),                         # bit 0: the logits are valid
+        "fingerprint": (16, "16s"),                 # the model's, ASCII hex, NUL-padded
+        "position": (32, "Q"),                      # tokens consumed so far
+        "n_gdn_layers": (40, "I"),
+        "n_vocab": (44, "I"),
+        "rope_delta": (48, "q"),                    # M-RoPE position of the next token less `position`
+    }                                               # 56: reserved to 64
+    NBYTES = 64
+    _structs = {name: struct.Struct("<" + fmt) for name, (_, fmt) in FIELDS.items()}
+
+    @classmethod
+    def get(cls, buffer, name: str):
+        return cls._structs[name].unpack_from(buffer, cls.FIELDS[name][0])[0]
+
+    @classmethod
+    def set(cls, buffer, name: str, value) -> None:
+        cls._structs[name].pack_into(buffer, cls.FIELDS[name][0], value)
+
+
+LOGITS_VALID = 1           # HeaderLayout "flags" bit
+
+
+@dataclass(frozen=True)
+class RecurrentLayout:
+    """Where the recurrent buffer of a model's state keeps what, in bytes from its start."""
+    ssm_shape: tuple        # [n_gdn][v_heads, k_dim, v_dim] fp32 (o = S^T q; Hugging Face's layout)
+    conv_shape: tuple       # [n_gdn][kernel - 1, conv_channels] fp32, oldest input first
+    n_vocab: int            # logits of the last position, fp32
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "RecurrentLayout":
+        n_gdn = len(cfg.gdn_layers)
+        return cls((n_gdn, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim),
+                   (n_gdn, cfg.ssm_conv_kernel - 1, cfg.conv_channels), cfg.n_vocab)
+
+    @property
+    def ssm_offset(self) -> int:
+        return HeaderLayout.NBYTES
+
+    @property
+    def conv_offset(self) -> int:
+        return self.ssm_offset + 4 * int(np.prod(self.ssm_shape))
+
+    @property
+    def logits_offset(self) -> int:
+        return self.conv_offset + 4 * int(np.prod(self.conv_shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.logits_offset + 4 * self.n_vocab
+
+    def views(self, buffer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """S, conv and logits as float32 arrays over `buffer`."""
+        def view(offset, shape):
+            return np.frombuffer(buffer, np.float32, int(np.prod(shape)), offset).reshape(shape)
+        return (view(self.ssm_offset, self.ssm_shape), view(self.conv_offset, self.conv_shape),
+                view(self.logits_offset, (self.n_vocab,)))
+
 
 KV_DTYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
 DEFAULT_KV_DTYPE = "f16"
@@ -60,14 +112,14 @@ class StateError(FermoeError):
 
 def recurrent_nbytes(cfg: ModelConfig) -> int:
     """Bytes of the recurrent buffer of one sequence (header included)."""
-    return HEADER_BYTES + cfg.recurrent_state_bytes + 4 * cfg.n_vocab
+    return RecurrentLayout.of(cfg).nbytes
 
 
 class KVCache:
     """Paged K/V of every attention layer; pages are [block, n_head_kv, head_dim] of
     `dtype` (a KV_DTYPES name)."""
 
-    def __init__(self, cfg: ModelConfig, block: int = 256, dtype: str = DEFAULT_KV_DTYPE):
+    def __init__(self, cfg: ModelConfig, block: int = DEFAULT_BLOCK, dtype: str = DEFAULT_KV_DTYPE):
         self.block = block
         self.dtype_name = dtype
         self.dtype = kv_dtype(dtype)
@@ -134,6 +186,24 @@ class KVCache:
             v_out[t - start:t - start + n] = self.v_pages[slot][page][row:row + n]
             t += n
 
+    def take_prefix(self, other: "KVCache", n_positions: int) -> None:
+        """This (empty) cache takes the first n_positions of `other`'s every layer, a page at
+        a time, in its dtype (so exactly)."""
+        if (self.block, self.dtype) != (other.block, other.dtype) or any(self.length):
+            raise StateError("take_prefix: an empty cache of the same block and dtype takes a prefix")
+        full, rest = divmod(n_positions, self.block)
+        for slot in range(len(self.k_pages)):
+            if n_positions > other.length[slot]:
+                raise StateError(f"{n_positions} positions asked of a layer that holds {other.length[slot]}")
+            for mine, theirs in ((self.k_pages[slot], other.k_pages[slot]), (self.v_pages[slot], other.v_pages[slot])):
+                mine.extend(page.copy() for page in theirs[:full])
+                if rest:
+                    page = np.zeros(self.page_shape, self.dtype)
+                    page[:rest] = theirs[full][:rest]
+                    mine.append(page)
+            self.length[slot] = n_positions
+        self._tables = None
+
     def view(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """K, V of all stored positions of layer `slot`, [P, n_head_kv, head_dim] fp32."""
         n = self.length[slot]
@@ -157,14 +227,15 @@ class KVCache:
 class SequenceState:
     """Recurrent buffer + paged KV of one sequence. `buffer` may be shared memory."""
 
-    def __init__(self, cfg: ModelConfig, fingerprint: str, buffer=None, kv_block: int = 256,
+    def __init__(self, cfg: ModelConfig, fingerprint: str, buffer=None, kv_block: int = DEFAULT_BLOCK,
                  kv_dtype: str = DEFAULT_KV_DTYPE):
         self.cfg = cfg
         nbytes = recurrent_nbytes(cfg)
         if buffer is None:
             buffer = bytearray(nbytes)
-            _HEADER.pack_into(buffer, 0, MAGIC, LAYOUT_VERSION, 0, _fp_bytes(fingerprint), 0,
-                              len(cfg.gdn_layers), cfg.n_vocab)
+            for name, value in (("magic", MAGIC), ("version", LAYOUT_VERSION), ("fingerprint", _fp_bytes(fingerprint)),
+                                ("n_gdn_layers", len(cfg.gdn_layers)), ("n_vocab", cfg.n_vocab)):
+                HeaderLayout.set(buffer, name, value)
         elif len(memoryview(buffer).cast("B")) < nbytes:
             raise StateError(f"state buffer holds {len(buffer)} bytes; this model needs {nbytes}")
         self.buffer = buffer
@@ -174,7 +245,8 @@ class SequenceState:
 
     # ---- header fields ---------------------------------------------------
     def _check_header(self, fingerprint: str) -> None:
-        magic, version, _, fp, _, n_gdn, n_vocab = _HEADER.unpack_from(self.buffer, 0)
+        magic, version, fp, n_gdn, n_vocab = (HeaderLayout.get(self.buffer, name) for name in
+                                              ("magic", "version", "fingerprint", "n_gdn_layers", "n_vocab"))
         if magic != MAGIC:
             raise StateError("not a fermoe sequence state (bad magic)")
         if version != LAYOUT_VERSION:
@@ -186,21 +258,21 @@ class SequenceState:
 
     @property
     def position(self) -> int:
-        return struct.unpack_from("<Q", self.buffer, 32)[0]
+        return HeaderLayout.get(self.buffer, "position")
 
     @position.setter
     def position(self, value: int) -> None:
-        struct.pack_into("<Q", self.buffer, 32, value)
+        HeaderLayout.set(self.buffer, "position", value)
 
     @property
     def rope_delta(self) -> int:
         """The next token's M-RoPE position less `position`: 0 until an image, whose
         tokens span fewer positions than they are many (Qwen3.5's get_rope_index)."""
-        return struct.unpack_from("<q", self.buffer, 48)[0]
+        return HeaderLayout.get(self.buffer, "rope_delta")
 
     @rope_delta.setter
     def rope_delta(self, value: int) -> None:
-        struct.pack_into("<q", self.buffer, 48, value)
+        HeaderLayout.set(self.buffer, "rope_delta", value)
 
     @property
     def room(self) -> int:
@@ -215,30 +287,22 @@ class SequenceState:
 
     @property
     def logits_valid(self) -> bool:
-        return bool(struct.unpack_from("<I", self.buffer, 12)[0] & 1)
+        return bool(HeaderLayout.get(self.buffer, "flags") & LOGITS_VALID)
 
     def set_logits(self, logits: np.ndarray) -> None:
         self.logits[:] = logits
-        struct.pack_into("<I", self.buffer, 12, 1)
+        HeaderLayout.set(self.buffer, "flags", HeaderLayout.get(self.buffer, "flags") | LOGITS_VALID)
 
     # ---- array views -----------------------------------------------------
     def _bind_views(self) -> None:
         cfg = self.cfg
-        n_gdn = len(cfg.gdn_layers)
-        s_shape = (n_gdn, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim)
-        c_shape = (n_gdn, cfg.ssm_conv_kernel - 1, cfg.conv_channels)
-        offset = HEADER_BYTES
-        self.ssm = np.frombuffer(self.buffer, np.float32, int(np.prod(s_shape)), offset).reshape(s_shape)
-        offset += self.ssm.nbytes
-        self.conv = np.frombuffer(self.buffer, np.float32, int(np.prod(c_shape)), offset).reshape(c_shape)
-        offset += self.conv.nbytes
-        self.logits = np.frombuffer(self.buffer, np.float32, cfg.n_vocab, offset)
+        self.ssm, self.conv, self.logits = RecurrentLayout.of(cfg).views(self.buffer)
         self.gdn_slot = {layer: g for g, layer in enumerate(cfg.gdn_layers)}
         self.attn_slot = {layer: a for a, layer in enumerate(cfg.attention_layers)}
 
     # ---- copies and files ------------------------------------------------
     def fingerprint(self) -> str:
-        return _HEADER.unpack_from(self.buffer, 0)[3].rstrip(b"\0").decode()
+        return HeaderLayout.get(self.buffer, "fingerprint").rstrip(b"\0").decode()
 
     def copy(self) -> "SequenceState":
         other = SequenceState(self.cfg, self.fingerprint(), bytearray(self.buffer))
@@ -284,20 +348,52 @@ def _fp_bytes(fingerprint: str) -> bytes:
 
 
 # ---- snapshots: a state at a position, in a slot of shared memory ------------------
-#
-#   0        recurrent buffer (header, S, conv, logits)      recurrent_nbytes(cfg)
-#   R        u64 block_start, u64 rows, u32 KV element bytes  20 bytes, then padding to 64
-#   R + 64   K then V of each attention layer, [block][n_head_kv][head_dim] of the KV
-#            dtype, rows [block_start, block_start + rows) of the sequence
-#
-# A snapshot at position p keeps only the KV of its own block; resuming at p reads
-# the snapshots of every earlier block boundary for theirs.
-_SNAP = struct.Struct("<QQI")
+@dataclass(frozen=True)
+class SlotLayout:
+    """One snapshot slot: the recurrent buffer, a 64-byte KV header (u64 block start, u64
+    rows, u32 KV element bytes, then padding), then K and V of each attention layer,
+    [block][n_head_kv][head_dim] of the KV dtype: rows [block start, block start + rows) of
+    the sequence. A snapshot at position p keeps only the KV of its own block; resuming at p
+    reads the snapshots of every earlier block boundary for theirs."""
+    recurrent_nbytes: int
+    n_attention: int
+    page_shape: tuple                  # (block, n_head_kv, head_dim)
+    dtype: np.dtype
+
+    KV_HEADER = struct.Struct("<QQI")
+    KV_HEADER_NBYTES = 64
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_KV_DTYPE) -> "SlotLayout":
+        return cls(recurrent_nbytes(cfg), len(cfg.attention_layers), (block, cfg.n_head_kv, cfg.head_dim),
+                   kv_dtype(kv_dtype_name))
+
+    @property
+    def page_nbytes(self) -> int:
+        return int(np.prod(self.page_shape)) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.recurrent_nbytes + self.KV_HEADER_NBYTES + 2 * self.n_attention * self.page_nbytes
+
+    def kv_header(self, slot) -> tuple[int, int, int]:
+        """(block start, rows, KV element bytes) of a slot."""
+        return self.KV_HEADER.unpack_from(memoryview(slot).cast("B"), self.recurrent_nbytes)
+
+    def set_kv_header(self, slot, start: int, rows: int) -> None:
+        self.KV_HEADER.pack_into(memoryview(slot).cast("B"), self.recurrent_nbytes, start, rows, self.dtype.itemsize)
+
+    def pages(self, slot, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Attention layer `layer`'s K and V pages of a slot, as arrays over it."""
+        view = memoryview(slot).cast("B")
+        offset = self.recurrent_nbytes + self.KV_HEADER_NBYTES + 2 * layer * self.page_nbytes
+        n = int(np.prod(self.page_shape))
+        return (np.frombuffer(view, self.dtype, n, offset).reshape(self.page_shape),
+                np.frombuffer(view, self.dtype, n, offset + self.page_nbytes).reshape(self.page_shape))
 
 
 def snapshot_nbytes(cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_KV_DTYPE) -> int:
-    kv = 2 * len(cfg.attention_layers) * block * cfg.n_head_kv * cfg.head_dim * kv_dtype(kv_dtype_name).itemsize
-    return recurrent_nbytes(cfg) + 64 + kv
+    return SlotLayout.of(cfg, block, kv_dtype_name).nbytes
 
 
 def write_snapshot(state: SequenceState, slot, block: int) -> None:
@@ -311,19 +407,11 @@ def write_snapshot_kv(state: SequenceState, slot, block: int, position: int) -> 
     """The KV part of a snapshot at `position` (at most state.position): the rows of
     `state`'s pages from the start of the block that holds position - 1 up to position,
     with the header that says where they start. The slot's recurrent part is left alone."""
-    cfg, dtype = state.cfg, state.kv.dtype
-    view = memoryview(slot).cast("B")
-    r = recurrent_nbytes(cfg)
+    layout = SlotLayout.of(state.cfg, block, state.kv.dtype_name)
     start = (position - 1) // block * block if position else 0
-    _SNAP.pack_into(view, r, start, position - start, dtype.itemsize)
-    shape = (block, cfg.n_head_kv, cfg.head_dim)
-    offset = r + 64
-    page_bytes = int(np.prod(shape)) * dtype.itemsize
-    for layer in range(len(cfg.attention_layers)):
-        k, v = (np.frombuffer(view, dtype, int(np.prod(shape)), offset + i * page_bytes).reshape(shape)
-                for i in (0, 1))
-        state.kv.copy_rows(layer, start, position, k, v)
-        offset += 2 * page_bytes
+    layout.set_kv_header(slot, start, position - start)
+    for layer in range(layout.n_attention):
+        state.kv.copy_rows(layer, start, position, *layout.pages(slot, layer))
 
 
 def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int,
@@ -333,29 +421,23 @@ def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int,
     faults of a new one: most of a large model's restore time."""
     if not slots:
         raise StateError("no snapshot to restore")
-    r = recurrent_nbytes(cfg)
-    dtype = kv_dtype(kv_dtype_name)
+    layout = SlotLayout.of(cfg, block, kv_dtype_name)
+    r = layout.recurrent_nbytes
     last = memoryview(slots[-1]).cast("B")
     if buffer is None or len(buffer) != r:
         buffer = bytearray(r)
     memoryview(buffer)[:] = last[:r]
     state = SequenceState(cfg, fingerprint, buffer, kv_block=block, kv_dtype=kv_dtype_name)
-    shape = (block, cfg.n_head_kv, cfg.head_dim)
-    page_bytes = int(np.prod(shape)) * dtype.itemsize
     expected = 0
     for slot in slots:
-        view = memoryview(slot).cast("B")
-        start, rows, itemsize = _SNAP.unpack_from(view, r)
-        if itemsize != dtype.itemsize:
+        start, rows, itemsize = layout.kv_header(slot)
+        if itemsize != layout.dtype.itemsize:
             raise StateError(f"a snapshot holds {8 * itemsize}-bit KV, expected {kv_dtype_name}")
         if start != expected:
             raise StateError(f"snapshot chain broken: a page starts at {start}, expected {expected}")
-        offset = r + 64
-        for layer in range(len(cfg.attention_layers)):
-            k = np.frombuffer(view, dtype, int(np.prod(shape)), offset).reshape(shape)[:rows]
-            v = np.frombuffer(view, dtype, int(np.prod(shape)), offset + page_bytes).reshape(shape)[:rows]
-            state.kv.append(layer, k, v)
-            offset += 2 * page_bytes
+        for layer in range(layout.n_attention):
+            k, v = layout.pages(slot, layer)
+            state.kv.append(layer, k[:rows], v[:rows])
         expected = start + rows
     if expected != state.position:
         raise StateError(f"snapshots cover {expected} positions, the state is at {state.position}")

@@ -129,8 +129,8 @@ def test_a_served_generation_stops_at_the_context(short_path, short):
 # ---------------------------------------------------------------- the coordinator's max_model_len
 
 def test_the_fitted_max_model_len_fits_and_is_the_longest_that_does():
-    from coordinator.memory import BLOCK, RESERVE_BYTES, fitted_max_model_len
-    from shared.state import kv_bytes_per_position, recurrent_nbytes
+    from coordinator.memory import RESERVE_BYTES, fitted_max_model_len
+    from shared.state import DEFAULT_BLOCK as BLOCK, kv_bytes_per_position, recurrent_nbytes
     from modeltools.synth import preset_config
     cfg = preset_config("qwen3.6-35b-a3b", experts=128)
     weights, sequences = 10_440_000_000, 8

@@ -92,3 +92,32 @@ def test_f16_kv_cache_holds_rounded_values_and_halves_the_snapshot(tiny_path):
     assert kv_bytes["f32"] == 2 * kv_bytes["f16"] > 0
     with pytest.raises(Exception, match="KV cache dtype 'bf16'"):
         ReferenceEngine(model, kv_cache_dtype="bf16")
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 13, 16])
+def test_a_cache_takes_anothers_prefix_a_page_at_a_time(engine, n):
+    """take_prefix gives the rows the other cache holds, in its dtype, whatever the page
+    boundaries, and is refused what the other does not hold or a cache of another shape."""
+    state = SequenceState(engine.model.config, engine.model.fingerprint, kv_block=8)
+    engine.forward(PROMPT[:16], state)
+    taken = SequenceState(engine.model.config, engine.model.fingerprint, kv_block=8)
+    taken.kv.take_prefix(state.kv, n)
+    for layer in range(len(engine.model.config.attention_layers)):
+        k, v = taken.kv.view(layer)
+        want_k, want_v = state.kv.view(layer)
+        np.testing.assert_array_equal(k, want_k[:n])
+        np.testing.assert_array_equal(v, want_v[:n])
+        assert len(taken.kv.k_pages[layer]) == -(-n // 8)
+    with pytest.raises(StateError, match="17 positions asked"):
+        SequenceState(engine.model.config, engine.model.fingerprint, kv_block=8).kv.take_prefix(state.kv, 17)
+    with pytest.raises(StateError, match="same block and dtype"):
+        SequenceState(engine.model.config, engine.model.fingerprint, kv_block=4).kv.take_prefix(state.kv, 4)
+
+
+def test_the_header_is_read_and_written_by_name(engine):
+    state = engine.new_state()
+    engine.forward(PROMPT[:3], state)
+    state.rope_delta = -7
+    assert state.position == 3 and state.rope_delta == -7 and state.logits_valid
+    copy = SequenceState(engine.model.config, engine.model.fingerprint, bytearray(state.buffer))
+    assert (copy.position, copy.rope_delta, copy.fingerprint()) == (3, -7, engine.model.fingerprint)
