@@ -53,9 +53,9 @@
  *                     expert e, x gathered by token (pair_token[p]); BM = 64: 64 x 256
  *                     tiles (128 gate and the matching 128 up columns), BM = 128:
  *                     128 x 128 (64 and 64); N = ff (GLU below). The height goes with the
- *                     rows an expert gets (ops.moe_tile_rows). 32 x 256 tiles were measured
- *                     slower at 59 rows an expert (18.5 against 21.5 TFLOP/s on gate|up):
- *                     each weight dequantised for half the rows
+ *                     rows an expert gets (ops.moe_tile_rows). No 32-row tiles: they waste
+ *                     fewer rows but dequantise each weight for half as many, and lose
+ *                     (docs/measurements.md has the sweep)
  *   moe_down_mBM_T    y[p] = act[p] Wd_e^T, tiles 64 x 256 or 128 x 128
  *
  * The MoE entries take the tile table moe.cu makes (a tile = an expert and up to BM
