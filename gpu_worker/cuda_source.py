@@ -10,8 +10,13 @@ Each .cu file includes "prelude.cuh" and what else it needs with quoted includes
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
+import subprocess
 from pathlib import Path
+
+from shared.errors import FermoeError
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "native" / "cuda"
 TARGETS = ("nvcc", "clang", "emulate")
@@ -38,7 +43,7 @@ def compose(target: str, files: list[Path] | None = None) -> str:
     if target not in TARGETS:
         raise ValueError(f"unknown CUDA target {target!r}")
     seen: set[Path] = set()
-    parts = [f"#define FM_EMULATE 1\n" if target == "emulate" else ""]
+    parts = ["#define FM_EMULATE 1\n" if target == "emulate" else ""]
     for path in files or kernel_files():
         parts.append(_inline(Path(path), seen))
     source = "".join(parts)
@@ -48,3 +53,50 @@ def compose(target: str, files: list[Path] | None = None) -> str:
     elif target == "clang":
         source = re.sub(r"^\s*#\s*include\s+<stdint\.h>\s*$", "", source, flags=re.M)   # the prelude's typedefs
     return source
+
+
+# ---- the entry points' signatures, read from their declarations --------------------------
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(([^)]*)\)')
+_SCALARS = {"int": "i", "int32_t": "i", "unsigned": "I", "unsigned int": "I", "uint32_t": "I", "float": "f",
+            "long long": "q", "int64_t": "q"}
+
+
+def _preprocessed(source: str) -> str:
+    """`source` through the host C++ preprocessor (which expands the macros that make
+    families of entry points, such as gemm.cu's FM_GEMM_ENTRIES)."""
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        run = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise FermoeError(f"{cxx} not found: the CUDA kernels' signatures are read through the host C++ "
+                          f"preprocessor (install g++ or set CXX)") from None
+    if run.returncode != 0:
+        raise FermoeError(f"{cxx} -E failed on the CUDA sources:\n{run.stderr[-2000:]}")
+    return run.stdout
+
+
+def _kind(param: str, entry: str) -> str:
+    """A parameter's letter in pycuda's `prepare` signature: P pointer, i int, I unsigned,
+    f float, q int64."""
+    if "*" in param:
+        return "P"
+    words = [w for w in param.replace("const", " ").split() if w not in ("__restrict__", "__restrict")]
+    base = " ".join(words[:-1])                     # the last word is the parameter's name
+    if base not in _SCALARS:
+        raise FermoeError(f"{entry}: parameter {param.strip()!r} has a type the launcher cannot pass")
+    return _SCALARS[base]
+
+
+@functools.lru_cache(maxsize=None)
+def _signatures_of(source: str) -> dict[str, str]:
+    found = {}
+    for name, params in _ENTRY.findall(_preprocessed(source)):
+        params = [p for p in params.split(",") if p.strip() and p.strip() != "void"]
+        found[name] = "".join(_kind(p, name) for p in params)
+    return found
+
+
+def kernel_signatures(files: list[Path] | None = None) -> dict[str, str]:
+    """Every entry point (FM_KERNEL) of the sources and its pycuda signature, taken from its
+    declaration, so a kernel is declared in one place: its .cu file."""
+    return dict(_signatures_of(compose("nvcc", files)))

@@ -1,7 +1,8 @@
 """The kernels of native/cuda as Python calls: each entry point's signature (as
-pycuda's `prepare` spells it: P pointer, i int, I unsigned, f float, q int64), and
-a launcher that checks what it is given, launches on a stream, and with
-FERMOE_GPU_DEBUG=1 synchronises after every launch so a fault names its kernel."""
+pycuda's `prepare` spells it: P pointer, i int, I unsigned, f float, q int64), read
+from its declaration in the .cu file (gpu_worker/cuda_source.py), and a launcher that
+checks what it is given, launches on a stream, and with FERMOE_GPU_DEBUG=1
+synchronises after every launch so a fault names its kernel."""
 from __future__ import annotations
 
 import os
@@ -9,43 +10,35 @@ import os
 from shared.errors import FermoeError
 from shared.ggml_types import GGMLType
 
+from .cuda_source import kernel_signatures
+
 # The weight types the kernels read (the one table): their names end the GEMM entry
 # points' names; embed_rows takes the ggml type number.
 KERNEL_TYPES = {GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.Q4_0: "q4_0", GGMLType.Q8_0: "q8_0"}
 
-SIGNATURES = {
-    "embed_rows": "PPPiii",
-    "rmsnorm": "PPPiiiif",
-    "rmsnorm_gated": "PPPPiif",
-    "moe_route": "PPPPiii",
-    "moe_tiles": "PPPPPPiii",
-    "moe_scatter": "PPPPPii",
-    "moe_combine": "PPPPPPPiii",
-    "attn_qk_norm_rope": "PPPPPPPPPPiiiiiifi",
-    "attn_prompt": "PPPPPiiiiif",
-    "gdn_conv": "PPPPiii",
-    "gdn_conv_history": "PPPiiii",
-    "gdn_qk_gates": "PPPPPPPPPiiiiif",
-    "gdn_recurrent": "PPPPPPPiiiiiii",
-    "gdn_chunk_prep": "PPPPPPPPPPPiiiiii",
-    "gdn_chunk_state": "PPPPPPPPPiiiiii",
-    "gdn_chunk_output": "PPPPPPPPiiiii",
-    "fma_peak": "Pif",
-    "to_f16": "PPi",
-    "gemm_splitk_sum": "PPiiiii",
-}
 # gemm.cu's tile rows (BM) of the dense GEMMs (all 128 columns wide), and of the
-# grouped-expert GEMMs with their columns (BN)
+# grouped-expert GEMMs with their columns (BN): the heights FM_GEMM_ENTRIES instantiates
+# (check_tiles holds these to the entry points the sources declare)
 DENSE_BM, DENSE_BN = (32, 64, 128), 128
 MOE_TILES = {64: 256, 128: 128}
 MOE_BM = tuple(MOE_TILES)
-for _t in KERNEL_TYPES.values():
-    SIGNATURES[f"gemm_narrow_{_t}"] = "PPPiiiiii"
-    for _bm in DENSE_BM:
-        SIGNATURES[f"gemm_m{_bm}_{_t}"] = "PPPiiiiiii"
-    for _bm in MOE_BM:
-        SIGNATURES[f"moe_gateup_m{_bm}_{_t}"] = "PPPPqPPPPPiii"
-        SIGNATURES[f"moe_down_m{_bm}_{_t}"] = "PPPPqqPPPPii"
+
+
+def signatures() -> dict[str, str]:
+    """Every entry point of native/cuda and its launch signature, from its declaration."""
+    return kernel_signatures()
+
+
+def check_tiles(entries) -> None:
+    """The GEMM heights the launchers pick are the ones the sources instantiate, no more."""
+    heights = {}
+    for name in entries:
+        kind, _, rest = name.partition("_m")
+        if kind in ("gemm", "moe_gateup", "moe_down") and rest[:1].isdigit():
+            heights.setdefault(kind, set()).add(int(rest.split("_")[0]))
+    want = {"gemm": set(DENSE_BM), "moe_gateup": set(MOE_BM), "moe_down": set(MOE_BM)}
+    if heights != want:
+        raise FermoeError(f"gemm.cu instantiates tile heights {heights}; gpu_worker/kernels.py expects {want}")
 
 
 class LaunchError(FermoeError):
@@ -84,10 +77,12 @@ class Kernels:
     """Every entry point of the module, as attributes: `kernels.rmsnorm(...)`."""
 
     def __init__(self, device):
-        module = device.module(SIGNATURES)
+        entries = signatures()
+        check_tiles(entries)
+        module = device.module(entries)
         debug = bool(os.environ.get("FERMOE_GPU_DEBUG"))
         self.timer = None           # a PhaseTimer: every launch marks its kernel's name (bench prefill --kernels)
-        for name, signature in SIGNATURES.items():
+        for name, signature in entries.items():
             setattr(self, name, Kernel(module.get_function(name), name, signature, device, debug, self))
 
     def gemm(self, wtype: str, kind: str = "gemm", bm: int | None = None):

@@ -4,15 +4,17 @@ plan the engine allocates by."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gpu_worker import fermi_check
-from gpu_worker.cuda_source import CUDA_DIR, compose, kernel_files
+from gpu_worker.cuda_source import CUDA_DIR, compose, kernel_files, kernel_signatures
 from gpu_worker.emulator import EmulatedDevice, EmulationError, EmuModule, build_library
-from gpu_worker.kernels import SIGNATURES, Kernel
+from gpu_worker.kernels import DENSE_BM, MOE_TILES, Kernel, check_tiles, signatures
+from shared.errors import FermoeError
 
 PRELUDE = CUDA_DIR / "prelude.cuh"
 
@@ -29,8 +31,34 @@ def test_every_kernel_compiles_for_sm_20_within_48_kb_of_shared_memory(clang):
     report = fermi_check.check_all()
     assert set(report) == {p.name for p in kernel_files()}
     entries = {name: shared for per_file in report.values() for name, shared in per_file.items()}
-    assert set(entries) == set(SIGNATURES)             # every entry point has a launcher, and no more
+    assert set(entries) == set(signatures())           # every entry point has a launcher, and no more
     assert 0 < max(entries.values()) <= fermi_check.SHARED_LIMIT
+
+
+def test_signatures_are_read_from_the_declarations(tmp_path):
+    """Macro-made entries included; a parameter type the launcher cannot pass is refused by name."""
+    probe = _cu(tmp_path, """
+#define FM_PAIR(T) FM_KERNEL void twice_##T(T *y, const T *__restrict__ x, int n, long long stride, float a) {}
+FM_PAIR(float)
+FM_PAIR(int)
+FM_KERNEL FM_BOUNDS(256, 2) void bounded(unsigned *flags, unsigned int n) {}
+FM_DEVICE int helper(int a) { return a; }
+""")
+    assert kernel_signatures([probe]) == {"twice_float": "PPiqf", "twice_int": "PPiqf", "bounded": "PI"}
+    bad = _cu(tmp_path, "FM_KERNEL void half(short h) {}")
+    with pytest.raises(FermoeError, match=r"half: parameter 'short h' has a type the launcher cannot pass"):
+        kernel_signatures([bad])
+
+
+def test_the_launchers_tile_tables_are_the_sources():
+    entries = signatures()
+    check_tiles(entries)
+    with pytest.raises(FermoeError, match="tile heights"):
+        check_tiles({**entries, "gemm_m16_q4_0": "P"})
+    gemm = (CUDA_DIR / "gemm.cu").read_text()
+    made = {(int(bm), int(bn)) for bm, bn in re.findall(r"^\s*FM_GEMM_MOE\(T, WT, (\d+), (\d+), \d+\)", gemm, re.M)}
+    assert made == set(MOE_TILES.items())
+    assert {int(bm) for bm in re.findall(r"^\s*FM_GEMM_DENSE\(T, WT, (\d+), \d+\)", gemm, re.M)} == set(DENSE_BM)
 
 
 def _cu(tmp_path, body: str) -> Path:
