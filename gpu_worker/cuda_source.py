@@ -61,17 +61,17 @@ _SCALARS = {"int": "i", "int32_t": "i", "unsigned": "I", "unsigned int": "I", "u
             "long long": "q", "int64_t": "q"}
 
 
-def _preprocessed(source: str) -> str:
-    """`source` through the host C++ preprocessor (which expands the macros that make
-    families of entry points, such as gemm.cu's FM_GEMM_ENTRIES)."""
-    cxx = os.environ.get("CXX", "g++")
+def _preprocessed(source: str, *flags: str) -> str:
+    """`source` through the C preprocessor (which expands the macros that make families of
+    entry points, such as gemm.cu's FM_GEMM_ENTRIES); the one the native build uses."""
+    cc = os.environ.get("CC", "cc")
     try:
-        run = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True)
+        run = subprocess.run([cc, "-E", "-P", *flags, "-x", "c", "-"], input=source, capture_output=True, text=True)
     except FileNotFoundError:
-        raise FermoeError(f"{cxx} not found: the CUDA kernels' signatures are read through the host C++ "
-                          f"preprocessor (install g++ or set CXX)") from None
+        raise FermoeError(f"{cc} not found: the CUDA kernels' signatures and constants are read through the C "
+                          f"preprocessor (install gcc or set CC)") from None
     if run.returncode != 0:
-        raise FermoeError(f"{cxx} -E failed on the CUDA sources:\n{run.stderr[-2000:]}")
+        raise FermoeError(f"{cc} -E failed on the CUDA sources:\n{run.stderr[-2000:]}")
     return run.stdout
 
 
@@ -100,3 +100,13 @@ def kernel_signatures(files: list[Path] | None = None) -> dict[str, str]:
     """Every entry point (FM_KERNEL) of the sources and its pycuda signature, taken from its
     declaration, so a kernel is declared in one place: its .cu file."""
     return dict(_signatures_of(compose("nvcc", files)))
+
+
+_DEFINE = re.compile(r"^#define (FM_\w+) \(?(-?\d+)\)?$", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_constants() -> dict[str, int]:
+    """The integer FM_ constants the sources #define (tile sizes, limits, flags), so the
+    launchers read them rather than copy them."""
+    return {name: int(value) for name, value in _DEFINE.findall(_preprocessed(compose("nvcc"), "-dM"))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buffers import DeviceArray
+from .cuda_source import kernel_constants
 from .kernels import DENSE_BM, DENSE_BN, KERNEL_TYPES, MOE_BM, MOE_TILES, Kernels, LaunchError
 
 # A tile's fixed cost a K step, in rows of FMAs: the 128 weight columns' loads and
@@ -20,17 +21,19 @@ WAVE_BLOCKS_PER_SM = 2
 MIN_SPLIT_STEPS = 16
 SPLIT_K_FLOATS = 1 << 22
 WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
-ACCUMULATE, SWIGLU = 1, 2                    # gemm.cu's flags
 # The grouped expert GEMMs' tile rows by the mean rows an expert gets (P / E): the
 # tallest height whose threshold that mean reaches (moe_tile_rows; `bench kernels --gpu`
 # sweeps them: at 59 rows 64 x 256 tiles, at 512 rows 128 x 128)
 MOE_TILE_FROM_ROWS = {64: 0, 128: 192}
-CHUNK = 64              # gdn_chunk.cu's chunk
-STATE_COLS = 16         # gdn_chunk.cu's FM_STATE_COLS
-MAX_GDN_KEY_DIM = 128   # gdn_chunk.cu / gdn.cu hold a head's key dims in one block
-MAX_HEAD_DIM = 256      # attention.cu
-MAX_EXPERTS = 1024      # moe.cu's moe_route keeps a token's router logits in shared memory
-ATTN_ROWS = 64          # attention.cu's query rows a block (FM_AQ)
+_CU = kernel_constants()                     # what the .cu files #define, read from them
+CHUNK = _CU["FM_CHUNK"]                      # gdn_chunk.cu's chunk of tokens
+STATE_COLS = _CU["FM_STATE_COLS"]            # value columns of a head's state a block of the state pass holds
+MAX_GDN_KEY_DIM = _CU["FM_GDN_MAX_DK"]       # gdn.cuh: a head's key dims in one block
+MAX_HEAD_DIM = _CU["FM_ATTN_MAX_HD"]         # attention.cu
+MAX_EXPERTS = _CU["FM_MAX_EXPERTS"]          # moe.cu's moe_route keeps a token's router logits in shared memory
+ATTN_ROWS = _CU["FM_AQ"]                     # attention.cu's query rows a block
+ACCUMULATE, SWIGLU = _CU["FM_ACCUMULATE"], _CU["FM_SWIGLU"]       # gemm.cu's flags
+GEMM_K_STEP, GEMM_THREADS = _CU["FM_BK"], _CU["FM_GEMM_THREADS"]  # gemm.cu: K a step, threads a tile
 GGML_TYPE = {name: int(t) for t, name in KERNEL_TYPES.items()}    # embed_rows's wtype argument
 
 
@@ -52,7 +55,7 @@ def dense_tiling(M: int, N: int, K: int, sms: int, capacity: int, heights=DENSE_
         while True:
             cost = _cdiv(blocks * splits, WAVE_BLOCKS_PER_SM * max(1, sms)) * (bm + TILE_OVERHEAD_ROWS) * _cdiv(K, splits)
             best = min(best or (cost, splits, -bm), (cost, splits, -bm))
-            if (2 * splits > K // (16 * MIN_SPLIT_STEPS) or 2 * splits * M * N > capacity
+            if (2 * splits > K // (GEMM_K_STEP * MIN_SPLIT_STEPS) or 2 * splits * M * N > capacity
                     or 2 * splits * blocks > WAVE_BLOCKS_PER_SM * sms):
                 break
             splits *= 2
@@ -122,7 +125,7 @@ class Ops:
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
         if N <= NARROW_COLS and not swiglu and bm is None and splits is None:   # 8-row tiles, every SM busy
-            self.k.gemm(wtype, "gemm_narrow")((_cdiv(M, 8), _cdiv(N, 32)), (256,), self.stream, C, A, W, M, N, K,
+            self.k.gemm(wtype, "gemm_narrow")((_cdiv(M, 8), _cdiv(N, 32)), (8 * 32,), self.stream, C, A, W, M, N, K,
                                               lda, ldc, flags)
             return
         scratch = self.split_scratch
@@ -135,11 +138,11 @@ class Ops:
         splits = _cdiv(K, ksplit)
         grid = (_cdiv(N, DENSE_BN), _cdiv(M, bm), splits)
         if splits == 1:
-            self.k.gemm(wtype, "gemm", bm)(grid, (256,), self.stream, C, A, W, M, N, K, lda, ldc, flags, K)
+            self.k.gemm(wtype, "gemm", bm)(grid, (GEMM_THREADS,), self.stream, C, A, W, M, N, K, lda, ldc, flags, K)
             return
         _need(scratch is not None and scratch.nbytes >= 4 * splits * M * N and M * N < 2 ** 31,
               f"gemm: {splits} parts of K need {splits * M * N} floats of split_scratch")
-        self.k.gemm(wtype, "gemm", bm)(grid, (256,), self.stream, scratch, A, W, M, N, K, lda, N,
+        self.k.gemm(wtype, "gemm", bm)(grid, (GEMM_THREADS,), self.stream, scratch, A, W, M, N, K, lda, N,
                                        flags & SWIGLU, ksplit)
         self.k.gemm_splitk_sum((_cdiv(M * N, 256),), (256,), self.stream, C, scratch, M, N, ldc, splits,
                                flags & ACCUMULATE)
@@ -165,13 +168,13 @@ class Ops:
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
         """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
         _need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
-        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_TILES[g.bm] // 2), g.max_tiles), (256,), self.stream, act, x,
+        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_TILES[g.bm] // 2), g.max_tiles), (GEMM_THREADS,), self.stream, act, x,
                                                slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
                                                g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
         _need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
-        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_TILES[g.bm]), g.max_tiles), (256,), self.stream, y, act, slot,
+        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_TILES[g.bm]), g.max_tiles), (GEMM_THREADS,), self.stream, y, act, slot,
                                              slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                              g.tile_rows, g.n_tiles, N, K)
 

@@ -17,12 +17,10 @@
  *                     thread r (of dk) keeps row r in registers; the column sums go
  *                     through red [dk][33]. grid (hv, ceil(dv / 32)), block dk. */
 #include "prelude.cuh"
+#include "gdn.cuh"
 #include "reduce.cuh"
 
-#define FM_GDN_MAX_DK 128
 #define FM_GDN_COLS 32
-
-FM_DEVICE int fm_key_head(int h, int hk, int hv, int tiled) { return tiled ? h % hk : h / (hv / hk); }
 
 FM_KERNEL void gdn_conv(float *out, const float *x, const float *state, const float *w, int T, int C, int Kk)
 {

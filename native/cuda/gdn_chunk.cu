@@ -28,13 +28,11 @@
  *   gdn_chunk_output  O from S0, P, Vn: every chunk in parallel
  *                     grid (nc, hv, ceil(dv / 32)), block 256 */
 #include "prelude.cuh"
+#include "gdn.cuh"
 
 #define FM_CHUNK 64
-#define FM_GDN_MAX_DK 128
 #define FM_SLAB 32
 #define FM_CHUNK_THREADS 256
-
-FM_DEVICE int fm_chunk_key_head(int h, int hk, int hv, int tiled) { return tiled ? h % hk : h / (hv / hk); }
 
 /* rows [t0, t0 + n) of a [T, heads, width] tensor, columns [c0, c0 + 32) of head `head`, scaled by
  * scale[i] (or 1), into dst [64][33]; the rest of the slab is 0. */
@@ -58,7 +56,7 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
     __shared__ float Ks[FM_CHUNK][FM_SLAB + 1], Qs[FM_CHUNK][FM_SLAB + 1];
     __shared__ float Ts[FM_SLAB][FM_CHUNK + 1];     /* a W slab, key-major, on its way out */
     int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_chunk_key_head(h, hk, hv, tiled);
+    int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
     if (tid == 0) {
         float G = 0.0f;
@@ -206,7 +204,7 @@ FM_KERNEL FM_BOUNDS(FM_CHUNK_THREADS, 2) void gdn_chunk_state(float *S, float *S
     __shared__ FM_ALIGN16 float buf[2][FM_SLAB_FLOATS + 128];      /* a W slab [32][68] or a K slab [16][132] */
     __shared__ float Ss[FM_GDN_MAX_DK][FM_SS_LD];
     __shared__ float Vs[FM_CHUNK][FM_VS_LD];
-    int h = blockIdx.x, c0 = blockIdx.y * FM_STATE_COLS, kh = fm_chunk_key_head(h, hk, hv, tiled);
+    int h = blockIdx.x, c0 = blockIdx.y * FM_STATE_COLS, kh = fm_key_head(h, hk, hv, tiled);
     int c = threadIdx.x % FM_STATE_COLS, g = threadIdx.x / FM_STATE_COLS;
     bool has_col = c0 + c < dv;
     int nw = (dk + 31) / 32;                                       /* W slabs a chunk */
@@ -310,7 +308,7 @@ FM_KERNEL void gdn_chunk_output(float *O, const float *q, const float *S0, const
     __shared__ float Qs[FM_CHUNK][FM_SLAB + 1], Ss[FM_SLAB][FM_SLAB + 1];
     __shared__ float Ps[FM_CHUNK][FM_CHUNK + 1], Vs[FM_CHUNK][FM_SLAB + 1];
     int ci = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * FM_SLAB, tid = threadIdx.x;
-    int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_chunk_key_head(h, hk, hv, tiled);
+    int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
     const int per = FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS;
     float acc[per];
