@@ -145,7 +145,8 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng, sweep: bool) -> list[dic
     height too (`tiles_q4_0`: TFLOP/s and the useful fractions of each)."""
     from gpu_worker.buffers import DeviceArray
     from gpu_worker.kernels import MOE_BM
-    from gpu_worker.ops import MoeGroups, moe_tile_rows, moe_useful_fraction
+    from gpu_worker.ops import moe_tile_rows, moe_useful_fraction
+    from gpu_worker.workspace import MoeGroups
     dev, E, k, d, ff = ops.device, cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     P = T * k
     g = MoeGroups(dev, T, E, k)
@@ -201,7 +202,8 @@ def _gdn(ops, timer, cfg, T: int, peak: float, rng) -> dict:
     """The chunked Gated DeltaNet of one layer over T tokens (chunks of 64): each of its
     three kernels' milliseconds, the state pass being the sequential one."""
     from gpu_worker.buffers import DeviceArray
-    from gpu_worker.ops import STATE_COLS, ChunkWork, _cdiv
+    from gpu_worker.ops import STATE_COLS, _cdiv
+    from gpu_worker.workspace import ChunkWork
     from gpu_worker.workspace import chunks_of
     dev = ops.device
     hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim

@@ -68,6 +68,16 @@ class DeviceArray:
         assert nbytes + out.nbytes <= self.nbytes or not out.nbytes, f"{nbytes} + {shape} past {self.shape}"
         return out
 
+    def block(self, row0: int, rows: int, col: int, width: int) -> "DeviceArray":
+        """Columns [col, col + width) of rows [row0, row0 + rows) of a 2-D array: a view
+        starting there whose rows keep this array's stride (a kernel takes it as ld =
+        shape[1] of this array)."""
+        n_rows, n_cols = self.shape
+        assert 0 <= row0 and row0 + rows <= n_rows and 0 <= col and col + width <= n_cols, \
+            (row0, rows, col, width, self.shape)
+        return DeviceArray(self.device, (rows, width), self.dtype,
+                           self.ptr + (row0 * n_cols + col) * self.dtype.itemsize, self)
+
     def view(self, shape, dtype=None) -> "DeviceArray":
         """The same memory (or its start) as another shape."""
         out = DeviceArray(self.device, shape, dtype or self.dtype, self.ptr, self)

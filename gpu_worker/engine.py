@@ -332,9 +332,9 @@ class GPUEngine:
         C, Di, d, K = cfg.conv_channels, cfg.ssm_d_inner, cfg.n_embd, cfg.ssm_conv_kernel
         hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
         qkv, conv, z = ws.proj.view((n, C)), ws.mix.view((n, C)), ws.mid.view((n, Di))
-        b, a = ws.b.rows(0, n), ws.a.rows(0, n)
+        beta_proj, alpha_proj = ws.beta_proj.rows(0, n), ws.alpha_proj.rows(0, n)
         self._mark("dense")
-        for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (b, "ssm_beta", hv), (a, "ssm_alpha", hv)):
+        for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (beta_proj, "ssm_beta", hv), (alpha_proj, "ssm_alpha", hv)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
         g_slot = cfg.gdn_layers.index(L)
         self._mark("gdn")
@@ -348,8 +348,10 @@ class GPUEngine:
             if seg.last:
                 self._to_host(seg.prompt.site.out.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
-        ops.gdn_qk_gates(q, k, beta, g, conv, b, a, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv, dk, C, cfg.rms_eps)
-        v = conv.at(4 * 2 * cfg.ssm_key_dim, (n, hv * dv))
+        ops.gdn_qk_gates(q, k, beta, g, conv, beta_proj, alpha_proj, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv,
+                         dk, C, cfg.rms_eps)
+        values = 2 * cfg.ssm_key_dim                # the conv output's columns: q, k, then v
+        v = conv.block(0, n, values, hv * dv)
         o, tiled = ws.o.rows(0, n), cfg.v_heads_tiled
         for seg in segments:                # each prompt's recurrence on its own state
             S, snaps = seg.prompt.lane.S[L], seg.prompt.snaps
@@ -357,7 +359,7 @@ class GPUEngine:
                 for s, e in zip([0] + seg.cuts, seg.cuts + [seg.n]):
                     if e > s:
                         r0, r1 = seg.s + s, seg.s + e
-                        v_se = conv.at(4 * (r0 * C + 2 * cfg.ssm_key_dim), (r1 - r0, hv * dv))
+                        v_se = conv.block(r0, r1 - r0, values, hv * dv)
                         ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
                                           beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, hk, hv, dk, dv, C, tiled)
                     if e in seg.cuts:

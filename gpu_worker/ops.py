@@ -86,7 +86,7 @@ def moe_useful_fraction(tile_rows, bm: int) -> dict[str, float]:
             "of_computed": useful / max(1, int((-(-rows // warp) * warp).sum()))}
 
 
-def _need(ok: bool, what: str):
+def need(ok: bool, what: str):
     if not ok:
         raise LaunchError(what)
 
@@ -100,16 +100,16 @@ class Ops:
 
     # ---- rows --------------------------------------------------------------
     def embed(self, out: DeviceArray, W, tokens: DeviceArray, T: int, n: int, wtype: str):
-        _need(out.shape == (T, n) and tokens.shape[0] >= T, f"embed: out {out.shape}, {T} tokens of {n}")
+        need(out.shape == (T, n) and tokens.shape[0] >= T, f"embed: out {out.shape}, {T} tokens of {n}")
         self.k.embed_rows((T,), (256,), self.stream, out, W, tokens, T, n, GGML_TYPE[wtype])
 
     def rmsnorm(self, y: DeviceArray, x: DeviceArray, w: DeviceArray, rows: int, n: int, eps: float,
                 ldx: int | None = None):
-        _need(w.shape == (n,), f"rmsnorm: weight {w.shape} for rows of {n}")
+        need(w.shape == (n,), f"rmsnorm: weight {w.shape} for rows of {n}")
         self.k.rmsnorm((rows,), (256,), self.stream, y, x, w, rows, n, n, ldx or n, eps)
 
     def rmsnorm_gated(self, y, x, z, w: DeviceArray, rows: int, n: int, eps: float):
-        _need(w.shape == (n,), f"rmsnorm_gated: weight {w.shape} for rows of {n}")
+        need(w.shape == (n,), f"rmsnorm_gated: weight {w.shape} for rows of {n}")
         self.k.rmsnorm_gated((rows,), (256,), self.stream, y, x, z, w, rows, n, eps)
 
     # ---- products ------------------------------------------------------------
@@ -121,7 +121,7 @@ class Ops:
         sweep, the tests); by default dense_tiling picks, splitting only into
         `split_scratch`."""
         lda, ldc = 2 * K if swiglu else K, N
-        _need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
+        need(C.nbytes >= 4 * ((M - 1) * ldc + N) and A.nbytes >= 4 * ((M - 1) * lda + K),
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
         if N <= NARROW_COLS and not swiglu and bm is None and splits is None:   # 8-row tiles, every SM busy
@@ -133,14 +133,14 @@ class Ops:
         picked_bm, picked_splits = dense_tiling(M, N, K, self.device.multiprocessors, capacity,
                                                 (bm,) if bm else DENSE_BM)
         bm, splits = bm or picked_bm, splits or picked_splits
-        _need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
+        need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
         ksplit = _cdiv(_cdiv(K, splits), 32) * 32          # whole Q4_0 / Q8_0 blocks a part
         splits = _cdiv(K, ksplit)
         grid = (_cdiv(N, DENSE_BN), _cdiv(M, bm), splits)
         if splits == 1:
             self.k.gemm(wtype, "gemm", bm)(grid, (GEMM_THREADS,), self.stream, C, A, W, M, N, K, lda, ldc, flags, K)
             return
-        _need(scratch is not None and scratch.nbytes >= 4 * splits * M * N and M * N < 2 ** 31,
+        need(scratch is not None and scratch.nbytes >= 4 * splits * M * N and M * N < 2 ** 31,
               f"gemm: {splits} parts of K need {splits * M * N} floats of split_scratch")
         self.k.gemm(wtype, "gemm", bm)(grid, (GEMM_THREADS,), self.stream, scratch, A, W, M, N, K, lda, N,
                                        flags & SWIGLU, ksplit)
@@ -149,14 +149,14 @@ class Ops:
 
     # ---- MoE -------------------------------------------------------------------
     def moe_route(self, topk_ids, topk_w, counts: DeviceArray, logits, T: int, E: int, k: int):
-        _need(counts.shape == (E,) and E <= MAX_EXPERTS, f"moe_route: counts {counts.shape} for {E} experts "
+        need(counts.shape == (E,) and E <= MAX_EXPERTS, f"moe_route: counts {counts.shape} for {E} experts "
                                                           f"(the GPU kernels take up to {MAX_EXPERTS})")
         self.k.moe_route((T,), (128,), self.stream, topk_ids, topk_w, counts, logits, T, E, k)
 
     def moe_group(self, g, T: int, E: int, k: int, bm: int | None = None):
         """Offsets, the tile table and the grouped order from g.counts (a MoeGroups), in
         tiles of moe_tile_rows rows (or `bm`: the benchmark's sweep, the tests)."""
-        _need(bm is None or bm in MOE_TILES, f"moe_group: tiles of {bm} rows (gemm.cu has {MOE_BM})")
+        need(bm is None or bm in MOE_TILES, f"moe_group: tiles of {bm} rows (gemm.cu has {MOE_BM})")
         g.bm = bm or moe_tile_rows(T, E, k)
         g.cursor.zero(self.stream)          # moe_scatter's arrival counts: zero for every grouping
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
@@ -167,13 +167,13 @@ class Ops:
 
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
         """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
-        _need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
+        need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
         self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_TILES[g.bm] // 2), g.max_tiles), (GEMM_THREADS,), self.stream, act, x,
                                                slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
                                                g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
-        _need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
+        need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
         self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_TILES[g.bm]), g.max_tiles), (GEMM_THREADS,), self.stream, y, act, slot,
                                              slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                              g.tile_rows, g.n_tiles, N, K)
@@ -185,18 +185,18 @@ class Ops:
     # ---- attention ---------------------------------------------------------------
     def attn_qk_norm_rope(self, q_out, Kc, Vc, qg, k_in, v_in, q_norm, k_norm, cos, sin, start: int, T: int,
                           nh: int, nkv: int, hd: int, rope_dim: int, eps: float, kv_f16: bool):
-        _need(hd <= MAX_HEAD_DIM, f"attention head_dim {hd}: the GPU kernels take up to {MAX_HEAD_DIM}")
-        _need(Kc.shape[0] >= start + T, f"attention cache of {Kc.shape[0]} positions for {start} + {T}")
+        need(hd <= MAX_HEAD_DIM, f"attention head_dim {hd}: the GPU kernels take up to {MAX_HEAD_DIM}")
+        need(Kc.shape[0] >= start + T, f"attention cache of {Kc.shape[0]} positions for {start} + {T}")
         self.k.attn_qk_norm_rope((T, nh + nkv), (128,), self.stream, q_out, Kc, Vc, qg, k_in, v_in, q_norm, k_norm,
                                  cos, sin, start, T, nh, nkv, hd, rope_dim, eps, int(kv_f16))
 
     def attn_prompt(self, out, q, Kc, Vc, qg, start: int, T: int, nh: int, nkv: int, hd: int):
-        _need(hd <= MAX_HEAD_DIM and hd % 4 == 0,
+        need(hd <= MAX_HEAD_DIM and hd % 4 == 0,
               f"attention head_dim {hd}: the GPU kernels take multiples of 4 up to {MAX_HEAD_DIM}")
-        _need(Kc.shape[0] >= start + T and Vc.shape[0] >= start + T,
+        need(Kc.shape[0] >= start + T and Vc.shape[0] >= start + T,
               f"attention cache of {Kc.shape[0]} positions for {start} + {T}")
-        _need(all(int(a) % 16 == 0 for a in (q, Kc, Vc)), "attn_prompt: q, K and V must be 16-byte aligned")
-        _need(T * nh * hd < 2 ** 31 and (start + T) * nkv * hd < 2 ** 31,
+        need(all(int(a) % 16 == 0 for a in (q, Kc, Vc)), "attn_prompt: q, K and V must be 16-byte aligned")
+        need(T * nh * hd < 2 ** 31 and (start + T) * nkv * hd < 2 ** 31,
               f"attn_prompt: {start} + {T} positions overflow the kernel's 32-bit offsets")
         # one block a head and 64 query rows, the block of the last rows (most keys) first
         self.k.attn_prompt((nh, _cdiv(T, ATTN_ROWS)), (256,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv,
@@ -204,7 +204,7 @@ class Ops:
 
     def to_f16(self, dst: DeviceArray, src: DeviceArray):
         n = int(np.prod(src.shape))
-        _need(dst.dtype == np.uint16 and dst.nbytes >= 2 * n, f"to_f16: {dst.shape} {dst.dtype} for {src.shape}")
+        need(dst.dtype == np.uint16 and dst.nbytes >= 2 * n, f"to_f16: {dst.shape} {dst.dtype} for {src.shape}")
         self.k.to_f16((_cdiv(n, 256),), (256,), self.stream, dst, src, n)
 
     # ---- Gated DeltaNet -------------------------------------------------------------
@@ -221,17 +221,17 @@ class Ops:
 
     def gdn_recurrent(self, o, S, q, k, v, beta, g, T: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
                       tiled: bool):
-        _need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
+        need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
         self.k.gdn_recurrent((hv, _cdiv(dv, 32)), (dk,), self.stream, o, S, q, k, v, beta, g, T, hk, hv, dk, dv,
                              ldv, int(tiled))
 
     def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
                     tiled: bool):
         """The chunked recurrence over w's chunk table (a ChunkWork): prep, state pass, output."""
-        _need(dk <= MAX_GDN_KEY_DIM and dk % 4 == 0,
+        need(dk <= MAX_GDN_KEY_DIM and dk % 4 == 0,
               f"ssm.state_size {dk}: the chunked GPU kernels take multiples of 4 up to {MAX_GDN_KEY_DIM}")
-        _need(int(k) % 16 == 0, "gdn_chunked: k must be 16-byte aligned (the state pass reads it 4 floats at once)")
-        _need(w.W.shape[-2:] == (dk, CHUNK) and w.chunk_start.shape[0] >= nc and w.S0.shape[0] >= nc,
+        need(int(k) % 16 == 0, "gdn_chunked: k must be 16-byte aligned (the state pass reads it 4 floats at once)")
+        need(w.W.shape[-2:] == (dk, CHUNK) and w.chunk_start.shape[0] >= nc and w.S0.shape[0] >= nc,
               f"gdn_chunked: a chunk table of {w.chunk_start.shape[0]} chunks, W {w.W.shape}, for {nc} chunks of "
               f"dk {dk}")
         s = self.stream
@@ -241,58 +241,3 @@ class Ops:
                                w.chunk_len, nc, hk, hv, dk, dv, int(tiled))
         self.k.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P, w.Gc, w.chunk_start,
                                 w.chunk_len, hk, hv, dk, dv, int(tiled))
-
-
-class MoeGroups:
-    """A MoE block's routing of up to T tokens, in device memory (moe.cu)."""
-
-    def __init__(self, device, T: int, E: int, k: int):
-        P = T * k
-        self.max_tiles = _cdiv(P, min(MOE_BM)) + E    # tiles of the smallest height, a partial one an expert
-        i32 = np.int32
-        self.topk_ids, self.topk_w = DeviceArray(device, (T, k), i32), DeviceArray(device, (T, k))
-        self.counts, self.cursor = DeviceArray(device, (E,), i32), DeviceArray(device, (E,), i32)
-        self.offsets = DeviceArray(device, (E + 1,), i32)
-        self.tile_expert, self.tile_row0, self.tile_rows = (DeviceArray(device, (self.max_tiles,), i32)
-                                                            for _ in range(3))
-        self.n_tiles = DeviceArray(device, (1,), i32)
-        self.bm = MOE_BM[0]          # the tiles' rows (set by Ops.moe_group)
-        self.pair_token, self.pair_pos = DeviceArray(device, (P,), i32), DeviceArray(device, (P,), i32)
-
-    def reset(self, stream):
-        self.counts.zero(stream)
-        self.cursor.zero(stream)
-
-
-class ChunkWork:
-    """The chunked recurrence's buffers for up to n_chunks chunks (gdn_chunk.cu), and
-    the chunk table of the pass, uploaded once and shared by every GDN layer."""
-
-    def __init__(self, device, n_chunks: int, hv: int, dk: int, dv: int):
-        f = (n_chunks, hv)
-        self.W = DeviceArray(device, f + (dk, CHUNK))        # key-major: the state pass reads slabs of key dims
-        self.U, self.Vn = (DeviceArray(device, f + (CHUNK, w)) for w in (dv, dv))
-        self.P, self.Gc = DeviceArray(device, f + (CHUNK, CHUNK)), DeviceArray(device, f + (CHUNK,))
-        self.S0 = DeviceArray(device, f + (dk, dv))
-        self.chunk_start = DeviceArray(device, (n_chunks,), np.int32)
-        self.chunk_len = DeviceArray(device, (n_chunks,), np.int32)
-        self.n_chunks = n_chunks
-
-    def part(self, first: int, stop: int) -> "ChunkWork":
-        """Chunks [first, stop) of the table as a ChunkWork of their own (views: the same
-        memory), for a GDN call over one sequence of a pass; their chunk_start values stay
-        rows of the whole pass."""
-        _need(0 <= first < stop <= self.n_chunks, f"chunks [{first}, {stop}) of a table of {self.n_chunks}")
-        out = object.__new__(ChunkWork)
-        for name, a in vars(self).items():
-            setattr(out, name, a.rows(first, stop) if isinstance(a, DeviceArray) else a)
-        out.n_chunks = stop - first
-        return out
-
-    def set_chunks(self, starts, lengths) -> int:
-        n = len(starts)
-        _need(0 < n <= self.n_chunks and max(lengths) <= CHUNK, f"{n} chunks for a table of {self.n_chunks}")
-        self.chunk_start.rows(0, n).upload(np.asarray(starts, np.int32))
-        self.chunk_len.rows(0, n).upload(np.asarray(lengths, np.int32))
-        return n
-

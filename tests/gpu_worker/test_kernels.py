@@ -8,7 +8,8 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, ChunkWork, MoeGroups, dense_tiling, moe_tile_rows, moe_useful_fraction
+from gpu_worker.ops import CHUNK, dense_tiling, moe_tile_rows, moe_useful_fraction
+from gpu_worker.workspace import ChunkWork, MoeGroups
 from shared import reference as R
 from shared.ggml_types import GGMLType
 from shared.quants import dequantize, quantize
