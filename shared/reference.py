@@ -144,6 +144,44 @@ def delta_rule(q, k, v, g, beta, S):
     return out
 
 
+def delta_rule_chunked(q, k, v, g, beta, S, chunk: int = 64, cuts=()):
+    """The same rule over chunks of up to `chunk` tokens (also cut at `cuts`), in the WY form
+    the GPU kernels compute (native/cuda/gdn_chunk.cu); S [H, dk, dv] in place. Per head and
+    chunk of n tokens (local i, j), with S0 the state entering it:
+
+        G_i  = sum_{s<=i} g_s                        cumulative log decay (<= 0)
+        A_ij = beta_i (k_i . k_j) e^(G_i - G_j)      i > j, else 0
+        T    = (I + A)^-1                            unit lower triangular
+        W    = T diag(beta e^G) K,   U = T diag(beta) V
+        Vn   = U - W S0
+        O    = diag(e^G) Q S0 + P Vn,                P_ij = (q_i . k_j) e^(G_i - G_j), i >= j
+        S1   = e^(G_n) S0 + (diag(e^(G_n - G)) K)^T Vn
+
+    Exponents are masked before they are taken, so every one is <= 0."""
+    T_all = len(q)
+    edges = sorted({0, T_all, *cuts, *range(chunk, T_all, chunk)})
+    out = np.empty_like(v)
+    for t0, t1 in zip(edges, edges[1:]):
+        n = t1 - t0
+        Q, K, V = (a[t0:t1].transpose(1, 0, 2) for a in (q, k, v))          # [H, n, d]
+        b = beta[t0:t1].T[:, :, None]                                       # [H, n, 1]
+        G = np.cumsum(g[t0:t1].T, axis=1)                                   # [H, n]
+        lower = np.tril(np.ones((n, n), bool), -1)
+        gap = np.where(lower | np.eye(n, dtype=bool), G[:, :, None] - G[:, None, :], 0)    # G_i - G_j, i >= j
+        decay = np.where(lower | np.eye(n, dtype=bool), np.exp(gap), 0)
+        A = b * np.einsum("hik,hjk->hij", K, K) * np.where(lower, decay, 0)
+        Tinv = np.linalg.inv(np.eye(n) + A)
+        W = Tinv @ (b * np.exp(G)[:, :, None] * K)
+        U = Tinv @ (b * V)
+        Vn = U - W @ S
+        P = np.einsum("hik,hjk->hij", Q, K) * decay
+        out[t0:t1] = (np.exp(G)[:, :, None] * (Q @ S) + P @ Vn).transpose(1, 0, 2)
+        last = G[:, -1:]
+        S *= np.exp(last)[:, :, None]
+        S += np.einsum("hjk,hjv->hkv", np.exp(last - G)[:, :, None] * K, Vn)
+    return out
+
+
 def gated_deltanet(layer: Layer, x, cfg: ModelConfig, state: SequenceState):
     T = len(x)
     slot = state.gdn_slot[layer.index]

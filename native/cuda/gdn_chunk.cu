@@ -1,14 +1,7 @@
-/* gdn_chunk.cu: the gated delta rule over a prompt in chunks of up to 64 tokens
- * (the WY form of the delta rule). Per value head h and chunk of n tokens
- * (local index i), with S0 the state entering the chunk:
- *
- *   G_i  = sum_{s<=i} g_s                       cumulative log decay (<= 0)
- *   A_ij = beta_i (k_i . k_j) e^(G_i - G_j)     i > j, else 0
- *   T    = (I + A)^-1                           unit lower triangular
- *   W    = T diag(beta e^G) K,   U = T diag(beta) V
- *   Vn   = U - W S0
- *   O    = diag(e^G) Q S0 + P Vn,               P_ij = (q_i . k_j) e^(G_i - G_j), i >= j
- *   S1   = e^(G_n) S0 + (diag(e^(G_n - G)) K)^T Vn
+/* gdn_chunk.cu: the gated delta rule over a prompt in chunks of up to 64 tokens, in
+ * the WY form whose spec is shared/reference.py's delta_rule_chunked (G, A, T, W, U,
+ * Vn, O, P and S1 below are its names; tests/shared/test_reference.py holds it to the
+ * token-by-token rule).
  *
  * Exponents are masked before they are taken, so every one is <= 0. Chunks are
  * rows [chunk_start[c], + chunk_len[c]) of this pass's tokens (the host cuts them

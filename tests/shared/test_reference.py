@@ -8,6 +8,7 @@ import pytest
 
 from shared.engine import ReferenceEngine
 from shared.model import Model
+from shared import reference as R
 from shared.reference import route
 
 # Pieces and whole differ only by float summation order.
@@ -48,3 +49,21 @@ def test_activations_and_routing_are_sane(tiny_q4_path):
     np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-6)
 
 
+
+
+@pytest.mark.parametrize("chunk, cuts", [(64, ()), (4, ()), (5, (3, 11)), (64, (1, 2, 30))])
+def test_the_chunked_delta_rule_is_the_token_by_token_one(chunk, cuts):
+    """The WY form the GPU computes (reference.delta_rule_chunked) equals the rule token by
+    token, whatever the chunk length and cuts (snapshot positions)."""
+    rng = np.random.default_rng(7)
+    T, H, dk, dv = 37, 3, 8, 6
+    q, k = (R.l2_normalize(rng.standard_normal((T, H, dk))) for _ in range(2))
+    v = rng.standard_normal((T, H, dv))
+    g = -np.abs(rng.standard_normal((T, H))) * 0.3
+    beta = 1 / (1 + np.exp(-rng.standard_normal((T, H))))
+    S0 = rng.standard_normal((H, dk, dv))
+    S_tok, S_chunk = S0.copy(), S0.copy()
+    want = R.delta_rule(q, k, v, g, beta, S_tok)
+    got = R.delta_rule_chunked(q, k, v, g, beta, S_chunk, chunk, cuts)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(S_chunk, S_tok, rtol=1e-10, atol=1e-10)
