@@ -1,7 +1,7 @@
 """shared/tool_parser.py on outputs written the way Qwen3.5/3.6 write them (thinking on: the
 prompt ends `<think>\\n`, so the output only closes it), fed whole, a character at a time and
 in random pieces: every split must give the same result, and arguments must stream.
-The peers' bug classes (the handbook's section 6 lists them) are named where tested."""
+The peers' known bug classes (llama-server's and vLLM's parsers) are named where tested."""
 import json
 import random
 

@@ -86,7 +86,7 @@ class StateDictTower:
 
 
 def hf_patchify(img: np.ndarray) -> np.ndarray:
-    """[3, H, W] normalised pixels -> [gh*gw, 1536] rows (the handbook's recipe, torch)."""
+    """[3, H, W] normalised pixels -> [gh*gw, 1536] rows (Hugging Face's processor steps, in torch)."""
     t = torch.from_numpy(np.ascontiguousarray(img, np.float32))
     gh, gw = t.shape[1] // 16, t.shape[2] // 16
     return (t.reshape(3, gh // 2, 2, 16, gw // 2, 2, 16).permute(1, 4, 2, 5, 0, 3, 6)

@@ -154,7 +154,7 @@ def test_text_given_as_media_is_bit_for_bit_plain_text(tiny_model, engine):
 def test_expand_and_positions():
     ids, spans = expand([1, 2, 3, 9, 4, 5, 6], [(4, 6)], image_pad_id=9)
     assert ids == [1, 2, 3] + [9] * 6 + [4, 5, 6]
-    # the handbook's example: 3 text tokens, an image of 2x3 merged tokens, 3 text tokens
+    # an example: 3 text tokens, an image of 2x3 merged tokens, 3 text tokens
     np.testing.assert_array_equal(positions(len(ids), spans).T, [[0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7, 8],
                                                                  [0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7, 8],
                                                                  [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]])
