@@ -169,9 +169,6 @@ class EmuFunction:
         else:
             stream._push(run, self.name)
 
-    def prepared_call(self, grid, block, *args):
-        self.prepared_async_call(grid, block, None, *args)
-
 
 class EmuModule:
     def __init__(self, device: "EmulatedDevice", lib: ctypes.CDLL, names: list[str]):

@@ -35,8 +35,8 @@ from .cuda import open_device
 from .experts import ExpertStore, spread_resident
 from .kernels import KERNEL_TYPES
 from .landing import Landing
-from .ops import CHUNK, Ops
-from .plan import make_plan
+from .ops import Ops
+from .plan import fit_passes
 from .weights import ResidentWeights, resident_nbytes
 from .workspace import LOGIT_ROWS, Workspace, chunks_of
 
@@ -436,30 +436,12 @@ class GPUEngine:
 
     # ---- state in and out --------------------------------------------------------------------------
     def _fit(self, T: int, positions: list[int], boundaries=()) -> None:
-        """Memory for a batch of T tokens whose prompts reach `positions` positions: the
-        fewest passes whose activations fit beside the resident weights and each prompt's
-        state and KV (a single pass when it fits, so each expert crosses PCIe once); the
-        expert layers kept resident are what the budget leaves, fewer for a long prompt
-        and more again after. `boundaries`: rows of the batch where GDN chunks are cut.
-        VRAM is freed before it is taken."""
-        error = None
-        cap = min(T, self.max_pass_tokens or T)
-        for n in sorted({-(-T // c) for c in range(-(-T // cap), T + 1)}, reverse=True):
-            ws_tokens = -(-n // CHUNK) * CHUNK          # buffers in steps of a chunk: less churn
-            n_chunks = max(len(chunks_of(min(n, T - a), [b - a for b in boundaries if a < b < a + n])[0])
-                           for a in range(0, T, n))
-            n_chunks = max(n_chunks, ws_tokens // CHUNK)
-            try:
-                plan = make_plan(self.model, self.budget, ws_tokens, self.ring_slots, self.max_resident,
-                                 kv_positions=sum(positions), n_chunks=n_chunks, resident_bytes=self.resident_bytes,
-                                 layer_bytes=self.experts.layer_bytes, sequences=len(positions))
-            except FermoeError as e:
-                error = error or e
-                continue
-            self._apply(plan, ws_tokens, n_chunks, positions)
-            self.pass_n = n
-            return
-        raise error
+        """Memory for a batch of T tokens whose prompts reach `positions` (plan.fit_passes),
+        VRAM freed before it is taken."""
+        fit = fit_passes(self.model, self.budget, T, positions, boundaries, self.max_pass_tokens, self.ring_slots,
+                         self.max_resident, self.resident_bytes, self.experts.layer_bytes)
+        self._apply(fit.plan, fit.ws_tokens, fit.n_chunks, positions)
+        self.pass_n = fit.pass_tokens
 
     def _apply(self, plan, ws_tokens: int, n_chunks: int, positions: list[int]) -> None:
         cfg, resident = self.cfg, spread_resident(self.cfg.n_layer, plan.resident_layers)

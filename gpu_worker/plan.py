@@ -19,7 +19,8 @@ from shared.model import Model
 from shared.state import kv_bytes_per_position
 
 from .weights import ExpertLayout, resident_nbytes
-from .workspace import workspace_nbytes
+from .ops import CHUNK
+from .workspace import chunks_of, workspace_nbytes
 
 MARGIN = 64 << 20        # what allocation rounding and the CUDA context's own use may take
 
@@ -97,3 +98,39 @@ def make_plan(model: Model, budget: int, pass_tokens: int, ring_slots: int = 2,
                           f"{ring_slots} expert layers, {pass_tokens}-token passes and the KV of "
                           f"{kv_positions or pass_tokens} positions need {(plan.total + MARGIN) / mib:.0f} MiB")
     return plan
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a batch runs: passes of `pass_tokens` tokens, in a workspace of `ws_tokens`
+    rows cut into up to `n_chunks` GDN chunks, under `plan`."""
+    pass_tokens: int
+    ws_tokens: int
+    n_chunks: int
+    plan: MemoryPlan
+
+
+def fit_passes(model: Model, budget: int, T: int, positions: list[int], boundaries=(), max_pass_tokens=None,
+               ring_slots: int = 2, max_resident: int | None = None, resident_bytes: int | None = None,
+               layer_bytes: int | None = None) -> Fit:
+    """A batch of T tokens whose prompts reach `positions` positions: the fewest passes
+    whose activations fit beside the resident weights and each prompt's state and KV (a
+    single pass when it fits, so each expert crosses PCIe once); the expert layers kept
+    resident are what the budget leaves, fewer for a long prompt and more again after.
+    `boundaries`: rows of the batch where GDN chunks are cut. The first error if none fits."""
+    error = None
+    cap = min(T, max_pass_tokens or T)
+    for n in sorted({-(-T // c) for c in range(-(-T // cap), T + 1)}, reverse=True):
+        ws_tokens = -(-n // CHUNK) * CHUNK          # buffers in steps of a chunk: less churn
+        n_chunks = max(len(chunks_of(min(n, T - a), [b - a for b in boundaries if a < b < a + n])[0])
+                       for a in range(0, T, n))
+        n_chunks = max(n_chunks, ws_tokens // CHUNK)
+        try:
+            plan = make_plan(model, budget, ws_tokens, ring_slots, max_resident, kv_positions=sum(positions),
+                             n_chunks=n_chunks, resident_bytes=resident_bytes, layer_bytes=layer_bytes,
+                             sequences=len(positions))
+        except FermoeError as e:
+            error = error or e
+            continue
+        return Fit(n, ws_tokens, n_chunks, plan)
+    raise error

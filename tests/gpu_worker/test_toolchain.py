@@ -187,3 +187,22 @@ def test_resident_layers_fill_the_budget_and_spread_out(tiny_q4_path):
             assert set(spread_resident(n, r)) < set(spread_resident(n, r + 1))
     gaps = np.diff(spread_resident(40, 20))
     assert gaps.max() <= 2 * 40 // 20                    # spread out, not bunched
+
+
+def test_a_batch_runs_in_the_fewest_passes_that_fit(tiny_q4_path):
+    """fit_passes: one pass when the budget holds it; else the fewest passes whose workspace
+    fits beside the weights, a ring and the KV; a budget that holds no pass is refused."""
+    from gpu_worker.plan import MARGIN, fit_passes, make_plan
+    from shared.errors import FermoeError
+    from shared.model import Model
+    model = Model(tiny_q4_path)
+    T = 1000
+    one = fit_passes(model, 1 << 40, T, [T])
+    assert (one.pass_tokens, one.ws_tokens, one.plan.resident_layers) == (T, 1024, 4)
+    three = make_plan(model, 1 << 40, 384, 1, 0, kv_positions=T, n_chunks=6)     # passes of 334 tokens, no layer resident
+    squeezed = fit_passes(model, three.total + MARGIN, T, [T], ring_slots=1, max_resident=0)
+    assert squeezed.pass_tokens == 334 and -(-T // squeezed.pass_tokens) == 3
+    assert squeezed.plan.total + MARGIN <= squeezed.plan.budget
+    assert fit_passes(model, 1 << 40, T, [T], max_pass_tokens=100).pass_tokens == 100
+    with pytest.raises(FermoeError, match="too small"):
+        fit_passes(model, three.resident_weights, T, [T])
