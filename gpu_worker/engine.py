@@ -35,7 +35,7 @@ from .cuda import open_device
 from .experts import ExpertStore, spread_resident
 from .kernels import KERNEL_TYPES
 from .landing import Landing
-from .ops import Ops
+from .ops import AttnHeads, GDNHeads, Ops
 from .plan import fit_passes
 from .weights import ResidentWeights, resident_nbytes
 from .workspace import LOGIT_ROWS, Workspace, chunks_of
@@ -87,6 +87,7 @@ class GPUEngine:
         self.budget, self.max_pass_tokens, self.ring_slots = budget, max_pass_tokens, ring_slots
         self.max_resident = None if resident else 0
         self.ops = Ops(self.device)
+        self.attn_heads, self.gdn_heads = AttnHeads.of(self.cfg), GDNHeads.of(self.cfg)
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
         self.w = ResidentWeights(self.device, model)
         self.experts = ExpertStore(self.device, model, ring_slots, pinned, segment=shared_experts)
@@ -311,7 +312,7 @@ class GPUEngine:
             Kc, Vc = g.prompt.lane.Kc[a], g.prompt.lane.Vc[a]
             ops.attn_qk_norm_rope(q.rows(s, e), Kc, Vc, qg.rows(s, e), kk.rows(s, e), vv.rows(s, e),
                                   w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
-                                  ws.rope_sin.rows(s, e), g.p0, g.n, nh, nkv, hd, cfg.rope_dim, cfg.rms_eps,
+                                  ws.rope_sin.rows(s, e), g.p0, g.n, self.attn_heads, cfg.rms_eps,
                                   self.kv_cache_dtype == "f16")
             keys, values = site.kv[a]
             rows = slice(g.p0 - site.start, g.p0 - site.start + g.n)
@@ -323,14 +324,15 @@ class GPUEngine:
             else:
                 self._to_host(keys[rows], Kc.rows(new.start, new.stop))
                 self._to_host(values[rows], Vc.rows(new.start, new.stop))
-            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.p0, g.n, nh, nkv, hd)
+            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.p0, g.n, self.attn_heads)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
     def _gdn(self, L: int, n: int, segments: list[Segment], chunk_at: dict[int, int]) -> None:
         cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
         C, Di, d, K = cfg.conv_channels, cfg.ssm_d_inner, cfg.n_embd, cfg.ssm_conv_kernel
-        hk, hv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim
+        heads = self.gdn_heads
+        hv, dv = heads.hv, heads.dv
         qkv, conv, z = ws.proj.view((n, C)), ws.mix.view((n, C)), ws.mid.view((n, Di))
         beta_proj, alpha_proj = ws.beta_proj.rows(0, n), ws.alpha_proj.rows(0, n)
         self._mark("dense")
@@ -348,11 +350,11 @@ class GPUEngine:
             if seg.last:
                 self._to_host(seg.prompt.site.out.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
-        ops.gdn_qk_gates(q, k, beta, g, conv, beta_proj, alpha_proj, w["ssm_a"].data, w["ssm_dt"].data, n, hk, hv,
-                         dk, C, cfg.rms_eps)
+        ops.gdn_qk_gates(q, k, beta, g, conv, beta_proj, alpha_proj, w["ssm_a"].data, w["ssm_dt"].data, n, heads, C,
+                         cfg.rms_eps)
         values = 2 * cfg.ssm_key_dim                # the conv output's columns: q, k, then v
         v = conv.block(0, n, values, hv * dv)
-        o, tiled = ws.o.rows(0, n), cfg.v_heads_tiled
+        o = ws.o.rows(0, n)
         for seg in segments:                # each prompt's recurrence on its own state
             S, snaps = seg.prompt.lane.S[L], seg.prompt.snaps
             if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.n < RECURRENT_BELOW):
@@ -361,12 +363,12 @@ class GPUEngine:
                         r0, r1 = seg.s + s, seg.s + e
                         v_se = conv.block(r0, r1 - r0, values, hv * dv)
                         ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
-                                          beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, hk, hv, dk, dv, C, tiled)
+                                          beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, heads, C)
                     if e in seg.cuts:
                         self._to_host(snaps[seg.p0 + e].ssm[g_slot], S)
             else:
                 c0, c1 = chunk_at[seg.s], chunk_at.get(seg.e, len(chunk_at))
-                ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, hk, hv, dk, dv, C, tiled)
+                ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, heads, C)
                 for c in seg.cuts:          # the state entering the chunk that starts there
                     src = S if c == seg.n else ws.chunks.S0.rows(chunk_at[seg.s + c], chunk_at[seg.s + c] + 1)
                     self._to_host(snaps[seg.p0 + c].ssm[g_slot], src)

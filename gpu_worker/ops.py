@@ -2,7 +2,11 @@
 shapes it expects, checked before the launch. Every call goes on `self.stream`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from shared.config import ModelConfig
 
 from .buffers import DeviceArray
 from .cuda_source import kernel_constants
@@ -35,6 +39,34 @@ ATTN_ROWS = _CU["FM_AQ"]                     # attention.cu's query rows a block
 ACCUMULATE, SWIGLU = _CU["FM_ACCUMULATE"], _CU["FM_SWIGLU"]       # gemm.cu's flags
 GEMM_K_STEP, GEMM_THREADS = _CU["FM_BK"], _CU["FM_GEMM_THREADS"]  # gemm.cu: K a step, threads a tile
 GGML_TYPE = {name: int(t) for t, name in KERNEL_TYPES.items()}    # embed_rows's wtype argument
+
+
+@dataclass(frozen=True)
+class AttnHeads:
+    """An attention layer's heads: query heads, KV heads, head dim, rotated dims."""
+    nh: int
+    nkv: int
+    hd: int
+    rope_dim: int = 0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "AttnHeads":
+        return cls(cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim)
+
+
+@dataclass(frozen=True)
+class GDNHeads:
+    """A Gated DeltaNet layer's heads: key heads, value heads, their dims, and whether value
+    head h reads key head h % hk (tiled, llama.cpp's Qwen3.5/3.6 order) or h / (hv / hk)."""
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    tiled: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "GDNHeads":
+        return cls(cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, cfg.v_heads_tiled)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -184,13 +216,15 @@ class Ops:
 
     # ---- attention ---------------------------------------------------------------
     def attn_qk_norm_rope(self, q_out, Kc, Vc, qg, k_in, v_in, q_norm, k_norm, cos, sin, start: int, T: int,
-                          nh: int, nkv: int, hd: int, rope_dim: int, eps: float, kv_f16: bool):
+                          heads: AttnHeads, eps: float, kv_f16: bool):
+        nh, nkv, hd = heads.nh, heads.nkv, heads.hd
         need(hd <= MAX_HEAD_DIM, f"attention head_dim {hd}: the GPU kernels take up to {MAX_HEAD_DIM}")
         need(Kc.shape[0] >= start + T, f"attention cache of {Kc.shape[0]} positions for {start} + {T}")
         self.k.attn_qk_norm_rope((T, nh + nkv), (128,), self.stream, q_out, Kc, Vc, qg, k_in, v_in, q_norm, k_norm,
-                                 cos, sin, start, T, nh, nkv, hd, rope_dim, eps, int(kv_f16))
+                                 cos, sin, start, T, nh, nkv, hd, heads.rope_dim, eps, int(kv_f16))
 
-    def attn_prompt(self, out, q, Kc, Vc, qg, start: int, T: int, nh: int, nkv: int, hd: int):
+    def attn_prompt(self, out, q, Kc, Vc, qg, start: int, T: int, heads: AttnHeads):
+        nh, nkv, hd = heads.nh, heads.nkv, heads.hd
         need(hd <= MAX_HEAD_DIM and hd % 4 == 0,
               f"attention head_dim {hd}: the GPU kernels take multiples of 4 up to {MAX_HEAD_DIM}")
         need(Kc.shape[0] >= start + T and Vc.shape[0] >= start + T,
@@ -214,20 +248,20 @@ class Ops:
     def gdn_conv_history(self, dst, state, x, n: int, T: int, C: int, Kk: int):
         self.k.gdn_conv_history((_cdiv(C, 256),), (256,), self.stream, dst, state, x, n, T, C, Kk)
 
-    def gdn_qk_gates(self, q, k, beta, g, conv, b, a, ssm_a, dt_bias, T: int, hk: int, hv: int, dk: int, C: int,
-                     eps: float):
-        self.k.gdn_qk_gates((T, hk), (128,), self.stream, q, k, beta, g, conv, b, a, ssm_a, dt_bias, T, hk, hv, dk,
-                            C, eps)
+    def gdn_qk_gates(self, q, k, beta, g, conv, beta_proj, alpha_proj, ssm_a, dt_bias, T: int, heads: GDNHeads,
+                     C: int, eps: float):
+        self.k.gdn_qk_gates((T, heads.hk), (128,), self.stream, q, k, beta, g, conv, beta_proj, alpha_proj, ssm_a,
+                            dt_bias, T, heads.hk, heads.hv, heads.dk, C, eps)
 
-    def gdn_recurrent(self, o, S, q, k, v, beta, g, T: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
-                      tiled: bool):
+    def gdn_recurrent(self, o, S, q, k, v, beta, g, T: int, heads: GDNHeads, ldv: int):
+        hk, hv, dk, dv, tiled = heads.hk, heads.hv, heads.dk, heads.dv, heads.tiled
         need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
         self.k.gdn_recurrent((hv, _cdiv(dv, 32)), (dk,), self.stream, o, S, q, k, v, beta, g, T, hk, hv, dk, dv,
                              ldv, int(tiled))
 
-    def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, hk: int, hv: int, dk: int, dv: int, ldv: int,
-                    tiled: bool):
+    def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, heads: GDNHeads, ldv: int):
         """The chunked recurrence over w's chunk table (a ChunkWork): prep, state pass, output."""
+        hk, hv, dk, dv, tiled = heads.hk, heads.hv, heads.dk, heads.dv, heads.tiled
         need(dk <= MAX_GDN_KEY_DIM and dk % 4 == 0,
               f"ssm.state_size {dk}: the chunked GPU kernels take multiples of 4 up to {MAX_GDN_KEY_DIM}")
         need(int(k) % 16 == 0, "gdn_chunked: k must be 16-byte aligned (the state pass reads it 4 floats at once)")

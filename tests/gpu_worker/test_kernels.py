@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker.buffers import DeviceArray
 from gpu_worker.kernels import DENSE_BM, LaunchError
-from gpu_worker.ops import CHUNK, dense_tiling, moe_tile_rows, moe_useful_fraction
+from gpu_worker.ops import CHUNK, AttnHeads, GDNHeads, dense_tiling, moe_tile_rows, moe_useful_fraction
 from gpu_worker.workspace import ChunkWork, MoeGroups
 from shared import reference as R
 from shared.ggml_types import GGMLType
@@ -301,7 +301,7 @@ def test_attention_over_a_prompt_after_a_cached_prefix(ops, hd, rope_dim, kv_f16
     Kc, Vc, q = dev(ops, cache_k), dev(ops, cache_v), empty(ops, (T, nh, hd))
     dqg = dev(ops, qg)
     ops.attn_qk_norm_rope(q, Kc, Vc, dqg, dev(ops, k_in), dev(ops, v_in), dev(ops, qn), dev(ops, kn), dev(ops, cos),
-                          dev(ops, sin), start, T, nh, nkv, hd, rope_dim, 1e-6, kv_f16)
+                          dev(ops, sin), start, T, AttnHeads(nh, nkv, hd, rope_dim), 1e-6, kv_f16)
     want_q = R.rope(R.rms_norm(qg[..., :hd], qn, 1e-6), positions, rope_dim, 1e7)
     want_k = R.rope(R.rms_norm(k_in, kn, 1e-6), positions, rope_dim, 1e7)
     want_v = v_in
@@ -314,7 +314,7 @@ def test_attention_over_a_prompt_after_a_cached_prefix(ops, hd, rope_dim, kv_f16
     close(values[start:], want_v)
 
     out = empty(ops, (T, nh * hd))
-    ops.attn_prompt(out, q, Kc, Vc, dqg, start, T, nh, nkv, hd)
+    ops.attn_prompt(out, q, Kc, Vc, dqg, start, T, AttnHeads(nh, nkv, hd))
     group = nh // nkv
     qh = q.download()
     scores = np.einsum("thd,hpd->htp", qh, np.repeat(keys, group, axis=1).transpose(1, 0, 2)) * hd ** -0.5
@@ -354,7 +354,7 @@ def test_attention_prompt_tiles(ops, hd, nh, nkv, start, T):
     keys, values = rng.standard_normal((2, start + T + spare, nkv, hd)).astype(np.float32)
     keys[start + T:] = values[start + T:] = np.nan
     out = dev(ops, np.full((T + 64, nh * hd), 7.0, np.float32))     # rows past T (to the block's end) stay
-    ops.attn_prompt(out, dev(ops, q), dev(ops, keys), dev(ops, values), dev(ops, qg), start, T, nh, nkv, hd)
+    ops.attn_prompt(out, dev(ops, q), dev(ops, keys), dev(ops, values), dev(ops, qg), start, T, AttnHeads(nh, nkv, hd))
     got = out.download()
     close(got[:T], _prompt_attention(q, keys, values, qg[:T, :, hd:], start))
     np.testing.assert_array_equal(got[T:], 7.0)
@@ -363,13 +363,13 @@ def test_attention_prompt_tiles(ops, hd, nh, nkv, start, T):
 def test_attention_prompt_refuses_what_it_cannot_tile(ops):
     buf = empty(ops, (4, 2, 512))
     with pytest.raises(LaunchError, match="head_dim 288"):
-        ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, 2, 1, 288)
+        ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, AttnHeads(2, 1, 288))
     with pytest.raises(LaunchError, match="head_dim 30"):
-        ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, 2, 1, 30)
+        ops.attn_prompt(buf, buf, buf, buf, buf, 0, 1, AttnHeads(2, 1, 30))
     with pytest.raises(LaunchError, match="cache of 4 positions for 3 \\+ 2"):
-        ops.attn_prompt(buf, buf, buf, buf, buf, 3, 2, 2, 1, 32)
+        ops.attn_prompt(buf, buf, buf, buf, buf, 3, 2, AttnHeads(2, 1, 32))
     with pytest.raises(LaunchError, match="16-byte aligned"):
-        ops.attn_prompt(buf, buf.at(4, (1, 2, 32)), buf, buf, buf, 0, 1, 2, 1, 32)
+        ops.attn_prompt(buf, buf.at(4, (1, 2, 32)), buf, buf, buf, 0, 1, AttnHeads(2, 1, 32))
 
 # ---- Gated DeltaNet ----------------------------------------------------------------------------------
 def test_gdn_conv_and_history(ops):
@@ -404,7 +404,7 @@ def test_gdn_qk_gates(ops):
     C, conv, b, a, ssm_a, dt = _gdn_inputs(rng, T, hk, hv, dk, dv)
     q, k, beta, g = empty(ops, (T, hk, dk)), empty(ops, (T, hk, dk)), empty(ops, (T, hv)), empty(ops, (T, hv))
     ops.gdn_qk_gates(q, k, beta, g, dev(ops, conv), dev(ops, b), dev(ops, a), dev(ops, ssm_a), dev(ops, dt),
-                     T, hk, hv, dk, C, 1e-6)
+                     T, GDNHeads(hk, hv, dk, dv, True), C, 1e-6)
     key = hk * dk
     close(q.download(), R.l2_normalize(conv[:, :key].reshape(T, hk, dk)) * dk ** -0.5)
     close(k.download(), R.l2_normalize(conv[:, key:2 * key].reshape(T, hk, dk)))
@@ -432,8 +432,8 @@ def test_gdn_recurrent(ops, tiled):
     T, hk, hv, dk, dv = 9, 2, 4, 16, 40
     q, k, v, beta, g, S0 = _delta_inputs(rng, T, hk, hv, dk, dv)
     S, o = dev(ops, S0), empty(ops, (T, hv, dv))
-    ops.gdn_recurrent(o, S, dev(ops, q), dev(ops, k), dev(ops, v), dev(ops, beta), dev(ops, g), T, hk, hv, dk, dv,
-                      hv * dv, tiled)
+    ops.gdn_recurrent(o, S, dev(ops, q), dev(ops, k), dev(ops, v), dev(ops, beta), dev(ops, g), T,
+                      GDNHeads(hk, hv, dk, dv, tiled), hv * dv)
     kh = _key_heads(hk, hv, tiled)
     S_ref = S0.copy()
     want = R.delta_rule(q[:, kh], k[:, kh], v.reshape(T, hv, dv), g, beta, S_ref)
@@ -457,8 +457,8 @@ def test_gdn_chunked_equals_the_token_recurrence(ops, T, dk, dv, cuts, tiled):
     work = ChunkWork(ops.device, len(starts), hv, dk, dv)
     nc = work.set_chunks(starts, lengths)
     S, o = dev(ops, S0), empty(ops, (T, hv, dv))
-    ops.gdn_chunked(o, S, dev(ops, q), dev(ops, k), dev(ops, v), dev(ops, beta), dev(ops, g), work, nc, hk, hv, dk,
-                    dv, hv * dv, tiled)
+    ops.gdn_chunked(o, S, dev(ops, q), dev(ops, k), dev(ops, v), dev(ops, beta), dev(ops, g), work, nc,
+                    GDNHeads(hk, hv, dk, dv, tiled), hv * dv)
     kh = _key_heads(hk, hv, tiled)
     S_ref = S0.copy()
     want, starts_ref = [], []
@@ -487,7 +487,7 @@ def test_gdn_chunked_over_part_of_the_chunk_table(ops):
     buffers = [dev(ops, x) for x in (q, k, v, beta, g)]
     S = [dev(ops, s) for s in states]
     for (c0, c1), Sd in zip(((0, first_b), (first_b, len(starts))), S):
-        ops.gdn_chunked(o, Sd, *buffers, work.part(c0, c1), c1 - c0, hk, hv, dk, dv, hv * dv, False)
+        ops.gdn_chunked(o, Sd, *buffers, work.part(c0, c1), c1 - c0, GDNHeads(hk, hv, dk, dv, False), hv * dv)
     got = o.download()
     for (r0, r1), S_ref, Sd in zip(((0, split), (split, T)), [s.copy() for s in states], S):
         want = R.delta_rule(q[r0:r1][:, [0, 0]], k[r0:r1][:, [0, 0]], v[r0:r1].reshape(r1 - r0, hv, dv), g[r0:r1],
