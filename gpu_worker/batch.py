@@ -59,6 +59,16 @@ class Segment:
     def n(self) -> int:
         return self.e - self.s
 
+    def snapshot(self, c: int) -> SequenceState:
+        """Where the recurrent state after c of these rows lands (c one of `cuts`): the
+        snapshot at that position."""
+        return self.prompt.snaps[self.p0 + c]
+
+    @property
+    def result(self) -> SequenceState:
+        """Where the prompt's final recurrent state lands (the segment is its `last`)."""
+        return self.prompt.site.out
+
     def media(self):
         """The part of its prompt's TokenMedia in these rows (rows numbered from s), or None."""
         m, i = self.prompt.media, self.p0 - self.prompt.start

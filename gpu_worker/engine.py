@@ -341,14 +341,14 @@ class GPUEngine:
         g_slot = cfg.gdn_layers.index(L)
         self._mark("gdn")
         for seg in segments:                # each prompt's convolution continues its own history
-            state, x, snaps = seg.prompt.lane.conv[L], qkv.rows(seg.s, seg.e), seg.prompt.snaps
+            state, x = seg.prompt.lane.conv[L], qkv.rows(seg.s, seg.e)
             ops.gdn_conv(conv.rows(seg.s, seg.e), x, state, w["ssm_conv1d"].data, seg.n, C, K)
             for c in seg.cuts:              # the conv state at each snapshot position, then at the end
                 ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.n, C, K)
-                self._to_host(snaps[seg.p0 + c].conv[g_slot], ws.conv_snap)
+                self._to_host(seg.snapshot(c).conv[g_slot], ws.conv_snap)
             ops.gdn_conv_history(state, state, x, seg.n, seg.n, C, K)
             if seg.last:
-                self._to_host(seg.prompt.site.out.conv[g_slot], state)
+                self._to_host(seg.result.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, beta_proj, alpha_proj, w["ssm_a"].data, w["ssm_dt"].data, n, heads, C,
                          cfg.rms_eps)
@@ -356,7 +356,7 @@ class GPUEngine:
         v = conv.block(0, n, values, hv * dv)
         o = ws.o.rows(0, n)
         for seg in segments:                # each prompt's recurrence on its own state
-            S, snaps = seg.prompt.lane.S[L], seg.prompt.snaps
+            S = seg.prompt.lane.S[L]
             if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.n < RECURRENT_BELOW):
                 for s, e in zip([0] + seg.cuts, seg.cuts + [seg.n]):
                     if e > s:
@@ -365,15 +365,15 @@ class GPUEngine:
                         ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
                                           beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, heads, C)
                     if e in seg.cuts:
-                        self._to_host(snaps[seg.p0 + e].ssm[g_slot], S)
+                        self._to_host(seg.snapshot(e).ssm[g_slot], S)
             else:
                 c0, c1 = chunk_at[seg.s], chunk_at.get(seg.e, len(chunk_at))
                 ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, heads, C)
                 for c in seg.cuts:          # the state entering the chunk that starts there
                     src = S if c == seg.n else ws.chunks.S0.rows(chunk_at[seg.s + c], chunk_at[seg.s + c] + 1)
-                    self._to_host(snaps[seg.p0 + c].ssm[g_slot], src)
+                    self._to_host(seg.snapshot(c).ssm[g_slot], src)
             if seg.last:
-                self._to_host(seg.prompt.site.out.ssm[g_slot], S)
+                self._to_host(seg.result.ssm[g_slot], S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
