@@ -33,6 +33,10 @@ SIGNATURES = {
     "fma_peak": "Pif",
     "to_f16": "PPi",
     "gemm_splitk_sum": "PPiiiii",
+    "vis_layernorm": "PPPPiif",          # vision.cu: the vision tower's own kernels
+    "vis_bias_act": "PPiii",
+    "vis_qkv_rope": "PPPPiii",
+    "vis_attention": "PPiiif",
 }
 # gemm.cu's tile rows (BM) of the dense GEMMs (all 128 columns wide), and of the
 # grouped-expert GEMMs with their columns (BN)
