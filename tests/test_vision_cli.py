@@ -51,9 +51,22 @@ def test_convert_writes_the_tower_beside_the_model(tmp_path):
 
 
 def test_bench_vision_prints_json():
-    out = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1).stdout)
+    out = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1,
+                            env={"FERMOE_GPU": None}).stdout)
     (image,) = out["images"]
     assert out["threads"] == 1 and image["grid"] == [14, 20] and image["tokens"] == 70 and image["encode_s"] > 0
+    if isinstance(out["gpu"], str):                 # no pycuda or no CUDA device: said so
+        assert out["gpu"].startswith("not measured: no GPU here (")
+    else:
+        assert out["gpu"]["device"] != "host emulation" and out["gpu"]["images"][0]["encode_s"] > 0
+    emulated = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1, "--repeat", 1,
+                                 env={"FERMOE_GPU": "emulate"}).stdout)["gpu"]
+    (image,) = emulated["images"]
+    assert emulated["device"] == "host emulation" and emulated["matrix_types"] == ["f32"]
+    assert image["size"] == "96x64" and image["encode_s"] > 0 and image["max_diff_vs_cpu"] < 1e-4
+    assert {"gemm", "attention", "layernorm", "qkv_rope", "bias_act"} == set(image["kernel_ms"])
+    off = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "64x64", "--gpu", "off").stdout)
+    assert off["gpu"] == "not measured: --gpu off"
     run = fermoe("bench", "vision", "--sizes", "big", check=False)
     assert run.returncode == 2 and "expected WIDTHxHEIGHT" in run.stderr
 
