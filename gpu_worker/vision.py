@@ -44,7 +44,8 @@ MERGER_TENSORS = ("v.post_ln.weight", "v.post_ln.bias", "mm.0.weight", "mm.0.bia
 def workspace_floats(cfg, n: int) -> int:
     """Floats of an image's workspace of n patches (VisionWorkspace's buffers)."""
     d = cfg.n_embd
-    return n * (2 * d + max(3 * d, cfg.n_ff, cfg.patch_dim) + cfg.head_dim) + (n // cfg.n_merge ** 2) * cfg.projection_dim
+    merged = n // cfg.n_merge ** 2
+    return n * (2 * d + max(3 * d, cfg.n_ff, cfg.patch_dim) + cfg.head_dim) + merged * cfg.projection_dim
 
 
 class VisionWorkspace:
