@@ -64,6 +64,24 @@ def test_tower_matches_the_reference(device, shape):
         engine.close()
 
 
+@pytest.mark.oracle
+@pytest.mark.parametrize("shape", ["a", "b"])
+def test_tower_matches_hf(device, shape):
+    """Against Hugging Face's Qwen3_5MoeVisionModel (float32, eager attention) within 1e-4,
+    as the CPU engine is held to."""
+    vo = pytest.importorskip("tests.vision_oracle")
+    model = vo.build_hf_tower(shape, seed=5)
+    engine = GPUVisionEngine(vo.StateDictTower(model), device)
+    images = [vo.random_image(96, 160, seed=1), vo.random_image(224, 64, seed=2)]
+    pooled, _ = vo.hf_encode(model, images)
+    try:
+        for image, want in zip(images, pooled):
+            got = engine.encode(vo.hf_patchify(image), (image.shape[1] // 16, image.shape[2] // 16))
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("kind", ["f16", "q8_0"])
 def test_stored_types_are_read_as_stored(device, tmp_path, kind):
     """An mmproj file's matrices stay f16 / q8_0 on the device (the GEMMs dequantise them):
