@@ -14,7 +14,7 @@ One image, n patches (rows in merge-block order), d wide:
 
 Memory: the weights once (as stored: 0.9 GB for the real tower in f16), a workspace
 per image (n x (2d + max(3d, ff, patch values) + head_dim) + n/4 x projection floats:
-113 MiB for a 1024x1024 image of the real tower). `reserve_patches` keeps one of that
+112 MiB for a 1024x1024 image of the real tower). `reserve_patches` keeps one of that
 many patches allocated, so a GPU worker plans its prefill memory around it; a larger
 image gets its own for the time of its pass.
 """
