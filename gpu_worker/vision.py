@@ -28,6 +28,7 @@ from shared.errors import FermoeError
 from shared.vision.reference import check_grid, merge_order, position_embedding, rotary_cos_sin
 
 from .buffers import DeviceArray
+from .kernels import LaunchError
 from .ops import SPLIT_K_FLOATS, Ops
 from .weights import GpuWeight, upload_weight
 
@@ -161,6 +162,8 @@ class GPUVisionEngine:
         self._layernorm(ws.h, ws.x, blk["ln1.weight"], blk["ln1.bias"], n)
         self._gemm(qkv, ws.h, blk["attn_qkv.weight"], n)
         k.vis_qkv_rope((min(n, ROW_GRID),), (128,), s, qkv, blk["attn_qkv.bias"].data, ws.cos, ws.sin, n, nh, hd)
+        if int(qkv) % 16:
+            raise LaunchError("vis_attention: qkv must be 16-byte aligned (it reads 4 floats at once)")
         k.vis_attention((nh, -(-n // ATTN_ROWS)), (256,), s, ws.h, qkv, n, nh, hd, 1.0 / math.sqrt(hd))
         self._gemm(ws.x, ws.h, blk["attn_out.weight"], n, accumulate=True)
         self._bias_act(ws.x, blk["attn_out.bias"], n, d)

@@ -14,15 +14,17 @@
  *                  out [n, nh hd]; hd up to FM_VIS_MAX_HD.
  *                  A block takes 64 query rows of one head through 64-key tiles, flash style
  *                  (online softmax in fp32, nothing of size n x n stored):
- *                    S = Q K^T   Q and K in 32-dim chunks in shared memory; a thread keeps
- *                                4 x 4 scores (rows ty + 16 i, keys tx + 16 j, 16 x 16 threads)
+ *                    S = Q K^T   Q and K in 32-dim chunks in shared memory (read 4 floats at
+ *                                once); a thread keeps 4 x 4 scores (rows ty + 16 i, keys
+ *                                tx + 16 j, 16 x 16 threads)
  *                    P           the running max and sum per row, by four threads a row
  *                                (16 keys each); keys past n are -inf before any exp
  *                    O           alpha O + P V over 16-key V chunks; a thread keeps rows
  *                                4 ty + i and dims tx + 16 e (e < ceil(hd / 16)) in registers
- *                  shared: 43.5 KB (Q and K chunks [64][33], P [64][65], a V chunk [16][128],
- *                  the row statistics); every exchange behind __syncthreads.
- *                  grid (nh, ceil(n / 64)), block 256.
+ *                  shared: 45.75 KB (Q and K chunks [64][36], P^T [64][68], a V chunk
+ *                  [16][128], the row statistics); every exchange behind __syncthreads. Two
+ *                  blocks an SM (FM_BOUNDS: the registers a thread may take).
+ *                  grid (nh, ceil(n / 64)), block 256; qkv 16-byte aligned (vision.py checks).
  *
  * The row kernels loop over rows (blockIdx.x, then + gridDim.x): the host caps the grid
  * (Fermi's grids are at most 65535 blocks wide; an image may have more patches). */
@@ -114,12 +116,15 @@ FM_KERNEL void vis_qkv_rope(float *qkv, const float *bias, const float *cos_t, c
 #define FM_VV 16                  /* keys a V chunk */
 #define FM_VIS_MAX_HD 128
 
+#define FM_VQK_LD (FM_VD + 4)     /* 36: eight rows' f4 at one dim fall in eight distinct bank quads */
+#define FM_VP_LD (FM_VQ + 4)
+
 struct fm_vis_smem {
-    float Q[FM_VQ][FM_VD + 1];    /* +1: a row's 32 floats and a column's 32 rows fall in distinct banks */
-    float K[FM_VK][FM_VD + 1];
-    float P[FM_VQ][FM_VK + 1];    /* the tile's scores, then probabilities */
+    FM_ALIGN16 float Q[FM_VQ][FM_VQK_LD];
+    FM_ALIGN16 float K[FM_VK][FM_VQK_LD];
+    FM_ALIGN16 float P[FM_VK][FM_VP_LD];      /* the tile's scores, then probabilities, key-major: P[key][row] */
     float V[FM_VV][FM_VIS_MAX_HD];
-    float red[2][4][FM_VQ];       /* a row's partial maxima and sums over the four key quarters */
+    float red[2][4][FM_VQ];                   /* a row's partial maxima and sums over the four key quarters */
     float m[FM_VQ], l[FM_VQ], alpha[FM_VQ];
 };
 
@@ -128,17 +133,19 @@ struct fm_vis_args {
     int n, hd, h, q0, ld;         /* ld: a token's qkv row (3 nh hd floats) */
 };
 
-/* Dims [d0, d0 + 32) of the block's queries and of keys [j0, j0 + 64): eight of each a
- * thread, a warp one row's 32 (zeros past n and hd). */
+/* Dims [d0, d0 + 32) of the block's queries and of keys [j0, j0 + 64): two f4 of each a
+ * thread, eight threads a row's 32 dims (zeros past n and hd; hd is a multiple of 4 and
+ * qkv 16-byte aligned, so an f4 is wholly in or out). */
 FM_DEVICE void fm_vis_load_qk(fm_vis_smem &sm, const fm_vis_args &a, int j0, int d0)
 {
-    int col = threadIdx.x & 31, dim = d0 + col, koff = a.ld / 3;
-    for (int s = 0; s < FM_VQ * FM_VD / FM_VIS_THREADS; s++) {
-        int row = (threadIdx.x >> 5) + s * (FM_VIS_THREADS / 32);
-        int q = a.q0 + row, key = j0 + row;
+    int c = (threadIdx.x & 7) * 4, dim = d0 + c, qoff = a.h * a.hd + dim, koff = a.ld / 3 + qoff;
+    fm_f4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < 2; s++) {
+        int row = (threadIdx.x >> 3) + 32 * s, q = a.q0 + row, key = j0 + row;
         bool in_dim = dim < a.hd;
-        sm.Q[row][col] = in_dim && q < a.n ? a.qkv[(long long)q * a.ld + a.h * a.hd + dim] : 0.0f;
-        sm.K[row][col] = in_dim && key < a.n ? a.qkv[(long long)key * a.ld + koff + a.h * a.hd + dim] : 0.0f;
+        *(fm_f4 *)&sm.Q[row][c] = in_dim && q < a.n ? *(const fm_f4 *)(a.qkv + ((long long)q * a.ld + qoff)) : zero;
+        *(fm_f4 *)&sm.K[row][c] = in_dim && key < a.n ? *(const fm_f4 *)(a.qkv + ((long long)key * a.ld + koff))
+                                                      : zero;
     }
 }
 
@@ -171,21 +178,26 @@ FM_DEVICE void fm_vis_attend(fm_vis_smem &sm, float *out, const fm_vis_args &a, 
         for (int d0 = 0; d0 < a.hd; d0 += FM_VD) {
             fm_vis_load_qk(sm, a, j0, d0);
             __syncthreads();
-            for (int k = 0; k < FM_VD; k++) {
-                float q[4], kk[4];
-                for (int i = 0; i < 4; i++) q[i] = sm.Q[ty + 16 * i][k];
-                for (int j = 0; j < 4; j++) kk[j] = sm.K[tx + 16 * j][k];
+            for (int k = 0; k < FM_VD; k += 4) {      /* 64 FMAs for every 8 f4 loads */
+                fm_f4 q[4], b[4];
+                for (int i = 0; i < 4; i++) q[i] = *(const fm_f4 *)&sm.Q[ty + 16 * i][k];
+                for (int j = 0; j < 4; j++) b[j] = *(const fm_f4 *)&sm.K[tx + 16 * j][k];
                 for (int i = 0; i < 4; i++)
-                    for (int j = 0; j < 4; j++) s[i][j] = fm_fma(q[i], kk[j], s[i][j]);
+                    for (int j = 0; j < 4; j++) {
+                        float v = fm_fma(q[i].x, b[j].x, s[i][j]);
+                        v = fm_fma(q[i].y, b[j].y, v);
+                        v = fm_fma(q[i].z, b[j].z, v);
+                        s[i][j] = fm_fma(q[i].w, b[j].w, v);
+                    }
             }
             __syncthreads();
         }
         for (int i = 0; i < 4; i++)
             for (int j = 0; j < 4; j++)
-                sm.P[ty + 16 * i][tx + 16 * j] = j0 + tx + 16 * j < a.n ? s[i][j] * scale : fm_neg_inf();
+                sm.P[tx + 16 * j][ty + 16 * i] = j0 + tx + 16 * j < a.n ? s[i][j] * scale : fm_neg_inf();
         __syncthreads();
         float mx = fm_neg_inf();
-        for (int c = 0; c < 16; c++) mx = fmaxf(mx, sm.P[r][16 * part + c]);
+        for (int c = 0; c < 16; c++) mx = fmaxf(mx, sm.P[16 * part + c][r]);
         sm.red[0][part][r] = mx;
         __syncthreads();
         /* every tile has a key below n: the new max is finite, masked keys give exp(-inf) = 0 */
@@ -193,8 +205,8 @@ FM_DEVICE void fm_vis_attend(fm_vis_smem &sm, float *out, const fm_vis_args &a, 
                            fmaxf(sm.red[0][2][r], sm.red[0][3][r]));
         float sum = 0.0f;
         for (int c = 0; c < 16; c++) {
-            float p = fm_expf(sm.P[r][16 * part + c] - mnew);
-            sm.P[r][16 * part + c] = p;
+            float p = fm_expf(sm.P[16 * part + c][r] - mnew);
+            sm.P[16 * part + c][r] = p;
             sum += p;
         }
         sm.red[1][part][r] = sum;
@@ -213,9 +225,9 @@ FM_DEVICE void fm_vis_attend(fm_vis_smem &sm, float *out, const fm_vis_args &a, 
         for (int v0 = 0; v0 < FM_VK && j0 + v0 < a.n; v0 += FM_VV) {
             fm_vis_load_v(sm, a, j0 + v0);
             __syncthreads();
-            for (int c = 0; c < FM_VV; c++) {
-                float p[4], v[DE];
-                for (int i = 0; i < 4; i++) p[i] = sm.P[4 * ty + i][v0 + c];
+            for (int c = 0; c < FM_VV; c++) {         /* 4 DE FMAs for every 1 + DE loads */
+                fm_f4 p4 = *(const fm_f4 *)&sm.P[v0 + c][4 * ty];
+                float p[4] = {p4.x, p4.y, p4.z, p4.w}, v[DE];
                 for (int e = 0; e < DE; e++) v[e] = sm.V[c][tx + 16 * e];
                 for (int i = 0; i < 4; i++)
                     for (int e = 0; e < DE; e++) o[i][e] = fm_fma(p[i], v[e], o[i][e]);
@@ -235,7 +247,7 @@ FM_DEVICE void fm_vis_attend(fm_vis_smem &sm, float *out, const fm_vis_args &a, 
     }
 }
 
-FM_KERNEL FM_BOUNDS(FM_VIS_THREADS, 1) void vis_attention(float *out, const float *qkv, int n, int nh, int hd,
+FM_KERNEL FM_BOUNDS(FM_VIS_THREADS, 2) void vis_attention(float *out, const float *qkv, int n, int nh, int hd,
                                                           float scale)
 {
     __shared__ fm_vis_smem sm;
