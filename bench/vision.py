@@ -8,9 +8,9 @@ to a float32 GEMM measured in the same run (the ceiling of a BLAS-backed forward
 With a GPU (`--gpu auto`, the default: CUDA device 0 when pycuda and a driver are there;
 FERMOE_GPU=emulate: the host emulation) the same images go through the GPU tower
 (gpu_worker/vision.py): the best of --repeat passes (pixels up, tokens down included),
-the GPU time by kernel family of one more pass, the device's fp32 FMA rate measured in
-the same run and the share of it the pass reaches, and how far the tokens are from the
-CPU engine's. Without one, "gpu" says why nothing was measured.
+the time by kernel family (and the copies) of one more pass, the device's fp32 FMA rate
+measured in the same run and the share of it the pass reaches, and how far the tokens
+are from the CPU engine's. Without one, "gpu" says why nothing was measured.
 """
 from __future__ import annotations
 
@@ -98,14 +98,12 @@ def gpu_run(tower, device, images, cpu_tokens, repeat: int) -> dict:
             got = engine.encode(pixels, grid)                  # the first pass: allocations, caches
             best = min(_timed(lambda: engine.encode(pixels, grid)) for _ in range(repeat))
             timer = engine.ops.k.timer = PhaseTimer(device, engine.ops.stream)
-            timer.mark("start")
-            engine.encode(pixels, grid)
+            engine.encode(pixels, grid)                        # marks "upload", each launch, "download"
             timer.mark("end")
             engine.ops.k.timer = None
             by_kernel: dict[str, float] = {}
             for phase, ms in timer.milliseconds().items():
-                if phase != "start":
-                    by_kernel[_family(phase)] = by_kernel.get(_family(phase), 0.0) + ms
+                by_kernel[_family(phase)] = by_kernel.get(_family(phase), 0.0) + ms
             flops = tower_flops(engine.config, *grid)
             entry = {"size": size, "encode_s": round(best, 4), "gflops": round(flops / best / 1e9, 1),
                      "of_fma_peak": round(flops / best / 1e12 / peak, 3),

@@ -143,6 +143,11 @@ class GPUVisionEngine:
         return self._grids[key]
 
     # ---- launches ---------------------------------------------------------------------------
+    def _mark(self, phase: str) -> None:
+        """A phase mark for the kernel timer (bench vision's breakdown), when one is set."""
+        if self.ops.k.timer is not None:
+            self.ops.k.timer.mark(phase)
+
     def _layernorm(self, y, x, w, b, rows: int):
         k, n = self.ops.k, self.config.n_embd
         k.vis_layernorm((min(rows, ROW_GRID),), (256,), self.ops.stream, y, x, w.data, b.data, rows, n,
@@ -184,6 +189,7 @@ class GPUVisionEngine:
         own = self.ws is None or n > self.ws.n
         ws = self._workspace(n) if own else self.ws
         try:
+            self._mark("upload")
             # synchronous uploads: the previous image's kernels are done with these buffers
             ws.x.rows(0, n).upload(pos)
             ws.cos.rows(0, n).upload(cos)
@@ -201,6 +207,7 @@ class GPUVisionEngine:
             out = ws.out.rows(0, merged)
             self._gemm(out, hidden, m["mm.2.weight"], merged)
             self._bias_act(out, m["mm.2.bias"], merged, cfg.projection_dim)
+            self._mark("download")
             return out.download()
         finally:
             if own:

@@ -64,7 +64,7 @@ def test_bench_vision_prints_json():
     (image,) = emulated["images"]
     assert emulated["device"] == "host emulation" and emulated["matrix_types"] == ["f32"]
     assert image["size"] == "96x64" and image["encode_s"] > 0 and image["max_diff_vs_cpu"] < 1e-4
-    assert {"gemm", "attention", "layernorm", "qkv_rope", "bias_act"} == set(image["kernel_ms"])
+    assert {"upload", "gemm", "attention", "layernorm", "qkv_rope", "bias_act", "download"} == set(image["kernel_ms"])
     off = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "64x64", "--gpu", "off").stdout)
     assert off["gpu"] == "not measured: --gpu off"
     run = fermoe("bench", "vision", "--sizes", "big", check=False)
