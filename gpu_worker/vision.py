@@ -56,15 +56,21 @@ class VisionWorkspace:
 
     def __init__(self, device, cfg, n: int):
         d, half = cfg.n_embd, cfg.head_dim // 2
-        self.n = n
-        self.x, self.h = DeviceArray(device, (n, d)), DeviceArray(device, (n, d))
-        self.big = DeviceArray(device, (n * max(3 * d, cfg.n_ff, cfg.patch_dim),))
-        self.cos, self.sin = DeviceArray(device, (n, half)), DeviceArray(device, (n, half))
-        self.out = DeviceArray(device, (n // cfg.n_merge ** 2, cfg.projection_dim))
+        self.n, self.arrays = n, []
+        shapes = {"x": (n, d), "h": (n, d), "big": (n * max(3 * d, cfg.n_ff, cfg.patch_dim),), "cos": (n, half),
+                  "sin": (n, half), "out": (n // cfg.n_merge ** 2, cfg.projection_dim)}
+        try:
+            for name, shape in shapes.items():
+                setattr(self, name, DeviceArray(device, shape))
+                self.arrays.append(getattr(self, name))
+        except BaseException:               # what was taken before memory ran out is given back
+            self.free()
+            raise
 
     def free(self) -> None:
-        for a in (self.x, self.h, self.big, self.cos, self.sin, self.out):
+        for a in self.arrays:
             a.free()
+        self.arrays = []
 
 
 class GPUVisionEngine:
@@ -78,19 +84,30 @@ class GPUVisionEngine:
         self.device, self.tower = device, tower
         self.ops = Ops(device)
         self.threads = 1                    # the host thread that feeds the device
-        self.arrays = []
+        self.arrays, self.ws = [], None
+        self._grids: dict = {}              # (gh, gw) -> host inputs of that grid (positions, rotary)
         d = cfg.n_embd
         # the two frames' kernels side by side: a pixel row's (c, t, py, px) order
         patch = np.stack([tower.f32("v.patch_embd.weight"), tower.f32("v.patch_embd.weight.1")], axis=2)
-        self.patch_w = self._f32(patch.reshape(d, -1))
         self.patch_b = np.asarray(tower.f32("v.patch_embd.bias"), np.float32)
         self.pos_table = np.asarray(tower.f32("v.position_embd.weight"), np.float32)
-        self.blocks = [{n: self._weight(f"v.blk.{i}.{n}") for n in BLOCK_TENSORS} for i in range(cfg.n_layer)]
-        self.merger = {n: self._weight(n) for n in MERGER_TENSORS}
-        self.ops.split_scratch = self._keep(DeviceArray(device, (SPLIT_K_FLOATS,)))
+        try:
+            self.patch_w = self._f32(patch.reshape(d, -1))
+            self.blocks = [{n: self._weight(f"v.blk.{i}.{n}") for n in BLOCK_TENSORS} for i in range(cfg.n_layer)]
+            self.merger = {n: self._weight(n) for n in MERGER_TENSORS}
+            self.ops.split_scratch = self._keep(DeviceArray(device, (SPLIT_K_FLOATS,)))
+        except Exception as e:              # pycuda's MemoryError, the emulation's EmulationError
+            held = sum(a.nbytes for a in self.arrays)
+            self.close()
+            raise FermoeError(f"the vision tower does not fit the GPU: {held >> 20} MiB of its weights were "
+                              f"uploaded when this failed ({e})") from None
         self.weights_nbytes = sum(a.nbytes for a in self.arrays)
-        self._grids: dict = {}              # (gh, gw) -> host inputs of that grid (positions, rotary)
-        self.ws = VisionWorkspace(device, cfg, reserve_patches) if reserve_patches > 0 else None
+        if reserve_patches > 0:
+            try:
+                self.ws = self._workspace(reserve_patches)
+            except FermoeError:
+                self.close()
+                raise
 
     @property
     def nbytes(self) -> int:

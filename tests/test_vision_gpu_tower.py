@@ -154,3 +154,24 @@ def test_scale_of_the_real_tower_workspace():
     from shared.vision.synth import preset_config
     cfg = preset_config("qwen3.6-35b-a3b")
     assert math.isclose(4 * workspace_floats(cfg, 64 * 64) / 2 ** 20, 112, abs_tol=0.5)
+
+
+def test_a_tower_or_a_workspace_that_does_not_fit_is_one_error():
+    """Out of device memory (an emulated device of a few MiB): one error saying what did not
+    fit, and nothing left allocated."""
+    from gpu_worker.emulator import EmulatedDevice
+    tower = RandomTower(TOWERS["hd12"], seed=1)
+    small = EmulatedDevice(total_memory=8 << 20)           # under the split-K scratch
+    with pytest.raises(FermoeError, match="the vision tower does not fit the GPU: 0 MiB of its weights"):
+        GPUVisionEngine(tower, small)
+    assert small.allocated == 0
+    roomy = EmulatedDevice(total_memory=24 << 20)
+    with pytest.raises(FermoeError, match=r"an image of 65536 patches needs \d+ MiB of GPU memory for the vision "
+                                          r"tower's activations; \d+ MiB are free"):
+        GPUVisionEngine(tower, roomy, reserve_patches=65536)
+    assert roomy.allocated == 0
+    engine = GPUVisionEngine(tower, roomy)
+    with pytest.raises(FermoeError, match="an image of 9216 patches needs"):
+        engine.encode(pixels(96, 96, seed=0), (96, 96))
+    engine.close()
+    assert roomy.allocated == 0
