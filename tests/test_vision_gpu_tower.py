@@ -64,6 +64,21 @@ def test_tower_matches_the_reference(device, shape):
         engine.close()
 
 
+def test_one_block_of_the_real_tower(device):
+    """The real widths (1152, 16 heads of 72, MLP 4304, merger 4608 -> 2048; one block of the
+    27): the shapes the GEMMs tile and split differently, over two 64-row tiles of patches."""
+    from dataclasses import replace
+
+    from shared.vision.synth import preset_config
+    tower = RandomTower(replace(preset_config("qwen3.6-35b-a3b"), n_layer=1), seed=0)
+    engine = GPUVisionEngine(tower, device)
+    try:
+        px = pixels(8, 10, seed=7)
+        assert_close(engine.encode(px, (8, 10)), encode_image(tower, px, (8, 10)), TOWER_RTOL, floor=0.1)
+    finally:
+        engine.close()
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("shape", ["a", "b"])
 def test_tower_matches_hf(device, shape):
