@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
                         "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
                         "agent's turns and the prefix cache), vision (images through the vision tower on the CPU and "
-                        "the GPU) or tools (how often the built-in model calls its pydoc tool correctly on held-out names)")
+                        "the GPU) or tools (how often the built-in model calls its pydoc tool correctly on held-out "
+                        "names)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 

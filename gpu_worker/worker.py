@@ -2,7 +2,7 @@
 
 One DEALER socket to the coordinator's worker endpoint (shared/worker_link.py, as the
 CPU workers have). A Prefill job restores its resume snapshots (or starts empty), runs
-its images past them through the vision tower (on the GPU too: gpu_worker/vision.py), then
+its images past them through the vision tower (on the GPU: gpu_worker/vision.py), then
 the rest of the prompt through the GPU engine with the planned snapshot positions as
 chunk boundaries, and writes each snapshot (the last one: the final state and its
 logits) into the coordinator's snapshot arena, where a CPU worker resumes from it and
@@ -174,7 +174,7 @@ class GPUWorker:
         if self.vision is not None:         # before the engine, which may close the device
             self.vision.close()
             self.tower.close()
-        self.engine.close()                 # first: it unregisters the arena the link unmaps
+        self.engine.close()                 # before the link: it unregisters the arena the link unmaps
         self.link.close()
 
 
