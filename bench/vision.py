@@ -1,10 +1,16 @@
-"""`fermoe bench vision`: images through the vision tower on the CPU, as JSON.
+"""`fermoe bench vision`: images through the vision tower on the CPU and the GPU, as JSON.
 
 By default the full-size tower (27 blocks, 1152 wide, random weights made in memory)
 encodes a 448x448 and a 1024x1024 image (PNG bytes, through the image processor). Each
 image reports the processor's and the tower's time, the tower's FLOPs and GFLOP/s, next
 to a float32 GEMM measured in the same run (the ceiling of a BLAS-backed forward).
-The GPU path of the tower is not written yet; this measures the CPU engine only.
+
+With a GPU (`--gpu auto`, the default: CUDA device 0 when pycuda and a driver are there;
+FERMOE_GPU=emulate: the host emulation) the same images go through the GPU tower
+(gpu_worker/vision.py): the best of --repeat passes (pixels up, tokens down included),
+the time by kernel family (and the copies) of one more pass, the device's fp32 FMA rate
+measured in the same run and the share of it the pass reaches, and how far the tokens
+are from the CPU engine's. Without one, "gpu" says why nothing was measured.
 """
 from __future__ import annotations
 
@@ -58,7 +64,60 @@ def _size(text: str) -> tuple[int, int]:
     return h, w
 
 
-def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[int, int]]) -> dict:
+def _family(kernel: str) -> str:
+    return "gemm" if kernel.startswith("gemm") else kernel.removeprefix("vis_")
+
+
+def open_gpu(choice: str):
+    """(device, None) for --gpu, or (None, why not)."""
+    if choice == "off":
+        return None, "not measured: --gpu off"
+    from gpu_worker.cuda import open_device
+    from shared.errors import FermoeError
+    try:
+        return open_device(0 if choice == "auto" else int(choice)), None
+    except FermoeError as e:
+        return None, f"not measured: no GPU here ({e})"
+
+
+def gpu_run(tower, device, images, cpu_tokens, repeat: int) -> dict:
+    """The GPU tower on `images` [(size, pixels, grid)]; cpu_tokens: the CPU engine's output of each."""
+    from bench.gpu_kernels import fma_tflops
+    from gpu_worker.profile import PhaseTimer
+    from gpu_worker.vision import GPUVisionEngine
+
+    t0 = time.perf_counter()
+    engine = GPUVisionEngine(tower, device)
+    out = {"device": device.name, "weights_upload_s": round(time.perf_counter() - t0, 2),
+           "resident_mib": round(engine.weights_nbytes / 2 ** 20)}          # the weights and split-K scratch
+    try:
+        types = {w.wtype for blk in engine.blocks for w in blk.values() if len(w.shape) == 2}
+        peak = fma_tflops(device, engine.ops.k, engine.ops.stream)
+        out.update(matrix_types=sorted(types), fp32_fma_tflops=round(peak, 2), images=[])
+        for (size, pixels, grid), want in zip(images, cpu_tokens):
+            got = engine.encode(pixels, grid)                  # the first pass: allocations, caches
+            best = min(_timed(lambda: engine.encode(pixels, grid)) for _ in range(repeat))
+            timer = engine.ops.k.timer = PhaseTimer(device, engine.ops.stream)
+            engine.encode(pixels, grid)                        # marks "upload", each launch, "download"
+            timer.mark("end")
+            engine.ops.k.timer = None
+            by_kernel: dict[str, float] = {}
+            for phase, ms in timer.milliseconds().items():
+                by_kernel[_family(phase)] = by_kernel.get(_family(phase), 0.0) + ms
+            flops = tower_flops(engine.config, *grid)
+            entry = {"size": size, "encode_s": round(best, 4), "gflops": round(flops / best / 1e9, 1),
+                     "of_fma_peak": round(flops / best / 1e12 / peak, 3),
+                     "kernel_ms": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])}}
+            if want is not None:
+                entry["max_diff_vs_cpu"] = float(f"{np.abs(got - want).max() / np.abs(want).max():.3g}")
+            out["images"].append(entry)
+    finally:
+        engine.close()
+    return out
+
+
+def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[int, int]], gpu: str = "auto",
+        repeat: int = 2) -> dict:
     from cpu_worker.vision_engine import VisionEngine
     from shared.vision.image import load
     from shared.vision.mmproj import Mmproj
@@ -72,7 +131,8 @@ def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[
     out = {"tower": mmproj or f"{preset} (random weights, in memory)", "blocks": cfg.n_layer, "width": cfg.n_embd,
            "engine": "cpu: numpy float32, BLAS matrix products", "threads": engine.threads,
            "blas_threads_set": engine.blas_threads_set, "weights_load_s": round(load_s, 2),
-           "gemm_gflops": round(gemm_gflops(), 1), "gpu": "not measured: the tower has no GPU path yet", "images": []}
+           "gemm_gflops": round(gemm_gflops(), 1), "images": []}
+    images, cpu_out = [], []
     try:
         for h, w in sizes:
             data = _png(h, w)
@@ -88,8 +148,20 @@ def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[
                                   "encode_s": round(enc, 3), "gflop": round(flops / 1e9, 1),
                                   "gflops": round(flops / enc / 1e9, 1),
                                   "of_gemm": round(flops / enc / 1e9 / out["gemm_gflops"], 2)})
+            images.append((f"{w}x{h}", pixels, grid))
+            cpu_out.append(tokens)
     finally:
         engine.close()
+    device, why = open_gpu(gpu)
+    if device is None:
+        out["gpu"] = why
+        return out
+    try:
+        out["gpu"] = gpu_run(tower, device, images, cpu_out, repeat)
+    finally:
+        if hasattr(device, "close"):
+            device.synchronize()
+            device.close()
     return out
 
 
@@ -102,12 +174,20 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="threads (default: the physical cores of the first NUMA node, as the cpu engine)")
     p.add_argument("--sizes", default="448x448,1024x1024", help="images, WIDTHxHEIGHT, comma-separated")
+    p.add_argument("--gpu", default="auto",
+                   help="auto (CUDA device 0 if there is one; FERMOE_GPU=emulate: the host emulation), a device "
+                        "index, or off")
+    p.add_argument("--repeat", type=int, default=2, help="GPU passes timed per image, the best reported (default 2)")
     args = p.parse_args(argv)
+    if args.gpu not in ("auto", "off") and not args.gpu.isdigit():
+        p.error(f"--gpu {args.gpu!r}: expected auto, off or a device index")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     try:
         sizes = [_size(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError as e:
         p.error(str(e))
-    print(json.dumps(run(args.mmproj, args.preset, args.threads, sizes), indent=2))
+    print(json.dumps(run(args.mmproj, args.preset, args.threads, sizes, args.gpu, args.repeat), indent=2))
     return 0
 
 

@@ -78,9 +78,11 @@ class _ImageAt:
 
 def _image_encoder(args, model):
     """(the tower as the engine asks, what closes it): the float64 reference with --engine
-    reference, else the CPU's."""
+    reference, the GPU's with --engine gpu, else the CPU's."""
     from shared.vision.prompt import ImageEncoder
     tower = model.mmproj
+    if getattr(model, "gpu_vision", None) is not None:
+        return ImageEncoder(tower.config, model.gpu_vision.encode), model.gpu_vision.close
     if args.engine == "reference":
         from shared.vision.reference import encode_image
         return ImageEncoder(tower.config, lambda pixels, grid: encode_image(tower, pixels, grid)), lambda: None
@@ -252,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision", "tools"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
                         "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
-                        "agent's turns and the prefix cache), vision (images through the vision tower on the CPU) "
-                        "or tools (how often the built-in model calls its pydoc tool correctly on held-out names)")
+                        "agent's turns and the prefix cache), vision (images through the vision tower on the CPU and "
+                        "the GPU) or tools (how often the built-in model calls its pydoc tool correctly on held-out "
+                        "names)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return parser
 
@@ -270,6 +273,12 @@ def _open(args, name: str | None = None):
 
     model = Model(resolve_model(name or args.model))
     model.mmproj = _open_mmproj(args, model)
+    model.gpu_vision = None
+    if args.engine == "gpu" and model.mmproj is not None and getattr(args, "image", None):
+        from gpu_worker.vision import gpu_engines      # the tower runs where the prefill runs
+        engine, model.gpu_vision = gpu_engines(model, model.mmproj, kv_cache_dtype=args.kv_cache_dtype,
+                                               **gpu_engine_options(args))
+        return model, engine
     return model, _engine(args, model, args.engine)
 
 

@@ -2,8 +2,8 @@
 
 One DEALER socket to the coordinator's worker endpoint (shared/worker_link.py, as the
 CPU workers have). A Prefill job restores its resume snapshots (or starts empty), runs
-its images past them through the vision tower (on the CPU: cpu_worker/vision_engine.py;
-there is no GPU tower yet), then the rest of the prompt through the GPU engine with the planned snapshot positions as
+its images past them through the vision tower (on the GPU: gpu_worker/vision.py), then
+the rest of the prompt through the GPU engine with the planned snapshot positions as
 chunk boundaries, and writes each snapshot (the last one: the final state and its
 logits) into the coordinator's snapshot arena, where a CPU worker resumes from it and
 decodes. Started by the coordinator, or by hand:
@@ -47,16 +47,32 @@ class GPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
                  shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS, shared_experts: str | None = None,
                  mmproj: str | None = None):
-        """mmproj: the vision tower's file; a prompt with images needs it."""
+        """mmproj: the vision tower's file; a prompt with images needs it. The tower goes
+        on the device first: its weights and a workspace for a 1024x1024 image come out
+        of gpu_mem, the prefill engine plans with the rest."""
         from shared.builtin import resolve_model
         self.model = Model(resolve_model(model_path))
-        self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device,
-                                shared_experts=attach_experts(shared_experts, self.model))
+        experts = attach_experts(shared_experts, self.model)
+        self.tower = self.vision = None
+        if mmproj is not None:
+            from .vision import gpu_engines, open_tower
+            self.tower = open_tower(mmproj, self.model)
+            try:
+                self.engine, self.vision = gpu_engines(self.model, self.tower, gpu_mem=gpu_mem, gpu=gpu, device=device,
+                                                       shared_experts=experts)
+            except BaseException:
+                self.tower.close()
+                raise
+        else:
+            self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device, shared_experts=experts)
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory)
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self._registered = None             # the arena page-locked for the engine's copies
-        self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
+        self._images = None
+        if self.vision is not None:
+            from .vision import image_encoder
+            self._images = image_encoder(self.tower, self.vision)
         self.running = True
 
     def prefill_rate(self) -> tuple[float, float, int]:
@@ -142,13 +158,10 @@ class GPUWorker:
 
     def media(self, msg: P.Prefill, start: int):
         """The TokenMedia of a Prefill's prompt: its images past `start` through the tower
-        (on this process's CPUs), every token's M-RoPE position."""
+        (on the GPU), every token's M-RoPE position."""
         from shared.vision.prompt import media_of_images
-        if self.mmproj is None:
-            raise FermoeError("the prompt has images, but this GPU worker has no vision tower (--mmproj)")
         if self._images is None:
-            from cpu_worker.vision_engine import image_encoder
-            self._images = image_encoder(self.mmproj, self.model, len(os.sched_getaffinity(0)))
+            raise FermoeError("the prompt has images, but this GPU worker has no vision tower (--mmproj)")
         return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
 
     def handle_stop(self, msg: P.Stop, data=()) -> None:
@@ -158,7 +171,10 @@ class GPUWorker:
         self.running = False
 
     def close(self) -> None:
-        self.engine.close()                 # first: it unregisters the arena the link unmaps
+        if self.vision is not None:         # before the engine, which may close the device
+            self.vision.close()
+            self.tower.close()
+        self.engine.close()                 # before the link: it unregisters the arena the link unmaps
         self.link.close()
 
 
@@ -182,7 +198,7 @@ def main(argv=None) -> int:
     add_gpu_options(p)
     p.add_argument("--cpus", default=None, help="comma-separated CPUs to run on (default: any)")
     p.add_argument("--mmproj", default=None,
-                   help="the model's vision tower (mmproj GGUF), run on the CPU: prompts with images")
+                   help="the model's vision tower (mmproj GGUF), run on the GPU: prompts with images")
     return worker_main("gpu_worker", p, run_gpu_worker, argv)
 
 

@@ -282,3 +282,47 @@ def test_a_long_prefill_heartbeats_and_stops_between_passes(tiny_q4_path, tiny, 
         worker.link.arena = None                          # the fixture's, closed there
         worker.close()
         router.close()
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_with_a_tower_the_images_run_on_the_gpu(tiny, tiny_q4_path, tmp_path, kind):
+    """--mmproj: the tower goes on the worker's device before the prefill engine, out of its
+    --gpu-mem; a Prefill's image is encoded there (the reference's tokens); a budget the
+    tower alone fills is refused."""
+    import io
+
+    from PIL import Image
+
+    from gpu_worker.vision import GPUVisionEngine
+    from shared.errors import FermoeError
+    from shared.vision.image import load
+    from shared.vision.reference import encode_image
+    from modeltools.vision.synth import RandomTower, preset_config, synth_mmproj
+    from tests.vision.test_gpu_tower import TOWER_RTOL
+    path = tmp_path / "mmproj.gguf"
+    cfg = preset_config("tiny", projection_dim=tiny.config.n_embd)
+    synth_mmproj(path, cfg, "f32", seed=1)
+    device = open_test_device(kind)
+    budget = device.mem_get_info()[0] // 2
+    worker = GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-mm", device=device, probe_tokens=[8],
+                       gpu_mem=budget, mmproj=str(path))
+    try:
+        assert isinstance(worker.vision, GPUVisionEngine) and worker.vision.device is worker.engine.device
+        assert worker.engine.budget == budget - worker.vision.nbytes
+        rgb = np.random.default_rng(3).integers(0, 256, (64, 256, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "PNG")
+        pixels, (gh, gw) = load(buf.getvalue(), cfg)
+        n = gh * gw // 4
+        tokens = (PROMPT * 8)[:n + 10]
+        msg = P.Prefill(request_id="img", tokens=tokens, resume=[], snapshots=_refs(0, [len(tokens)]),
+                        images=[P.ImageInput(data=buf.getvalue(), start=4, rows=gh // 2, cols=gw // 2)])
+        media = worker.media(msg, 0)
+        want = encode_image(RandomTower(cfg, seed=1), pixels, (gh, gw))
+        assert_close(media.embeds, want, TOWER_RTOL, floor=0.1)
+        assert list(media.rows) == list(range(4, 4 + n))
+    finally:
+        worker.close()
+    with pytest.raises(FermoeError, match="the vision tower alone takes"):
+        GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-mm", device=open_test_device(kind), probe_tokens=[8],
+                  gpu_mem=1 << 20, mmproj=str(path))

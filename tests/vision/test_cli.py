@@ -51,9 +51,22 @@ def test_convert_writes_the_tower_beside_the_model(tmp_path):
 
 
 def test_bench_vision_prints_json():
-    out = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1).stdout)
+    out = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1,
+                            env={"FERMOE_GPU": None}).stdout)
     (image,) = out["images"]
     assert out["threads"] == 1 and image["grid"] == [14, 20] and image["tokens"] == 70 and image["encode_s"] > 0
+    if isinstance(out["gpu"], str):                 # no pycuda or no CUDA device: said so
+        assert out["gpu"].startswith("not measured: no GPU here (")
+    else:
+        assert out["gpu"]["device"] != "host emulation" and out["gpu"]["images"][0]["encode_s"] > 0
+    emulated = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1, "--repeat", 1,
+                                 env={"FERMOE_GPU": "emulate"}).stdout)["gpu"]
+    (image,) = emulated["images"]
+    assert emulated["device"] == "host emulation" and emulated["matrix_types"] == ["f32"]
+    assert image["size"] == "96x64" and image["encode_s"] > 0 and image["max_diff_vs_cpu"] < 1e-4
+    assert {"upload", "gemm", "attention", "layernorm", "qkv_rope", "bias_act", "download"} == set(image["kernel_ms"])
+    off = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "64x64", "--gpu", "off").stdout)
+    assert off["gpu"] == "not measured: --gpu off"
     run = fermoe("bench", "vision", "--sizes", "big", check=False)
     assert run.returncode == 2 and "expected WIDTHxHEIGHT" in run.stderr
 
@@ -108,6 +121,27 @@ def test_engine_gpu_takes_images(tmp_path):
     gen = ("generate", model, *args, "-p", "hi", "-n", 6, "--temp", 0, "--ignore-eos")
     on_gpu = fermoe(*gen, "--engine", "gpu", env=emulate)
     assert on_gpu.stdout.strip() and on_gpu.stdout == fermoe(*gen, "--engine", "cpu").stdout
+
+
+def test_engine_gpu_runs_the_tower_on_its_device(tmp_path, monkeypatch):
+    """With --engine gpu and images, the tower goes on the prefill engine's device (and is
+    what encodes them); without images no tower is put there."""
+    from fermoe.cli import _image_encoder, _open, build_parser
+    from gpu_worker.vision import GPUVisionEngine
+    model, tower = tmp_path / "m.gguf", tmp_path / "mmproj.gguf"
+    fermoe("synth", model, "--layers", 1, "--mmproj", tower)
+    monkeypatch.setenv("FERMOE_GPU", "emulate")
+    base = ["generate", str(model), "--mmproj", str(tower), "--chat", "-p", "hi", "--engine", "gpu", "-t", "1"]
+    args = build_parser().parse_args(base + ["--image", str(_png(tmp_path / "a.png", 1))])
+    m, engine = _open(args)
+    encoder, close = _image_encoder(args, m)
+    assert isinstance(m.gpu_vision, GPUVisionEngine) and m.gpu_vision.device is engine.device
+    assert encoder.forward == m.gpu_vision.encode
+    close()
+    engine.close()
+    m, engine = _open(build_parser().parse_args(base))
+    assert m.gpu_vision is None
+    engine.close()
 
 
 @pytest.mark.parametrize("args, problem", [
