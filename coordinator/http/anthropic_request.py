@@ -2,8 +2,10 @@
 Anthropic's error JSON.
 
 - `system` (a string or text blocks) is the first message, role system.
-- A user message's `text` blocks are its text; each `tool_result` block is a `tool` message
-  (its text; `is_error` changes nothing, the text says it), in the order given.
+- A user message's `text` blocks are its text, its `image` blocks (a base64 source; a url
+  source is refused: the server fetches nothing) its images, in place; each `tool_result`
+  block is a `tool` message (its text; `is_error` changes nothing, the text says it), in the
+  order given.
 - An assistant message's `thinking` blocks are its reasoning (reasoning_content: the template
   decides where it goes), `redacted_thinking` is dropped, `text` is its content, `tool_use`
   its tool calls (`input` is the arguments object).
@@ -17,7 +19,7 @@ Anthropic's error JSON.
 - `stop_sequences` are `stop`; `metadata`, `service_tier` and `cache_control` on any block
   change nothing here; other top-level fields clients add are logged and ignored, as agent
   clients send fields of newer API versions.
-- Blocks fermoe cannot serve (image, document...) and block types it does not know are a 400.
+- Blocks fermoe cannot serve (document, search results...) and block types it does not know are a 400.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ log = logging.getLogger("fermoe.http")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error"}
-SERVED_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
-UNSERVED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use",
+SERVED_BLOCKS = {"user": ("text", "image", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
+UNSERVED_BLOCKS = ("document", "search_result", "container_upload", "server_tool_use",
                    "web_search_tool_result")
 
 
@@ -169,21 +171,40 @@ def _field(where: str, block: dict, name: str, kind: type):
 
 
 def _user(i: int, blocks: list[dict]) -> list[dict]:
-    out, texts = [], []
+    out, parts = [], []
     for j, b in enumerate(blocks):
         where = f"messages.{i}.content.{j}"
         if b["type"] == "text":
-            texts.append({"type": "text", "text": _field(where, b, "text", str)})
+            parts.append({"type": "text", "text": _field(where, b, "text", str)})
             continue
-        if texts:
-            out.append({"role": "user", "content": texts})
-            texts = []
+        if b["type"] == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_data_url(where, b)}})
+            continue
+        if parts:
+            out.append({"role": "user", "content": parts})
+            parts = []
         content = b.get("content", "")
         out.append({"role": "tool", "tool_call_id": _field(where, b, "tool_use_id", str),
                     "content": _text_of(f"{where}.content", content if content is not None else "", "tool_result")})
-    if texts or not out:
-        out.append({"role": "user", "content": texts})
+    if parts or not out:
+        out.append({"role": "user", "content": parts})
     return out
+
+
+def _image_data_url(where: str, block: dict) -> str:
+    """An image block's base64 source as the data: URL the chat path takes; a url source is
+    refused (the server fetches nothing)."""
+    source = _field(where, block, "source", dict)
+    kind = source.get("type")
+    if kind == "url":
+        raise invalid(f"{where}.source", "url image sources are not fetched (the server fetches nothing); send "
+                                         "the image as a base64 source")
+    if kind != "base64":
+        raise invalid(f"{where}.source.type", f"expected 'base64', got {kind!r}")
+    media_type = _field(f"{where}.source", source, "media_type", str)
+    if not media_type.startswith("image/"):
+        raise invalid(f"{where}.source.media_type", f"expected an image/* type, got {media_type!r}")
+    return f"data:{media_type};base64,{_field(f'{where}.source', source, 'data', str)}"
 
 
 def _assistant(i: int, blocks: list[dict]) -> dict:

@@ -1,8 +1,8 @@
 """An OpenAI Responses request -> the chat request the chat path serves.
 
 - `instructions` is the first message, role system; `input` is a string (one user message)
-  or a list of items: messages (`input_text` / `output_text` parts; role developer is system,
-  as on chat), `function_call` items (the previous assistant turn's calls, merged into it),
+  or a list of items: messages (`input_text` / `output_text` parts, and in user messages
+  `input_image` parts with a base64 data: URL; role developer is system, as on chat), `function_call` items (the previous assistant turn's calls, merged into it),
   `function_call_output` items (tool messages, matched by `call_id`), and `reasoning` items
   (their `content` text, else their `summary` text, is the next assistant turn's reasoning).
 - fermoe keeps no responses: `previous_response_id`, `conversation` and `item_reference`
@@ -126,12 +126,34 @@ def _text(param: str, content) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
-            raise invalid(f"{param}[{j}]", f"content parts of type {kind!r} are not supported (text only)",
-                          "unsupported_parameter")
+            raise invalid(f"{param}[{j}]", f"content parts of type {kind!r} are not supported here (text only; "
+                                           f"input_image in user messages)", "unsupported_parameter")
         if kind not in TEXT_PARTS and kind != "refusal" or not isinstance(part.get("text", part.get("refusal")), str):
             raise invalid(f"{param}[{j}]", f"unknown content part {kind!r} (expected input_text or output_text)")
         texts.append(part.get("text", part.get("refusal")))
     return "\n".join(texts)
+
+
+def _user_content(param: str, content):
+    """A user message's content: its text, or, with input_image parts (base64 data: URLs;
+    the server fetches nothing and keeps no files), chat's text and image_url parts in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(param, content)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if part.get("file_id") is not None and url is None:
+                raise invalid(f"{param}[{j}].file_id", "file ids are not supported (fermoe keeps no files): send "
+                                                       "image_url as a base64 data: URL", "unsupported_parameter")
+            if not isinstance(url, str) or not url.lower().startswith("data:"):
+                raise invalid(f"{param}[{j}].image_url", "expected a base64 data: URL (data:image/png;base64,...); "
+                                                         "the server fetches nothing")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text(f"{param}[{j}]", [part])})
+    return parts
 
 
 def _input(items: list[dict]) -> list[dict]:
@@ -157,6 +179,9 @@ def _input(items: list[dict]) -> list[dict]:
                 raise invalid(f"{param}.role", f"expected user, system, developer or assistant, got {role!r}")
             if "content" not in item:
                 raise invalid(f"{param}.content", "Missing required parameter", "missing_required_parameter")
+            if role == "user":
+                out.append({"role": role, "content": _user_content(f"{param}.content", item["content"])})
+                continue
             text = _text(f"{param}.content", item["content"])
             if role == "assistant":
                 message = assistant()

@@ -149,6 +149,36 @@ def test_openai_image_url_data_urls(daemon, files):
     assert r.json()["choices"][0]["message"]["content"] == want
 
 
+def test_anthropic_image_blocks_and_responses_input_images(daemon, files):
+    """The Messages API's base64 image block (Claude Code's screenshots) and the Responses
+    API's input_image (Codex's), through the vendors' own clients: the local run's text
+    (greedy: these APIs have no seed)."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    a = png(2)
+    b64 = base64.b64encode(a).decode()
+    want = Model(files[0]).tokenizer.decode(local_ids(files, chat(a), 10, seed=None, temperature=0.0))
+    claude = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0, timeout=120)
+    m = claude.messages.create(model="m", max_tokens=10, extra_body={"temperature": 0.0},
+                               messages=[{"role": "user", "content": [
+                                   {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                "data": b64}},
+                                   {"type": "text", "text": TEXT}]}])
+    assert "".join(block.text for block in m.content if block.type == "text") == want
+    codex = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = codex.responses.create(model="m", max_output_tokens=10, temperature=0.0,
+                               input=[{"role": "user", "content": [
+                                   {"type": "input_image", "image_url": f"data:image/png;base64,{b64}"},
+                                   {"type": "input_text", "text": TEXT}]}])
+    assert r.output_text == want
+    with pytest.raises(anthropic.BadRequestError, match="not fetched"):
+        claude.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match="data: URL"):
+        codex.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/cat.png"}]}])
+
+
 @pytest.mark.parametrize("url, problem", [
     ("https://example.com/cat.png", "http(s) URLs are not fetched"),
     ("http://127.0.0.1/x.png", "http(s) URLs are not fetched"),
