@@ -129,7 +129,9 @@ FM_INLINE FM_AVX512VNNI int q4_block_sumi_avx512vnni(const block_q4_0 *w, const 
     return hsum_epi32_avx512vnni(_mm_sub_epi32(s, c));
 }
 
-FM_AVX512VNNI static float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const block_q8_0 *x)
+/* Out of line, as the dot products (tails of every row loop) always were: inlined there
+ * they change gcc's schedule of those loops, slower on AVX-512. */
+FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++)
@@ -363,7 +365,7 @@ FM_INLINE FM_AVX512VNNI float hsum_halves_avx512vnni(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-FM_AVX512VNNI static float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const block_q8_0 *x)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {

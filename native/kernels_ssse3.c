@@ -48,7 +48,9 @@ FM_INLINE FM_SSSE3 __m128 scale_add_ssse3(__m128 acc, __m128i isum, float s)
     return _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(isum), _mm_set1_ps(s)));
 }
 
-FM_SSSE3 static float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w, const block_q8_0 *x)
+/* Out of line, as the dot products (tails of every row loop) always were: inlined there
+ * they change gcc's schedule of those loops, slower on AVX-512. */
+FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w, const block_q8_0 *x)
 {
     __m128 acc = _mm_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
@@ -59,7 +61,7 @@ FM_SSSE3 static float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w, con
     return hsum_adjacent_ssse3(acc);
 }
 
-FM_SSSE3 static float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const block_q8_0 *x)
 {
     __m128 acc = _mm_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
