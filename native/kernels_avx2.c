@@ -149,7 +149,8 @@ FM_INLINE FM_AVX2 int q4_block_sumi_avx2(const block_q4_0 *w, const block_q8_0 *
 
 /* Out of line, as the dot products (tails of every row loop) always were: inlined there
  * they change gcc's schedule of those loops, slower on AVX-512. */
-FM_AVX2 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx2(int n, const block_q4_0 *w, const block_q8_0 *x)
+FM_AVX2 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx2(int n, const block_q4_0 *w,
+                                                                         const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++)
@@ -448,7 +449,8 @@ FM_INLINE FM_AVX2 __m256 q8_block_avx2(const block_q8_0 *w, __m256i xq, float s,
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(s), acc);
 }
 
-FM_AVX2 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx2(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_AVX2 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx2(int n, const block_q8_0 *w,
+                                                                         const block_q8_0 *x)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++)
@@ -587,7 +589,8 @@ FM_AVX2 static void fm_matmul_f32_avx2(const float *W, const float *X, float *Y,
                                        int r1)
 {
     for (int r = r0; r < r1; r++)
-        for (int b = 0; b < B; b++) Y[(size_t)b * ldy + r] = dot_f32_avx2(cols, W + (size_t)r * cols, X + (size_t)b * cols);
+        for (int b = 0; b < B; b++)
+            Y[(size_t)b * ldy + r] = dot_f32_avx2(cols, W + (size_t)r * cols, X + (size_t)b * cols);
 }
 
 /* fp16 <-> fp32 rows with F16C, 8 at a time: exact one way, round to nearest even

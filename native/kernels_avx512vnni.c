@@ -131,7 +131,8 @@ FM_INLINE FM_AVX512VNNI int q4_block_sumi_avx512vnni(const block_q4_0 *w, const 
 
 /* Out of line, as the dot products (tails of every row loop) always were: inlined there
  * they change gcc's schedule of those loops, slower on AVX-512. */
-FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const block_q8_0 *x)
+FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w,
+                                                                                     const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++)
@@ -149,8 +150,7 @@ FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx512
  * token's activations; one token is the matrix-vector product's row, more the
  * few-token product's (group_matvec_template.h). */
 FM_INLINE FM_AVX512VNNI void row_tokens_q4_0_avx512vnni(const block_q4_0 *w, const xgroup_avx512vnni *g, int gs,
-                                                        int ng, const int T,
-                                            float *s)
+                                                        int ng, const int T, float *s)
 {
     __m512 acc[FM_FEW_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
@@ -337,7 +337,8 @@ FM_INLINE FM_AVX512VNNI void kernel_avx512vnni(const wt16_avx512vnni *w, int wst
 FM_AVX512VNNI static void fm_matmul_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B,
                                                     int ldy, int r0, int r1)
 {
-    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FM_FEW_MIN_COLS) matmul_few_q4_0_avx512vnni(W, X, Y, cols, B, ldy, r0, r1);
+    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FM_FEW_MIN_COLS)
+        matmul_few_q4_0_avx512vnni(W, X, Y, cols, B, ldy, r0, r1);
     else matmul_tiled_q4_0_avx512vnni(W, X, Y, cols, B, ldy, r0, r1);
 }
 
@@ -365,7 +366,8 @@ FM_INLINE FM_AVX512VNNI float hsum_halves_avx512vnni(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w,
+                                                                                     const block_q8_0 *x)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
@@ -379,8 +381,8 @@ FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx512
  * tiled product unpacks them (AVX512VNNI_Q8_KC at a time, its k-chunk) and summed by
  * the same kernel, then the tail blocks by the dot product, so every row rounds
  * exactly as in the batched product (the tests hold every ISA to it). */
-FM_AVX512VNNI static void fm_matvec_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0,
-                                                    int r1)
+FM_AVX512VNNI static void fm_matvec_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols,
+                                                    int r0, int r1)
 {
     const int nb = cols / FM_QK, ng = nb / 16;
     _Alignas(64) xt16_avx512vnni g[AVX512VNNI_Q8_KC];
@@ -442,7 +444,11 @@ FM_INLINE FM_AVX512VNNI float dot_avx512vnni(int n, const void *w, const int f16
     return sum;
 }
 
-FM_AVX512VNNI static float dot_f32_avx512vnni(int n, const float *w, const float *x) { return dot_avx512vnni(n, w, 0, x); }
+FM_AVX512VNNI static float dot_f32_avx512vnni(int n, const float *w, const float *x)
+{
+    return dot_avx512vnni(n, w, 0, x);
+}
+
 FM_AVX512VNNI static float dot_f16_avx512vnni(int n, const uint16_t *w, const float *x)
 {
     return dot_avx512vnni(n, w, 1, x);
@@ -453,7 +459,8 @@ FM_AVX512VNNI static void fm_matvec_f32_avx512vnni(const float *W, const float *
     for (int r = r0; r < r1; r++) y[r] = dot_f32_avx512vnni(cols, W + (size_t)r * cols, x);
 }
 
-FM_AVX512VNNI static void fm_matvec_f16_avx512vnni(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1)
+FM_AVX512VNNI static void fm_matvec_f16_avx512vnni(const uint16_t *W, const float *x, float *y, int cols, int r0,
+                                                   int r1)
 {
     for (int r = r0; r < r1; r++) y[r] = dot_f16_avx512vnni(cols, W + (size_t)r * cols, x);
 }

@@ -165,7 +165,8 @@ void fm_attn_accumulate_scalar(const float *p, int ldp, int G, const void *const
  * Row outer, batch inner: the row (a few KB) stays in L1 while the B
  * activations stream past it, so memory sees each weight once. */
 
-static void fm_matmul_q4_0_scalar(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1)
+static void fm_matmul_q4_0_scalar(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0,
+                                  int r1)
 {
     const int nb = cols / FM_QK;
     for (int r = r0; r < r1; r++)
@@ -173,7 +174,8 @@ static void fm_matmul_q4_0_scalar(const block_q4_0 *W, const block_q8_0 *X, floa
             Y[(size_t)b * ldy + r] = fm_vec_dot_q4_0_q8_0_scalar(cols, W + (size_t)r * nb, X + (size_t)b * nb);
 }
 
-static void fm_matmul_q8_0_scalar(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1)
+static void fm_matmul_q8_0_scalar(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0,
+                                  int r1)
 {
     const int nb = cols / FM_QK;
     for (int r = r0; r < r1; r++)

@@ -50,7 +50,8 @@ FM_INLINE FM_SSSE3 __m128 scale_add_ssse3(__m128 acc, __m128i isum, float s)
 
 /* Out of line, as the dot products (tails of every row loop) always were: inlined there
  * they change gcc's schedule of those loops, slower on AVX-512. */
-FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w, const block_q8_0 *x)
+FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w,
+                                                                           const block_q8_0 *x)
 {
     __m128 acc = _mm_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
@@ -61,7 +62,8 @@ FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_ssse3(int n
     return hsum_adjacent_ssse3(acc);
 }
 
-FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w,
+                                                                           const block_q8_0 *x)
 {
     __m128 acc = _mm_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
@@ -457,7 +459,8 @@ FM_SSSE3 static void fm_matmul_f32_ssse3(const float *W, const float *X, float *
                                          int r1)
 {
     for (int r = r0; r < r1; r++)
-        for (int b = 0; b < B; b++) Y[(size_t)b * ldy + r] = dot_f32_ssse3(cols, W + (size_t)r * cols, X + (size_t)b * cols);
+        for (int b = 0; b < B; b++)
+            Y[(size_t)b * ldy + r] = dot_f32_ssse3(cols, W + (size_t)r * cols, X + (size_t)b * cols);
 }
 
 const fm_kernels fm_kernels_ssse3 = {
