@@ -9,6 +9,7 @@
 
 #include "kernels.h"
 #include "linear.h"
+#include "membench.h"
 #include "threadpool.h"
 
 #define CHUNK (4u << 20)    /* bytes a task reads: large enough to stream, small enough to balance */

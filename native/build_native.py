@@ -16,10 +16,11 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["kernels_scalar.c", "kernels_ssse3.c", "kernels_avx2.c", "kernels_avx512vnni.c", "kernels_float_x86.c",
+SOURCES = ["kernels_scalar.c", "kernels_ssse3.c", "kernels_avx2.c", "kernels_avx512vnni.c", "kernel_scratch.c",
            "dispatch.c", "membench.c",
            "threadpool.c", "bandwidth.c", "linear.c", "forward.c", "gdn.c", "attention.c", "moe.c"]
-HEADERS = ["fermoe_blocks.h", "kernels.h", "x86.h", "threadpool.h", "model.h", "linear.h", "forward.h", "ctx.h", "ops.h"]
+HEADERS = ["fermoe_blocks.h", "kernels.h", "x86.h", "tiled_matmul_template.h", "group_matvec_template.h", "membench.h",
+           "threadpool.h", "model.h", "linear.h", "forward.h", "ctx.h", "ops.h"]
 # -ffp-contract=off: no silent a*b+c fusing, so the scalar reference rounds as written.
 # -fno-trapping-math: nothing here reads floating-point exception flags; without it gcc
 # keeps the clamps of fm_expf as branches, and no SiLU or softmax loop vectorises.
@@ -35,12 +36,13 @@ typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;
 float fm_fp16_to_fp32(uint16_t h);
 uint16_t fm_fp32_to_fp16(float f);
 """
-KERNEL_API = ("enum { FM_ISA_SCALAR", "/* ---- the per-ISA implementations ---- */")
+KERNEL_API = ("enum { FM_ISA_SCALAR", "/* ---- the per-ISA implementations ----")
 
 
-# The forward's headers are plain declarations: cffi reads them as they are (less the
-# preprocessor lines), so the Python view of the structs can never drift from C.
-FORWARD_HEADERS = ["model.h", "threadpool.h", "linear.h", "forward.h"]
+# The forward's headers (and the read probe's) are plain declarations: cffi reads them as
+# they are (less the preprocessor lines), so the Python view of the structs can never
+# drift from C.
+FORWARD_HEADERS = ["membench.h", "model.h", "threadpool.h", "linear.h", "forward.h"]
 
 
 def _header_cdef(name: str, section: tuple[str, str] | None = None) -> str:
@@ -72,7 +74,7 @@ def make_builder(absolute: bool = False) -> FFI:
     builder.cdef(CDEF + _header_cdef("kernels.h", KERNEL_API) + "".join(_header_cdef(h) for h in FORWARD_HEADERS))
     builder.set_source(
         "native._fermoe_native",
-        '#include "kernels.h"\n#include "linear.h"\n#include "forward.h"',
+        '#include "kernels.h"\n#include "membench.h"\n#include "linear.h"\n#include "forward.h"',
         sources=sources,
         include_dirs=[str(HERE)],
         depends=[str(HERE / h) for h in HEADERS],

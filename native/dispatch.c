@@ -18,48 +18,14 @@
 #define FM_X86 1
 #endif
 
-static const fm_kernels kernels_generic = {
-    fm_quantize_row_q8_0_generic, fm_vec_dot_q4_0_q8_0_generic, fm_vec_dot_q8_0_q8_0_generic,
-    fm_matvec_q4_0_generic, fm_matvec_q8_0_generic, fm_matvec_f32_generic, fm_matvec_f16_generic,
-    fm_matmul_q4_0_generic, fm_matmul_q8_0_generic, fm_matmul_f32_generic,
-    fm_fp16_to_fp32_row_generic, fm_fp32_to_fp16_row_generic,
-    fm_attn_scores_generic, fm_attn_accumulate_generic,
-};
-
-#ifdef FM_X86
-static const fm_kernels kernels_ssse3 = {
-    fm_quantize_row_q8_0_generic,  /* rounding needs SSE4.1's roundps */
-    fm_vec_dot_q4_0_q8_0_ssse3, fm_vec_dot_q8_0_q8_0_ssse3,
-    fm_matvec_q4_0_ssse3, fm_matvec_q8_0_ssse3, fm_matvec_f32_ssse3,
-    fm_matvec_f16_generic,         /* fp16 loads need F16C */
-    fm_matmul_q4_0_ssse3, fm_matmul_q8_0_ssse3, fm_matmul_f32_ssse3,
-    fm_fp16_to_fp32_row_generic, fm_fp32_to_fp16_row_generic,
-    fm_attn_scores_generic, fm_attn_accumulate_generic,
-};
-static const fm_kernels kernels_avx2 = {
-    fm_quantize_row_q8_0_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_vec_dot_q8_0_q8_0_avx2,
-    fm_matvec_q4_0_avx2, fm_matvec_q8_0_avx2, fm_matvec_f32_avx2, fm_matvec_f16_avx2,
-    fm_matmul_q4_0_avx2, fm_matmul_q8_0_avx2, fm_matmul_f32_avx2,
-    fm_fp16_to_fp32_row_avx2, fm_fp32_to_fp16_row_avx2,
-    fm_attn_scores_avx2, fm_attn_accumulate_avx2,
-};
-static const fm_kernels kernels_avx512vnni = {
-    fm_quantize_row_q8_0_avx2, fm_vec_dot_q4_0_q8_0_avx512vnni, fm_vec_dot_q8_0_q8_0_avx512vnni,
-    fm_matvec_q4_0_avx512vnni, fm_matvec_q8_0_avx512vnni, fm_matvec_f32_avx512vnni, fm_matvec_f16_avx512vnni,
-    fm_matmul_q4_0_avx512vnni, fm_matmul_q8_0_avx512vnni, fm_matmul_f32_avx512vnni,
-    fm_fp16_to_fp32_row_avx2, fm_fp32_to_fp16_row_avx2,
-    fm_attn_scores_avx2, fm_attn_accumulate_avx2,
-};
-#endif
-
 static const fm_kernels *table_for(int isa)
 {
     switch (isa) {
-    case FM_ISA_SCALAR: return &kernels_generic;
+    case FM_ISA_SCALAR: return &fm_kernels_scalar;
 #ifdef FM_X86
-    case FM_ISA_SSSE3: return &kernels_ssse3;
-    case FM_ISA_AVX2: return &kernels_avx2;
-    case FM_ISA_AVX512VNNI: return &kernels_avx512vnni;
+    case FM_ISA_SSSE3: return &fm_kernels_ssse3;
+    case FM_ISA_AVX2: return &fm_kernels_avx2;
+    case FM_ISA_AVX512VNNI: return &fm_kernels_avx512vnni;
 #endif
     default: return NULL;
     }

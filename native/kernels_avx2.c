@@ -1,10 +1,13 @@
-/* kernels_avx2.c: the AVX2 versions of the integer dot products, matrix-vector
- * products (Q4_0 straight from the GGUF layout), the tiled batched products and
- * the few-token one. Each function carries its own target attribute, as in
- * kernels_ssse3.c.
+/* kernels_avx2.c: the AVX2 kernels (with FMA and F16C): the integer dot products,
+ * the matrix-vector products (Q4_0 straight from the GGUF layout), the few-token and
+ * tiled batched products; the F32 and F16 products, fp16 rows, the attention
+ * kernels over the KV cache and the Q8_0 quantiser; the table of the avx2 ISA.
  */
-#include "kernels.h"
+#include <math.h>
 #include "x86.h"
+
+#define FM_TARGET FM_AVX2  /* for the templates */
+#define FM_GB 8            /* blocks a group: one per 32-bit lane of a 256-bit vector */
 
 static int imin(int a, int b) { return a < b ? a : b; }
 
@@ -120,7 +123,7 @@ FM_INLINE FM_AVX2 __m256 group_sum_avx2(const block_q4_0 *w, const xgroup_avx2 *
  * path uses too, so a row's dot product rounds the same in the matrix-vector
  * product and in every tile of the batched one. The forward is then bitwise
  * independent of how a prompt is chunked (served output = local output). */
-FM_INLINE FM_AVX2 float hsum_ps_avx(__m256 v)
+FM_INLINE FM_AVX2 float hsum_adjacent_avx2(__m256 v)
 {
     __m256 h = _mm256_hadd_ps(v, v);
     h = _mm256_hadd_ps(h, h);
@@ -144,7 +147,10 @@ FM_INLINE FM_AVX2 int q4_block_sumi_avx2(const block_q4_0 *w, const block_q8_0 *
     return _mm_cvtsi128_si32(s);
 }
 
-FM_AVX2 float fm_vec_dot_q4_0_q8_0_avx2(int n, const block_q4_0 *w, const block_q8_0 *x)
+/* Out of line, as the dot products (tails of every row loop) always were: inlined there
+ * they change gcc's schedule of those loops, slower on AVX-512. */
+FM_AVX2 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx2(int n, const block_q4_0 *w,
+                                                                         const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++)
@@ -168,7 +174,7 @@ FM_INLINE FM_AVX2 float row_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g,
         acc = group_sum_avx2(w + 8 * (k - 1), g + k - 1, p, acc);
         for (int j = 0; j < 4; j++) p[j] = next[j];
     }
-    return hsum_ps_avx(group_sum_avx2(w + 8 * (ng - 1), g + ng - 1, p, acc));
+    return hsum_adjacent_avx2(group_sum_avx2(w + 8 * (ng - 1), g + ng - 1, p, acc));
 }
 
 /* One row at a time: two interleaved rows read slower (two memory streams a thread
@@ -177,11 +183,48 @@ FM_INLINE FM_AVX2 float row_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g,
  * 2 groups a row, so an empty call would be a large share of its time. */
 #define AVX2_Q4_KC 16           /* groups per k-chunk of fm_matmul_q4_0_avx2 */
 #define AVX2_Q8_KC 8
-FM_GROUP_MATVEC(fm_matvec_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 8, prepare_x_avx2, row_q4_0_avx2,
-                fm_vec_dot_q4_0_q8_0_avx2, FM_AVX2)
+
+/* T tokens' sums over ng groups (one k-chunk) of one row, g: T rows of gs groups; each
+ * group's nibbles are unpacked once for all of them (the few-token product). */
+FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int gs, int ng, const int T,
+                                            float *s)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[FM_FEW_TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int k = 0; k < ng; k++, w += 8) {
+        __m256i lo[4], hi[4];
+        fm_prefetch(w);
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = load_pair_q4(w + 2 * j);
+            lo[j] = _mm256_and_si256(q, m4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        const __m256 dw = dw8_avx2(w);
+        for (int t = 0; t < T; t++) {
+            const xgroup_avx2 *x = g + (size_t)t * gs + k;
+            __m256i p[4];
+            for (int j = 0; j < 4; j++)
+                p[j] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x->xlo[j]), _mm256_maddubs_epi16(hi[j], x->xhi[j]));
+            const __m256i si = _mm256_add_epi32(fold8_avx2(p[0], p[1], p[2], p[3]), x->corr);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, x->dx), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) s[t] = hsum_adjacent_avx2(acc[t]);
+}
+
+#define GROUP_MATVEC_NAME fm_matvec_q4_0_avx2
+#define GROUP_FEW_NAME matmul_few_q4_0_avx2
+#define GROUP_XG xgroup_avx2
+#define GROUP_KC AVX2_Q4_KC
+#define GROUP_PREP prepare_x_avx2
+#define GROUP_ROW row_q4_0_avx2
+#define GROUP_ROW_TOKENS row_tokens_q4_0_avx2
+#define GROUP_DOT fm_vec_dot_q4_0_q8_0_avx2
+#include "group_matvec_template.h"
 
 /* ---------------------------------------------------------------- batched (AVX2)
- * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 256-bit vectors: a group is 8
+ * The tiled GEMM (tiled_matmul_template.h) with 256-bit vectors: a group is 8
  * blocks, one per 32-bit lane in the order 0,2,4,6,1,3,5,7 (the low 128 bits
  * hold blocks 0,2,4,6, as dw8_avx2). Q4_0 as on SSSE3: nibbles unsigned, -8*sum(x)
  * per block, the 8 products of a group summed in int16, then 9 multiplies per 8
@@ -189,7 +232,7 @@ FM_GROUP_MATVEC(fm_matvec_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 
  * and one token: 8 vpmaddubsw, 7 vpaddw, 1 vpmaddwd, 1 vpaddd, 1 convert, 1 mul,
  * 1 FMA. Q8_0: the sign trick, each product widened at once.
  * Bound by the number of vector ops, so wider register blocks (3x2 to 4x4) are no
- * faster; at a few tokens the unpacking is a large share (hence FM_FEW_MATMUL). */
+ * faster; at a few tokens the unpacking is a large share (hence the few-token product). */
 typedef struct {
     __m256i v[8];  /* v[m]: x[4m..4m+3] of the 8 blocks; v[4+m]: x[16+4m..16+4m+3] */
     __m256i corr;  /* -8 * sum(x_b), int32 per lane */
@@ -294,7 +337,7 @@ FM_INLINE FM_AVX2 void store_sums_avx2(__m256 acc[2][2], float *Y, int ldy, int 
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
             float *y = Y + (size_t)t * ldy + r;
-            const float v = hsum_ps_avx(acc[r][t]);
+            const float v = hsum_adjacent_avx2(acc[r][t]);
             *y = acc_out ? *y + v : v;
         }
 }
@@ -373,44 +416,29 @@ FM_INLINE FM_AVX2 void kernel_q8_avx2(const wq8t8_avx2 *w, int wstride, const xt
     store_sums_avx2(acc, Y, ldy, acc_out, R, T);
 }
 
-FM_TILED_MATMUL(matmul_tiled_q4_0_avx2, block_q4_0, wt8_avx2, xt8_avx2, 8, AVX2_Q4_KC, 2, prepare_xt8_avx2, unpack_wt8_avx2,
-             kernel_q4_avx2, fm_vec_dot_q4_0_q8_0_avx2, fm_matvec_q4_0_avx2, static FM_AVX2)
+#define TILED_NAME matmul_tiled_q4_0_avx2
+#define TILED_W block_q4_0
+#define TILED_WT wt8_avx2
+#define TILED_XT xt8_avx2
+#define TILED_KC AVX2_Q4_KC
+#define TILED_RB 2
+#define TILED_PREP prepare_xt8_avx2
+#define TILED_UNPACK unpack_wt8_avx2
+#define TILED_KERNEL kernel_q4_avx2
+#define TILED_DOT fm_vec_dot_q4_0_q8_0_avx2
+#define TILED_MATVEC fm_matvec_q4_0_avx2
+#include "tiled_matmul_template.h"
 
-/* ---------------------------------------------------------------- a few tokens (AVX2)
- * FM_FEW_MATMUL (kernels.h) on rows of at least FM_FEW_MIN_COLS columns: faster than
- * the tiled product for a decode round of 2 to 4 sequences and an expert's gate and
- * up, not on an expert's down projection (512 columns), whose short rows stay tiled. */
-FM_INLINE FM_AVX2 void row_tokens_q4_0_avx2(const block_q4_0 *w, const xgroup_avx2 *g, int gs, int ng, const int T,
-                                            float *s)
+/* A few tokens (group_matvec_template.h) on rows of at least FM_FEW_MIN_COLS columns:
+ * faster than the tiled product for a decode round of 2 to 4 sequences and an
+ * expert's gate and up, not on an expert's down projection (512 columns), whose short
+ * rows stay tiled. */
+FM_AVX2 static void fm_matmul_q4_0_avx2(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy,
+                                        int r0, int r1)
 {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[FM_FEW_TOKENS];
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
-    for (int k = 0; k < ng; k++, w += 8) {
-        __m256i lo[4], hi[4];
-        fm_prefetch(w);
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = load_pair_q4(w + 2 * j);
-            lo[j] = _mm256_and_si256(q, m4);
-            hi[j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        }
-        const __m256 dw = dw8_avx2(w);
-        for (int t = 0; t < T; t++) {
-            const xgroup_avx2 *x = g + (size_t)t * gs + k;
-            __m256i p[4];
-            for (int j = 0; j < 4; j++)
-                p[j] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x->xlo[j]), _mm256_maddubs_epi16(hi[j], x->xhi[j]));
-            const __m256i si = _mm256_add_epi32(fold8_avx2(p[0], p[1], p[2], p[3]), x->corr);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, x->dx), acc[t]);
-        }
-    }
-    for (int t = 0; t < T; t++) s[t] = hsum_ps_avx(acc[t]);
+    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FM_FEW_MIN_COLS) matmul_few_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
+    else matmul_tiled_q4_0_avx2(W, X, Y, cols, B, ldy, r0, r1);
 }
-
-FM_FEW_MATMUL(matmul_few_q4_0_avx2, xgroup_avx2, 8, AVX2_Q4_KC, CHUNK_BLOCKS / 8, prepare_x_avx2, row_tokens_q4_0_avx2,
-              fm_vec_dot_q4_0_q8_0_avx2, static FM_AVX2)
-
-FM_FEW_OR_TILED(fm_matmul_q4_0_avx2, matmul_few_q4_0_avx2, matmul_tiled_q4_0_avx2, 4, FM_AVX2)
 
 /* Q8_0 x Q8_0: 34-byte blocks leave more time per byte; the sign trick per block is enough. */
 FM_INLINE FM_AVX2 __m256 q8_block_avx2(const block_q8_0 *w, __m256i xq, float s, __m256 acc)
@@ -421,13 +449,14 @@ FM_INLINE FM_AVX2 __m256 q8_block_avx2(const block_q8_0 *w, __m256i xq, float s,
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(s), acc);
 }
 
-FM_AVX2 float fm_vec_dot_q8_0_q8_0_avx2(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_AVX2 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx2(int n, const block_q8_0 *w,
+                                                                         const block_q8_0 *x)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++)
         acc = q8_block_avx2(w + b, _mm256_loadu_si256((const __m256i *)x[b].qs),
                             _cvtsh_ss(w[b].d) * _cvtsh_ss(x[b].d), acc);
-    return hsum_ps_avx(acc);
+    return hsum_adjacent_avx2(acc);
 }
 
 /* One block's 32 products as 8 int32 partial sums (the sign trick, as q8_block_avx2). */
@@ -451,12 +480,13 @@ FM_INLINE FM_AVX2 __m256i q8_group_totals_avx2(const block_q8_0 *w, const block_
 }
 
 /* As the batched product computes a row for one token (see fm_matvec_q4_0_avx2), by
- * hand: FM_KERNEL_MATVEC's unpacking of each row is slower here.
+ * hand: unpacking each row into the tiled layout (as fm_matvec_q8_0_avx512vnni does)
+ * is slower here.
  * acc += float(block totals) * (d_w * d_x) per group of 8 blocks, one horizontal
  * sum per AVX2_Q8_KC groups, the tail blocks last. */
-FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
+FM_AVX2 static void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
-    const int nb = cols / FM_QK, ng = nb / 8, nt = nb - 8 * ng;
+    const int nb = cols / FM_QK, ng = nb / 8;
     __m256 dx[CHUNK_BLOCKS / 8];
     _Static_assert(CHUNK_BLOCKS / 8 % AVX2_Q8_KC == 0, "an activation chunk holds whole k-chunks");
     for (int k0 = 0; k0 < ng; k0 += CHUNK_BLOCKS / 8) {
@@ -474,13 +504,281 @@ FM_AVX2 void fm_matvec_q8_0_avx2(const block_q8_0 *W, const block_q8_0 *x, float
                     const __m256 d = _mm256_mul_ps(d8_q8_avx2(w + 8 * k), dx[k]);
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_group_totals_avx2(w + 8 * k, xc + 8 * k)), d, acc);
                 }
-                const float s = hsum_ps_avx(acc);
+                const float s = hsum_adjacent_avx2(acc);
                 v = k0 + kc ? v + s : s;
             }
             y[r] = v;
         }
     }
-    FM_MATVEC_TAIL(8, fm_vec_dot_q8_0_q8_0_avx2);
+    matvec_tail_q8_0(fm_vec_dot_q8_0_q8_0_avx2, W, x, y, cols, 8, r0, r1);
 }
-FM_TILED_MATMUL(fm_matmul_q8_0_avx2, block_q8_0, wq8t8_avx2, xt8_avx2, 8, AVX2_Q8_KC, 2, prepare_xt8_avx2, unpack_wq8t8_avx2,
-             kernel_q8_avx2, fm_vec_dot_q8_0_q8_0_avx2, fm_matvec_q8_0_avx2, FM_AVX2)
+
+#define TILED_NAME fm_matmul_q8_0_avx2
+#define TILED_W block_q8_0
+#define TILED_WT wq8t8_avx2
+#define TILED_XT xt8_avx2
+#define TILED_KC AVX2_Q8_KC
+#define TILED_RB 2
+#define TILED_PREP prepare_xt8_avx2
+#define TILED_UNPACK unpack_wq8t8_avx2
+#define TILED_KERNEL kernel_q8_avx2
+#define TILED_DOT fm_vec_dot_q8_0_q8_0_avx2
+#define TILED_MATVEC fm_matvec_q8_0_avx2
+#include "tiled_matmul_template.h"
+
+
+/* ---------------------------------------------------------------- F32 and F16 (AVX2 + FMA + F16C)
+ * The F32/F16 tensors are the small ones (norm-adjacent vectors, the router): these
+ * only need to stay memory-bound. */
+
+/* (v0+v4)+(v2+v6) and (v1+v5)+(v3+v7), then those two added. */
+FM_INLINE FM_AVX2 float hsum_halves_avx2(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 floats of a row from element i: fp16 widened when f16 is set, else fp32 (f16 is a
+ * constant wherever this is inlined). */
+FM_INLINE FM_AVX2 __m256 load8_avx2(const void *row, int f16, int i)
+{
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
+               : _mm256_loadu_ps((const float *)row + i);
+}
+
+/* w . x over n elements of fp16 (f16 set) or fp32 weights. Four accumulators hide the
+ * FMA latency; prefetch as the quantised loops do (one call covers 192 B: 32 F32 =
+ * 128 B, 32 F16 = 64 B per step). */
+FM_INLINE FM_AVX2 float dot_avx2(int n, const void *w, const int f16, const float *x)
+{
+    const size_t esize = f16 ? 2 : 4;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int j = 0;
+    for (; j + 32 <= n; j += 32) {
+        fm_prefetch((const char *)w + j * esize);
+        a0 = _mm256_fmadd_ps(load8_avx2(w, f16, j), _mm256_loadu_ps(x + j), a0);
+        a1 = _mm256_fmadd_ps(load8_avx2(w, f16, j + 8), _mm256_loadu_ps(x + j + 8), a1);
+        a2 = _mm256_fmadd_ps(load8_avx2(w, f16, j + 16), _mm256_loadu_ps(x + j + 16), a2);
+        a3 = _mm256_fmadd_ps(load8_avx2(w, f16, j + 24), _mm256_loadu_ps(x + j + 24), a3);
+    }
+    float sum = hsum_halves_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; j < n; j++) sum += (f16 ? _cvtsh_ss(((const uint16_t *)w)[j]) : ((const float *)w)[j]) * x[j];
+    return sum;
+}
+
+FM_AVX2 static float dot_f32_avx2(int n, const float *w, const float *x) { return dot_avx2(n, w, 0, x); }
+FM_AVX2 static float dot_f16_avx2(int n, const uint16_t *w, const float *x) { return dot_avx2(n, w, 1, x); }
+
+FM_AVX2 static void fm_matvec_f32_avx2(const float *W, const float *x, float *y, int cols, int r0, int r1)
+{
+    for (int r = r0; r < r1; r++) y[r] = dot_f32_avx2(cols, W + (size_t)r * cols, x);
+}
+
+FM_AVX2 static void fm_matvec_f16_avx2(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1)
+{
+    for (int r = r0; r < r1; r++) y[r] = dot_f16_avx2(cols, W + (size_t)r * cols, x);
+}
+
+/* Batched F32 is row by row with the same dot product as the matrix-vector one:
+ * each (row, token) then rounds identically whatever the batch, which keeps the
+ * forward bitwise independent of prompt chunking. F32 matrices are small here
+ * (routers), so a register-blocked version would not pay for that. */
+FM_AVX2 static void fm_matmul_f32_avx2(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0,
+                                       int r1)
+{
+    for (int r = r0; r < r1; r++)
+        for (int b = 0; b < B; b++)
+            Y[(size_t)b * ldy + r] = dot_f32_avx2(cols, W + (size_t)r * cols, X + (size_t)b * cols);
+}
+
+/* fp16 <-> fp32 rows with F16C, 8 at a time: exact one way, round to nearest even
+ * the other, as fm_fp16_to_fp32 / fm_fp32_to_fp16 (and numpy) round. */
+FM_AVX2 void fm_fp16_to_fp32_row_avx2(const uint16_t *x, float *y, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    for (; i < n; i++) y[i] = _cvtsh_ss(x[i]);
+}
+
+FM_AVX2 void fm_fp32_to_fp16_row_avx2(const float *x, uint16_t *y, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) y[i] = fm_fp32_to_fp16(x[i]);
+}
+
+/* ---------------------------------------------------------------- attention (AVX2 + F16C)
+ * Register-blocked over up to 8 query heads (a grouped-query KV head's): each K or V
+ * load, fp16 widened on the way, feeds one FMA per head. Scores: 8 accumulators along
+ * the head dimension, reduced together by one hadd tree. Weighted sum: 8 heads' acc
+ * stay in registers over all n positions, 8 floats of the head dimension at a time, so
+ * nothing is stored per position. Needs hd % 8 == 0, else the scalar kernels run.
+ * The scores prefetch the K row SCORE_PF_ROWS positions ahead: rows are a page stride
+ * apart, beyond the hardware prefetcher, so at long contexts the scores would wait
+ * on memory. */
+#define SCORE_PF_ROWS 4
+
+/* The 8 sums of a[0..7], in that order, with one hadd tree. */
+FM_INLINE FM_AVX2 __m256 hsum8x8(const __m256 a[8])
+{
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+FM_INLINE FM_AVX2 void scores_heads(const float *q, int qstride, const void *row, int f16, int hd,
+                                    float *s, int lds, const int NH)
+{
+    __m256 a[8];
+    for (int h = 0; h < 8; h++) a[h] = _mm256_setzero_ps();
+    for (int i = 0; i < hd; i += 8) {
+        const __m256 k = load8_avx2(row, f16, i);
+        for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)h * qstride + i), k, a[h]);
+    }
+    float out[8];
+    _mm256_storeu_ps(out, hsum8x8(a));
+    for (int h = 0; h < NH; h++) s[(size_t)h * lds] = out[h];
+}
+
+/* scores_heads for nh <= 8 heads, nh a constant in each case. */
+FM_INLINE FM_AVX2 void scores_block(const float *q, int qstride, const void *row, int f16, int hd, float *s, int lds,
+                                    int nh)
+{
+    switch (nh) {
+    case 8: scores_heads(q, qstride, row, f16, hd, s, lds, 8); break;
+    case 7: scores_heads(q, qstride, row, f16, hd, s, lds, 7); break;
+    case 6: scores_heads(q, qstride, row, f16, hd, s, lds, 6); break;
+    case 5: scores_heads(q, qstride, row, f16, hd, s, lds, 5); break;
+    case 4: scores_heads(q, qstride, row, f16, hd, s, lds, 4); break;
+    case 3: scores_heads(q, qstride, row, f16, hd, s, lds, 3); break;
+    case 2: scores_heads(q, qstride, row, f16, hd, s, lds, 2); break;
+    default: scores_heads(q, qstride, row, f16, hd, s, lds, 1);
+    }
+}
+
+FM_INLINE FM_AVX2 void accumulate_heads(const float *p, int ldp, const void *const *rows, int f16, int n, int hd,
+                                        float *acc, const int NH)
+{
+    for (int i = 0; i < hd; i += 8) {
+        __m256 a[8];
+        for (int h = 0; h < NH; h++) a[h] = _mm256_loadu_ps(acc + (size_t)h * hd + i);
+        for (int j = 0; j < n; j++) {
+            const __m256 v = load8_avx2(rows[j], f16, i);
+            for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + (size_t)h * ldp + j), v, a[h]);
+        }
+        for (int h = 0; h < NH; h++) _mm256_storeu_ps(acc + (size_t)h * hd + i, a[h]);
+    }
+}
+
+/* accumulate_heads for nh <= 8 heads, nh a constant in each case. */
+FM_INLINE FM_AVX2 void accumulate_block(const float *p, int ldp, const void *const *rows, int f16, int n, int hd,
+                                        float *acc, int nh)
+{
+    switch (nh) {
+    case 8: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 8); break;
+    case 7: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 7); break;
+    case 6: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 6); break;
+    case 5: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 5); break;
+    case 4: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 4); break;
+    case 3: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 3); break;
+    case 2: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 2); break;
+    default: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 1);
+    }
+}
+
+FM_AVX2 void fm_attn_scores_avx2(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
+                                 float *s, int lds)
+{
+    if (hd % 8) {
+        fm_attn_scores_scalar(q, qstride, G, rows, f16, n, hd, s, lds);
+        return;
+    }
+    for (int h0 = 0; h0 < G; h0 += 8) {
+        const int nh = G - h0 < 8 ? G - h0 : 8;
+        const float *qh = q + (size_t)h0 * qstride;
+        float *sh = s + (size_t)h0 * lds;
+        const size_t row_bytes = (size_t)hd * (f16 ? 2 : 4);
+        for (int j = 0; j < n; j++) {
+            if (j + SCORE_PF_ROWS < n)
+                for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)rows[j + SCORE_PF_ROWS] + o, 0, 3);
+            scores_block(qh, qstride, rows[j], f16, hd, sh + j, lds, nh);
+        }
+    }
+}
+
+FM_AVX2 void fm_attn_accumulate_avx2(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
+                                     float *acc)
+{
+    if (hd % 8) {
+        fm_attn_accumulate_scalar(p, ldp, G, rows, f16, n, hd, acc);
+        return;
+    }
+    for (int h0 = 0; h0 < G; h0 += 8) {
+        const int nh = G - h0 < 8 ? G - h0 : 8;
+        accumulate_block(p + (size_t)h0 * ldp, ldp, rows, f16, n, hd, acc + (size_t)h0 * hd, nh);
+    }
+}
+
+/* ---------------------------------------------------------------- Q8_0 quantiser (AVX2)
+ * Bit-exact with the scalar one: the same fp32 d and 1/d, and roundf's
+ * half-away-from-zero rebuilt from round-to-nearest-even plus a tie fix (as
+ * shared.quants does). Blocks holding inf/NaN or a tiny max take the scalar path. */
+
+FM_INLINE FM_AVX2 __m256i round_half_away_epi32(__m256 v)
+{
+    const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
+    __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* v - r is exact; a tie sent toward zero leaves +-0.5 with v's sign */
+    const __m256 tie = _mm256_cmp_ps(_mm256_sub_ps(v, r), _mm256_or_ps(sign, _mm256_set1_ps(0.5f)), _CMP_EQ_OQ);
+    r = _mm256_add_ps(r, _mm256_and_ps(tie, _mm256_or_ps(sign, _mm256_set1_ps(1.0f))));
+    return _mm256_cvtps_epi32(r);
+}
+
+FM_AVX2 void fm_quantize_row_q8_0_avx2(const float *x, block_q8_0 *y, int n)
+{
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int b = 0; b < n / FM_QK; b++) {
+        const float *xb = x + b * FM_QK;
+        __m256 v[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[k], abs_mask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        if (_mm256_movemask_ps(nan) || !isfinite(d) || isinf(id)) {
+            fm_quantize_row_q8_0_scalar(xb, y + b, FM_QK);
+            continue;
+        }
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) q[k] = round_half_away_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+        /* packs work per 128-bit lane: undo their interleave with one dword permute */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)y[b].qs, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        y[b].d = fm_fp32_to_fp16(d);
+    }
+}
+
+const fm_kernels fm_kernels_avx2 = {
+    .quantize_row_q8_0 = fm_quantize_row_q8_0_avx2,
+    .dot_q4_0_q8_0 = fm_vec_dot_q4_0_q8_0_avx2,
+    .dot_q8_0_q8_0 = fm_vec_dot_q8_0_q8_0_avx2,
+    .matvec_q4_0 = fm_matvec_q4_0_avx2,
+    .matvec_q8_0 = fm_matvec_q8_0_avx2,
+    .matvec_f32 = fm_matvec_f32_avx2,
+    .matvec_f16 = fm_matvec_f16_avx2,
+    .matmul_q4_0 = fm_matmul_q4_0_avx2,
+    .matmul_q8_0 = fm_matmul_q8_0_avx2,
+    .matmul_f32 = fm_matmul_f32_avx2,
+    .fp16_to_fp32_row = fm_fp16_to_fp32_row_avx2,
+    .fp32_to_fp16_row = fm_fp32_to_fp16_row_avx2,
+    .attn_scores = fm_attn_scores_avx2,
+    .attn_accumulate = fm_attn_accumulate_avx2,
+};

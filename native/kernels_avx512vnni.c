@@ -1,4 +1,7 @@
-/* kernels_avx512vnni.c: AVX-512 VNNI versions of the integer dot products.
+/* kernels_avx512vnni.c: the AVX-512 VNNI kernels: the integer dot products, the
+ * matrix-vector, few-token and tiled batched products, the F32 and F16 products
+ * (AVX-512F); the table of the avx512vnni ISA, which borrows AVX2's quantiser, fp16
+ * rows and attention kernels.
  * vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of 4 into
  * int32 lanes in one instruction. Its unsigned operand is the weight:
  *   Q4_0: the raw nibbles (0..15), and the -8 offset becomes -8*sum(x) per block;
@@ -6,10 +9,10 @@
  * Corrections are applied to the int32 sums, never in float (no cancellation).
  * No AMX anywhere (it faults on our machines).
  */
-#include <stdlib.h>
-#include "kernels.h"
 #include "x86.h"
 
+#define FM_TARGET FM_AVX512VNNI  /* for the templates */
+#define FM_GB 16                 /* blocks a group: 4 per 128-bit lane of a 512-bit vector */
 
 /* A group of 16 activation blocks, laid out for 512-bit weight loads: zmm k holds
  * the nibbles of weight blocks 4k..4k+3, one per 128-bit lane, and xlo[k]/xhi[k]
@@ -106,7 +109,7 @@ FM_INLINE FM_AVX512VNNI __m512 group_dot_avx512vnni(const wgroup_avx512vnni *u, 
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u->dw, g->dx), acc);
 }
 
-FM_INLINE FM_AVX512VNNI int hsum_epi32_128(__m128i s)
+FM_INLINE FM_AVX512VNNI int hsum_epi32_avx512vnni(__m128i s)
 {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
@@ -123,10 +126,13 @@ FM_INLINE FM_AVX512VNNI int q4_block_sumi_avx512vnni(const block_q4_0 *w, const 
     const __m128i s = _mm_dpbusd_epi32(_mm_dpbusd_epi32(z, _mm_and_si128(q, m4), x0),
                                        _mm_and_si128(_mm_srli_epi16(q, 4), m4), x1);
     const __m128i c = _mm_dpbusd_epi32(_mm_dpbusd_epi32(z, e8, x0), e8, x1);
-    return hsum_epi32_128(_mm_sub_epi32(s, c));
+    return hsum_epi32_avx512vnni(_mm_sub_epi32(s, c));
 }
 
-FM_AVX512VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, const block_q8_0 *x)
+/* Out of line, as the dot products (tails of every row loop) always were: inlined there
+ * they change gcc's schedule of those loops, slower on AVX-512. */
+FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w,
+                                                                                     const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++)
@@ -136,16 +142,15 @@ FM_AVX512VNNI float fm_vec_dot_q4_0_q8_0_avx512vnni(int n, const block_q4_0 *w, 
 
 /* k-chunks (groups) of the batched products below: the matrix-vector products sum
  * in the same pieces, so a row rounds alike in both (see kernels_avx2.c). */
-#define VNNI_Q4_KC 8
-#define VNNI_Q8_KC 4
+#define AVX512VNNI_Q4_KC 8
+#define AVX512VNNI_Q8_KC 4
 
 /* T tokens' sums over ng groups (288 B, 4.5 lines each) of one row straight from
  * memory (g: T rows of gs groups): each group unpacked once, then dotted with every
  * token's activations; one token is the matrix-vector product's row, more the
- * few-token product's (FM_FEW_MATMUL, kernels.h). */
+ * few-token product's (group_matvec_template.h). */
 FM_INLINE FM_AVX512VNNI void row_tokens_q4_0_avx512vnni(const block_q4_0 *w, const xgroup_avx512vnni *g, int gs,
-                                                        int ng, const int T,
-                                            float *s)
+                                                        int ng, const int T, float *s)
 {
     __m512 acc[FM_FEW_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
@@ -167,12 +172,18 @@ FM_INLINE FM_AVX512VNNI float row_q4_0_avx512vnni(const block_q4_0 *w, const xgr
 }
 
 /* One row at a time, as on AVX2 (see kernels_avx2.c). */
-FM_GROUP_MATVEC(fm_matvec_q4_0_avx512vnni, xgroup_avx512vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16,
-                prepare_x_avx512vnni, row_q4_0_avx512vnni,
-                fm_vec_dot_q4_0_q8_0_avx512vnni, FM_AVX512VNNI)
+#define GROUP_MATVEC_NAME fm_matvec_q4_0_avx512vnni
+#define GROUP_FEW_NAME matmul_few_q4_0_avx512vnni
+#define GROUP_XG xgroup_avx512vnni
+#define GROUP_KC AVX512VNNI_Q4_KC
+#define GROUP_PREP prepare_x_avx512vnni
+#define GROUP_ROW row_q4_0_avx512vnni
+#define GROUP_ROW_TOKENS row_tokens_q4_0_avx512vnni
+#define GROUP_DOT fm_vec_dot_q4_0_q8_0_avx512vnni
+#include "group_matvec_template.h"
 
-/* ---------------------------------------------------------------- batched (VNNI)
- * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 512-bit vectors: a group is
+/* ---------------------------------------------------------------- batched (AVX-512 VNNI)
+ * The tiled GEMM (tiled_matmul_template.h) with 512-bit vectors: a group is
  * 16 blocks; after the in-lane 4x4 transpose, block 4p+L sits in 32-bit element
  * 4L+p (the fold16/dw16 order above). vpdpbusd sums the 4 products of a lane
  * into int32 itself, so the 8 vectors of a group go into one accumulator that
@@ -191,8 +202,6 @@ typedef struct {
     __m512i v[8];  /* unsigned weights (nibbles, or w + 128), element order as xt16_avx512vnni */
     __m512 dw;
 } wt16_avx512vnni;       /* 576 bytes: one row's group of 16 weight blocks */
-
-#define FM_KEEP_V(v) __asm__("" : "+v"(v))  /* FM_KEEP (x86.h) for any of the 32 vector registers */
 
 /* In-lane 4x4 transpose of 32-bit elements: a[m] element 4L+p <- a[p] element 4L+m. */
 FM_INLINE FM_AVX512VNNI void transpose4_epi32_avx512vnni(__m512i a[4])
@@ -310,15 +319,28 @@ FM_INLINE FM_AVX512VNNI void kernel_avx512vnni(const wt16_avx512vnni *w, int wst
         }
 }
 
-FM_TILED_MATMUL(matmul_tiled_q4_0_avx512vnni, block_q4_0, wt16_avx512vnni, xt16_avx512vnni, 16, VNNI_Q4_KC, 4,
-                prepare_xt16_q4_avx512vnni, unpack_wt16_q4_avx512vnni, kernel_avx512vnni,
-                fm_vec_dot_q4_0_q8_0_avx512vnni, fm_matvec_q4_0_avx512vnni, static FM_AVX512VNNI)
+#define TILED_NAME matmul_tiled_q4_0_avx512vnni
+#define TILED_W block_q4_0
+#define TILED_WT wt16_avx512vnni
+#define TILED_XT xt16_avx512vnni
+#define TILED_KC AVX512VNNI_Q4_KC
+#define TILED_RB 4
+#define TILED_PREP prepare_xt16_q4_avx512vnni
+#define TILED_UNPACK unpack_wt16_q4_avx512vnni
+#define TILED_KERNEL kernel_avx512vnni
+#define TILED_DOT fm_vec_dot_q4_0_q8_0_avx512vnni
+#define TILED_MATVEC fm_matvec_q4_0_avx512vnni
+#include "tiled_matmul_template.h"
 
-FM_FEW_MATMUL(matmul_few_q4_0_avx512vnni, xgroup_avx512vnni, 16, VNNI_Q4_KC, CHUNK_BLOCKS / 16, prepare_x_avx512vnni,
-              row_tokens_q4_0_avx512vnni,
-              fm_vec_dot_q4_0_q8_0_avx512vnni, static FM_AVX512VNNI)
-
-FM_FEW_OR_TILED(fm_matmul_q4_0_avx512vnni, matmul_few_q4_0_avx512vnni, matmul_tiled_q4_0_avx512vnni, 4, FM_AVX512VNNI)
+/* A few tokens (group_matvec_template.h) on rows of at least FM_FEW_MIN_COLS columns,
+ * as on AVX2. */
+FM_AVX512VNNI static void fm_matmul_q4_0_avx512vnni(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B,
+                                                    int ldy, int r0, int r1)
+{
+    if (B >= 2 && B <= FM_FEW_TOKENS && cols >= FM_FEW_MIN_COLS)
+        matmul_few_q4_0_avx512vnni(W, X, Y, cols, B, ldy, r0, r1);
+    else matmul_tiled_q4_0_avx512vnni(W, X, Y, cols, B, ldy, r0, r1);
+}
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0
  * 256-bit VNNI per block: 34-byte blocks leave enough time per byte. negc is
@@ -336,7 +358,7 @@ FM_INLINE FM_AVX512VNNI __m256 q8_block_avx512vnni(const block_q8_0 *w, __m256i 
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(s), acc);
 }
 
-FM_INLINE FM_AVX512VNNI float hsum256_ps(__m256 v)
+FM_INLINE FM_AVX512VNNI float hsum_halves_avx512vnni(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -344,21 +366,127 @@ FM_INLINE FM_AVX512VNNI float hsum256_ps(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-FM_AVX512VNNI float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w, const block_q8_0 *x)
+FM_AVX512VNNI __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_avx512vnni(int n, const block_q8_0 *w,
+                                                                                     const block_q8_0 *x)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
         acc = q8_block_avx512vnni(w + b, xq, q8_negc_avx512vnni(xq), _cvtsh_ss(w[b].d) * _cvtsh_ss(x[b].d), acc);
     }
-    return hsum256_ps(acc);
+    return hsum_halves_avx512vnni(acc);
 }
 
-FM_KERNEL_MATVEC(fm_matvec_q8_0_avx512vnni, block_q8_0, wt16_avx512vnni, xt16_avx512vnni, 16, VNNI_Q8_KC,
-                 prepare_xt16_q8_avx512vnni,
-                 unpack_wt16_q8_avx512vnni, kernel_avx512vnni, fm_vec_dot_q8_0_q8_0_avx512vnni, FM_AVX512VNNI)
+/* The tiled product at one row and one token: each row's groups are unpacked as the
+ * tiled product unpacks them (AVX512VNNI_Q8_KC at a time, its k-chunk) and summed by
+ * the same kernel, then the tail blocks by the dot product, so every row rounds
+ * exactly as in the batched product (the tests hold every ISA to it). */
+FM_AVX512VNNI static void fm_matvec_q8_0_avx512vnni(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols,
+                                                    int r0, int r1)
+{
+    const int nb = cols / FM_QK, ng = nb / 16;
+    _Alignas(64) xt16_avx512vnni g[AVX512VNNI_Q8_KC];
+    _Alignas(64) wt16_avx512vnni tile[AVX512VNNI_Q8_KC];
+    for (int k0 = 0; k0 < ng; k0 += AVX512VNNI_Q8_KC) {
+        const int nk = ng - k0 < AVX512VNNI_Q8_KC ? ng - k0 : AVX512VNNI_Q8_KC;
+        prepare_xt16_q8_avx512vnni(x + 16 * k0, nk, g);
+        for (int r = r0; r < r1; r++) {
+            const block_q8_0 *w = W + (size_t)r * nb + 16 * k0;
+            for (int k = 0; k < nk; k++) {
+                for (size_t o = 0; o < 16 * sizeof(block_q8_0); o += 192)
+                    fm_prefetch((const char *)(w + 16 * k) + o);
+                unpack_wt16_q8_avx512vnni(w + 16 * k, &tile[k]);
+            }
+            kernel_avx512vnni(tile, nk, g, nk, nk, y + r, 1, k0 > 0, 1, 1);
+        }
+    }
+    matvec_tail_q8_0(fm_vec_dot_q8_0_q8_0_avx512vnni, W, x, y, cols, 16, r0, r1);
+}
 
-FM_TILED_MATMUL(fm_matmul_q8_0_avx512vnni, block_q8_0, wt16_avx512vnni, xt16_avx512vnni, 16, VNNI_Q8_KC, 4,
-                prepare_xt16_q8_avx512vnni,
-                unpack_wt16_q8_avx512vnni, kernel_avx512vnni, fm_vec_dot_q8_0_q8_0_avx512vnni,
-                    fm_matvec_q8_0_avx512vnni, FM_AVX512VNNI)
+#define TILED_NAME fm_matmul_q8_0_avx512vnni
+#define TILED_W block_q8_0
+#define TILED_WT wt16_avx512vnni
+#define TILED_XT xt16_avx512vnni
+#define TILED_KC AVX512VNNI_Q8_KC
+#define TILED_RB 4
+#define TILED_PREP prepare_xt16_q8_avx512vnni
+#define TILED_UNPACK unpack_wt16_q8_avx512vnni
+#define TILED_KERNEL kernel_avx512vnni
+#define TILED_DOT fm_vec_dot_q8_0_q8_0_avx512vnni
+#define TILED_MATVEC fm_matvec_q8_0_avx512vnni
+#include "tiled_matmul_template.h"
+
+/* ---------------------------------------------------------------- F32 and F16 (AVX-512F)
+ * As kernels_avx2.c's, 16 floats a vector. */
+
+/* 16 floats of a row from element i: fp16 widened when f16 is set, else fp32. */
+FM_INLINE FM_AVX512VNNI __m512 load16_avx512vnni(const void *row, int f16, int i)
+{
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)))
+               : _mm512_loadu_ps((const float *)row + i);
+}
+
+FM_INLINE FM_AVX512VNNI float dot_avx512vnni(int n, const void *w, const int f16, const float *x)
+{
+    const size_t esize = f16 ? 2 : 4;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int j = 0;
+    for (; j + 64 <= n; j += 64) {
+        fm_prefetch((const char *)w + j * esize);
+        fm_prefetch((const char *)w + (j + 48) * esize);
+        a0 = _mm512_fmadd_ps(load16_avx512vnni(w, f16, j), _mm512_loadu_ps(x + j), a0);
+        a1 = _mm512_fmadd_ps(load16_avx512vnni(w, f16, j + 16), _mm512_loadu_ps(x + j + 16), a1);
+        a2 = _mm512_fmadd_ps(load16_avx512vnni(w, f16, j + 32), _mm512_loadu_ps(x + j + 32), a2);
+        a3 = _mm512_fmadd_ps(load16_avx512vnni(w, f16, j + 48), _mm512_loadu_ps(x + j + 48), a3);
+    }
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (; j < n; j++) sum += (f16 ? _cvtsh_ss(((const uint16_t *)w)[j]) : ((const float *)w)[j]) * x[j];
+    return sum;
+}
+
+FM_AVX512VNNI static float dot_f32_avx512vnni(int n, const float *w, const float *x)
+{
+    return dot_avx512vnni(n, w, 0, x);
+}
+
+FM_AVX512VNNI static float dot_f16_avx512vnni(int n, const uint16_t *w, const float *x)
+{
+    return dot_avx512vnni(n, w, 1, x);
+}
+
+FM_AVX512VNNI static void fm_matvec_f32_avx512vnni(const float *W, const float *x, float *y, int cols, int r0, int r1)
+{
+    for (int r = r0; r < r1; r++) y[r] = dot_f32_avx512vnni(cols, W + (size_t)r * cols, x);
+}
+
+FM_AVX512VNNI static void fm_matvec_f16_avx512vnni(const uint16_t *W, const float *x, float *y, int cols, int r0,
+                                                   int r1)
+{
+    for (int r = r0; r < r1; r++) y[r] = dot_f16_avx512vnni(cols, W + (size_t)r * cols, x);
+}
+
+/* Row by row, as on AVX2 (see fm_matmul_f32_avx2). */
+FM_AVX512VNNI static void fm_matmul_f32_avx512vnni(const float *W, const float *X, float *Y, int cols, int B, int ldy,
+                                                   int r0, int r1)
+{
+    for (int r = r0; r < r1; r++)
+        for (int b = 0; b < B; b++)
+            Y[(size_t)b * ldy + r] = dot_f32_avx512vnni(cols, W + (size_t)r * cols, X + (size_t)b * cols);
+}
+
+const fm_kernels fm_kernels_avx512vnni = {
+    .quantize_row_q8_0 = fm_quantize_row_q8_0_avx2,
+    .dot_q4_0_q8_0 = fm_vec_dot_q4_0_q8_0_avx512vnni,
+    .dot_q8_0_q8_0 = fm_vec_dot_q8_0_q8_0_avx512vnni,
+    .matvec_q4_0 = fm_matvec_q4_0_avx512vnni,
+    .matvec_q8_0 = fm_matvec_q8_0_avx512vnni,
+    .matvec_f32 = fm_matvec_f32_avx512vnni,
+    .matvec_f16 = fm_matvec_f16_avx512vnni,
+    .matmul_q4_0 = fm_matmul_q4_0_avx512vnni,
+    .matmul_q8_0 = fm_matmul_q8_0_avx512vnni,
+    .matmul_f32 = fm_matmul_f32_avx512vnni,
+    .fp16_to_fp32_row = fm_fp16_to_fp32_row_avx2,
+    .fp32_to_fp16_row = fm_fp32_to_fp16_row_avx2,
+    .attn_scores = fm_attn_scores_avx2,
+    .attn_accumulate = fm_attn_accumulate_avx2,
+};

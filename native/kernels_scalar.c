@@ -1,6 +1,7 @@
-/* kernels_scalar.c: the plain C reference (`_generic`) of every kernel.
+/* kernels_scalar.c: the plain C reference (`_scalar`) of every kernel.
  * The SIMD versions are tested against these, and these against the numpy spec.
  * Portable C only: no intrinsics, no F16C (fp16 goes through fermoe_blocks.h).
+ * The functions not static here are borrowed by the SIMD tables (x86.h).
  */
 #include <math.h>
 #include <string.h>
@@ -28,14 +29,14 @@ static void quantize_block_q8_0(const float *x, block_q8_0 *y)
     y->d = fm_fp32_to_fp16(d);
 }
 
-void fm_quantize_row_q8_0_generic(const float *x, block_q8_0 *y, int n)
+void fm_quantize_row_q8_0_scalar(const float *x, block_q8_0 *y, int n)
 {
     for (int b = 0; b < n / FM_QK; b++) quantize_block_q8_0(x + b * FM_QK, y + b);
 }
 
 /* ---------------------------------------------------------------- dot products */
 
-float fm_vec_dot_q4_0_q8_0_generic(int n, const block_q4_0 *w, const block_q8_0 *x)
+static float fm_vec_dot_q4_0_q8_0_scalar(int n, const block_q4_0 *w, const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++) {
@@ -49,7 +50,7 @@ float fm_vec_dot_q4_0_q8_0_generic(int n, const block_q4_0 *w, const block_q8_0 
     return sum;
 }
 
-float fm_vec_dot_q8_0_q8_0_generic(int n, const block_q8_0 *w, const block_q8_0 *x)
+static float fm_vec_dot_q8_0_q8_0_scalar(int n, const block_q8_0 *w, const block_q8_0 *x)
 {
     float sum = 0.0f;
     for (int b = 0; b < n / FM_QK; b++) {
@@ -76,36 +77,36 @@ static float dot_f16(int n, const uint16_t *w, const float *x)
 
 /* ---------------------------------------------------------------- matrix-vector */
 
-void fm_matvec_q4_0_generic(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
+static void fm_matvec_q4_0_scalar(const block_q4_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
     const int nb = cols / FM_QK;
-    for (int r = r0; r < r1; r++) y[r] = fm_vec_dot_q4_0_q8_0_generic(cols, W + (size_t)r * nb, x);
+    for (int r = r0; r < r1; r++) y[r] = fm_vec_dot_q4_0_q8_0_scalar(cols, W + (size_t)r * nb, x);
 }
 
-void fm_matvec_q8_0_generic(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
+static void fm_matvec_q8_0_scalar(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
     const int nb = cols / FM_QK;
-    for (int r = r0; r < r1; r++) y[r] = fm_vec_dot_q8_0_q8_0_generic(cols, W + (size_t)r * nb, x);
+    for (int r = r0; r < r1; r++) y[r] = fm_vec_dot_q8_0_q8_0_scalar(cols, W + (size_t)r * nb, x);
 }
 
-void fm_matvec_f32_generic(const float *W, const float *x, float *y, int cols, int r0, int r1)
+static void fm_matvec_f32_scalar(const float *W, const float *x, float *y, int cols, int r0, int r1)
 {
     for (int r = r0; r < r1; r++) y[r] = dot_f32(cols, W + (size_t)r * cols, x);
 }
 
-void fm_matvec_f16_generic(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1)
+void fm_matvec_f16_scalar(const uint16_t *W, const float *x, float *y, int cols, int r0, int r1)
 {
     for (int r = r0; r < r1; r++) y[r] = dot_f16(cols, W + (size_t)r * cols, x);
 }
 
 /* ---------------------------------------------------------------- fp16 rows (the KV cache) */
 
-void fm_fp16_to_fp32_row_generic(const uint16_t *x, float *y, int n)
+void fm_fp16_to_fp32_row_scalar(const uint16_t *x, float *y, int n)
 {
     for (int i = 0; i < n; i++) y[i] = fm_fp16_to_fp32(x[i]);
 }
 
-void fm_fp32_to_fp16_row_generic(const float *x, uint16_t *y, int n)
+void fm_fp32_to_fp16_row_scalar(const float *x, uint16_t *y, int n)
 {
     for (int i = 0; i < n; i++) y[i] = fm_fp32_to_fp16(x[i]);
 }
@@ -132,11 +133,11 @@ static float dot8(const float *q, const float *k, int n)
 static const float *attn_row(const void *row, int f16, float *buf, int hd)
 {
     if (!f16) return row;
-    fm_fp16_to_fp32_row_generic(row, buf, hd);
+    fm_fp16_to_fp32_row_scalar(row, buf, hd);
     return buf;
 }
 
-void fm_attn_scores_generic(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
+void fm_attn_scores_scalar(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
                             float *s, int lds)
 {
     float buf[hd];
@@ -146,7 +147,7 @@ void fm_attn_scores_generic(const float *q, int qstride, int G, const void *cons
     }
 }
 
-void fm_attn_accumulate_generic(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
+void fm_attn_accumulate_scalar(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
                                 float *acc)
 {
     float buf[hd];
@@ -164,25 +165,44 @@ void fm_attn_accumulate_generic(const float *p, int ldp, int G, const void *cons
  * Row outer, batch inner: the row (a few KB) stays in L1 while the B
  * activations stream past it, so memory sees each weight once. */
 
-void fm_matmul_q4_0_generic(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1)
+static void fm_matmul_q4_0_scalar(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0,
+                                  int r1)
 {
     const int nb = cols / FM_QK;
     for (int r = r0; r < r1; r++)
         for (int b = 0; b < B; b++)
-            Y[(size_t)b * ldy + r] = fm_vec_dot_q4_0_q8_0_generic(cols, W + (size_t)r * nb, X + (size_t)b * nb);
+            Y[(size_t)b * ldy + r] = fm_vec_dot_q4_0_q8_0_scalar(cols, W + (size_t)r * nb, X + (size_t)b * nb);
 }
 
-void fm_matmul_q8_0_generic(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0, int r1)
+static void fm_matmul_q8_0_scalar(const block_q8_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy, int r0,
+                                  int r1)
 {
     const int nb = cols / FM_QK;
     for (int r = r0; r < r1; r++)
         for (int b = 0; b < B; b++)
-            Y[(size_t)b * ldy + r] = fm_vec_dot_q8_0_q8_0_generic(cols, W + (size_t)r * nb, X + (size_t)b * nb);
+            Y[(size_t)b * ldy + r] = fm_vec_dot_q8_0_q8_0_scalar(cols, W + (size_t)r * nb, X + (size_t)b * nb);
 }
 
-void fm_matmul_f32_generic(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0, int r1)
+static void fm_matmul_f32_scalar(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0, int r1)
 {
     for (int r = r0; r < r1; r++)
         for (int b = 0; b < B; b++)
             Y[(size_t)b * ldy + r] = dot_f32(cols, W + (size_t)r * cols, X + (size_t)b * cols);
 }
+
+const fm_kernels fm_kernels_scalar = {
+    .quantize_row_q8_0 = fm_quantize_row_q8_0_scalar,
+    .dot_q4_0_q8_0 = fm_vec_dot_q4_0_q8_0_scalar,
+    .dot_q8_0_q8_0 = fm_vec_dot_q8_0_q8_0_scalar,
+    .matvec_q4_0 = fm_matvec_q4_0_scalar,
+    .matvec_q8_0 = fm_matvec_q8_0_scalar,
+    .matvec_f32 = fm_matvec_f32_scalar,
+    .matvec_f16 = fm_matvec_f16_scalar,
+    .matmul_q4_0 = fm_matmul_q4_0_scalar,
+    .matmul_q8_0 = fm_matmul_q8_0_scalar,
+    .matmul_f32 = fm_matmul_f32_scalar,
+    .fp16_to_fp32_row = fm_fp16_to_fp32_row_scalar,
+    .fp32_to_fp16_row = fm_fp32_to_fp16_row_scalar,
+    .attn_scores = fm_attn_scores_scalar,
+    .attn_accumulate = fm_attn_accumulate_scalar,
+};

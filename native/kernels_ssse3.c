@@ -1,34 +1,11 @@
-/* kernels_ssse3.c: the SSSE3 versions (the paper's pmaddubsw kernel) of the
- * integer dot products, matrix-vector and batched products, and the batched
- * kernels' per-thread scratch. Each function carries its own target attribute,
- * so this file builds without -m flags and one .so runs everywhere; dispatch.c
- * only calls a version the CPU supports.
+/* kernels_ssse3.c: the SSSE3 kernels (the paper's pmaddubsw kernel): the integer
+ * dot products, the matrix-vector, few-token and tiled batched products, and the
+ * F32 products with SSE; the table of the ssse3 ISA.
  */
-#include <pthread.h>
-#include <stdlib.h>
-#include "kernels.h"
 #include "x86.h"
 
-/* Per-thread scratch of the batched kernels (all ISAs): the prepared activations,
- * grown on demand, freed when the thread exits. */
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-static __thread void *scratch_ptr;
-static __thread size_t scratch_size;
-
-static void scratch_key_init(void) { pthread_key_create(&scratch_key, free); }
-
-void *fm_kernel_scratch(size_t n)
-{
-    if (n <= scratch_size) return scratch_ptr;
-    pthread_once(&scratch_once, scratch_key_init);
-    free(scratch_ptr);
-    n = (n + 65535) & ~(size_t)65535;
-    scratch_ptr = aligned_alloc(64, n);
-    scratch_size = scratch_ptr ? n : 0;
-    pthread_setspecific(scratch_key, scratch_ptr);
-    return scratch_ptr;
-}
+#define FM_TARGET FM_SSSE3  /* for the templates */
+#define FM_GB 4             /* blocks a group: one per 32-bit lane of a 128-bit vector */
 
 /* ================================================================ SSSE3
  * One Q4_0 x Q8_0 block (layouts in fermoe_blocks.h): unpack nibbles, subtract 8;
@@ -58,35 +35,43 @@ FM_INLINE FM_SSSE3 __m128i q8_block_ssse3(const block_q8_0 *w, __m128i x0, __m12
 
 /* (v0+v1)+(v2+v3): the association of store_sums_ssse3's 2x2 path (two rounds of
  * haddps), so a row rounds alike in the matrix-vector and the batched product. */
-FM_INLINE FM_SSSE3 float hsum_ps_sse(__m128 v)
+FM_INLINE FM_SSSE3 float hsum_adjacent_ssse3(__m128 v)
 {
     v = _mm_hadd_ps(v, v);
     return _mm_cvtss_f32(_mm_hadd_ps(v, v));
 }
 
-/* SSSE3 has no FMA: scale with mul + add. Scales go through the portable fp16 helper. */
-#define SSSE3_ACC(acc, isum, s) acc = _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(isum), _mm_set1_ps(s)))
-
-FM_SSSE3 float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w, const block_q8_0 *x)
+/* acc + isum * s: SSSE3 has no FMA, so mul + add (and no F16C: the scales come from
+ * the portable fp16 helper). */
+FM_INLINE FM_SSSE3 __m128 scale_add_ssse3(__m128 acc, __m128i isum, float s)
 {
-    __m128 acc = _mm_setzero_ps();
-    for (int b = 0; b < n / FM_QK; b++) {
-        const __m128i x0 = _mm_loadu_si128((const __m128i *)x[b].qs);
-        const __m128i x1 = _mm_loadu_si128((const __m128i *)(x[b].qs + 16));
-        SSSE3_ACC(acc, q4_block_ssse3(w + b, x0, x1), fm_fp16_to_fp32(w[b].d) * fm_fp16_to_fp32(x[b].d));
-    }
-    return hsum_ps_sse(acc);
+    return _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(isum), _mm_set1_ps(s)));
 }
 
-FM_SSSE3 float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const block_q8_0 *x)
+/* Out of line, as the dot products (tails of every row loop) always were: inlined there
+ * they change gcc's schedule of those loops, slower on AVX-512. */
+FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q4_0_q8_0_ssse3(int n, const block_q4_0 *w,
+                                                                           const block_q8_0 *x)
 {
     __m128 acc = _mm_setzero_ps();
     for (int b = 0; b < n / FM_QK; b++) {
         const __m128i x0 = _mm_loadu_si128((const __m128i *)x[b].qs);
         const __m128i x1 = _mm_loadu_si128((const __m128i *)(x[b].qs + 16));
-        SSSE3_ACC(acc, q8_block_ssse3(w + b, x0, x1), fm_fp16_to_fp32(w[b].d) * fm_fp16_to_fp32(x[b].d));
+        acc = scale_add_ssse3(acc, q4_block_ssse3(w + b, x0, x1), fm_fp16_to_fp32(w[b].d) * fm_fp16_to_fp32(x[b].d));
     }
-    return hsum_ps_sse(acc);
+    return hsum_adjacent_ssse3(acc);
+}
+
+FM_SSSE3 __attribute__((noinline)) static float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w,
+                                                                           const block_q8_0 *x)
+{
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < n / FM_QK; b++) {
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)x[b].qs);
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)(x[b].qs + 16));
+        acc = scale_add_ssse3(acc, q8_block_ssse3(w + b, x0, x1), fm_fp16_to_fp32(w[b].d) * fm_fp16_to_fp32(x[b].d));
+    }
+    return hsum_adjacent_ssse3(acc);
 }
 
 #define SSSE3_Q4_KC 32          /* groups per k-chunk of fm_matmul_q4_0_ssse3 */
@@ -94,7 +79,7 @@ FM_SSSE3 float fm_vec_dot_q8_0_q8_0_ssse3(int n, const block_q8_0 *w, const bloc
 
 
 /* ---------------------------------------------------------------- batched (SSSE3)
- * The tiled GEMM (FM_TILED_MATMUL in kernels.h) with 128-bit vectors: a group is 4
+ * The tiled GEMM (tiled_matmul_template.h) with 128-bit vectors: a group is 4
  * blocks, lane p = block p. Q4_0: the nibbles (0..15) are pmaddubsw's unsigned
  * operand, the -8 offset a per-block correction -8*sum(x) (int32), and the 8
  * int16 products of a group are summed in int16: <= 8 * 2 * 15 * 127 = 30480,
@@ -117,7 +102,7 @@ typedef struct {
 } wq8t4_ssse3;
 
 /* 4x4 transpose of 32-bit elements: a[m] element p <- a[p] element m. */
-FM_INLINE FM_SSSE3 void transpose4_epi32_sse(__m128i a[4])
+FM_INLINE FM_SSSE3 void transpose4_epi32_ssse3(__m128i a[4])
 {
     const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpackhi_epi32(a[0], a[1]);
     const __m128i t2 = _mm_unpacklo_epi32(a[2], a[3]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
@@ -135,8 +120,8 @@ FM_INLINE FM_SSSE3 void load_q8_group4_ssse3(const block_q8_0 *x, __m128i v[8])
         a[j] = _mm_loadu_si128((const __m128i *)x[j].qs);
         b[j] = _mm_loadu_si128((const __m128i *)(x[j].qs + 16));
     }
-    transpose4_epi32_sse(a);
-    transpose4_epi32_sse(b);
+    transpose4_epi32_ssse3(a);
+    transpose4_epi32_ssse3(b);
     for (int m = 0; m < 4; m++) {
         v[m] = a[m];
         v[4 + m] = b[m];
@@ -173,7 +158,7 @@ FM_INLINE FM_SSSE3 void unpack_wt4_ssse3(const block_q4_0 *w, wt4_ssse3 *u)
     const __m128i m4 = _mm_set1_epi8(0x0F);
     __m128i q[4];
     for (int j = 0; j < 4; j++) q[j] = _mm_loadu_si128((const __m128i *)w[j].qs);
-    transpose4_epi32_sse(q);
+    transpose4_epi32_ssse3(q);
     for (int m = 0; m < 4; m++) {
         u->v[m] = _mm_and_si128(q[m], m4);
         u->v[4 + m] = _mm_and_si128(_mm_srli_epi16(q[m], 4), m4);
@@ -202,7 +187,7 @@ FM_INLINE FM_SSSE3 void store_sums_ssse3(__m128 acc[2][2], float *Y, int ldy, in
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
             float *y = Y + (size_t)t * ldy + r;
-            const float v = hsum_ps_sse(acc[r][t]);
+            const float v = hsum_adjacent_ssse3(acc[r][t]);
             *y = acc_out ? *y + v : v;
         }
 }
@@ -341,7 +326,7 @@ FM_INLINE FM_SSSE3 void row_tokens_q4_0_ssse3(const block_q4_0 *w, const xgroup_
             acc[t] = _mm_add_ps(acc[t], _mm_mul_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, x->dx)));
         }
     }
-    for (int t = 0; t < T; t++) sums[t] = hsum_ps_sse(acc[t]);
+    for (int t = 0; t < T; t++) sums[t] = hsum_adjacent_ssse3(acc[t]);
 }
 
 FM_INLINE FM_SSSE3 float row_q4_0_ssse3(const block_q4_0 *w, const xgroup_ssse3 *g, int ng)
@@ -351,13 +336,20 @@ FM_INLINE FM_SSSE3 float row_q4_0_ssse3(const block_q4_0 *w, const xgroup_ssse3 
     return s;
 }
 
-FM_GROUP_MATVEC(fm_matvec_q4_0_ssse3, xgroup_ssse3, 4, SSSE3_Q4_KC, CHUNK_BLOCKS / 4, prepare_x_ssse3, row_q4_0_ssse3,
-                fm_vec_dot_q4_0_q8_0_ssse3, FM_SSSE3)
+#define GROUP_MATVEC_NAME fm_matvec_q4_0_ssse3
+#define GROUP_FEW_NAME matmul_few_q4_0_ssse3
+#define GROUP_XG xgroup_ssse3
+#define GROUP_KC SSSE3_Q4_KC
+#define GROUP_PREP prepare_x_ssse3
+#define GROUP_ROW row_q4_0_ssse3
+#define GROUP_ROW_TOKENS row_tokens_q4_0_ssse3
+#define GROUP_DOT fm_vec_dot_q4_0_q8_0_ssse3
+#include "group_matvec_template.h"
 
 /* Q8_0 by hand too, as on AVX2 (fm_matvec_q8_0_avx2): 4 blocks' exact int32 totals
  * (the sign trick, two rounds of phaddd) in lane p = block p, then the batched
  * kernel's scaling and sums: faster than unpacking each row into the tile layout
- * (FM_KERNEL_MATVEC). */
+ * (as fm_matvec_q8_0_avx512vnni does). */
 FM_INLINE FM_SSSE3 __m128i q8_group_totals_ssse3(const block_q8_0 *w, const block_q8_0 *x)
 {
     __m128i v[4];
@@ -367,11 +359,11 @@ FM_INLINE FM_SSSE3 __m128i q8_group_totals_ssse3(const block_q8_0 *w, const bloc
     return _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
 }
 
-FM_SSSE3 void fm_matvec_q8_0_ssse3(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
+FM_SSSE3 static void fm_matvec_q8_0_ssse3(const block_q8_0 *W, const block_q8_0 *x, float *y, int cols, int r0, int r1)
 {
     enum { GS = CHUNK_BLOCKS / 4 };
     _Static_assert(GS % SSSE3_Q8_KC == 0, "an activation chunk holds whole k-chunks");
-    const int nb = cols / FM_QK, ng = nb / 4, nt = nb - 4 * ng;
+    const int nb = cols / FM_QK, ng = nb / 4;
     __m128 dx[GS];
     for (int k0 = 0; k0 < ng; k0 += GS) {
         const int nk = ng - k0 < GS ? ng - k0 : GS;
@@ -388,21 +380,102 @@ FM_SSSE3 void fm_matvec_q8_0_ssse3(const block_q8_0 *W, const block_q8_0 *x, flo
                     const __m128 d = _mm_mul_ps(d4_ssse3(wk[0].d, wk[1].d, wk[2].d, wk[3].d), dx[k]);
                     acc = _mm_add_ps(acc, _mm_mul_ps(_mm_cvtepi32_ps(q8_group_totals_ssse3(wk, xc + 4 * k)), d));
                 }
-                const float sum = hsum_ps_sse(acc);
+                const float sum = hsum_adjacent_ssse3(acc);
                 v = k0 + kc ? v + sum : sum;
             }
             y[r] = v;
         }
     }
-    FM_MATVEC_TAIL(4, fm_vec_dot_q8_0_q8_0_ssse3);
+    matvec_tail_q8_0(fm_vec_dot_q8_0_q8_0_ssse3, W, x, y, cols, 4, r0, r1);
 }
 
-FM_TILED_MATMUL(matmul_tiled_q4_0_ssse3, block_q4_0, wt4_ssse3, xt4_ssse3, 4, SSSE3_Q4_KC, 2, prepare_xt4_ssse3,
-             unpack_wt4_ssse3, kernel_q4_ssse3, fm_vec_dot_q4_0_q8_0_ssse3, fm_matvec_q4_0_ssse3, static FM_SSSE3)
-FM_FEW_MATMUL(matmul_few_q4_0_ssse3, xgroup_ssse3, 4, SSSE3_Q4_KC, CHUNK_BLOCKS / 4, prepare_x_ssse3, row_tokens_q4_0_ssse3,
-              fm_vec_dot_q4_0_q8_0_ssse3, static FM_SSSE3)
+#define TILED_NAME matmul_tiled_q4_0_ssse3
+#define TILED_W block_q4_0
+#define TILED_WT wt4_ssse3
+#define TILED_XT xt4_ssse3
+#define TILED_KC SSSE3_Q4_KC
+#define TILED_RB 2
+#define TILED_PREP prepare_xt4_ssse3
+#define TILED_UNPACK unpack_wt4_ssse3
+#define TILED_KERNEL kernel_q4_ssse3
+#define TILED_DOT fm_vec_dot_q4_0_q8_0_ssse3
+#define TILED_MATVEC fm_matvec_q4_0_ssse3
+#include "tiled_matmul_template.h"
 
-/* A few tokens: up to 3 here; at 4 the tiled product is no slower on SSSE3. */
-FM_FEW_OR_TILED(fm_matmul_q4_0_ssse3, matmul_few_q4_0_ssse3, matmul_tiled_q4_0_ssse3, 3, FM_SSSE3)
-FM_TILED_MATMUL(fm_matmul_q8_0_ssse3, block_q8_0, wq8t4_ssse3, xt4_ssse3, 4, SSSE3_Q8_KC, 2, prepare_xt4_ssse3,
-             unpack_wq8t4_ssse3, kernel_q8_ssse3, fm_vec_dot_q8_0_q8_0_ssse3, fm_matvec_q8_0_ssse3, FM_SSSE3)
+#define TILED_NAME fm_matmul_q8_0_ssse3
+#define TILED_W block_q8_0
+#define TILED_WT wq8t4_ssse3
+#define TILED_XT xt4_ssse3
+#define TILED_KC SSSE3_Q8_KC
+#define TILED_RB 2
+#define TILED_PREP prepare_xt4_ssse3
+#define TILED_UNPACK unpack_wq8t4_ssse3
+#define TILED_KERNEL kernel_q8_ssse3
+#define TILED_DOT fm_vec_dot_q8_0_q8_0_ssse3
+#define TILED_MATVEC fm_matvec_q8_0_ssse3
+#include "tiled_matmul_template.h"
+
+/* A few tokens (group_matvec_template.h): up to 3 here; at 4 the tiled product is
+ * no slower on SSSE3. */
+FM_SSSE3 static void fm_matmul_q4_0_ssse3(const block_q4_0 *W, const block_q8_0 *X, float *Y, int cols, int B, int ldy,
+                                          int r0, int r1)
+{
+    if (B >= 2 && B <= 3 && cols >= FM_FEW_MIN_COLS) matmul_few_q4_0_ssse3(W, X, Y, cols, B, ldy, r0, r1);
+    else matmul_tiled_q4_0_ssse3(W, X, Y, cols, B, ldy, r0, r1);
+}
+
+/* ---------------------------------------------------------------- F32 (SSE)
+ * The F32 tensors are the small ones (norm-adjacent vectors, the router): these only
+ * need to stay memory-bound. Batched row by row with the matrix-vector product's dot
+ * product, so each (row, token) rounds alike whatever the batch. */
+
+/* (v0+v2)+(v1+v3) */
+FM_INLINE FM_SSSE3 float hsum_halves_ssse3(__m128 v)
+{
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v);
+}
+
+FM_SSSE3 static float dot_f32_ssse3(int n, const float *w, const float *x)
+{
+    __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        a0 = _mm_add_ps(a0, _mm_mul_ps(_mm_loadu_ps(w + j), _mm_loadu_ps(x + j)));
+        a1 = _mm_add_ps(a1, _mm_mul_ps(_mm_loadu_ps(w + j + 4), _mm_loadu_ps(x + j + 4)));
+    }
+    float sum = hsum_halves_ssse3(_mm_add_ps(a0, a1));
+    for (; j < n; j++) sum += w[j] * x[j];
+    return sum;
+}
+
+FM_SSSE3 static void fm_matvec_f32_ssse3(const float *W, const float *x, float *y, int cols, int r0, int r1)
+{
+    for (int r = r0; r < r1; r++) y[r] = dot_f32_ssse3(cols, W + (size_t)r * cols, x);
+}
+
+FM_SSSE3 static void fm_matmul_f32_ssse3(const float *W, const float *X, float *Y, int cols, int B, int ldy, int r0,
+                                         int r1)
+{
+    for (int r = r0; r < r1; r++)
+        for (int b = 0; b < B; b++)
+            Y[(size_t)b * ldy + r] = dot_f32_ssse3(cols, W + (size_t)r * cols, X + (size_t)b * cols);
+}
+
+const fm_kernels fm_kernels_ssse3 = {
+    .quantize_row_q8_0 = fm_quantize_row_q8_0_scalar,  /* rounding needs SSE4.1's roundps */
+    .dot_q4_0_q8_0 = fm_vec_dot_q4_0_q8_0_ssse3,
+    .dot_q8_0_q8_0 = fm_vec_dot_q8_0_q8_0_ssse3,
+    .matvec_q4_0 = fm_matvec_q4_0_ssse3,
+    .matvec_q8_0 = fm_matvec_q8_0_ssse3,
+    .matvec_f32 = fm_matvec_f32_ssse3,
+    .matvec_f16 = fm_matvec_f16_scalar,                /* fp16 loads need F16C */
+    .matmul_q4_0 = fm_matmul_q4_0_ssse3,
+    .matmul_q8_0 = fm_matmul_q8_0_ssse3,
+    .matmul_f32 = fm_matmul_f32_ssse3,
+    .fp16_to_fp32_row = fm_fp16_to_fp32_row_scalar,
+    .fp32_to_fp16_row = fm_fp32_to_fp16_row_scalar,
+    .attn_scores = fm_attn_scores_scalar,
+    .attn_accumulate = fm_attn_accumulate_scalar,
+};

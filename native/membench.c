@@ -4,6 +4,7 @@
  * matrix-vector products, and reports kernel GB/s as a fraction of it. */
 #include <immintrin.h>
 #include "kernels.h"
+#include "membench.h"
 
 /* Four independent 256-bit accumulators keep the adds off the critical path,
  * so only memory limits the loop. pf (a constant where it is inlined): also

@@ -95,6 +95,14 @@ def make_acts(kind, cols, B=None):
 
 # ---------------------------------------------------------------- ISA selection
 
+def test_build_compiles_every_source_and_depends_on_every_header():
+    """Every C file of native/ is compiled, and every header (the templates the x86 files
+    include among them) is a dependency, so editing one rebuilds the extension."""
+    from native import build_native
+    assert sorted(p.name for p in build_native.HERE.glob("*.c")) == sorted(build_native.SOURCES)
+    assert sorted(p.name for p in build_native.HERE.glob("*.h")) == sorted(build_native.HEADERS)
+
+
 def test_isa_selection():
     assert native.ISAS == ("scalar", "ssse3", "avx2", "avx512vnni")
     assert "scalar" in SUPPORTED and native.best_isa() == SUPPORTED[-1]
