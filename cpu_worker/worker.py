@@ -130,10 +130,13 @@ class CPUWorker:
         from shared.vision.prompt import media_of_images
         if self.mmproj is None:
             raise FermoeError("the prompt has images, but this worker has no vision tower (--mmproj)")
-        if self._images is None:
-            from .vision_engine import image_encoder
-            self._images = image_encoder(self.mmproj, self.model, getattr(self.engine, "threads", 1))
-        return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
+        # the tower may run longer than the coordinator's heartbeat timeout (a large image on
+        # a few cores): a thread keeps beating meanwhile
+        with self.link.keepalive(len(self.sequences)):
+            if self._images is None:
+                from .vision_engine import image_encoder
+                self._images = image_encoder(self.mmproj, self.model, self.engine.threads)
+            return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
 
     def work_round(self) -> None:
         """One forward pass: a token for each decoding sequence, then prompt chunks."""
