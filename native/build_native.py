@@ -93,5 +93,9 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         so = make_builder(absolute=True).compile(tmpdir=tmp, verbose=False)
         dest = HERE / Path(so).name
-        shutil.copy(so, dest)
+        # a new file renamed over the old one: a running process keeps the library it mapped
+        # (copied over in place, its pages change under it: SIGBUS)
+        staged = dest.with_name(dest.name + f".{os.getpid()}.tmp")
+        shutil.copy(so, staged)
+        os.replace(staged, dest)
         print(dest)
