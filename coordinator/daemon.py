@@ -293,7 +293,8 @@ class Coordinator:
     def handle_status(self, client: bytes, msg: P.Status) -> None:
         infos = [P.WorkerInfo(worker_id=w.worker_id, pid=w.pid, threads=w.threads, running=len(w.requests),
                               alive=w.alive and w.ready, kind=w.kind, device=w.device,
-                              prefill_tok_s=round(w.prefill_tok_s, 1), decode_tok_s=round(w.decode_tok_s, 1))
+                              prefill_tok_s=round(w.prefill_tok_s, 1), decode_tok_s=round(w.decode_tok_s, 1),
+                              vision_tok_s=round(w.vision_tok_s, 1))
                  for w in self.workers.values()]
         stats = {k: int(v) for k, v in self.index.stats().items()}
         self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=len(self.queue),
@@ -370,9 +371,11 @@ class Coordinator:
             req.first_token = now       # a worker that does not report its prefill: the time since dispatch
             req.prefill_ms = msg.prefill_ms if msg.prefill_ms is not None else 1000 * (now - req.dispatched)
             prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
+            view = self.workers[wid]
             if prefilled > 0 and req.prefill_ms > 0:
-                view = self.workers[wid]
                 view.prefill_tok_s = update_rate(view.prefill_tok_s, 1000 * prefilled / req.prefill_ms)
+            if msg.vision_tokens > 0 and msg.vision_ms > 0:
+                view.vision_tok_s = update_rate(view.vision_tok_s, 1000 * msg.vision_tokens / msg.vision_ms)
         req.last_token, req.sampled = now, req.sampled + 1
         if req.skip:
             req.skip -= 1                        # a replay re-samples what was already sent

@@ -23,6 +23,12 @@ from .scheduler import WorkerView, update_rate
 log = logging.getLogger("fermoe.coordinator")
 
 
+def _mean(rates) -> float:
+    """The mean of the known (positive) rates; 0 if none is."""
+    known = [r for r in rates if r > 0]
+    return sum(known) / len(known) if known else 0.0
+
+
 class GPUPrefills:
     def __init__(self, opts, index, arena, workers: dict[str, WorkerView], requests: dict[str, Request], send,
                  unfinished: Unfinished):
@@ -37,11 +43,14 @@ class GPUPrefills:
         if req.phase is Phase.HANDED_OFF or req.gpu_failed or self.arena is None or not self.opts.gpus:
             return "cpu"
         gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
-        uncached = len(req.tokens) - self.index.cached(req.cache_tokens)
-        cpus = [w.prefill_tok_s for w in self.workers.values() if w.kind == "cpu" and w.ready and w.prefill_tok_s]
+        cached = self.index.cached(req.cache_tokens)
+        uncached = len(req.tokens) - cached
+        cpus = [w for w in self.workers.values() if w.kind == "cpu" and w.ready]
+        cpu_tok_s, cpu_vision_tok_s = (_mean(w.prefill_tok_s for w in cpus), _mean(w.vision_tok_s for w in cpus))
         queued = {w.worker_id: sum(self.requests[r].gpu_tokens for r in w.requests if r in self.requests)
                   for w in gpus}
-        placement = place_prefill(self.opts.prefill, uncached, gpus, sum(cpus) / len(cpus) if cpus else 0.0, queued)
+        image_tokens = sum(im.rows * im.cols for im in req.images if im.start + im.rows * im.cols > cached)
+        placement = place_prefill(self.opts.prefill, uncached, gpus, cpu_tok_s, queued, image_tokens, cpu_vision_tok_s)
         if placement is None:
             return "wait"
         req.estimates = placement.estimates
@@ -96,9 +105,11 @@ class GPUPrefills:
             self.fail_over(req)
             return req
         prefilled = msg.batch_tokens or req.gpu_tokens      # a batch's time is all its prompts'
-        if msg.prefill_ms > view.prefill_fixed_ms:      # the rate of what the fixed cost leaves
-            view.prefill_tok_s = update_rate(view.prefill_tok_s,
-                                             1000 * prefilled / (msg.prefill_ms - view.prefill_fixed_ms))
+        text_ms = msg.prefill_ms - msg.vision_ms            # the tower's time has a rate of its own
+        if text_ms > view.prefill_fixed_ms:             # the rate of what the fixed cost leaves
+            view.prefill_tok_s = update_rate(view.prefill_tok_s, 1000 * prefilled / (text_ms - view.prefill_fixed_ms))
+        if msg.vision_tokens > 0 and msg.vision_ms > 0:
+            view.vision_tok_s = update_rate(view.vision_tok_s, 1000 * msg.vision_tokens / msg.vision_ms)
         req.gpu_prefill_ms, req.prefill_batch = msg.prefill_ms, msg.batch_prompts
         req.release(self.index)
         # the CPU worker resumes from the end of the prompt: pinned now, before anything can evict it

@@ -22,6 +22,7 @@ class WorkerView:
     prefill_tok_s: float = 0.0   # measured at start, then a running average of what it served
     prefill_fixed_ms: float = 0.0  # a prompt's cost beyond its tokens (measured at start)
     decode_tok_s: float = 0.0
+    vision_tok_s: float = 0.0    # image tokens its tower encodes a second, a running average; 0: none yet
 
 
 RATE_WEIGHT = 0.3           # of the newest measurement in a worker's running rates

@@ -57,6 +57,7 @@ class Sequence:
     media: object = None         # the prompt's images and M-RoPE positions (TokenMedia), None: text
     prefill_ms: float = 0.0
     decode_s: float = 0.0
+    vision: tuple = (0, 0.0)     # its images' tokens through the tower, and the milliseconds it took
 
 
 class CPUWorker:
@@ -120,13 +121,14 @@ class CPUWorker:
                                       self.engine.kv_cache_dtype, self._spare.pop() if self._spare else None)
         else:
             state = self.engine.new_state()
-        media = self.media(msg, state.position) if msg.images else None
+        media, vision = self.media(msg, state.position) if msg.images else (None, (0, 0.0))
         return Sequence(msg, state, msg.sampling, sorted(msg.snapshots, key=lambda s: s.position),
-                        decode_slots=list(msg.decode_slots), media=media)
+                        decode_slots=list(msg.decode_slots), media=media, vision=vision)
 
     def media(self, msg: P.Assign, start: int):
         """The TokenMedia of an Assign's prompt: its images through the tower (those its
-        resumed snapshots do not cover: none for a repeated prompt), every token's position."""
+        resumed snapshots do not cover: none for a repeated prompt), every token's position;
+        and (image tokens encoded, milliseconds)."""
         from shared.vision.prompt import media_of_images
         if self.mmproj is None:
             raise FermoeError("the prompt has images, but this worker has no vision tower (--mmproj)")
@@ -136,7 +138,9 @@ class CPUWorker:
             if self._images is None:
                 from .vision_engine import image_encoder
                 self._images = image_encoder(self.mmproj, self.model, self.engine.threads)
-            return media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
+            before = self._images.tokens, self._images.seconds
+            media = media_of_images(len(msg.tokens), msg.images, self.model.config.n_embd, self._images, start)
+            return media, (self._images.tokens - before[0], 1000 * (self._images.seconds - before[1]))
 
     def work_round(self) -> None:
         """One forward pass: a token for each decoding sequence, then prompt chunks."""
@@ -232,9 +236,11 @@ class CPUWorker:
         if seq.decoder.finish_reason is None:
             token = seq.decoder.sample()
             logprob, top = seq.decoder.last_logprobs or (None, None)
+            vision_tokens, vision_ms = seq.vision if first else (0, 0.0)
             self.send(P.Sampled(request_id=rid, token=token, prefill_ms=seq.prefill_ms if first else None,
                                 logprob=logprob, top_logprobs=None if top is None else
-                                [P.TokenLogprob(token=t, logprob=lp) for t, lp in top]))
+                                [P.TokenLogprob(token=t, logprob=lp) for t, lp in top],
+                                vision_tokens=vision_tokens, vision_ms=round(vision_ms, 3)))
 
     def mask(self, msg: P.Assign):
         """The sequence's own grammar matcher (each of a batch has one; the pass stays one

@@ -110,6 +110,7 @@ class GPUWorker:
             if isinstance(m, P.Shutdown) or stopped >= ids:
                 everything.set()
         jobs, failed = [], {}
+        tower = (self._images.tokens, self._images.seconds) if self._images is not None else (0, 0.0)
         try:
             with self.link.keepalive(len(batch), urgent):      # the vision tower's passes take seconds too
                 for m, d in batch:
@@ -125,6 +126,8 @@ class GPUWorker:
             failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _ in jobs)
         ms = 1000 * (time.perf_counter() - t0)
         tokens = sum(len(job.tokens) for _, job in jobs)
+        vision_tokens, vision_ms = ((self._images.tokens - tower[0], 1000 * (self._images.seconds - tower[1]))
+                                    if self._images is not None else (0, 0.0))
         for m, job in jobs:
             if m.request_id not in failed:
                 for ref in m.snapshots:
@@ -132,7 +135,9 @@ class GPUWorker:
         for m, _ in batch:
             error = failed.get(m.request_id)
             self.link.send(P.Prefilled(request_id=m.request_id, prefill_ms=0.0 if error else ms, error=error,
-                                       batch_tokens=0 if error else tokens, batch_prompts=len(jobs)))
+                                       batch_tokens=0 if error else tokens, batch_prompts=len(jobs),
+                                       vision_tokens=0 if error else vision_tokens,
+                                       vision_ms=0.0 if error else round(vision_ms, 3)))
 
     def job(self, msg: P.Prefill, data: list[bytes]) -> PrefillJob:
         """A Prefill as the engine's job: its resumed state (or an empty one), the rest of

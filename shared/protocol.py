@@ -162,6 +162,7 @@ class WorkerInfo(msgspec.Struct):
     device: str = ""
     prefill_tok_s: float = 0.0          # measured at start, then as it serves
     decode_tok_s: float = 0.0
+    vision_tok_s: float = 0.0           # image tokens its vision tower encodes a second; 0: none yet
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -278,6 +279,10 @@ class Sampled(_Msg, tag="sampled"):
     prefill_ms: float | None = None
     logprob: float | None = None        # with Assign.logprobs, as in Token
     top_logprobs: list[TokenLogprob] | None = None
+    # the first one also: its images' merged tokens the vision tower encoded, and its time
+    # (not in prefill_ms), from which the coordinator learns the worker's tower rate
+    vision_tokens: int = 0
+    vision_ms: float = 0.0
 
 
 class SnapshotWritten(_Msg, tag="snapshot_written"):
@@ -332,6 +337,8 @@ class Prefilled(_Msg, tag="prefilled"):
     error: str | None = None
     batch_tokens: int = 0
     batch_prompts: int = 1
+    vision_tokens: int = 0              # the batch's image tokens through the tower, and its time (in prefill_ms)
+    vision_ms: float = 0.0
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import numpy as np
 
 from ..errors import FermoeError
@@ -139,12 +141,17 @@ class ImageEncoder:
     def __init__(self, config, forward, limits=None):
         from .image import ImageLimits
         self.config, self.forward, self.limits = config, forward, limits or ImageLimits()
+        self.seconds, self.tokens = 0.0, 0      # what it has encoded so far: a worker reports its rate
 
     def __call__(self, data: bytes, name: str = "image") -> tuple[np.ndarray, tuple[int, int]]:
         from .image import load
+        t0 = time.perf_counter()
         pixels, (gh, gw) = load(data, self.config, self.limits, name)
         m = self.config.n_merge
-        return np.asarray(self.forward(pixels, (gh, gw)), np.float32), (gh // m, gw // m)
+        out = np.asarray(self.forward(pixels, (gh, gw)), np.float32)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += (gh // m) * (gw // m)
+        return out, (gh // m, gw // m)
 
 
 def media_of_images(n_tokens: int, images, n_embd: int, encode: ImageEncoder, start: int = 0) -> TokenMedia:

@@ -47,6 +47,23 @@ def test_a_busy_gpu_queues_what_it_still_does_faster_and_a_full_one_makes_gpu_wa
     assert place_prefill("gpu", 947, [GPU, faster], CPU_TOK_S).worker == "gpu1"
 
 
+def test_images_count_at_each_kinds_tower_rate_once_both_are_known():
+    """A prompt of 30 tokens with 256 image tokens: the text alone stays on the CPU (250 ms
+    against 290); with a GPU tower of 2000 image tokens/s and a CPU one of 100, the images
+    add 128 ms there and 2.56 s here: it goes to the GPU. Until both rates are known the
+    images are left out; images the cache covers are not counted (the caller's)."""
+    gpu = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, prefill_fixed_ms=280.0, vision_tok_s=2000.0)
+    text_only = place_prefill("auto", 30, [gpu], CPU_TOK_S)
+    assert text_only.device == "cpu"
+    both = place_prefill("auto", 30, [gpu], CPU_TOK_S, image_tokens=256, cpu_vision_tok_s=100.0)
+    assert both.device == "gpu" and both.estimates == pytest.approx({"gpu": 418.0, "cpu": 2810.0}, abs=0.01)
+    unknown_cpu = place_prefill("auto", 30, [gpu], CPU_TOK_S, image_tokens=256, cpu_vision_tok_s=0.0)
+    unknown_gpu = place_prefill("auto", 30, [GPU], CPU_TOK_S, image_tokens=256, cpu_vision_tok_s=100.0)
+    assert unknown_cpu.estimates == unknown_gpu.estimates == text_only.estimates
+    fast_cpu_tower = place_prefill("auto", 30, [gpu], CPU_TOK_S, image_tokens=256, cpu_vision_tok_s=1e6)
+    assert fast_cpu_tower.device == "cpu"
+
+
 class _Clock:
     def __init__(self):
         self.now = 0.0

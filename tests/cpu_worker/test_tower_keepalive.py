@@ -4,6 +4,7 @@ declared dead and its requests replayed."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -29,11 +30,11 @@ def test_heartbeats_go_on_while_the_tower_runs(tiny_q4_path, monkeypatch, tmp_pa
             time.sleep(TOWER_S)
             return "media"
         monkeypatch.setattr(prompt_module, "media_of_images", slow_tower)
-        monkeypatch.setattr(vision_engine, "image_encoder", lambda *a: "encoder")
+        monkeypatch.setattr(vision_engine, "image_encoder", lambda *a: SimpleNamespace(tokens=0, seconds=0.0))
         msg = P.Assign(request_id="r", tokens=[1, 2, 3], resume=[], snapshots=[], max_tokens=1,
                        sampling=SamplingParams(seed=1), images=[P.ImageInput(data=b"png", start=0, rows=1, cols=1)])
         t0 = time.monotonic()
-        assert worker.media(msg, 0) == "media"
+        assert worker.media(msg, 0)[0] == "media"
         assert time.monotonic() - t0 >= TOWER_S
         beats = []
         while router.poll(0):

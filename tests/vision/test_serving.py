@@ -132,6 +132,14 @@ def _http_chat(daemon, parts, **kw):
     return httpx.post(f"{daemon.url}/v1/chat/completions", json=body, timeout=120)
 
 
+def test_a_worker_reports_its_towers_rate(daemon):
+    """The first token of an image prompt carries the tower's tokens and time: the coordinator
+    learns the worker's vision rate (what placement weighs images by), shown in the status."""
+    served(daemon.addr, chat(png(11, (64, 64))), 2, seed=1)
+    with Client(daemon.addr) as c:
+        assert max(w.vision_tok_s for w in c.status().workers) > 0
+
+
 def test_props_report_vision(daemon):
     """llama-server's /props: modalities.vision with a tower (test_http_llama_server_api: without)."""
     assert httpx.get(f"{daemon.url}/props", timeout=30).json()["modalities"] == {"vision": True, "audio": False}
