@@ -12,7 +12,6 @@ import uuid
 
 import httpx
 import pytest
-from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.http_server import HttpDaemon, LocalEngine, sse_events
@@ -34,11 +33,6 @@ def daemon(tiny_q4_path):
 @pytest.fixture(scope="module")
 def local(tiny_q4_path):
     return LocalEngine(tiny_q4_path)
-
-
-@pytest.fixture(scope="module")
-def client(daemon):
-    return OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def post(daemon, path: str, body, **kw) -> httpx.Response:

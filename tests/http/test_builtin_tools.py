@@ -13,7 +13,6 @@ import json
 
 import jsonschema
 import pytest
-from openai import OpenAI
 
 from shared.builtin import BUILTIN
 from shared.chat_template import QWEN_STYLE_TEMPLATE
@@ -31,11 +30,6 @@ def daemon():
     d = HttpDaemon(BUILTIN["tiny"], "--snapshot-mem", "64MiB")
     yield d
     assert d.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(daemon):
-    return OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def ask(kind: str, name: str) -> list[dict]:

@@ -11,24 +11,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 
-from tests.support.http_server import HttpDaemon
 from tests.shared.test_grammar import ANSWER, TOOLS, WEATHER
 
 USER = [{"role": "user", "content": "What is the weather in Lisbon this week?"}]
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_q4_path):
-    d = HttpDaemon(tiny_q4_path, "--max-sequences", "2")
-    yield d
-    assert d.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(daemon):
-    return OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _streamed(stream):

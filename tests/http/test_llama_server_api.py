@@ -8,16 +8,9 @@ import json
 import httpx
 import pytest
 
-from tests.support.http_server import HttpDaemon, LocalEngine, sse_events
+from tests.support.http_server import LocalEngine, sse_events
 
 CHAT = [{"role": "user", "content": "Why is the sky blue?"}]
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_q4_path):
-    d = HttpDaemon(tiny_q4_path, "--max-sequences", "2")
-    yield d
-    assert d.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,20 @@
+"""What the HTTP tests share: a daemon with its HTTP front end on the tiny model (a module
+that needs other options defines its own `daemon`), and the official `openai` client on it."""
+from __future__ import annotations
+
+import pytest
+
+from tests.support.http_server import HttpDaemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_q4_path):
+    d = HttpDaemon(tiny_q4_path, "--max-sequences", "2")
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=120)
