@@ -13,6 +13,27 @@ Per turn: prompt tokens, cached tokens (`usage.prompt_tokens_details.cached_toke
 llama-server's `timings.cache_n`), the tokens appended since the previous generation, and
 the time to first token. `--llama-server URL` replays the same episode against a running
 llama-server (same model file) in the same run.
+
+JSON keys ("<server>": fermoe, and llama_server with --llama-server):
+  model                   the GGUF path or built-in name given
+  episode                 the episode file's name
+  max_tokens              tokens generated a turn (--tokens)
+  <server>                one replay of the episode against that server
+  <server>.url            llama_server only: the URL given
+  <server>.turns[]        one object a generation, in order
+  <server>.turns[].prompt_tokens  the request's prompt tokens, as the server counts them
+  <server>.turns[].cached_tokens  of them, those it found cached (null: it did not say)
+  <server>.turns[].completion_tokens  tokens it generated
+  <server>.turns[].ttft_s  s: from sending to the first content, reasoning or call
+  <server>.turns[].appended_tokens  from the second turn on: the prompt tokens beyond the previous
+                          prompt and its generation (what the agent appended)
+  <server>.summary        over all turns
+  <server>.summary.turns  generations
+  <server>.summary.prompt_tokens  their prompt tokens, summed
+  <server>.summary.cached_tokens  their cached tokens, summed
+  <server>.summary.reprefilled_beyond_appended  from the second turn on, a list: the prompt
+                          tokens prefilled beyond what was appended (0: only the new part was)
+  <server>.summary.ttft_s_total  s: the turns' times to first token, summed
 """
 from __future__ import annotations
 

@@ -19,6 +19,60 @@ TFLOP/s count 2 FLOPs a multiply-add of the product itself (routed rows only for
 the experts), over the best of --reps timings of a batch of launches between two
 events on one stream. scripts/cublas_gemm.py runs this and cuBLAS on the same
 shapes in one run.
+
+JSON keys:
+  device                  the GPU's name ("host emulation" under FERMOE_GPU=emulate)
+  multiprocessors         its multiprocessors
+  preset                  the model dimensions (a synth preset, --gpu-preset)
+  experts                 routed experts a layer (the preset's, at most 128)
+  fp32_fma_tflops         TFLOP/s: the FMA probe (probe.cu's fma_peak) over the whole device
+  setup.reps              timings of which the best counts (--reps)
+  setup.launches_a_timing  launches between the two events of a timing
+  setup.weights           the weight types timed
+  prompts.<T>             one prompt length T (--gpu-prompts): the GEMMs' rows
+  prompts.<T>.dense[]     one dense projection of the model: C [M, N] = A [M, K] W^T
+  prompts.<T>.dense[].name  the projection (gdn_qkv, attn_out, router, ...)
+  prompts.<T>.dense[].M   rows: T
+  prompts.<T>.dense[].N   output columns
+  prompts.<T>.dense[].K   the reduction (A's columns; shexp_down: after the SwiGLU of [gate | up])
+  prompts.<T>.dense[].tile_rows  the tile height the engine picks, or "narrow" (the narrow kernel)
+  prompts.<T>.dense[].k_splits  the K splits the engine picks at that height
+  prompts.<T>.dense[].q4_0  with Q4_0 weights (dequantised in the tile), at the engine's pick
+  prompts.<T>.dense[].q4_0.ms  ms a launch: the best of --reps timings
+  prompts.<T>.dense[].q4_0.tflops  TFLOP/s of the product
+  prompts.<T>.dense[].q4_0.fraction_of_fma  tflops over fp32_fma_tflops
+  prompts.<T>.dense[].f32  keys as prompts.<T>.dense[].q4_0: the same kernels on fp32 weights
+  prompts.<T>.dense[].tiles_q4_0.<rows>  TFLOP/s at each tile height, each with its best split (sweep)
+  prompts.<T>.dense[].unsplit_q4_0  keys as prompts.<T>.dense[].q4_0: the pick without its K split
+                          (where it splits)
+  prompts.<T>.dense[].dequant_cost  q4_0's ms over f32's, minus 1
+  prompts.<T>.experts[]   the grouped gate|up launch and the down launch over every expert
+  prompts.<T>.experts[].name  experts_gate_up or experts_down
+  prompts.<T>.experts[].M  routed rows: T x the experts a token uses
+  prompts.<T>.experts[].N  output columns an expert
+  prompts.<T>.experts[].K  the reduction
+  prompts.<T>.experts[].experts  experts over which the rows are grouped
+  prompts.<T>.experts[].rows_per_expert  M over experts
+  prompts.<T>.experts[].tile_rows  the tile height the engine picks (ops.moe_tile_rows)
+  prompts.<T>.experts[].useful_fraction  at that height:
+  prompts.<T>.experts[].useful_fraction.tiles  tiles of the grouping
+  prompts.<T>.experts[].useful_fraction.of_tiles  routed rows over the rows the tiles hold
+  prompts.<T>.experts[].useful_fraction.of_computed  routed rows over the rows the warps compute
+  prompts.<T>.experts[].q4_0  keys as prompts.<T>.dense[].q4_0: Q4_0 weights, the picked height
+  prompts.<T>.experts[].f32  keys as prompts.<T>.dense[].q4_0: fp32 weights
+  prompts.<T>.experts[].tiles_q4_0.<rows>  keys as prompts.<T>.dense[].q4_0: Q4_0 weights at each tile
+                          height (sweep), and useful_fraction:
+  prompts.<T>.experts[].tiles_q4_0.<rows>.useful_fraction  keys as prompts.<T>.experts[].useful_fraction:
+                          the grouping at that height
+  prompts.<T>.experts[].dequant_cost  q4_0's ms over f32's, minus 1
+  prompts.<T>.gdn         the chunked Gated DeltaNet of one layer over T tokens
+  prompts.<T>.gdn.T       tokens
+  prompts.<T>.gdn.chunks  chunks of 64 tokens
+  prompts.<T>.gdn.heads   value heads
+  prompts.<T>.gdn.layers  GDN layers of the model
+  prompts.<T>.gdn.ms.<kernel>  ms of gdn_chunk_prep, gdn_chunk_state (the sequential pass) and
+                          gdn_chunk_output
+  prompts.<T>.gdn.ms_all_layers  ms: the three, summed, times layers
 """
 from __future__ import annotations
 

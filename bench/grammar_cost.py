@@ -7,6 +7,17 @@ with shared/token_mask.TokenMask): the mask computed, applied as -inf logits, th
 consumed. The schema applies from the first token (no reasoning before it): every step pays for
 a mask, the worst case. A sequence whose value is complete (only end-of-generation is allowed)
 starts the schema again, so every timed step is constrained.
+
+JSON keys (of the object `fermoe bench decode` prints under "json_schema"):
+  file                    the schema file given (--json-schema; bench decode adds it)
+  schema_bytes            bytes of the schema's grammar text
+  vocabulary_build_s      s: building the grammar engine's view of the vocabulary (once a model)
+  steps                   tokens decoded a sequence, in each of the two sets (--tokens)
+  decode_tok_s_free       tokens/s of the sampler alone: the batch over the median step
+  decode_tok_s_constrained  tokens/s with the mask: the same
+  slowdown                the constrained median step over the free one, minus 1
+  mask_ms_per_token       ms: the median, over tokens, of computing, applying and advancing the mask
+  values_completed        schema values the constrained set completed (each began the schema again)
 """
 from __future__ import annotations
 

@@ -2,7 +2,16 @@
 sizes (Pss, /proc/PID/smaps_rollup), which counts a page mapped by several of them
 once in all (the model's page cache, a shared-memory segment, page-locked buffers),
 sampled in a thread while a benchmark runs. At the peak it is also split by what the
-pages are (/proc/PID/smaps): the files mapped, each shared-memory segment, the rest."""
+pages are (/proc/PID/smaps): the files mapped, each shared-memory segment, the rest.
+
+JSON keys (of the object TreeMemory.stop returns: `fermoe bench serve` prints it as "host_memory"):
+  peak_gib                GiB: the largest sum of the tree's Pss seen
+  peak_by_process_gib.<process>  GiB: at that moment, by process kind (the module a python process
+                          runs with -m, else its command), processes of a kind summed
+  peak_by_mapping_gib.<mapping>  GiB: at that moment, by what is mapped: a file's path, a /dev/shm
+                          segment's, or "anonymous" (heaps, page-locked buffers, the CUDA driver's);
+                          those of at least 64 MiB
+  peak_by_mapping_gib.other  GiB: the smaller ones, summed"""
 from __future__ import annotations
 
 import os

@@ -9,7 +9,27 @@ paths alternated pair by pair, each timed from sending to the first token.
 Clients, server, coordinator and worker share this machine's cores.
 
 With --soak MINUTES it runs bench/soak.py's mixed load instead and reports each
-server process's resident memory over the time."""
+server process's resident memory over the time (its JSON keys are listed there).
+
+JSON keys:
+  model                   the GGUF path or built-in name given
+  prompt_tokens           tokens of each request's prompt (--prompt)
+  max_tokens              tokens each request generates (--tokens; ignore_eos)
+  concurrency.<clients>   the load with 1, 8 and 32 concurrent clients
+  concurrency.<clients>.requests  requests sent: --requests shared out, each client's share rounded up
+  concurrency.<clients>.requests_per_s  requests/s over the wall time of all of them
+  concurrency.<clients>.tokens_per_s  generated tokens/s (the usage chunks' counts) over that time
+  concurrency.<clients>.ttft_ms  ms: time to first token's percentiles over the requests
+  concurrency.<clients>.ttft_ms.p50  the median
+  concurrency.<clients>.ttft_ms.p90  the 90th percentile
+  concurrency.<clients>.ttft_ms.p99  the 99th percentile
+  added_latency_vs_zmq    one-token requests on a cached prompt, HTTP and ZeroMQ alternated pair by pair
+  added_latency_vs_zmq.pairs  pairs timed (--pairs, after 8 to warm both paths)
+  added_latency_vs_zmq.http_ttft_median_ms  ms: the HTTP side's median, sending to the first token
+  added_latency_vs_zmq.zmq_ttft_median_ms  ms: the ZeroMQ client's
+  added_latency_vs_zmq.added_median_ms  ms: the median of the pairs' differences (HTTP minus ZeroMQ)
+  added_latency_vs_zmq.target_ms  ms: the most the HTTP path should add (ADDED_LATENCY_TARGET_MS)
+  added_latency_vs_zmq.within_target  bool: added_median_ms at most target_ms"""
 from __future__ import annotations
 
 import argparse
@@ -33,7 +53,7 @@ except ImportError:                  # a test extra: the server itself does not 
     httpx = None
 
 CONCURRENCY = (1, 8, 32)
-ADDED_LATENCY_TARGET_MS = 5.0        # the issue's target for the median
+ADDED_LATENCY_TARGET_MS = 5.0        # the front end is a thin layer: a few ms is all it may add to a token
 
 
 def _percentiles(values_s: list[float]) -> dict:
@@ -80,7 +100,16 @@ async def _load(url: str, clients: int, requests: int, prompts: list[list[int]],
             "ttft_ms": _percentiles(ttfts)}
 
 
-def _added_latency(url: str, addr: str, prompt: list[int], pairs: int) -> dict:
+def concurrency(url: str, prompt_tokens: int, max_tokens: int, requests: int) -> dict[str, dict]:
+    """The streamed load at each of CONCURRENCY, after a warm-up of every process."""
+    def cold(seed):                   # prompts no earlier request has cached
+        rng = np.random.default_rng(seed)
+        return [rng.integers(10, 500, prompt_tokens).tolist() for _ in range(requests)]
+    asyncio.run(_load(url, 4, 8, cold(0), max_tokens))               # warm up every process
+    return {str(c): asyncio.run(_load(url, c, requests, cold(c), max_tokens)) for c in CONCURRENCY}
+
+
+def added_latency_vs_zmq(url: str, addr: str, prompt: list[int], pairs: int) -> dict:
     """HTTP and ZeroMQ one-token requests on the same cached prompt, alternated."""
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 
@@ -134,13 +163,9 @@ def run(model: str, prompt_tokens: int, max_tokens: int, requests: int, pairs: i
     with tempfile.TemporaryFile("w+") as log:
         daemon, addr, url = _start(model, extra, log)
         try:
-            def cold(seed):                   # prompts no earlier request has cached
-                rng = np.random.default_rng(seed)
-                return [rng.integers(10, 500, prompt_tokens).tolist() for _ in range(requests)]
-            asyncio.run(_load(url, 4, 8, cold(0), max_tokens))               # warm up every process
-            load = {str(c): asyncio.run(_load(url, c, requests, cold(c), max_tokens)) for c in CONCURRENCY}
-            prompt = cold(1000)[0]
-            added = _added_latency(url, addr, prompt, pairs)
+            load = concurrency(url, prompt_tokens, max_tokens, requests)
+            prompt = np.random.default_rng(1000).integers(10, 500, prompt_tokens).tolist()
+            added = added_latency_vs_zmq(url, addr, prompt, pairs)
         finally:
             stop_coordinator(daemon)
     return {"model": model, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,

@@ -11,7 +11,59 @@ achieved TFLOP/s and its fraction of the FMA rate.
 
 Switches for the paper's ablations: --pageable (expert memory not page-locked),
 --chunk N (passes of at most N tokens instead of one), --no-overlap (copies on the
-compute stream), --no-resident (no expert layer kept in VRAM), --lm-head cpu."""
+compute stream), --no-resident (no expert layer kept in VRAM), --lm-head cpu.
+
+JSON keys (one object a prompt length; several --prompt lengths print a list of them):
+  model                   the GGUF path or built-in name given
+  device                  the GPU's name ("host emulation" under FERMOE_GPU=emulate)
+  prompt_tokens           tokens of the prompt (random ids, one new sequence)
+  switches                the ablation switches of this run
+  switches.pinned         bool: expert memory page-locked (false: --pageable)
+  switches.overlap        bool: expert copies on a stream of their own (false: --no-overlap)
+  switches.resident       bool: expert layers kept in VRAM where they fit (false: --no-resident)
+  switches.lm_head        "gpu" or "cpu": where the last position's logits are computed
+  switches.chunk          tokens a pass holds at most (--chunk; null: the whole prompt in one)
+  switches.ring_slots     expert-layer slots of the copy ring (--ring)
+  prefill_s               s: the median of --reps prefills (after one warm-up)
+  prefill_s_min           s: the fastest of them
+  tok_s                   tokens/s: prompt_tokens over prefill_s
+  passes                  passes the prompt takes
+  pass_tokens             tokens a pass holds at most
+  setup_s                 s: building the engine (weights up, memory plan, host expert memory)
+  host_s                  the host's seconds of the last timed prefill, by part
+  host_s.enqueue_s        s: enqueueing the passes (with their own waits)
+  host_s.wait_s           s: waiting for the device at the end
+  host_s.finish_s         s: finishing (states and logits handed back)
+  streamed_gb             GB (1e9 bytes): expert bytes copied host to device in a prefill (median)
+  h2d_gbps_during_prefill GB/s: streamed_gb over prefill_s
+  pinned_h2d_gbps         GB/s: the best of 5 host-to-device copies from page-locked memory (up to 4
+                          expert layers' bytes, at most 1 GiB), with the engine's copy calls
+  pageable_h2d_gbps       GB/s: the same from ordinary memory
+  fp32_fma_tflops         TFLOP/s: the FMA probe's rate (bench/gpu_kernels.py's fma_tflops)
+  gflop                   GFLOP (fp32, 2 a multiply-add) of the prefill, all parts
+  gflop_by_part.<part>    GFLOP of dense (every matrix but the routed experts), experts, attention,
+                          gdn (the chunked form) and lm_head (the last position only)
+  achieved_tflops         TFLOP/s: gflop over prefill_s
+  floor                   the prefill's floor: the larger of its copies and its FLOPs
+  floor.copy_s            s: streamed_gb at pinned_h2d_gbps
+  floor.compute_s         s: gflop at fp32_fma_tflops
+  floor.floor_s           s: the larger of the two
+  fraction_of_floor       floor.floor_s over prefill_s (1: at the floor)
+  phases_ms.<phase>       ms on the compute stream by phase of one more prefill (events), costliest
+                          first; copy_wait: the stream stalled for an expert layer's copy
+  kernels_ms.<kernel>     ms by kernel of one more prefill, the 16 costliest: each from its launch to
+                          the next on the compute stream, the last of a pass to its end
+  kernel_families.<family>  dense, experts, attention and gdn: the kernels of each family
+  kernel_families.<family>.ms  ms: the family's kernels, summed from kernels_ms' timing (all kernels)
+  kernel_families.<family>.tflops  TFLOP/s: its parts' FLOPs (gflop_by_part) over that time
+  kernel_families.<family>.fraction_of_fma  its tflops over fp32_fma_tflops
+  memory                  the engine's memory plan
+  memory.gpu_budget_mib   MiB: the GPU memory the engine may use (--gpu-mem, or what is free)
+  memory.gpu_planned_mib  MiB: what the plan uses of it
+  memory.resident_expert_layers  expert layers kept in VRAM
+  memory.streamed_expert_layers  expert layers copied from host memory for each pass
+  memory.host_expert_mib  MiB: host memory of the streamed expert layers
+  memory.layer_mib        MiB: one expert layer's bytes"""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +74,7 @@ import numpy as np
 
 from shared.model import Model
 
-KERNELS_SHOWN = 16       # kernels_ms: the costliest (each: from its launch to the next, on the compute stream,
-                         # the last of a pass to its end)
+KERNELS_SHOWN = 16       # kernels_ms: the costliest only, so that the JSON stays readable
 
 
 def dense_macs_per_token(model: Model) -> int:
@@ -76,7 +127,7 @@ FAMILIES = {"dense": (("gemm_",), ("dense", "lm_head")), "experts": (("moe_gateu
             "attention": (("attn_",), ("attention",)), "gdn": (("gdn_chunk_", "gdn_recurrent"), ("gdn",))}
 
 
-def family_rates(by_kernel: dict[str, float], flops: dict[str, float], fma: float) -> dict:
+def kernel_families(by_kernel: dict[str, float], flops: dict[str, float], fma: float) -> dict:
     """Each kernel family's milliseconds, achieved TFLOP/s and fraction of the FMA rate."""
     out = {}
     for family, (prefixes, parts) in FAMILIES.items():
@@ -87,19 +138,9 @@ def family_rates(by_kernel: dict[str, float], flops: dict[str, float], fma: floa
     return out
 
 
-def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, gpu: int = 0, reps: int = 3,
-        chunk: int | None = None, pinned: bool = True, overlap: bool = True, resident: bool = True,
-        lm_head: str = "gpu", ring_slots: int = 2, seed: int = 0, probe_mb: int = 1024) -> dict:
-    from gpu_worker.engine import IDLE, GPUEngine
-    from gpu_worker.profile import PhaseTimer
-    from shared.builtin import resolve_model
-
-    model = Model(resolve_model(model_path))
-    t0 = time.perf_counter()
-    engine = GPUEngine(model, gpu_mem=gpu_mem, gpu=gpu, max_pass_tokens=chunk, pinned=pinned, overlap=overlap, resident=resident, lm_head=lm_head, ring_slots=ring_slots)
-    setup_s = time.perf_counter() - t0
-    tokens = np.random.default_rng(seed).integers(0, model.config.n_vocab, prompt_tokens).tolist()
-    engine.prefill(tokens, engine.new_state())                       # warm: module, caches, first copies
+def timed_prefills(engine, tokens: list[int], reps: int) -> tuple[list[float], list[int], dict]:
+    """Seconds and expert bytes copied of each of `reps` prefills of a new sequence, and the
+    host's time by part of the last."""
     times, copied = [], []
     for _ in range(reps):
         before = engine.experts.copied_bytes
@@ -108,26 +149,75 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         engine.prefill(tokens, state)
         times.append(time.perf_counter() - t)
         copied.append(engine.experts.copied_bytes - before)
-        host = engine.last_timing
+    return times, copied, engine.last_timing
+
+
+def phases_ms(engine, tokens: list[int]) -> dict[str, float]:
+    """One more prefill timed by phase with events on the compute stream, costliest first."""
+    from gpu_worker.profile import PhaseTimer
     engine.profile = PhaseTimer(engine.device, engine.ops.stream)
     engine.prefill(tokens, engine.new_state())
     phases = engine.profile.milliseconds()
     engine.profile = None
-    engine.ops.k.timer = PhaseTimer(engine.device, engine.ops.stream)     # then kernel by kernel
+    return _costliest(phases)
+
+
+def by_kernel_ms(engine, tokens: list[int]) -> dict[str, float]:
+    """One more prefill timed kernel by kernel (every kernel: kernels_ms shows the costliest)."""
+    from gpu_worker.engine import IDLE
+    from gpu_worker.profile import PhaseTimer
+    engine.ops.k.timer = PhaseTimer(engine.device, engine.ops.stream)
     engine.prefill(tokens, engine.new_state())
     engine.ops.k.timer.mark("end")
     by_kernel = engine.ops.k.timer.milliseconds()
     by_kernel.pop(IDLE, None)              # between passes and after the last: the host's time, no kernel's
     engine.ops.k.timer = None
-    pinned_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), True)
-    pageable_gbps = copy_gbps(engine.device, min(probe_mb << 20, 4 * engine.plan.layer_bytes), False)
+    return by_kernel
+
+
+def _costliest(ms: dict[str, float], n: int | None = None) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in sorted(ms.items(), key=lambda kv: -kv[1])[:n]}
+
+
+def floor(streamed: int, pinned_gbps: float, flops: dict[str, float], tflops: float) -> dict[str, float]:
+    """The copy time, the compute time and the larger of the two (unrounded)."""
+    out = {"copy_s": streamed / (pinned_gbps * 1e9), "compute_s": sum(flops.values()) / (tflops * 1e12)}
+    out["floor_s"] = max(out.values())
+    return out
+
+
+def memory(engine) -> dict:
+    """The engine's memory plan."""
+    plan = engine.plan
+    return {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
+            "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
+            "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1)}
+
+
+def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, gpu: int = 0, reps: int = 3,
+        chunk: int | None = None, pinned: bool = True, overlap: bool = True, resident: bool = True,
+        lm_head: str = "gpu", ring_slots: int = 2, seed: int = 0, probe_mb: int = 1024) -> dict:
     from bench.gpu_kernels import fma_tflops
+    from gpu_worker.engine import GPUEngine
+    from shared.builtin import resolve_model
+
+    model = Model(resolve_model(model_path))
+    t0 = time.perf_counter()
+    engine = GPUEngine(model, gpu_mem=gpu_mem, gpu=gpu, max_pass_tokens=chunk, pinned=pinned, overlap=overlap,
+                       resident=resident, lm_head=lm_head, ring_slots=ring_slots)
+    setup_s = time.perf_counter() - t0
+    tokens = np.random.default_rng(seed).integers(0, model.config.n_vocab, prompt_tokens).tolist()
+    engine.prefill(tokens, engine.new_state())                       # warm: module, caches, first copies
+    times, copied, host = timed_prefills(engine, tokens, reps)
+    phases = phases_ms(engine, tokens)
+    by_kernel = by_kernel_ms(engine, tokens)
+    probe_bytes = min(probe_mb << 20, 4 * engine.plan.layer_bytes)
+    pinned_gbps = copy_gbps(engine.device, probe_bytes, True)
+    pageable_gbps = copy_gbps(engine.device, probe_bytes, False)
     tflops = fma_tflops(engine.device, engine.ops.k, engine.ops.stream)
     flops = prefill_flops(model, prompt_tokens)
     prefill_s, streamed = float(np.median(times)), int(np.median(copied))
-    floor = {"copy_s": streamed / (pinned_gbps * 1e9), "compute_s": sum(flops.values()) / (tflops * 1e12)}
-    floor["floor_s"] = max(floor.values())
-    plan = engine.plan
+    bound = floor(streamed, pinned_gbps, flops, tflops)
     out = {
         "model": model_path, "device": engine.device.name, "prompt_tokens": prompt_tokens,
         "switches": {"pinned": pinned, "overlap": overlap, "resident": resident, "lm_head": lm_head,
@@ -143,14 +233,12 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         "fp32_fma_tflops": round(tflops, 2), "gflop": round(sum(flops.values()) / 1e9, 3),
         "gflop_by_part": {k: round(v / 1e9, 3) for k, v in flops.items()},
         "achieved_tflops": round(sum(flops.values()) / prefill_s / 1e12, 2),
-        "floor": {k: round(v, 4) for k, v in floor.items()},
-        "fraction_of_floor": round(floor["floor_s"] / prefill_s, 3),
-        "phases_ms": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
-        "kernels_ms": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_SHOWN]},
-        "kernel_families": family_rates(by_kernel, flops, tflops),
-        "memory": {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
-                   "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
-                   "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1)},
+        "floor": {k: round(v, 4) for k, v in bound.items()},
+        "fraction_of_floor": round(bound["floor_s"] / prefill_s, 3),
+        "phases_ms": phases,
+        "kernels_ms": _costliest(by_kernel, KERNELS_SHOWN),
+        "kernel_families": kernel_families(by_kernel, flops, tflops),
+        "memory": memory(engine),
     }
     engine.close()
     return out

@@ -6,8 +6,51 @@ cached prefix); aggregate decode tokens/s with 1, 2 and 4 concurrent clients (a
 worker decodes them in one batched pass a token); and how a running generation
 fares while two cold prompts arrive: the gaps between its tokens during their
 prefill, and their times to first token; and four cold prompts sent at once (a GPU
-worker prefills those waiting behind the first in one batch).
-The paper's figures for a 947-token prompt: 78.4 s cold, 0.5 s repeated."""
+worker prefills those waiting behind the first in one batch). The default prompt is
+947 tokens, the paper's, so that its cold and repeated times compare with ours
+(docs/measurements.md gives both).
+
+JSON keys:
+  model                   the GGUF path or built-in name given
+  workers                 workers the coordinator reports once ready (a GPU worker waited for)
+  prompt_tokens           tokens of the timed prompt (--prompt)
+  ttft_cold_s             s: time to first token of a prompt no request has cached
+  ttft_repeated_s         s: the same prompt again (its snapshot with its logits: no prefill)
+  ttft_extended16_s       s: the prompt with 16 tokens more (resumes from the cached prefix)
+  prefill_device          where each was prefilled
+  prefill_device.cold     "cpu" or "gpu": the cold prompt
+  prefill_device.extended16  the extended one
+  cold_prefill_s          s: the cold prompt's prefill itself, as the worker reports it
+  cold_rest_s             s: the rest of its time to first token: the hand-over to a CPU worker (its
+                          resume from the snapshot) and the first token's sampling
+  cached_tokens           prompt tokens served from the cache, as the coordinator reports them
+  cached_tokens.cold      of the cold prompt
+  cached_tokens.repeated  of the repeated one
+  cached_tokens.extended16  of the extended one
+  cold_over_repeated      ttft_cold_s over ttft_repeated_s
+  workers_detail[]        one object a worker
+  workers_detail[].id     the worker's id
+  workers_detail[].kind   "cpu" or "gpu"
+  workers_detail[].device the device it runs on, as it reports it
+  workers_detail[].prefill_tok_s  tokens/s: the prefill rate it reports (the scheduler's estimate)
+  aggregate_decode_tok_s.<clients>  tokens/s: decode of 1, 2 and 4 concurrent clients (prompts cached
+                          first: the decode phase only), all clients' tokens over the wall time
+  decode_during_prefill   a running generation while cold prompts arrive after its first token
+  decode_during_prefill.arriving_prompts  cold prompts that arrive (2)
+  decode_during_prefill.prompt_tokens  tokens of each of them
+  decode_during_prefill.running_max_gap_s  s: the longest gap between two of the running
+                          generation's tokens until the last arrival's first token
+  decode_during_prefill.running_median_gap_s  s: the median of those gaps
+  decode_during_prefill.arriving_ttft_s  s: each arriving prompt's time to first token, sorted
+  cold_burst              cold prompts sent at once
+  cold_burst.prompts      how many (4)
+  cold_burst.prompt_tokens  tokens of each
+  cold_burst.last_first_token_s  s: from sending until the last has its first token
+  cold_burst.ttft_s       s: each one's time to first token, sorted
+  cold_burst.prefill_device  where each was prefilled, sorted
+  cold_burst.prefill_batch  the size of the batch each was prefilled in, sorted (0: not batched)
+  host_memory             every process of the daemon at its fullest, pages they share counted
+                          once: the keys of bench.host_memory"""
 from __future__ import annotations
 
 import argparse
@@ -66,7 +109,7 @@ def ttft(client: Client, tokens: list[int], max_tokens: int = 1) -> tuple[float,
                    "prefill_device": done.prefill_device, "prefill_batch": done.prefill_batch}
 
 
-def burst(addr: str, vocab_hi: int, prompts: int = 4, tokens: int = 256) -> dict:
+def cold_burst(addr: str, vocab_hi: int, prompts: int = 4, tokens: int = 256) -> dict:
     """`prompts` cold prompts of `tokens` tokens sent at once: the time until the last has
     its first token, where each was prefilled and in how large a batch."""
     out = [None] * prompts
@@ -108,6 +151,37 @@ def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> float:
     for t in threads:
         t.join()
     return sum(counts) / (time.perf_counter() - t0)
+
+
+def aggregate_decode_tok_s(addr: str, prompt: list[int], tokens: int) -> dict[int, float]:
+    """Aggregate decode tokens/s with 1, 2 and 4 concurrent clients."""
+    return {n: round(aggregate(addr, n, prompt, tokens), 2) for n in (1, 2, 4)}
+
+
+def first_tokens(client: Client, prompt: list[int], vocab_hi: int) -> dict:
+    """Times to first token of `prompt` cold, repeated and extended by 16 tokens; where each
+    was prefilled and how much of it was cached."""
+    # an uncached prompt of the same size first: the workers' first touches of memory
+    # (snapshot slots, KV pages, a GPU plan for that size) are not in the cold figure
+    ttft(client, np.random.default_rng(1).integers(10, vocab_hi, len(prompt)).tolist())
+    cold, cold_info = ttft(client, prompt)
+    repeat, repeat_info = ttft(client, prompt)
+    extended, ext_info = ttft(client, prompt + list(range(20, 36)))
+    return {
+        "ttft_cold_s": round(cold, 3), "ttft_repeated_s": round(repeat, 3),
+        "ttft_extended16_s": round(extended, 3),
+        "prefill_device": {"cold": cold_info["prefill_device"], "extended16": ext_info["prefill_device"]},
+        "cold_prefill_s": round(cold_info["prefill_ms"] / 1000, 3),
+        "cold_rest_s": round(cold - cold_info["prefill_ms"] / 1000, 3),
+        "cached_tokens": {"cold": cold_info["cached_prompt_tokens"], "repeated": repeat_info["cached_prompt_tokens"],
+                          "extended16": ext_info["cached_prompt_tokens"]},
+        "cold_over_repeated": round(cold / repeat, 1),
+    }
+
+
+def workers_detail(status) -> list[dict]:
+    return [{"id": w.worker_id, "kind": w.kind, "device": w.device, "prefill_tok_s": w.prefill_tok_s}
+            for w in status.workers]
 
 
 def decode_during_prefill(addr: str, prompt: list[int], vocab_hi: int, cold_tokens: int = 128, arrivals: int = 2) -> dict:
@@ -166,38 +240,14 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             from shared.model import Model
             vocab_hi = min(1000, Model(resolve_model(model)).config.n_vocab)
             prompt = np.random.default_rng(0).integers(10, vocab_hi, prompt_tokens).tolist()
-            # an uncached prompt of the same size first: the workers' first touches of memory
-            # (snapshot slots, KV pages, a GPU plan for that size) are not in the cold figure
-            ttft(c, np.random.default_rng(1).integers(10, vocab_hi, prompt_tokens).tolist())
-            cold, cold_info = ttft(c, prompt)
-            repeat, repeat_info = ttft(c, prompt)
-            extended, ext_info = ttft(c, prompt + list(range(20, 36)))
+            first = first_tokens(c, prompt, vocab_hi)
             short = prompt[:32]
-            rates = {n: round(aggregate(addr, n, short, decode_tokens), 2) for n in (1, 2, 4)}
+            rates = aggregate_decode_tok_s(addr, short, decode_tokens)
             during = decode_during_prefill(addr, short, vocab_hi)
-            together = burst(addr, vocab_hi)
-        # every process of the daemon, pages they share counted once, at its fullest
-        host_memory = memory.stop()
-        return {
-            "model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens,
-            "ttft_cold_s": round(cold, 3), "ttft_repeated_s": round(repeat, 3),
-            "ttft_extended16_s": round(extended, 3),
-            "prefill_device": {"cold": cold_info["prefill_device"], "extended16": ext_info["prefill_device"]},
-            # of the cold time to first token, what is not the prefill itself: the hand-over to a
-            # CPU worker (its resume from the snapshot) and the first token's sampling
-            "cold_prefill_s": round(cold_info["prefill_ms"] / 1000, 3),
-            "cold_rest_s": round(cold - cold_info["prefill_ms"] / 1000, 3),
-            "workers_detail": [{"id": w.worker_id, "kind": w.kind, "device": w.device,
-                                "prefill_tok_s": w.prefill_tok_s} for w in status.workers],
-            "cached_tokens": {"cold": cold_info["cached_prompt_tokens"],
-                              "repeated": repeat_info["cached_prompt_tokens"],
-                              "extended16": ext_info["cached_prompt_tokens"]},
-            "cold_over_repeated": round(cold / repeat, 1),
-            "aggregate_decode_tok_s": rates,
-            "decode_during_prefill": during,
-            "cold_burst": together,
-            "host_memory": host_memory,
-        }
+            together = cold_burst(addr, vocab_hi)
+        return {"model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens, **first,
+                "workers_detail": workers_detail(status), "aggregate_decode_tok_s": rates,
+                "decode_during_prefill": during, "cold_burst": together, "host_memory": memory.stop()}
     finally:
         memory.stop()
         stop_coordinator(daemon)

@@ -11,12 +11,41 @@ server idles a while and is sampled on, to see whether memory comes back.
 
 What tells a leak from a level: `growth_kb_per_min` of each process over the second
 half of the load (a level is ~0 there, a leak keeps its slope), and `idle_change_kb`
-(memory given back, or not, once the requests stop)."""
+(memory given back, or not, once the requests stop).
+
+JSON keys:
+  model                   the GGUF path or built-in name given
+  prompt_tokens           tokens of each request's prompt (--prompt)
+  max_tokens              tokens each request generates (--tokens)
+  server_options          the coordinator options passed through, a list of strings
+  minutes                 the load's length (--soak)
+  clients                 concurrent clients (--clients)
+  sample_every_s          s between memory samples (--sample-every)
+  idle_s                  s sampled after the load, the server idle (--idle)
+  requests.<kind>         requests sent of each kind: stream, plain, disconnect, malformed
+  requests_total          all of them
+  requests_per_s          requests/s over the load's wall time
+  errors.<failure>        requests that went wrong, by "kind: cause" (an HTTP status or an exception's
+                          name); a malformed request answered 4xx is no error
+  load_end_s              s from the first sample to the load's end
+  pids.<process>          each server process's pid: coordinator, http, "worker ID"
+  rss_kb.<process>        each process's memory over the soak, kB (1024 bytes) as /proc reports it
+  rss_kb.<process>.samples  samples taken (0: the process was never read, and no other key)
+  rss_kb.<process>.anon_first_kb  kB: RssAnon (its own memory, the shared arena left out), first
+  rss_kb.<process>.anon_max_kb  kB: RssAnon at its peak
+  rss_kb.<process>.anon_load_end_kb  kB: RssAnon at the load's end
+  rss_kb.<process>.anon_last_kb  kB: RssAnon last (after the idle time)
+  rss_kb.<process>.growth_kb_per_min  kB/min: the least-squares slope of RssAnon over the second
+                          half of the load (a level: ~0; a leak keeps its slope)
+  rss_kb.<process>.idle_change_kb  kB: RssAnon's change over the idle time (negative: given back)
+  rss_kb.<process>.vmrss_last_kb  kB: VmRSS last
+  rss_kb.<process>.shmem_last_kb  kB: RssShmem last (the snapshot arena's pages it touched)
+  rss_kb.<process>.series  every sample, a list of [seconds, VmRSS, RssAnon, RssShmem] (kB)
+  series_columns          the names of a series point's four values"""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import threading
 import time

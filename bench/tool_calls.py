@@ -8,7 +8,26 @@ parser (shared/tool_parser.py). Counted: a call (a parseable call to pydoc), a c
 arguments exactly {"name": the name asked}). Then, for each correct call, the tool runs here
 (Python's pydoc, shared/pydoc_tool.lookup) and the second turn is generated: counted when the
 answer is the docstring's first sentence exactly (names whose module does not import here,
-or that have no docstring, are left out of that count)."""
+or that have no docstring, are left out of that count).
+
+JSON keys:
+  bench                   "tools"
+  model                   the GGUF path of the model
+  thinking                bool: the chat template's enable_thinking (--thinking)
+  names                   held-out names asked about
+  called                  replies with a parseable call to pydoc
+  called_correctly        calls whose arguments are exactly {"name": the name asked}
+  answerable              of those, names pydoc finds a docstring of here
+  answered_exactly        of those, second turns that answer with the docstring's first sentence exactly
+  call_rate               called over names
+  correct_call_rate       called_correctly over names
+  exact_answer_rate       answered_exactly over answerable (0 when none is)
+  wrong_examples[]        the first 8 names not called correctly
+  wrong_examples[].asked  the name asked
+  wrong_examples[].got    the call's arguments, or the first 80 characters of the reply without a call
+                          (free-form)
+  seconds                 s: the whole run's wall time
+  tokens                  prompt and generated tokens of every turn"""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +38,7 @@ from pathlib import Path
 
 from shared.builtin import DATA_DIR, resolve_model
 from shared.chat import opens_reasoning, render_chat
+from shared.options import add_threads
 from shared.pydoc_tool import NAME, TOOL, first_sentence, lookup, question
 from shared.sampling import SamplingParams
 from shared.tool_parser import ToolCallParser
@@ -64,7 +84,34 @@ class Turns:
         return text["reasoning"], text["content"], [c for c in parser.calls if c["complete"]]
 
 
-def run(model_path: str, names: list[tuple[str, str]], thinking: bool, threads: int) -> dict:
+def ask(turns: Turns, i: int, kind: str, name: str) -> tuple[dict[str, bool], dict | None]:
+    """What the model does with the question about `name`: which of the counts it adds to,
+    and a wrong example when it does not call pydoc with exactly that name."""
+    messages = [{"role": "user", "content": question(kind, name, i)}]
+    reasoning, content, calls = turns.reply(messages)
+    call = calls[0] if calls and calls[0]["name"] == NAME else None
+    args = json.loads(call["arguments"]) if call else None
+    got = dict(called=call is not None, called_correctly=False, answerable=False, answered_exactly=False)
+    if args != {"name": name}:
+        return got, {"asked": name, "got": args if call else (content or reasoning)[:80]}
+    got["called_correctly"] = True
+    response = lookup(name)
+    if _is_doc(name, response):
+        got["answerable"] = True
+        messages += [{"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": [
+                         {"type": "function", "function": {"name": NAME, "arguments": call["arguments"]}}]},
+                     {"role": "tool", "content": response}]
+        _, answer, _ = turns.reply(messages)
+        got["answered_exactly"] = answer.strip() == first_sentence(response)
+    return got, None
+
+
+def rates(counts: dict[str, int], n: int) -> dict[str, float]:
+    return {"call_rate": round(counts["called"] / n, 4), "correct_call_rate": round(counts["called_correctly"] / n, 4),
+            "exact_answer_rate": round(counts["answered_exactly"] / max(1, counts["answerable"]), 4)}
+
+
+def run(model_path: str, names: list[tuple[str, str]], thinking: bool, threads: int | None = None) -> dict:
     from cpu_worker.native_engine import NativeEngine
     from shared.model import Model
     model = Model(model_path)
@@ -73,31 +120,15 @@ def run(model_path: str, names: list[tuple[str, str]], thinking: bool, threads: 
     counts = dict(called=0, called_correctly=0, answerable=0, answered_exactly=0)
     wrong, t0 = [], time.time()
     for i, (kind, name) in enumerate(names):
-        messages = [{"role": "user", "content": question(kind, name, i)}]
-        reasoning, content, calls = turns.reply(messages)
-        call = calls[0] if calls and calls[0]["name"] == NAME else None
-        args = json.loads(call["arguments"]) if call else None
-        counts["called"] += call is not None
-        if args != {"name": name}:
-            if len(wrong) < 8:
-                wrong.append({"asked": name, "got": args if call else (content or reasoning)[:80]})
-            continue
-        counts["called_correctly"] += 1
-        response = lookup(name)
-        if not _is_doc(name, response):
-            continue
-        counts["answerable"] += 1
-        messages += [{"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": [
-                         {"type": "function", "function": {"name": NAME, "arguments": call["arguments"]}}]},
-                     {"role": "tool", "content": response}]
-        _, answer, _ = turns.reply(messages)
-        counts["answered_exactly"] += answer.strip() == first_sentence(response)
+        got, example = ask(turns, i, kind, name)
+        for key, hit in got.items():
+            counts[key] += hit
+        if example is not None and len(wrong) < 8:
+            wrong.append(example)
     engine.close()
-    n = len(names)
-    return {"bench": "tools", "model": model_path, "thinking": thinking, "names": n, **counts,
-            "call_rate": round(counts["called"] / n, 4), "correct_call_rate": round(counts["called_correctly"] / n, 4),
-            "exact_answer_rate": round(counts["answered_exactly"] / max(1, counts["answerable"]), 4),
-            "wrong_examples": wrong, "seconds": round(time.time() - t0, 1), "tokens": turns.tokens}
+    return {"bench": "tools", "model": model_path, "thinking": thinking, "names": len(names), **counts,
+            **rates(counts, len(names)), "wrong_examples": wrong, "seconds": round(time.time() - t0, 1),
+            "tokens": turns.tokens}
 
 
 def _is_doc(name: str, response: str) -> bool:
@@ -114,7 +145,7 @@ def main(argv=None) -> None:
                                                                       "built-in model's held-out names)")
     p.add_argument("--limit", type=int, default=None, help="ask about the first N names only")
     p.add_argument("--thinking", choices=["on", "off"], default="on", help="the template's enable_thinking")
-    p.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default 2)")
+    add_threads(p)
     args = p.parse_args(argv)
     names = read_names(args.names)[:args.limit]
     if not names:

@@ -11,6 +11,41 @@ FERMOE_GPU=emulate: the host emulation) the same images go through the GPU tower
 the time by kernel family (and the copies) of one more pass, the device's fp32 FMA rate
 measured in the same run and the share of it the pass reaches, and how far the tokens
 are from the CPU engine's. Without one, "gpu" says why nothing was measured.
+
+JSON keys:
+  tower                   the mmproj path, or the preset of the random tower
+  blocks                  the tower's blocks
+  width                   its hidden size
+  engine                  what the CPU engine is (numpy float32, BLAS products)
+  threads                 the CPU engine's threads (-t)
+  blas_threads_set        bool: whether the BLAS library's thread count could be set to it
+  weights_load_s          s: making the CPU engine (weights to float32)
+  gemm_gflops             GFLOP/s: the best of 3 float32 1024^3 products through numpy's BLAS
+  images[]                one object an image, on the CPU engine
+  images[].size           WIDTHxHEIGHT of the image
+  images[].grid           [rows, columns] of patches after the processor's resize
+  images[].patches        rows x columns
+  images[].tokens         the tower's output tokens (a 2x2 merge of patches)
+  images[].preprocess_ms  ms: PNG bytes to pixels (decode, resize, normalise)
+  images[].encode_s       s: the tower's forward
+  images[].gflop          GFLOP (2 a multiply-add) of the forward (tower_flops)
+  images[].gflops         GFLOP/s: gflop over encode_s
+  images[].of_gemm        gflops over gemm_gflops
+  gpu                     "not measured: ..." (why), or the GPU tower's figures:
+  gpu.device              the GPU's name ("host emulation" under FERMOE_GPU=emulate)
+  gpu.weights_upload_s    s: making the GPU engine (weights up)
+  gpu.resident_mib        MiB: its device memory, the weights and the split-K scratch
+  gpu.matrix_types        the weight types of its matrices
+  gpu.fp32_fma_tflops     TFLOP/s: the device's FMA probe, measured in the same run
+  gpu.images[]            one object an image, in the order of images[]
+  gpu.images[].size       WIDTHxHEIGHT
+  gpu.images[].encode_s   s: the best of --repeat passes after a first (pixels up, tokens down included)
+  gpu.images[].gflops     GFLOP/s: the forward's FLOPs over encode_s
+  gpu.images[].of_fma_peak  gflops over gpu.fp32_fma_tflops
+  gpu.images[].kernel_ms.<family>  ms by kernel family of one more pass (gemm, attention, ...; upload
+                          and download: the copies), costliest first
+  gpu.images[].max_diff_vs_cpu  the largest difference from the CPU engine's tokens, over their largest
+                          magnitude
 """
 from __future__ import annotations
 
@@ -83,7 +118,6 @@ def open_gpu(choice: str):
 def gpu_run(tower, device, images, cpu_tokens, repeat: int) -> dict:
     """The GPU tower on `images` [(size, pixels, grid)]; cpu_tokens: the CPU engine's output of each."""
     from bench.gpu_kernels import fma_tflops
-    from gpu_worker.profile import PhaseTimer
     from gpu_worker.vision import GPUVisionEngine
 
     t0 = time.perf_counter()
@@ -93,33 +127,57 @@ def gpu_run(tower, device, images, cpu_tokens, repeat: int) -> dict:
     try:
         types = {w.wtype for blk in engine.blocks for w in blk.values() if len(w.shape) == 2}
         peak = fma_tflops(device, engine.ops.k, engine.ops.stream)
-        out.update(matrix_types=sorted(types), fp32_fma_tflops=round(peak, 2), images=[])
-        for (size, pixels, grid), want in zip(images, cpu_tokens):
-            got = engine.encode(pixels, grid)                  # the first pass: allocations, caches
-            best = min(_timed(lambda: engine.encode(pixels, grid)) for _ in range(repeat))
-            timer = engine.ops.k.timer = PhaseTimer(device, engine.ops.stream)
-            engine.encode(pixels, grid)                        # marks "upload", each launch, "download"
-            timer.mark("end")
-            engine.ops.k.timer = None
-            by_kernel: dict[str, float] = {}
-            for phase, ms in timer.milliseconds().items():
-                by_kernel[_family(phase)] = by_kernel.get(_family(phase), 0.0) + ms
-            flops = tower_flops(engine.config, *grid)
-            entry = {"size": size, "encode_s": round(best, 4), "gflops": round(flops / best / 1e9, 1),
-                     "of_fma_peak": round(flops / best / 1e12 / peak, 3),
-                     "kernel_ms": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])}}
-            if want is not None:
-                entry["max_diff_vs_cpu"] = float(f"{np.abs(got - want).max() / np.abs(want).max():.3g}")
-            out["images"].append(entry)
+        out.update(matrix_types=sorted(types), fp32_fma_tflops=round(peak, 2))
+        out["images"] = [gpu_image(engine, device, peak, size, pixels, grid, want, repeat)
+                         for (size, pixels, grid), want in zip(images, cpu_tokens)]
     finally:
         engine.close()
     return out
 
 
+def gpu_image(engine, device, peak: float, size: str, pixels, grid, want, repeat: int) -> dict:
+    """One image through the GPU tower: the best of `repeat` passes, then one timed by kernel."""
+    from gpu_worker.profile import PhaseTimer
+    got = engine.encode(pixels, grid)                  # the first pass: allocations, caches
+    best = min(_timed(lambda: engine.encode(pixels, grid)) for _ in range(repeat))
+    timer = engine.ops.k.timer = PhaseTimer(device, engine.ops.stream)
+    engine.encode(pixels, grid)                        # marks "upload", each launch, "download"
+    timer.mark("end")
+    engine.ops.k.timer = None
+    by_kernel: dict[str, float] = {}
+    for phase, ms in timer.milliseconds().items():
+        by_kernel[_family(phase)] = by_kernel.get(_family(phase), 0.0) + ms
+    flops = tower_flops(engine.config, *grid)
+    entry = {"size": size, "encode_s": round(best, 4), "gflops": round(flops / best / 1e9, 1),
+             "of_fma_peak": round(flops / best / 1e12 / peak, 3),
+             "kernel_ms": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])}}
+    if want is not None:
+        entry["max_diff_vs_cpu"] = float(f"{np.abs(got - want).max() / np.abs(want).max():.3g}")
+    return entry
+
+
+def cpu_image(engine, h: int, w: int, gemm: float) -> tuple[dict, tuple, np.ndarray]:
+    """One image through the processor and the CPU tower: its entry of images[], the
+    (size, pixels, grid) the GPU tower takes, and the tokens."""
+    from shared.vision.image import load
+    cfg = engine.config
+    data = _png(h, w)
+    t = time.perf_counter()
+    pixels, grid = load(data, cfg)
+    pre = time.perf_counter() - t
+    t = time.perf_counter()
+    tokens = engine.encode(pixels, grid)
+    enc = time.perf_counter() - t
+    flops = tower_flops(cfg, *grid)
+    entry = {"size": f"{w}x{h}", "grid": list(grid), "patches": grid[0] * grid[1], "tokens": len(tokens),
+             "preprocess_ms": round(pre * 1e3, 1), "encode_s": round(enc, 3), "gflop": round(flops / 1e9, 1),
+             "gflops": round(flops / enc / 1e9, 1), "of_gemm": round(flops / enc / 1e9 / gemm, 2)}
+    return entry, (f"{w}x{h}", pixels, grid), tokens
+
+
 def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[int, int]], gpu: str = "auto",
         repeat: int = 2) -> dict:
     from cpu_worker.vision_engine import VisionEngine
-    from shared.vision.image import load
     from shared.vision.mmproj import Mmproj
     from modeltools.vision.synth import RandomTower, preset_config
 
@@ -135,20 +193,9 @@ def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[
     images, cpu_out = [], []
     try:
         for h, w in sizes:
-            data = _png(h, w)
-            t = time.perf_counter()
-            pixels, grid = load(data, cfg)
-            pre = time.perf_counter() - t
-            t = time.perf_counter()
-            tokens = engine.encode(pixels, grid)
-            enc = time.perf_counter() - t
-            flops = tower_flops(cfg, *grid)
-            out["images"].append({"size": f"{w}x{h}", "grid": list(grid), "patches": grid[0] * grid[1],
-                                  "tokens": len(tokens), "preprocess_ms": round(pre * 1e3, 1),
-                                  "encode_s": round(enc, 3), "gflop": round(flops / 1e9, 1),
-                                  "gflops": round(flops / enc / 1e9, 1),
-                                  "of_gemm": round(flops / enc / 1e9 / out["gemm_gflops"], 2)})
-            images.append((f"{w}x{h}", pixels, grid))
+            entry, image, tokens = cpu_image(engine, h, w, out["gemm_gflops"])
+            out["images"].append(entry)
+            images.append(image)
             cpu_out.append(tokens)
     finally:
         engine.close()
@@ -167,12 +214,12 @@ def run(mmproj: str | None, preset: str, threads: int | None, sizes: list[tuple[
 
 def main(argv=None) -> int:
     import argparse
+    from shared.options import add_threads
     p = argparse.ArgumentParser(prog="fermoe bench vision", description=__doc__.split("\n\n")[0])
     p.add_argument("--mmproj", default=None, help="an mmproj GGUF (default: a random tower of --preset, in memory)")
     p.add_argument("--preset", default="qwen3.6-35b-a3b", choices=["tiny", "qwen3.6-35b-a3b"],
                    help="the random tower's shape (default: the real one)")
-    p.add_argument("-t", "--threads", type=int, default=None,
-                   help="threads (default: the physical cores of the first NUMA node, as the cpu engine)")
+    add_threads(p)
     p.add_argument("--sizes", default="448x448,1024x1024", help="images, WIDTHxHEIGHT, comma-separated")
     p.add_argument("--gpu", default="auto",
                    help="auto (CUDA device 0 if there is one; FERMOE_GPU=emulate: the host emulation), a device "

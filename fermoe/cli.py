@@ -10,7 +10,7 @@ import numpy as np
 
 from fermoe.escapes import process_escapes
 from shared.errors import FermoeError
-from shared.options import add_gpu_options, add_kv_cache_dtype, gpu_engine_options
+from shared.options import add_gpu_options, add_kv_cache_dtype, add_threads, gpu_engine_options
 
 DEFAULT_MODEL = "tiny"
 AGENT_QUESTION = "What does json.dumps do?"
@@ -95,8 +95,7 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--engine", default="cpu",
                    help="cpu (native W4A8 kernels, the default), gpu (prefill on the GPU, decode on the cpu "
                         "engine) or reference (the numpy spec: slow)")
-    p.add_argument("-t", "--threads", type=int, default=None,
-                   help="cpu engine threads (default: the physical cores of the first NUMA node)")
+    add_threads(p)
     add_kv_cache_dtype(p)
     add_gpu_options(p)
 

@@ -27,6 +27,23 @@ def add_kv_cache_dtype(p: argparse.ArgumentParser):
                         f"(default {DEFAULT_KV_DTYPE}, as llama.cpp's)")
 
 
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
+
+
+def add_threads(p: argparse.ArgumentParser):
+    """-t/--threads, as every command that runs a CPU engine takes it: None (not given) is
+    the engines' own default, one thread on each physical core of the first NUMA node."""
+    p.add_argument("-t", "--threads", type=_threads, default=None,
+                   help="cpu engine threads (default: the physical cores of the first NUMA node)")
+
+
 def add_gpu_options(p: argparse.ArgumentParser):
     """--gpu-mem and --gpu, for --engine gpu."""
     p.add_argument("--gpu-mem", default=None,

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+import bench.grammar_cost
 from bench.decode import run
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.serving_harness import fermoe
 from tests.shared.test_grammar import ANSWER
 
@@ -20,6 +22,7 @@ def test_decode_with_and_without_the_mask_in_one_run(tiny_q4_path, tmp_path):
     assert got["decode_tok_s_free"] > 0 and got["decode_tok_s_constrained"] > 0 and got["mask_ms_per_token"] > 0
     assert got["slowdown"] == pytest.approx(got["decode_tok_s_free"] / got["decode_tok_s_constrained"] - 1, abs=0.01)
     assert got["values_completed"] >= 1           # ANSWER is short: values end and begin again
+    assert_keys_documented(got, bench.grammar_cost)
     assert "json_schema" not in run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=2)
 
 

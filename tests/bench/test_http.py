@@ -8,7 +8,9 @@ pytest.importorskip("httpx")
 
 
 def test_bench_http_on_the_tiny_model(tiny_q4_path):
+    import bench.http
     from bench.http import CONCURRENCY, run
+    from tests.support.bench_keys import assert_keys_documented
     requests, pairs = 4, 4
     out = run(str(tiny_q4_path), prompt_tokens=8, max_tokens=3, requests=requests, pairs=pairs, extra=[])
     for clients in CONCURRENCY:
@@ -17,3 +19,4 @@ def test_bench_http_on_the_tiny_model(tiny_q4_path):
         assert load["tokens_per_s"] > 0 and load["ttft_ms"]["p50"] <= load["ttft_ms"]["p99"]
     added = out["added_latency_vs_zmq"]
     assert added["pairs"] == pairs and added["http_ttft_median_ms"] > 0 and added["zmq_ttft_median_ms"] > 0
+    assert_keys_documented(out, bench.http)

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+import bench.soak
 from bench.soak import summarise
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.serving_harness import fermoe
 
 pytest.importorskip("httpx")
@@ -28,6 +30,7 @@ def test_soak_reports_every_server_process_memory_over_time(tiny_q4_path):
     assert out["requests_total"] == sum(out["requests"].values()) > 0 and out["requests_per_s"] > 0
     assert set(out["requests"]) <= {"stream", "plain", "disconnect", "malformed"}
     assert out["errors"] == {}, out["errors"]
+    assert_keys_documented(out, bench.soak)
 
 
 def test_soak_summary_tells_a_level_from_a_slope():

@@ -13,6 +13,7 @@ from shared.engine import ReferenceEngine
 from shared.model import Model
 from modeltools.synth import _tensor_list, preset_config
 from modeltools.convert import tensor_type, OUT_TYPES
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.eos_seed import seed_with_early_eos
 from tests.support.sampling_cases import option_cases
 from tests.support.serving_harness import fermoe, free_port, local_ids, local_text
@@ -114,6 +115,8 @@ def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     (["bench", "decode", "{tiny}", "--context", "999999"], "past the model's context length of 262144"),
     (["bench", "serve", "{tiny}", "--prompt", "0"], "--prompt and --tokens must be at least 1"),
     (["bench", "serve", "{missing}"], "exited before it was ready: coordinator: error: {missing}: cannot open"),
+    (["bench", "tools", "-t", "0"], "argument -t/--threads: 0: must be at least 1"),
+    (["bench", "vision", "--threads", "two"], "argument -t/--threads: 'two': expected a whole number"),
 ])
 def test_bench_options_are_refused_in_one_line(tiny_path, tmp_path, args, message):
     paths = dict(tiny=tiny_path, missing=tmp_path / "missing.gguf")
@@ -280,6 +283,8 @@ def test_bench_tools_counts_calls_on_held_out_names(tmp_path):
     out = json.loads(fermoe("bench", "tools", "--limit", 3, "-t", 1).stdout)
     assert (out["names"], out["called"], out["called_correctly"]) == (3, 3, 3), out
     assert 0 <= out["answered_exactly"] <= out["answerable"] <= 3 and out["thinking"] is True
+    import bench.tool_calls
+    assert_keys_documented(out, bench.tool_calls)
     bad = tmp_path / "names.txt"
     bad.write_text("json.dumps\n")
     run = fermoe("bench", "tools", "--names", bad, check=False)

@@ -16,6 +16,7 @@ from shared.errors import FermoeError
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.gpu_device import DEVICES, assert_close, open_test_device
 from tests.support.serving_harness import fermoe
 
@@ -338,6 +339,8 @@ def test_bench_prefill_reports_its_floor_and_phases(tiny_q4_path, monkeypatch):
     families = out["kernel_families"]
     assert set(families) == {"dense", "experts", "attention", "gdn"}
     assert all(f["ms"] > 0 and f["fraction_of_fma"] > 0 for f in families.values())
+    import bench.prefill
+    assert_keys_documented(out, bench.prefill)
 
 
 def test_bench_kernels_gpu_reports_every_shape():
@@ -360,6 +363,8 @@ def test_bench_kernels_gpu_reports_every_shape():
     gdn = part["gdn"]
     assert gdn["chunks"] == 1 and all(ms > 0 for ms in gdn["ms"].values())
     assert out["fp32_fma_tflops"] > 0
+    import bench.gpu_kernels
+    assert_keys_documented(out, bench.gpu_kernels)
 
 
 def tiny_config():

@@ -6,10 +6,12 @@ turn on, only what the agent appended since the previous generation is prefilled
 plus the generation's last token (sampled, never run)."""
 from __future__ import annotations
 
+import bench.agent
 from bench.agent import replay, summary
 from bench.make_agent_episode import build
 from shared.builtin import BUILTIN
 from shared.model import Model
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.gguf_edit import rewrite_gguf
 from tests.support.http_server import HttpDaemon
 from tests.support.qwen_template import QWEN_STYLE_TEMPLATE
@@ -34,6 +36,7 @@ def test_each_agent_turn_prefills_only_what_was_appended(tmp_path):
         assert row["cached_tokens"] >= previous["prompt_tokens"] + GENERATED - SLACK, (previous, row)
     again = summary(rows)["reprefilled_beyond_appended"]
     assert len(again) == 11 and max(again) <= SLACK and sum(again) <= 2 * len(again), again
+    assert_keys_documented({"fermoe": {"turns": rows, "summary": summary(rows)}}, bench.agent)
 
 
 def test_a_new_user_message_that_drops_earlier_reasoning_resumes_where_that_turn_began(tmp_path):

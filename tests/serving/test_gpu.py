@@ -14,6 +14,7 @@ import pytest
 
 from coordinator.client import Client
 from coordinator.supervisor import MAX_RESTARTS
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.serving_harness import Daemon, free_port, local_ids, shm_names, streamed_ids, wait_until
 
 NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
@@ -252,6 +253,8 @@ def test_bench_serve_with_a_gpu_worker(tiny_q4_path):
     memory = out["host_memory"]      # every process of the daemon, at its fullest
     assert {"coordinator.daemon", "cpu_worker.worker", "gpu_worker.worker"} <= set(memory["peak_by_process_gib"])
     assert memory["peak_gib"] == pytest.approx(sum(memory["peak_by_process_gib"].values()), abs=0.05)
+    import bench.serve
+    assert_keys_documented(out, bench.serve)
 
 
 def test_a_gpu_worker_that_keeps_failing_is_given_up_and_prompts_stay_on_the_cpu(tiny_q4_path):

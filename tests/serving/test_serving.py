@@ -21,6 +21,7 @@ from shared.errors import FermoeError
 from shared import protocol as P
 from shared.sampling import SamplingParams
 from shared.model import Model
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.eos_seed import seed_with_early_eos
 from tests.support.sampling_cases import SEED, field_cases, option_cases
 from tests.support.serving_harness import (BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at,
@@ -516,3 +517,5 @@ def test_bench_serve_on_the_tiny_model(tiny_q4_path):
     assert out["cold_burst"]["prefill_batch"] == [0] * 4 and out["cold_burst"]["prefill_device"] == ["cpu"] * 4
     # tokens read in a burst are microseconds apart: the median, rounded to 10 us, may be 0
     assert 0 <= during["running_median_gap_s"] <= during["running_max_gap_s"] and during["running_max_gap_s"] > 0
+    import bench.serve
+    assert_keys_documented(out, bench.serve)

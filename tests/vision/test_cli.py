@@ -9,6 +9,7 @@ import pytest
 
 from shared.vision.mmproj import Mmproj
 from modeltools.vision.synth import preset_config, synth_mmproj
+from tests.support.bench_keys import assert_keys_documented
 from tests.support.serving_harness import fermoe
 
 
@@ -51,6 +52,7 @@ def test_convert_writes_the_tower_beside_the_model(tmp_path):
 
 
 def test_bench_vision_prints_json():
+    import bench.vision
     out = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1,
                             env={"FERMOE_GPU": None}).stdout)
     (image,) = out["images"]
@@ -59,12 +61,14 @@ def test_bench_vision_prints_json():
         assert out["gpu"].startswith("not measured: no GPU here (")
     else:
         assert out["gpu"]["device"] != "host emulation" and out["gpu"]["images"][0]["encode_s"] > 0
+    assert_keys_documented(out, bench.vision)
     emulated = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "96x64", "-t", 1, "--repeat", 1,
                                  env={"FERMOE_GPU": "emulate"}).stdout)["gpu"]
     (image,) = emulated["images"]
     assert emulated["device"] == "host emulation" and emulated["matrix_types"] == ["f32"]
     assert image["size"] == "96x64" and image["encode_s"] > 0 and image["max_diff_vs_cpu"] < 1e-4
     assert {"upload", "gemm", "attention", "layernorm", "qkv_rope", "bias_act", "download"} == set(image["kernel_ms"])
+    assert_keys_documented(emulated, bench.vision, prefix="gpu")
     off = json.loads(fermoe("bench", "vision", "--preset", "tiny", "--sizes", "64x64", "--gpu", "off").stdout)
     assert off["gpu"] == "not measured: --gpu off"
     run = fermoe("bench", "vision", "--sizes", "big", check=False)
