@@ -444,6 +444,9 @@ def test_bench_kernels_reports_each_isa_against_bandwidth():
     for kind in ("gdn_in", "gdn_out", "experts_gate_up", "experts_down"):
         assert shaped[kind]["gbps"] > 0 and shaped[kind]["fraction_of_read_bw"] > 0
         assert shaped[kind]["regions_a_pass"] >= 1
+        foreign, quiet = shaped[kind]["foreign_cpu_fraction"], shaped[kind]["quiet_pairs"]
+        assert (foreign is None or 0 <= foreign <= 1) and 0 <= quiet <= 3
+        assert (shaped[kind]["fraction_of_read_bw_quiet"] is None) == (quiet == 0)
     assert shaped["experts_gate_up"]["matrices"] == 2 * 2 + 2        # the tiny preset: 2 experts of 8, gate and up
 
 
