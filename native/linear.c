@@ -120,7 +120,8 @@ static segment_t segment(const jobs_ctx *c, int j, int u, int end) {
 /* Where the thread's stream is after a segment: the ends of its matrices' rows. */
 static stream_t end_of(const fm_job *j, const segment_t *s) {
     size_t rbytes = row_bytes(j->w);
-    return (stream_t){{matrix(j->w, j->mat) + s->re * rbytes, j->w_up ? matrix(j->w_up, j->mat) + s->re * rbytes : NULL}};
+    const uint8_t *up = j->w_up ? matrix(j->w_up, j->mat) + s->re * rbytes : NULL;
+    return (stream_t){{matrix(j->w, j->mat) + s->re * rbytes, up}};
 }
 
 static int warm(const stream_t *st, const uint8_t *p) { return p == st->at[0] || p == st->at[1]; }
