@@ -14,10 +14,15 @@ tok/s too. --context N decodes at position N: the attention layers' KV cache is
 extended to N positions of zeros (what they hold does not change the time), to
 show what a long context costs on top of the weights. --json-schema FILE then decodes as many
 tokens again with and without that schema's token mask, in the same run (bench/grammar_cost.py),
-and reports both rates and the slowdown."""
+and reports both rates and the slowdown.
+
+foreign_cpu_fraction is the share of the machine's CPU time other processes took during
+the timed decode: on a shared machine, figures taken with it above a few hundredths
+measure the other load as much as the engine."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -71,6 +76,45 @@ def _extend_context(state, context: int) -> None:
     state.position = context
 
 
+def cpu_jiffies(stat_path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all the machine's CPUs since boot; None where
+    there is no /proc/stat."""
+    try:
+        with open(stat_path) as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)    # idle and iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+class ForeignCpu:
+    """The share of the machine's CPU time other processes took while open (0 to 1;
+    None where unknown): the engine's threads are pinned and meet at every parallel
+    region, so a thread preempted by another process stalls them all, and a run on a
+    busy machine measures that machine. with ForeignCpu() as f: ...; f.fraction."""
+
+    def __init__(self, stat_path: str = "/proc/stat"):
+        self.stat_path, self.fraction = stat_path, None
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return (t.user + t.system) * os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self):
+        self._start, self._own0 = cpu_jiffies(self.stat_path), self._own()
+        return self
+
+    def __exit__(self, *exc):
+        end = cpu_jiffies(self.stat_path)
+        if self._start is None or end is None or end[1] <= self._start[1]:
+            return False
+        foreign = (end[0] - self._start[0]) - (self._own() - self._own0)
+        self.fraction = round(min(1.0, max(0.0, foreign / (end[1] - self._start[1]))), 3)
+        return False
+
+
 STAT_TOKENS = 8         # decode steps timed region by region, after the timed ones
 SAMPLE_REPS = 20        # draws of the default sampler from the last logits
 
@@ -121,10 +165,11 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         return engine.forward(tokens, state, all_logits=False) if batch == 1 else engine.decode_batch(tokens, states)
 
     step_s = []
-    for _ in range(decode_tokens):
-        t0 = time.perf_counter()
-        rows = step(rows)
-        step_s.append(time.perf_counter() - t0)
+    with ForeignCpu() as foreign:
+        for _ in range(decode_tokens):
+            t0 = time.perf_counter()
+            rows = step(rows)
+            step_s.append(time.perf_counter() - t0)
     phase_s = engine.phase_seconds()
     # then a few more steps with the pool's statistics on (timing them costs a clock
     # read per region and worker, so the figures above are taken without)
@@ -199,6 +244,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "state_mb_per_token": round(state_bytes / 1e6, 1),
         "floor_with_state_tok_s": round(floor_state_tps, 2),
         "fraction_of_floor_with_state": round(decode_tps / floor_state_tps, 3),
+        "foreign_cpu_fraction": foreign.fraction,     # other processes' share of the CPUs while decoding
         "sampling_ms_per_token": round(sample_ms, 3),      # the default sampler (the decode above is greedy)
         "decode_breakdown": breakdown,
         "decode_parallel_regions": {       # the thread pool's share of a token

@@ -29,7 +29,10 @@ memory bandwidth drift within minutes, so only ratios measured together mean muc
     projections together, its output alone, the selected experts' gate and up
     together, then their downs), with the default ISA and N threads, alternated with
     read passes: each kind's GB/s and fraction of the read bandwidth, beside the one
-    big matrix's above.
+    big matrix's above; and the share of the CPUs other processes took during the
+    pairs (their median), with the fraction over the pairs where that share was
+    under QUIET_FOREIGN_CPU: the regions meet at barriers, so a thread preempted by
+    another process stalls them, where the read pass's tasks balance around it.
 The read loop and the matrix-vector product both run on the engine's own thread
 pool (native.Pool: threads pinned to the node's physical cores, rows cut into
 ~4 MB tasks), so the fraction compares like with like. The batched product runs
@@ -60,7 +63,10 @@ import numpy as np
 
 import native
 
+from .decode import ForeignCpu
+
 MB = 1 << 20
+QUIET_FOREIGN_CPU = 0.05    # decode_shaped pairs with other processes below this share of the CPUs
 
 
 def _cpu_name() -> str:
@@ -189,14 +195,21 @@ def decode_shaped_passes(cpus: list[int], W: np.ndarray, pairs: int, preset: str
             steps = (lambda: pool.regions_q4_0_seconds(buf, regions), lambda: pool.read_seconds(buf[:nbytes]))
             for step in steps:
                 step()                              # untimed: pages, caches, the pool's threads
-            speeds, ratios = [], []
+            speeds, ratios, foreign = [], [], []
             for i in range(pairs):                  # each pair in alternating order
-                t = {k: steps[k]() for k in ((0, 1) if i % 2 == 0 else (1, 0))}
+                with ForeignCpu() as f:
+                    t = {k: steps[k]() for k in ((0, 1) if i % 2 == 0 else (1, 0))}
                 speeds.append(nbytes / t[0] / 1e9)
                 ratios.append(t[1] / t[0])
+                foreign.append(f.fraction)
+            quiet = [r for r, f in zip(ratios, foreign) if f is not None and f <= QUIET_FOREIGN_CPU]
             out[name] = {"matrices": len(region), "region_mb": round(region_bytes / 1e6, 2),
                          "regions_a_pass": len(regions), "gbps": round(statistics.median(speeds), 2),
-                         "fraction_of_read_bw": round(statistics.median(ratios), 3)}
+                         "fraction_of_read_bw": round(statistics.median(ratios), 3),
+                         "foreign_cpu_fraction": (round(statistics.median(foreign), 3)
+                                                  if None not in foreign else None),
+                         "quiet_pairs": len(quiet),
+                         "fraction_of_read_bw_quiet": round(statistics.median(quiet), 3) if quiet else None}
     return out
 
 

@@ -89,20 +89,78 @@ static void swiglu_rows(const fm_job *j, int rb, int re) {
     }
 }
 
-static void run_rows(const fm_job *j, int rb, int re) {
-    product(j, j->w, j->y, rb, re);
-    if (j->w_up) {
-        product(j, j->w_up, j->y_up, rb, re);
-        swiglu_rows(j, rb, re);
-    }
-    if (j->done) j->done(j->done_ctx, rb, re);
-}
+/* Where a thread's weight reads go next: the byte after the rows its last kernel
+ * calls read, for each of a job's (at most two) matrices. The kernels prefetch
+ * FM_PF_DIST past where they read, so a segment that starts there is already on
+ * its way; any other start is cold. */
+typedef struct { const uint8_t *at[2]; } stream_t;
 
-/* The first FM_PF_DIST bytes of a task: the kernels prefetch that far ahead of
- * where they read, so without this a task's start would wait on memory. */
+/* The first FM_PF_DIST bytes from p (at most n): what the kernels' own prefetch
+ * would have asked for had the stream come from just before p. */
 static void prefetch_head(const uint8_t *p, size_t n) {
     if (n > FM_PF_DIST) n = FM_PF_DIST;
     for (size_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+/* Units [u, end) of job j: the rows and where each of its matrices' rows start. */
+typedef struct { int rb, re; const uint8_t *at[2]; size_t bytes; } segment_t;
+
+static segment_t segment(const jobs_ctx *c, int j, int u, int end) {
+    const fm_job *job = &c->jobs[j];
+    int stop = end < c->first_unit[j + 1] ? end : c->first_unit[j + 1];
+    segment_t s = {(u - c->first_unit[j]) * c->unit_rows[j], (stop - c->first_unit[j]) * c->unit_rows[j]};
+    if (s.re > job->w->rows) s.re = job->w->rows;
+    size_t rbytes = row_bytes(job->w);
+    s.bytes = (size_t)(s.re - s.rb) * rbytes;
+    s.at[0] = matrix(job->w, job->mat) + s.rb * rbytes;
+    s.at[1] = job->w_up ? matrix(job->w_up, job->mat) + s.rb * rbytes : NULL;
+    return s;
+}
+
+/* Where the thread's stream is after a segment: the ends of its matrices' rows. */
+static stream_t end_of(const fm_job *j, const segment_t *s) {
+    size_t rbytes = row_bytes(j->w);
+    const uint8_t *up = j->w_up ? matrix(j->w_up, j->mat) + s->re * rbytes : NULL;
+    return (stream_t){{matrix(j->w, j->mat) + s->re * rbytes, up}};
+}
+
+static int warm(const stream_t *st, const uint8_t *p) { return p == st->at[0] || p == st->at[1]; }
+
+/* Asks for the heads of a segment's matrices that the stream is not already at;
+ * returns how many it asked for. */
+static int prefetch_cold(const stream_t *st, const segment_t *s) {
+    int cold = 0;
+    for (int m = 0; m < 2; m++)
+        if (s->at[m] && !warm(st, s->at[m])) prefetch_head(s->at[m], s->bytes), cold++;
+    return cold;
+}
+
+/* A segment's rows; the stream ends where they do. `next` (or NULL): the segment
+ * the thread reads after it. When that starts elsewhere (the next selected expert,
+ * the next projection), its heads are asked for before this segment's last
+ * FM_PF_DIST bytes are computed, so that they arrive meanwhile: the kernels' own
+ * prefetch runs on past the end of this matrix and cannot know them. One token
+ * only (a batched product prepares its activations again at each call). Returns
+ * 1 when it asked for next's heads. */
+static int run_segment(const fm_job *j, const segment_t *s, const segment_t *next, stream_t *st) {
+    const fm_tensor *last = j->w_up ? j->w_up : j->w;
+    float *y_last = j->w_up ? j->y_up : j->y;
+    *st = end_of(j, s);
+    int split = s->re;
+    if (next && j->B == 1 && ((next->at[0] && !warm(st, next->at[0])) || (next->at[1] && !warm(st, next->at[1])))) {
+        int tail = (int)((FM_PF_DIST + row_bytes(last) - 1) / row_bytes(last));
+        split = s->re - tail > s->rb ? s->re - tail : s->rb;
+    }
+    if (j->w_up) product(j, j->w, j->y, s->rb, s->re);
+    if (split > s->rb) product(j, last, y_last, s->rb, split);
+    int asked = 0;
+    if (split < s->re) {
+        asked = prefetch_cold(st, next);
+        product(j, last, y_last, split, s->re);
+    }
+    if (j->w_up) swiglu_rows(j, s->rb, s->re);
+    if (j->done) j->done(j->done_ctx, s->rb, s->re);
+    return asked;
 }
 
 static uint64_t range_of(uint32_t front, uint32_t back) { return (uint64_t)back << 32 | front; }
@@ -145,25 +203,27 @@ static int steal(jobs_ctx *c, int thief) {
     }
 }
 
-/* Units [u, end) of the region: one call a job they cover. *next is where the
- * thread's previous call stopped: a run that goes on from there needs no head
- * prefetch, since the kernels prefetch past the rows they read. */
-static void run_units(const jobs_ctx *c, int u, int end, int *next) {
+/* The job unit u belongs to. */
+static int job_of(const jobs_ctx *c, int u) {
     int j = 0;
     while (u >= c->first_unit[j + 1]) j++;
-    for (; u < end; j++) {
-        const fm_job *job = &c->jobs[j];
-        int stop = end < c->first_unit[j + 1] ? end : c->first_unit[j + 1];
-        int rb = (u - c->first_unit[j]) * c->unit_rows[j];
-        int re = (stop - c->first_unit[j]) * c->unit_rows[j];
-        if (re > job->w->rows) re = job->w->rows;
-        size_t rbytes = row_bytes(job->w), n = (size_t)(re - rb) * rbytes;
-        if (u != *next) {
-            prefetch_head(matrix(job->w, job->mat) + rb * rbytes, n);
-            if (job->w_up) prefetch_head(matrix(job->w_up, job->mat) + rb * rbytes, n);
-        }
-        run_rows(job, rb, re);
-        u = *next = stop;
+    return j;
+}
+
+/* Units [u, end) of the region, one segment a job they cover; `then` is the unit
+ * the thread takes after them (the front of what is left of its share), or -1. */
+static void run_units(const jobs_ctx *c, int u, int end, int then, stream_t *st) {
+    int j = job_of(c, u), asked = 0;
+    segment_t s = segment(c, j, u, end);
+    for (;;) {
+        int stop = end < c->first_unit[j + 1] ? end : c->first_unit[j + 1], nj = -1;
+        segment_t next;
+        if (stop < end) nj = j + 1, next = segment(c, nj, stop, end);
+        else if (then >= 0) nj = job_of(c, then), next = segment(c, nj, then, then + 1);
+        if (!asked) prefetch_cold(st, &s);
+        asked = run_segment(&c->jobs[j], &s, nj >= 0 ? &next : NULL, st);
+        if (stop >= end) return;
+        j = nj, s = next;
     }
 }
 
@@ -171,9 +231,13 @@ static void run_units(const jobs_ctx *c, int u, int end, int *next) {
 static void job_task(void *ctxp, int w, int worker) {
     (void)worker;
     jobs_ctx *c = ctxp;
-    int next = -1;
+    stream_t st = {{NULL, NULL}};
     do {
-        for (int u, n; (n = take_front(&c->share[w], &u));) run_units(c, u, u + n, &next);
+        for (int u, n; (n = take_front(&c->share[w], &u));) {
+            uint64_t r = atomic_load_explicit(&c->share[w].range, memory_order_relaxed);
+            int then = (uint32_t)r < (uint32_t)(r >> 32) ? (int)(uint32_t)r : -1;
+            run_units(c, u, u + n, then, &st);
+        }
     } while (steal(c, w));
 }
 

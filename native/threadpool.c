@@ -1,7 +1,12 @@
 /* Work distribution: tasks are claimed from one atomic counter, so uneven tasks
  * balance themselves. Workers spin briefly on a generation number before sleeping
  * on a condition variable: a decode step runs hundreds of short regions per token,
- * and a futex wake-up per region would cost more than the region. */
+ * and a futex wake-up per region would cost more than the region. The caller waits
+ * for the region's last worker the same way: spinning, then asleep. Each thread is
+ * pinned to its own CPU, so a worker that another process preempts holds up the
+ * region's end until it runs again: a caller spinning all that time would burn its
+ * own CPU's share (the scheduler then takes that time back from it later), where
+ * asleep it is woken, ahead of the other process, when the worker is done. */
 #define _GNU_SOURCE
 #include "threadpool.h"
 
@@ -13,7 +18,8 @@
 #include <string.h>
 #include <time.h>
 
-#define SPIN_ITERATIONS 200000
+#define SPIN_ITERATIONS 200000      /* ~100 us on the 2-core VM: longer than a decode step's serial gaps */
+#define JOIN_SPIN_ITERATIONS 100000 /* the caller's, ~50 us: past a region's uneven end, well short of a time slice */
 
 /* The lines the threads meet on each have one of their own: idle workers spin
  * reading `generation`, so a store to anything sharing its line (each finishing
@@ -24,9 +30,11 @@ struct fm_pool {
     pthread_t *threads;
     pthread_mutex_t lock;
     pthread_cond_t wake;
+    pthread_cond_t joined;
     _Alignas(64) atomic_int generation;      /* bumped to start a region */
     _Alignas(64) atomic_int next_task;
     _Alignas(64) atomic_int pending;         /* workers still inside the current region */
+    atomic_int caller_asleep;                /* the caller waits on `joined` for pending to reach 0 */
     _Alignas(64) int n_tasks;                /* the region, written before its generation */
     int each;                   /* fm_pool_run_each: every worker runs its own index once */
     fm_task_fn fn;
@@ -95,7 +103,13 @@ static void *worker_main(void *argp) {
         if (p->stop) return NULL;
         seen = atomic_load(&p->generation);
         drain(p, arg.worker);
-        atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
+        /* seq_cst with the caller's store to caller_asleep and load of pending: one
+         * of the two sees the other, so the caller never sleeps through the last one */
+        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_asleep)) {
+            pthread_mutex_lock(&p->lock);
+            pthread_cond_signal(&p->joined);
+            pthread_mutex_unlock(&p->lock);
+        }
     }
 }
 
@@ -125,6 +139,7 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
     }
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->wake, NULL);
+    pthread_cond_init(&p->joined, NULL);
     for (int i = 1; i < n_threads; i++) {
         worker_arg *arg = malloc(sizeof *arg);
         arg->pool = p;
@@ -136,6 +151,17 @@ fm_pool *fm_pool_create(int n_threads, const int *cpus) {
         }
     }
     return p;
+}
+
+/* Until every worker is out of the region: spinning for JOIN_SPIN_ITERATIONS, then asleep. */
+static void join(fm_pool *p) {
+    for (int spins = 0; spins < JOIN_SPIN_ITERATIONS; spins++)
+        if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0) return;
+    pthread_mutex_lock(&p->lock);
+    atomic_store(&p->caller_asleep, 1);
+    while (atomic_load(&p->pending) > 0) pthread_cond_wait(&p->joined, &p->lock);
+    atomic_store(&p->caller_asleep, 0);
+    pthread_mutex_unlock(&p->lock);
 }
 
 static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
@@ -151,7 +177,7 @@ static void run(fm_pool *p, fm_task_fn fn, void *ctx, int n_tasks, int each) {
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->lock);
     drain(p, 0);
-    while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {}
+    join(p);
     if (p->stats) {
         p->regions++;
         p->region_seconds += fm_now() - t0;
@@ -205,6 +231,7 @@ void fm_pool_destroy(fm_pool *p) {
     for (int i = 1; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->wake);
+    pthread_cond_destroy(&p->joined);
     /* A library user's thread (a test run, say) must not stay confined to one CPU:
      * threads it starts later would inherit that. */
     if (p->cpus) pthread_setaffinity_np(p->caller, sizeof p->caller_affinity, &p->caller_affinity);

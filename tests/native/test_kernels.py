@@ -349,6 +349,40 @@ def test_pool_matvec_covers_every_row_once(isa):
     np.testing.assert_array_equal(y, native.matvec(W, x, "q4_0"))
 
 
+def test_pool_caller_sleeps_through_a_slow_worker_and_wakes():
+    """A region whose worker outlasts the caller's spin (~50 us): the caller sleeps and
+    the last worker wakes it, every time (no wake-up lost to the race between the two)."""
+    import threading
+    import time
+    from native import ffi, lib
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    ran, ran_delay, took = [], [0.02], []
+
+    @ffi.callback("void(void *, int, int)")
+    def task(ctx, w, worker):
+        if w == 1:
+            time.sleep(ran_delay[0])
+        ran.append(w)
+
+    pool = native.Pool(cpus * (2 // len(cpus)))
+
+    def regions():
+        t0 = time.perf_counter()
+        lib.fm_pool_run_each(pool._pool, task, ffi.NULL)
+        took.append(time.perf_counter() - t0)
+        for i in range(300):               # waits on both sides of the spin, most asleep
+            ran_delay[0] = (i % 5) * 40e-6
+            lib.fm_pool_run_each(pool._pool, task, ffi.NULL)
+
+    t = threading.Thread(target=regions, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "the caller was never woken"    # (the pool is left to the hung thread)
+    pool.close()
+    assert took[0] >= 0.02                   # it waited for the slow worker
+    assert sorted(ran) == [0] * 301 + [1] * 301
+
+
 _FM_TYPES = {"f32": 0, "q4_0": 2, "q8_0": 8}
 
 
@@ -452,6 +486,9 @@ def test_bench_kernels_reports_each_isa_against_bandwidth():
     for kind in ("gdn_in", "gdn_out", "experts_gate_up", "experts_down"):
         assert shaped[kind]["gbps"] > 0 and shaped[kind]["fraction_of_read_bw"] > 0
         assert shaped[kind]["regions_a_pass"] >= 1
+        foreign, quiet = shaped[kind]["foreign_cpu_fraction"], shaped[kind]["quiet_pairs"]
+        assert (foreign is None or 0 <= foreign <= 1) and 0 <= quiet <= 3
+        assert (shaped[kind]["fraction_of_read_bw_quiet"] is None) == (quiet == 0)
     assert shaped["experts_gate_up"]["matrices"] == 2 * 2 + 2        # the tiny preset: 2 experts of 8, gate and up
 
 
