@@ -269,20 +269,33 @@ static void attend(fm_ctx *c, attn_ctx *a, int T) {
     }
 }
 
+void fm_attention_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]) {
+    size_t width = (size_t)m->n_head * m->head_dim, kvw = (size_t)m->n_head_kv * m->head_dim;
+    floats[0] = T * 2 * width;      /* qg: each head's query and its output gate */
+    floats[1] = T * 2 * kvw;        /* the new keys, then values */
+    floats[2] = T * width;          /* out: the gated attention output */
+    floats[3] = 0;
+}
+
 void fm_attention_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, kvw = m->n_head_kv * m->head_dim, width = m->n_head * m->head_dim;
-    attn_ctx a = {c, m, l, c->a, c->b, c->b + (size_t)T * kvw, c->c, T};
+    float **buf = c->scratch;      /* as fm_attention_scratch sizes them */
+    attn_ctx a = {c, m, l, .qg = buf[0], .k = buf[1], .v = buf[1] + (size_t)T * kvw, .out = buf[2], .T = T};
+    /* q|gate = x W_q, k = x W_k, v = x W_v */
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
     fm_job in[3] = {
-        {&l->attn_q, 0, c->xn, c->xq, T, a.qg, 2 * width},
-        {&l->attn_k, 0, c->xn, c->xq, T, a.k, kvw},
-        {&l->attn_v, 0, c->xn, c->xq, T, a.v, kvw},
+        {.w = &l->attn_q, .x = c->xn, .xq = c->xq, .B = T, .y = a.qg, .ldy = 2 * width},
+        {.w = &l->attn_k, .x = c->xn, .xq = c->xq, .B = T, .y = a.k, .ldy = kvw},
+        {.w = &l->attn_v, .x = c->xn, .xq = c->xq, .B = T, .y = a.v, .ldy = kvw},
     };
     fm_run_jobs(c->pool, in, 3);
+    /* q and k RMS-normed and rotated, k and v into the sequence's cache */
     fm_pool_run_light(c->pool, prepare_task, &a, T);  /* a few microseconds a token */
+    /* out = softmax(q K^T / sqrt(d)) V over the sequence's keys so far, times sigmoid(gate) */
     attend(c, &a, T);
+    /* tmp = out W_o */
     fm_quantize_rows(c->pool, a.out, c->xq, T, width);
-    fm_job out = {&l->attn_output, 0, a.out, c->xq, T, c->tmp, D};
+    fm_job out = {.w = &l->attn_output, .x = a.out, .xq = c->xq, .B = T, .y = c->tmp, .ldy = D};
     fm_run_jobs(c->pool, &out, 1);
 }

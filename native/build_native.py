@@ -42,7 +42,7 @@ KERNEL_API = ("enum { FM_ISA_SCALAR", "/* ---- the per-ISA implementations ----"
 # The forward's headers (and the read probe's) are plain declarations: cffi reads them as
 # they are (less the preprocessor lines), so the Python view of the structs can never
 # drift from C.
-FORWARD_HEADERS = ["membench.h", "model.h", "threadpool.h", "linear.h", "forward.h"]
+FORWARD_HEADERS = ["model.h", "threadpool.h", "membench.h", "linear.h", "forward.h"]
 
 
 def _header_cdef(name: str, section: tuple[str, str] | None = None) -> str:

@@ -6,13 +6,19 @@
 #include "forward.h"
 #include "linear.h"
 
+enum { FM_SCRATCH = 4 };           /* scratch buffers the blocks share (fm_ctx.scratch) */
+
 struct fm_ctx {
     const fm_model *m;
     fm_pool *pool;
     int max_tokens;
     float *x, *xn, *tmp;            /* [T][n_embd] residual, normed input, block output */
     block_q8_0 *xq;                 /* [T][widest input / 32] quantised activations */
-    float *a, *b, *c, *d;           /* block-specific scratch (see each block) */
+    /* The blocks' activations between their projections. One block runs at a time, so they
+     * share FM_SCRATCH buffers: each block names its views of them (gdn.c, attention.c,
+     * moe.c) and says how many floats of each it needs (fm_*_scratch below); fm_ctx_create
+     * gives each buffer the most any block asks. */
+    float *scratch[FM_SCRATCH];
     int32_t *ids;                   /* MoE routing: [T][k] experts */
     float *weights;                 /* [T][k] routing weights */
     int32_t *pair_token, *pair_slot;/* MoE: token and top-k slot of each (expert, token) pair */
@@ -35,6 +41,11 @@ struct fm_ctx {
 };
 
 enum { FM_ATTN_TASKS = 256 };      /* attention segment tasks per parallel region (attention.c) */
+
+/* Floats of each scratch buffer a block needs for passes of T tokens. */
+void fm_gdn_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]);
+void fm_attention_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]);
+void fm_moe_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]);
 
 void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T);
 void fm_attention_block(fm_ctx *c, const fm_layer *l, int T);

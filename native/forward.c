@@ -42,17 +42,17 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->m = m, c->pool = pool, c->max_tokens = max_tokens;
     size_t T = max_tokens, D = m->n_embd, k = m->n_expert_used;
     size_t d_inner = (size_t)m->ssm_v_heads * m->ssm_head_v_dim;
-    size_t conv = 2 * (size_t)m->ssm_k_heads * m->ssm_head_k_dim + d_inner;
-    size_t qg = 2 * (size_t)m->n_head * m->head_dim, kv = (size_t)m->n_head_kv * m->head_dim;
     size_t ff = m->n_ff_exp, ffs = m->n_ff_shexp;
     size_t widest = max3(max3(D, d_inner, (size_t)m->n_head * m->head_dim), ff, ffs);
     c->x = malloc(T * D * sizeof(float));
     c->xn = malloc(T * D * sizeof(float));
     c->tmp = malloc(T * D * sizeof(float));
-    c->a = malloc(T * max3(conv, qg, k * ff + ffs) * sizeof(float));
-    c->b = malloc(T * max3(d_inner, 2 * kv, k * ff + ffs) * sizeof(float));
-    c->c = malloc(T * max3(d_inner, (size_t)m->n_head * m->head_dim, k * D) * sizeof(float));
-    c->d = malloc(T * (max3(2 * (size_t)m->ssm_v_heads, m->n_expert, 0) + 1) * sizeof(float));
+    size_t need[3][FM_SCRATCH], scratch_ok = 1;      /* each block's rule; the buffers hold the largest */
+    fm_gdn_scratch(m, T, need[0]), fm_attention_scratch(m, T, need[1]), fm_moe_scratch(m, T, need[2]);
+    for (int i = 0; i < FM_SCRATCH; i++) {
+        c->scratch[i] = malloc((max3(need[0][i], need[1][i], need[2][i]) + 1) * sizeof(float));   /* never 0 bytes */
+        scratch_ok = scratch_ok && c->scratch[i];
+    }
     c->xq = malloc(T * (widest / 32) * sizeof(block_q8_0));
     c->xq2 = malloc(T * k * (D / 32) * sizeof(block_q8_0) + 1);
     c->hq = malloc(T * (k * (ff / 32) + ffs / 32) * sizeof(block_q8_0) + 1);
@@ -68,7 +68,7 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->seq_count = malloc(T * sizeof(int32_t));
     c->tok_seq = malloc(T * sizeof(int32_t));
     c->tok_pos = malloc(T * sizeof(int64_t));
-    if (!c->x || !c->xn || !c->tmp || !c->a || !c->b || !c->c || !c->d || !c->xq || !c->xq2 || !c->hq || !c->xg ||
+    if (!scratch_ok || !c->x || !c->xn || !c->tmp || !c->xq || !c->xq2 || !c->hq || !c->xg ||
         !c->ids || !c->weights || !c->pair_token || !c->pair_slot || !c->seq_first || !c->seq_count || !c->tok_seq ||
         !c->tok_pos || !c->attn_part || !c->attn_run) {
         fm_ctx_destroy(c);
@@ -79,7 +79,8 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
 
 void fm_ctx_destroy(fm_ctx *c) {
     if (!c) return;
-    void *bufs[] = {c->x, c->xn, c->tmp, c->a, c->b, c->c, c->d, c->xq, c->xq2, c->hq, c->xg, c->ids,
+    for (int i = 0; i < FM_SCRATCH; i++) free(c->scratch[i]);
+    void *bufs[] = {c->x, c->xn, c->tmp, c->xq, c->xq2, c->hq, c->xg, c->ids,
                     c->weights, c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos,
                     c->attn_part, c->attn_run};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
@@ -104,7 +105,7 @@ static void lm_head(fm_ctx *c, int T, float *logits, int all_logits) {
         fm_rmsnorm(c->xn + (size_t)r * D, c->x + (size_t)t * D, m->output_norm.data, D, m->rms_eps);
     }
     if (m->output.type != FM_F32) fm_quantize_rows(c->pool, c->xn, c->xq, rows, D);
-    fm_job job = {&m->output, 0, c->xn, c->xq, rows, logits, m->n_vocab};
+    fm_job job = {.w = &m->output, .x = c->xn, .xq = c->xq, .B = rows, .y = logits, .ldy = m->n_vocab};
     fm_run_jobs(c->pool, &job, 1);
 }
 
@@ -138,6 +139,7 @@ int fm_forward_inputs(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int
     double t0 = fm_now();
     c->regions_at = fm_pool_region_seconds(c->pool);
     c->inputs = inputs;
+    /* x = the tokens' embeddings (an image's rows: the vision tower's) */
     for (int t = 0; t < T; t++) {
         int32_t row = inputs ? inputs->embd_row[t] : -1;
         if (row >= 0) memcpy(c->x + (size_t)t * D, inputs->embd + (size_t)row * D, (size_t)D * sizeof(float));
@@ -145,18 +147,21 @@ int fm_forward_inputs(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int
     }
     for (int i = 0; i < m->n_layer; i++) {
         const fm_layer *l = &m->layers[i];
+        /* x += mixer(rmsnorm(x)): gated attention every few layers, Gated DeltaNet between */
         norm_rows(c, c->xn, c->x, &l->attn_norm, T);
         t0 = phase_end(c, FM_PHASE_OTHER, t0);
         if (l->is_attention) fm_attention_block(c, l, T);
         else fm_gdn_block(c, l, T);
         t0 = phase_end(c, l->is_attention ? FM_PHASE_ATTENTION : FM_PHASE_GDN, t0);
         add_rows(c->x, c->tmp, (size_t)T * D);
+        /* x += moe(rmsnorm(x)): the routed experts and the shared one */
         norm_rows(c, c->xn, c->x, &l->post_attention_norm, T);
         t0 = phase_end(c, FM_PHASE_OTHER, t0);
         fm_moe_block(c, l, T);
         t0 = phase_end(c, FM_PHASE_MOE, t0);
         add_rows(c->x, c->tmp, (size_t)T * D);
     }
+    /* logits = rmsnorm(x) W_output, of every token or each sequence's last */
     if (logits) lm_head(c, T, logits, all_logits);
     phase_end(c, logits ? FM_PHASE_LM_HEAD : FM_PHASE_OTHER, t0);
     for (int i = 0; i < n_seqs; i++) seqs[i]->position += counts[i];

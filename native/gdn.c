@@ -135,23 +135,38 @@ static void gdn_head_task(void *p, int task, int worker) {
     }
 }
 
+void fm_gdn_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]) {
+    size_t Hv = m->ssm_v_heads, d_inner = Hv * m->ssm_head_v_dim;
+    floats[0] = T * (2 * (size_t)m->ssm_k_heads * m->ssm_head_k_dim + d_inner);   /* qkv, then its conv */
+    floats[1] = T * d_inner;                                                 /* z, the output gate */
+    floats[2] = T * d_inner;                                                 /* o, the heads' output */
+    floats[3] = 2 * T * Hv;                                                  /* beta and alpha */
+}
+
 void fm_gdn_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, Hv = m->ssm_v_heads, d_inner = Hv * m->ssm_head_v_dim;
     int channels = 2 * m->ssm_k_heads * m->ssm_head_k_dim + d_inner;
-    gdn_ctx g = {c, m, l, c->a, c->b, c->d, c->d + (size_t)T * Hv, c->c, T, channels};
+    float **buf = c->scratch;      /* as fm_gdn_scratch sizes them */
+    gdn_ctx g = {c, m, l, .qkv = buf[0], .z = buf[1], .o = buf[2], .beta = buf[3], .alpha = buf[3] + (size_t)T * Hv,
+                 .T = T, .channels = channels};
 
+    /* qkv = x W_qkv (then its causal conv, row by row), z = x W_gate, beta and alpha's inputs */
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
     fm_job in[4] = {
-        {&l->attn_qkv, 0, c->xn, c->xq, T, g.qkv, channels, .done = conv_rows, .done_ctx = &g},
-        {&l->attn_gate, 0, c->xn, c->xq, T, g.z, d_inner},
-        {&l->ssm_beta, 0, c->xn, c->xq, T, g.beta, Hv},
-        {&l->ssm_alpha, 0, c->xn, c->xq, T, g.alpha, Hv},
+        {.w = &l->attn_qkv, .x = c->xn, .xq = c->xq, .B = T, .y = g.qkv, .ldy = channels,
+         .done = conv_rows, .done_ctx = &g},        /* the conv runs on rows as they are computed */
+        {.w = &l->attn_gate, .x = c->xn, .xq = c->xq, .B = T, .y = g.z, .ldy = d_inner},
+        {.w = &l->ssm_beta, .x = c->xn, .xq = c->xq, .B = T, .y = g.beta, .ldy = Hv},
+        {.w = &l->ssm_alpha, .x = c->xn, .xq = c->xq, .B = T, .y = g.alpha, .ldy = Hv},
     };
-    fm_run_jobs(c->pool, in, 4);     /* with the conv of the qkv channels */
+    fm_run_jobs(c->pool, in, 4);
+    /* the gated delta rule head by head: S = e^g S + k (beta (v - e^g S^T k))^T, o = S^T q;
+     * then o = rmsnorm(o) * silu(z) */
     fm_pool_run(c->pool, gdn_head_task, &g, c->n_seqs * Hv);
 
+    /* tmp = o W_out */
     fm_quantize_rows(c->pool, g.o, c->xq, T, d_inner);
-    fm_job out = {&l->ssm_out, 0, g.o, c->xq, T, c->tmp, D};
+    fm_job out = {.w = &l->ssm_out, .x = g.o, .xq = c->xq, .B = T, .y = c->tmp, .ldy = D};
     fm_run_jobs(c->pool, &out, 1);
 }

@@ -54,29 +54,43 @@ static void gather_inputs(fm_ctx *c, int pairs, int D, int fp32) {
     }
 }
 
+void fm_moe_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]) {
+    size_t pairs = T * m->n_expert_used;
+    floats[0] = pairs * m->n_ff_exp + T * m->n_ff_shexp;  /* G: the experts' gate (then h), the shared one's after */
+    floats[1] = pairs * m->n_ff_exp + T * m->n_ff_shexp;  /* U: their up projections */
+    floats[2] = pairs * m->n_embd;                        /* Dn: each (token, expert) pair's output */
+    floats[3] = T * (m->n_expert + 1);                    /* the router's logits, the shared expert's gate */
+}
+
 void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     const fm_model *m = c->m;
     int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp;
     int pairs = T * k;
-    float *router = c->d, *sh_gate = c->d + (size_t)T * E;
-    float *G = c->a, *U = c->b, *Dn = c->c, *Gs = c->a + (size_t)pairs * ff, *Us = c->b + (size_t)pairs * ff;
+    float **buf = c->scratch;      /* as fm_moe_scratch sizes them */
+    float *router = buf[3], *sh_gate = buf[3] + (size_t)T * E;
+    float *G = buf[0], *U = buf[1], *Dn = buf[2], *Gs = buf[0] + (size_t)pairs * ff, *Us = buf[1] + (size_t)pairs * ff;
 
     /* h = silu(gate) * up comes out of the gate/up regions already quantised for
      * the down projections (F32 weights, in the tiny test models, read h itself). */
     int fp32 = l->ffn_gate_exps.type == FM_F32;
     block_q8_0 *hq = ff % FM_QK || l->ffn_down_exps.type == FM_F32 ? NULL : c->hq;
     block_q8_0 *hsq = ffs % FM_QK || l->ffn_down_shexp.type == FM_F32 ? NULL : c->hq + (size_t)pairs * (ff / 32);
+    /* the router's logits = x W_router; the shared expert's silu(x W_gate) * (x W_up) */
     fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
     fm_job first[2] = {
-        {&l->ffn_gate_inp, 0, c->xn, c->xq, T, router, E},
-        {&l->ffn_gate_shexp, 0, c->xn, c->xq, T, Gs, ffs, &l->ffn_up_shexp, Us, hsq},
+        {.w = &l->ffn_gate_inp, .x = c->xn, .xq = c->xq, .B = T, .y = router, .ldy = E},
+        {.w = &l->ffn_gate_shexp, .x = c->xn, .xq = c->xq, .B = T, .y = Gs, .ldy = ffs,
+         .w_up = &l->ffn_up_shexp, .y_up = Us, .hq = hsq},
     };
     fm_run_jobs(c->pool, first, ffs ? 2 : 1);
+    /* each token's top-k experts and their renormalised softmax weights */
     for (int t = 0; t < T; t++) {
         route(router + (size_t)t * E, E, k, c->ids + (size_t)t * k, c->weights + (size_t)t * k);
         if (ffs) sh_gate[t] = fm_dot(l->ffn_gate_inp_shexp.data, c->xn + (size_t)t * D, D);
     }
 
+    /* the (token, expert) pairs grouped by expert: each chosen expert's silu(x W_gate) * (x W_up)
+     * over its tokens at once */
     int firstp[E], count[E], experts[E];
     int n_used = group_by_expert(c, T, E, k, firstp, count, experts);
     c->moe_calls++, c->experts_used += n_used;
@@ -84,19 +98,22 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     fm_job jobs[E + 1];
     for (int i = 0; i < n_used; i++) {
         int e = experts[i], p = firstp[e];
-        jobs[i] = (fm_job){&l->ffn_gate_exps, e, c->xg + (size_t)p * D, c->xq2 + (size_t)p * (D / 32), count[e],
-                           G + (size_t)p * ff, ff, &l->ffn_up_exps, U + (size_t)p * ff,
-                           hq ? hq + (size_t)p * (ff / 32) : NULL};
+        jobs[i] = (fm_job){.w = &l->ffn_gate_exps, .mat = e, .x = c->xg + (size_t)p * D,
+                           .xq = c->xq2 + (size_t)p * (D / 32), .B = count[e], .y = G + (size_t)p * ff, .ldy = ff,
+                           .w_up = &l->ffn_up_exps, .y_up = U + (size_t)p * ff,
+                           .hq = hq ? hq + (size_t)p * (ff / 32) : NULL};
     }
     fm_run_jobs(c->pool, jobs, n_used);
 
+    /* their down projections, and the shared expert's */
     for (int i = 0; i < n_used; i++) {
         int e = experts[i], p = firstp[e];
-        jobs[i] = (fm_job){&l->ffn_down_exps, e, G + (size_t)p * ff, hq ? hq + (size_t)p * (ff / 32) : NULL,
-                           count[e], Dn + (size_t)p * D, D};
+        jobs[i] = (fm_job){.w = &l->ffn_down_exps, .mat = e, .x = G + (size_t)p * ff,
+                           .xq = hq ? hq + (size_t)p * (ff / 32) : NULL, .B = count[e], .y = Dn + (size_t)p * D,
+                           .ldy = D};
     }
     int n_jobs = n_used;
-    if (ffs) jobs[n_jobs++] = (fm_job){&l->ffn_down_shexp, 0, Gs, hsq, T, c->tmp, D};
+    if (ffs) jobs[n_jobs++] = (fm_job){.w = &l->ffn_down_shexp, .x = Gs, .xq = hsq, .B = T, .y = c->tmp, .ldy = D};
     else memset(c->tmp, 0, (size_t)T * D * sizeof(float));
     fm_run_jobs(c->pool, jobs, n_jobs);
 

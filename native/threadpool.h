@@ -1,6 +1,16 @@
-/* A small fixed thread pool for the decode step: threads created once, pinned to
- * given CPUs, woken per parallel region. The calling thread takes part as worker 0,
- * so a pool of N threads starts N-1 of its own. */
+/* A small fixed thread pool for the forward: threads created once, pinned to given
+ * CPUs, woken per parallel region. The calling thread takes part as worker 0, so a
+ * pool of N threads starts N-1 of its own.
+ *
+ * How a region shares its work:
+ *   fm_pool_run        n tasks claimed one at a time from a shared counter by whichever
+ *                      thread is free: uneven tasks balance themselves (linear.c's row
+ *                      blocks, a GDN layer's heads, attention's segments);
+ *   fm_pool_run_each   one call per worker, which divides the work itself (no counter to
+ *                      contend on);
+ *   fm_pool_run_light  tasks of about a microsecond: a few run in the caller alone.
+ * Each returns when every task is done. Idle workers spin briefly, then sleep; the
+ * caller waits for the last one the same way (threadpool.c says why). */
 #ifndef FM_THREADPOOL_H
 #define FM_THREADPOOL_H
 
@@ -38,25 +48,5 @@ void fm_pool_stats_enable(fm_pool *pool, int on);
 void fm_pool_stats(fm_pool *pool, int64_t *regions, double *region_seconds, double *busy_seconds, int reset);
 /* The running total of region seconds behind fm_pool_stats (0 while never enabled). */
 double fm_pool_region_seconds(const fm_pool *pool);
-/* Probes of bandwidth.c. Seconds of one parallel read pass over buf, in ~4 MB tasks: */
-double fm_pool_read_seconds(fm_pool *pool, const void *buf, size_t nbytes);
-/* the same with the kernels' software prefetch (fm_read_sum_prefetched): */
-double fm_pool_read_prefetched_seconds(fm_pool *pool, const void *buf, size_t nbytes);
-/* the best read bandwidth (GB/s) of `reps` such passes, after one untimed: */
-double fm_pool_read_gbps(fm_pool *pool, const void *buf, size_t nbytes, int reps);
-/* seconds a parallel region of empty tasks takes (start to join), the mean of
- * `reps` after as many untimed: the least a region costs, whatever it does. */
-double fm_pool_region_overhead_seconds(fm_pool *pool, int reps);
-/* seconds of one Q4_0 x Q8_0 matrix-vector product W[rows, cols] . x -> y[rows],
- * rows split into ~4 MB tasks. */
-double fm_pool_matvec_q4_0_seconds(fm_pool *pool, const void *W, const void *x, float *y, int rows, int cols);
-/* seconds of a sequence of parallel regions shaped like a decode step's: Q4_0
- * matrices k = 0..n_mats-1 (rows[k] x cols[k], at byte offsets[k] into W) run through
- * the forward's own fm_run_jobs, region i holding matrices [region_end[i-1],
- * region_end[i]); x: Q8_0 activations of the widest, y: room for the rows of the
- * largest region. */
-double fm_pool_regions_q4_0_seconds(fm_pool *pool, const void *W, const int64_t *offsets, const int *rows,
-                                    const int *cols, int n_mats, const int *region_end, int n_regions,
-                                    const void *x, float *y);
 
 #endif
