@@ -18,7 +18,59 @@ and reports both rates and the slowdown.
 
 foreign_cpu_fraction is the share of the machine's CPU time other processes took during
 the timed decode: on a shared machine, figures taken with it above a few hundredths
-measure the other load as much as the engine."""
+measure the other load as much as the engine.
+
+JSON keys (a <phase> is one of the native forward's: gdn, attention, moe, lm_head, other):
+  model                   the GGUF path or built-in name given
+  threads                 the engine's pinned threads (-t, or its default)
+  isa                     the kernel set the engine runs (FERMOE_ISA or the best this CPU runs)
+  prompt_tokens           tokens of the random prompt (--prompt)
+  prefill_s               s: the prompt's forward, after a warm-up prompt of the same length
+  prefill_tok_s           tokens/s: prompt_tokens over prefill_s
+  prefill_experts_per_layer  distinct experts a MoE block ran during the prefill, the mean over blocks
+  prefill_seconds_by_phase  s: the prefill's time by phase of the forward
+  prefill_seconds_by_phase.<phase>  s: that phase's
+  decode_tokens           timed decode steps (--tokens)
+  batch                   sequences decoded together in each step (--batch)
+  context                 the position decoding starts at: --context, else the prompt's end
+  kv_cache_dtype          the KV cache's element type (--kv-cache-dtype)
+  kv_mb_per_token         MB of KV cache a sequence's token reads at `context`
+  decode_ms_per_token_median  ms: the median decode step (all `batch` sequences)
+  decode_ms_per_token_min  ms: the fastest step
+  decode_tok_s            tokens/s of one sequence: 1000 / decode_ms_per_token_median
+  decode_tok_s_aggregate  tokens/s of all the batch's sequences: batch x decode_tok_s
+  weight_bytes_per_token  bytes of weights a step reads (non-expert matrices, selected and shared
+      experts, LM head; the experts at their routed share)
+  read_bandwidth_gb_s     GB/s: the engine's threads reading a fresh buffer far larger than the caches
+  floor_tok_s             tokens/s: read_bandwidth_gb_s over weight_bytes_per_token, the weights' floor
+  fraction_of_floor       decode_tok_s over floor_tok_s
+  weights_read_gb_s       GB/s: the same threads reading the mapped weights themselves (their pages)
+  fraction_of_weights_read_floor  decode_tok_s x weight_bytes_per_token over weights_read_gb_s
+  state_mb_per_token      MB: a sequence's recurrent state (GDN S and conv history), read and written
+  floor_with_state_tok_s  tokens/s: the floor with each sequence's state and KV bytes added
+  fraction_of_floor_with_state  decode_tok_s over floor_with_state_tok_s
+  foreign_cpu_fraction    0 to 1: other processes' share of the machine's CPU time during the timed
+      decode (null where there is no /proc/stat)
+  sampling_ms_per_token   ms: a draw of the default sampler from the last logits (the decode is greedy)
+  decode_breakdown        the timed decode by phase of the forward
+  decode_breakdown.<phase>  one phase's share
+  decode_breakdown.<phase>.ms_per_token  ms: its time a step
+  decode_breakdown.<phase>.weight_mb_per_token  MB of weights it reads a step
+  decode_breakdown.<phase>.state_mb_per_token  MB it moves beside the weights, all sequences: GDN
+      state read and written, attention's KV read
+  decode_breakdown.<phase>.gb_s  GB/s: weights and state over its time (null if it took none)
+  decode_breakdown.<phase>.fraction_of_read_bw  gb_s over read_bandwidth_gb_s (null if no time)
+  decode_parallel_regions  the thread pool's regions, over a few more steps timed with its statistics on
+  decode_parallel_regions.per_token  parallel regions a step runs (0 with one thread: they run inline)
+  decode_parallel_regions.ms_per_token  ms: a step's time inside regions
+  decode_parallel_regions.outside_ms_per_token  ms: a step's time outside them (the caller alone)
+  decode_parallel_regions.outside_ms_by_phase  ms: that time within the forward, by phase
+  decode_parallel_regions.outside_ms_by_phase.<phase>  ms: that phase's
+  decode_parallel_regions.outside_forward_ms_per_token  ms: a step's time outside the forward
+  decode_parallel_regions.thread_busy_fraction  0 to 1: the threads' time in regions spent inside
+      tasks (the rest waits at a region's start or end)
+  decode_parallel_regions.empty_region_us  us: a region of empty tasks on this pool, the mean
+  json_schema             only with --json-schema: the keys of bench.grammar_cost"""
 from __future__ import annotations
 
 import json

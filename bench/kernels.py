@@ -47,6 +47,94 @@ into tasks as native/linear.c cuts them (>= 64 rows, ~4 tasks a thread), each
 task one kernel call; a thread loops over its tasks many times per timing, so
 the Python overhead is amortised. B = 1 also times fm_matvec_q4_0 (what the
 forward calls at B = 1) as "matvec".
+
+--gpu prints bench/gpu_kernels.py's JSON instead: its keys are listed there.
+
+JSON keys (of both outputs; <threads>: a thread count measured, 1 and --threads; <isa>: an ISA run):
+  machine                 the CPU measured
+  machine.cpu             its model name (/proc/cpuinfo)
+  machine.logical_cpus    logical CPUs of the machine
+  machine.isas            the kernel sets this CPU runs
+  machine.default_isa     the one the engine runs (FERMOE_ISA or the best)
+  setup                   what was measured, and how
+  setup.matvec_matrix     the matrix-vector product's Q4_0 matrix, far larger than the caches
+  setup.matvec_matrix.rows  its rows: as many as fill --matrix-mb MiB, a multiple of 64
+  setup.matvec_matrix.cols  its columns (--cols)
+  setup.matvec_matrix.bytes  bytes: its size
+  setup.matmul_matrix     the batched product's cache-sized Q4_0 matrix
+  setup.matmul_matrix.rows  its rows
+  setup.matmul_matrix.cols  its columns (--cols)
+  setup.matmul_matrix.bytes  bytes: its size
+  setup.read_pass         text: what the read passes read
+  setup.threads           the thread counts measured: 1 and --threads
+  setup.reps              repetitions of each batched product timing; the best counts (--reps)
+  setup.pairs             alternated read / product passes a median is taken over (--pairs)
+  setup.cpus              the CPUs the native pool's threads are pinned to
+  setup.threading         text: which pool runs which measurement
+  setup.shapes            --matmul-sweep: the [rows, cols] of the Q4_0 matrices swept
+  setup.batches           --matmul-sweep: the batch sizes B swept
+  setup.tasks             --matmul-sweep, text: how the rows are cut into kernel calls
+  read_bandwidth_gbps     GB/s: the plain read passes' median over all ISAs' pairs, by thread count
+  read_bandwidth_gbps.<threads>  GB/s: with that many threads
+  decode_shaped           the matvec matrix's bytes read in decode's parallel regions (decode_regions),
+      alternated with read passes over the same bytes
+  decode_shaped.isa       the ISA these ran with (the default)
+  decode_shaped.threads   the threads they ran on (--threads)
+  decode_shaped.model_shapes  the synth preset whose dimensions the regions have
+  decode_shaped.gdn_in    a GDN layer's four input projections in one region
+  decode_shaped.gdn_in.matrices  matrices a region reads
+  decode_shaped.gdn_in.region_mb  MB a region reads
+  decode_shaped.gdn_in.regions_a_pass  regions run one after the other in a timed pass
+  decode_shaped.gdn_in.gbps  GB/s: the median over the pairs of the regions' pass
+  decode_shaped.gdn_in.fraction_of_read_bw  the median of the pairs' region pass over read pass speed
+  decode_shaped.gdn_in.foreign_cpu_fraction  0 to 1: other processes' share of the CPUs during a pair,
+      the median over the pairs (null where there is no /proc/stat)
+  decode_shaped.gdn_in.quiet_pairs  pairs whose foreign share was at most QUIET_FOREIGN_CPU
+  decode_shaped.gdn_in.fraction_of_read_bw_quiet  fraction_of_read_bw's median over those pairs alone
+      (null when there were none)
+  decode_shaped.gdn_out   keys as decode_shaped.gdn_in: a GDN layer's output projection alone
+  decode_shaped.experts_gate_up  keys as decode_shaped.gdn_in: the selected and shared experts'
+      gate and up projections in one region
+  decode_shaped.experts_down  keys as decode_shaped.gdn_in: their down projections in one region
+  q4_0                    the Q4_0 x Q8_0 products, by ISA
+  q4_0.<isa>              one ISA's figures
+  q4_0.<isa>.matvec_gbps  GB/s: the matrix-vector product's median (weight bytes / time), by threads
+  q4_0.<isa>.matvec_gbps.<threads>  GB/s: with that many threads
+  q4_0.<isa>.read_gbps    GB/s: the plain read passes' median of this ISA's pairs, by threads
+  q4_0.<isa>.read_gbps.<threads>  GB/s: with that many threads
+  q4_0.<isa>.fraction_of_read_bw  the median of the pairs' product over read speed, by threads
+  q4_0.<isa>.fraction_of_read_bw.<threads>  with that many threads
+  q4_0.<isa>.fraction_of_read_bw_range  [lowest, highest] of those pairs' ratios, by threads
+  q4_0.<isa>.fraction_of_read_bw_range.<threads>  with that many threads
+  q4_0.<isa>.prefetched_read_gbps  GB/s: the read passes that prefetch as the kernels do, their median
+  q4_0.<isa>.prefetched_read_gbps.<threads>  GB/s: with that many threads
+  q4_0.<isa>.prefetched_read_fraction_of_read_bw  the median of the pairs' prefetching over plain read
+      speed (what the software prefetch alone costs), by threads
+  q4_0.<isa>.prefetched_read_fraction_of_read_bw.<threads>  with that many threads
+  q4_0.<isa>.fraction_of_prefetched_read_bw  the median of the pairs' product over prefetching read
+      speed, by threads
+  q4_0.<isa>.fraction_of_prefetched_read_bw.<threads>  with that many threads
+  q4_0.<isa>.matmul       the batched product on the cache-sized matrix with --threads threads, by B
+  q4_0.<isa>.matmul.<B>   B tokens at once
+  q4_0.<isa>.matmul.<B>.tokens_per_s  tokens/s: B over the best of --reps timings
+  q4_0.<isa>.matmul.<B>.speedup_vs_matvec  B matrix-vector products' time over the batched one's
+  ratios                  ratios of the figures above
+  ratios.ssse3_vs_scalar_matvec_1t  SSSE3's matrix-vector GB/s over scalar C's, 1 thread (both run)
+  ratios.paper_ssse3_vs_scalar  the paper's SSSE3 over scalar speed-up (3.0), to set beside it
+  ratios.avx2_vs_ssse3_matvec_1t  AVX2's matrix-vector GB/s over SSSE3's, 1 thread (both run)
+  ratios.avx512vnni_vs_ssse3_matvec_1t  AVX-512 VNNI's over SSSE3's, the same
+  ratios.best_isa         the ISA with the fastest matrix-vector product at --threads threads
+  ratios.best_fraction_of_read_bw  its fraction_of_read_bw, by threads
+  ratios.best_fraction_of_read_bw.<threads>  with that many threads
+  matmul_q4_0             --matmul-sweep: fm_matmul_q4_0's speed by ISA, shape, threads and B
+  matmul_q4_0.<isa>.<shape>  a "ROWSxCOLS" matrix of setup.shapes
+  matmul_q4_0.<isa>.<shape>.<nt>  "<threads>t": run on that many threads, by B
+  matmul_q4_0.<isa>.<shape>.<nt>.<B>  B tokens at once, best of --reps timings
+  matmul_q4_0.<isa>.<shape>.<nt>.<B>.gmac_s  GMAC/s: rows x cols x B multiply-adds over the time
+  matmul_q4_0.<isa>.<shape>.<nt>.<B>.tokens_s  tokens/s: B over the time
+  matmul_q4_0.<isa>.<shape>.<nt>.<B>.us  us: one full product (all rows, B tokens)
+  matmul_q4_0.<isa>.<shape>.<nt>.matvec  keys as matmul_q4_0.<isa>.<shape>.<nt>.<B>: at B = 1,
+      fm_matvec_q4_0 (what the forward calls at B = 1) instead
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ import pytest
 
 from bench import decode
 from bench.decode import ForeignCpu, cpu_jiffies
+from tests.support.bench_keys import assert_keys_documented
 
 
 def _stat(path, busy_user, idle):
@@ -37,3 +38,4 @@ def test_foreign_share_unknown_without_proc_stat(tmp_path):
 def test_bench_decode_reports_it(tiny_q4_path):
     out = decode.run(str(tiny_q4_path), threads=1, prompt_tokens=4, decode_tokens=2)
     assert out["foreign_cpu_fraction"] is None or 0.0 <= out["foreign_cpu_fraction"] <= 1.0
+    assert_keys_documented(out, decode)

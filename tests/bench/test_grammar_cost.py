@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import bench.decode
 import bench.grammar_cost
 from bench.decode import run
 from tests.support.bench_keys import assert_keys_documented
@@ -23,6 +24,7 @@ def test_decode_with_and_without_the_mask_in_one_run(tiny_q4_path, tmp_path):
     assert got["slowdown"] == pytest.approx(got["decode_tok_s_free"] / got["decode_tok_s_constrained"] - 1, abs=0.01)
     assert got["values_completed"] >= 1           # ANSWER is short: values end and begin again
     assert_keys_documented(got, bench.grammar_cost)
+    assert_keys_documented(out, bench.decode)
     assert "json_schema" not in run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=2)
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from tests.support.bench_keys import assert_keys_documented, documented_keys, undocumented_keys
 
-DOCUMENTED = ["agent", "gpu_kernels", "grammar_cost", "host_memory", "http", "prefill", "serve", "soak",
-              "tool_calls", "vision"]
+DOCUMENTED = ["agent", "decode", "gpu_kernels", "grammar_cost", "host_memory", "http", "kernels", "prefill", "serve",
+              "soak", "tool_calls", "vision"]
 
 FAKE = types.ModuleType("fake_bench", """A benchmark.
 

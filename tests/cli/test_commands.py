@@ -59,10 +59,11 @@ def test_the_default_model_is_the_packaged_tiny():
 
 
 def test_bench_decode_takes_a_builtin_model():
-    import json
+    import bench.decode
     run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", 4, "--tokens", 2)
     out = json.loads(run.stdout)
     assert out["model"] == "tiny" and out["decode_tok_s"] > 0
+    assert_keys_documented(out, bench.decode)
 
 
 def test_synth_command_writes_a_loadable_model(tmp_path):

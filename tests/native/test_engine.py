@@ -421,9 +421,12 @@ def test_region_stats_count_the_parallel_regions(tiny_q4_path):
 
 
 def test_bench_decode_batch_and_context(tiny_q4_path):
+    import bench.decode
     from bench.decode import bytes_per_token, kv_bytes_per_token, run
+    from tests.support.bench_keys import assert_keys_documented
     model = Model(tiny_q4_path)
     out = run(str(tiny_q4_path), threads=1, prompt_tokens=8, decode_tokens=3, batch=3, context=40)
+    assert_keys_documented(out, bench.decode)
     assert out["batch"] == 3 and out["context"] == 40
     assert out["decode_tok_s_aggregate"] == pytest.approx(3 * out["decode_tok_s"], rel=0.01)
     assert out["kv_mb_per_token"] == round(kv_bytes_per_token(model, 40) / 1e6, 1)

@@ -18,6 +18,7 @@ import pytest
 
 import native
 from shared import quants
+from tests.support.bench_keys import assert_keys_documented
 
 # |kernel - float64 reference| <= SUM_RTOL * sum_i |w_i x_i|: float32 rounding of each
 # scaled partial sum (2^-24) plus float32 summation of up to ~10^4 of them in any order.
@@ -467,6 +468,7 @@ def test_bench_pairs_alternate_read_and_product_passes():
 
 
 def test_bench_kernels_reports_each_isa_against_bandwidth():
+    import bench.kernels
     from bench.kernels import run
     if "ssse3" not in SUPPORTED:
         pytest.skip("this CPU lacks ssse3")
@@ -490,6 +492,16 @@ def test_bench_kernels_reports_each_isa_against_bandwidth():
         assert (foreign is None or 0 <= foreign <= 1) and 0 <= quiet <= 3
         assert (shaped[kind]["fraction_of_read_bw_quiet"] is None) == (quiet == 0)
     assert shaped["experts_gate_up"]["matrices"] == 2 * 2 + 2        # the tiny preset: 2 experts of 8, gate and up
+    assert_keys_documented(out, bench.kernels)
+
+
+def test_bench_kernels_matmul_sweep_times_each_shape_threads_and_batch():
+    import bench.kernels
+    out = bench.kernels.run_sweep(threads=2, reps=1, isas=["scalar"], shapes=((64, 256),), batch_sizes=(1, 2))
+    by_b = out["matmul_q4_0"]["scalar"]["64x256"]
+    assert set(by_b) == {"1t", "2t"} and set(by_b["2t"]) == {"1", "2", "matvec"}
+    assert all(r["gmac_s"] > 0 and r["tokens_s"] > 0 and r["us"] > 0 for t in by_b.values() for r in t.values())
+    assert_keys_documented(out, bench.kernels)
 
 
 def test_decode_regions_are_the_forwards_at_real_sizes():
