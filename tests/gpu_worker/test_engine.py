@@ -46,11 +46,6 @@ def close(got, want, rtol=GPU_RTOL, floor=1.0):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_q4_path):
-    return Model(tiny_q4_path)
-
-
-@pytest.fixture(scope="module")
 def reference_logits(tiny):
     ref = ReferenceEngine(tiny)
     return ref.forward(PROMPT, ref.new_state())

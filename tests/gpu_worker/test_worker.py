@@ -16,7 +16,6 @@ from gpu_worker.worker import GPUWorker
 from shared import protocol as P
 from shared.engine import ReferenceEngine
 from shared.generate import generate
-from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.shm_arena import SnapshotArena
 from shared.state import restore_snapshots, snapshot_nbytes
@@ -43,11 +42,6 @@ def arena(tiny):
     yield arena
     arena.close()
     arena.unlink()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_q4_path):
-    return Model(tiny_q4_path)
 
 
 @pytest.fixture(scope="module")
