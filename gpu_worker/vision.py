@@ -44,9 +44,7 @@ MERGER_TENSORS = ("v.post_ln.weight", "v.post_ln.bias", "mm.0.weight", "mm.0.bia
 
 def workspace_floats(cfg, n: int) -> int:
     """Floats of an image's workspace of n patches (VisionWorkspace's buffers)."""
-    d = cfg.n_embd
-    merged = n // cfg.n_merge ** 2
-    return n * (2 * d + max(3 * d, cfg.n_ff, cfg.patch_dim) + cfg.head_dim) + merged * cfg.projection_dim
+    return sum(int(np.prod(shape)) for shape in VisionWorkspace.spec(cfg, n).values())
 
 
 class VisionWorkspace:
@@ -54,13 +52,17 @@ class VisionWorkspace:
     big (pixels, then qkv, the MLP's up rows, the merger's hidden rows: never two at
     once), cos / sin of the rotary, out (the merged tokens)."""
 
-    def __init__(self, device, cfg, n: int):
+    @staticmethod
+    def spec(cfg, n: int) -> dict[str, tuple]:
+        """Buffer name -> shape (float32): what __init__ allocates, and workspace_floats counts."""
         d, half = cfg.n_embd, cfg.head_dim // 2
+        return {"x": (n, d), "h": (n, d), "big": (n * max(3 * d, cfg.n_ff, cfg.patch_dim),), "cos": (n, half),
+                "sin": (n, half), "out": (n // cfg.n_merge ** 2, cfg.projection_dim)}
+
+    def __init__(self, device, cfg, n: int):
         self.n, self.arrays = n, []
-        shapes = {"x": (n, d), "h": (n, d), "big": (n * max(3 * d, cfg.n_ff, cfg.patch_dim),), "cos": (n, half),
-                  "sin": (n, half), "out": (n // cfg.n_merge ** 2, cfg.projection_dim)}
         try:
-            for name, shape in shapes.items():
+            for name, shape in self.spec(cfg, n).items():
                 setattr(self, name, DeviceArray(device, shape))
                 self.arrays.append(getattr(self, name))
         except BaseException:               # what was taken before memory ran out is given back
