@@ -379,7 +379,7 @@ class SlotLayout:
 
     def kv_header(self, slot) -> tuple[int, int, int]:
         """(block start, rows, KV element bytes) of a KV slot."""
-        return self.KV_HEADER.unpack_from(self._bytes(slot), 0)
+        return self.KV_HEADER.unpack_from(self._bytes(slot, self.KV_HEADER_NBYTES), 0)
 
     def set_kv_header(self, slot, start: int, rows: int) -> None:
         self.KV_HEADER.pack_into(self._bytes(slot), 0, start, rows, self.dtype.itemsize)
@@ -392,9 +392,9 @@ class SlotLayout:
         return (np.frombuffer(view, self.dtype, n, offset).reshape(self.page_shape),
                 np.frombuffer(view, self.dtype, n, offset + self.page_nbytes).reshape(self.page_shape))
 
-    def _bytes(self, slot) -> memoryview:
+    def _bytes(self, slot, need: int | None = None) -> memoryview:
         view = memoryview(slot).cast("B")
-        if len(view) < self.nbytes:
+        if len(view) < (self.nbytes if need is None else need):
             raise StateError(f"a KV slot of {len(view)} bytes; this model's block of {self.page_shape[0]} "
                              f"{self.dtype.name} positions needs {self.nbytes}")
         return view
