@@ -255,3 +255,19 @@ def test_constrained_sequences_each_follow_their_own_grammar_in_one_pass(worker)
     assert [e[3] for e in events if e[0] == "call"] == ["get_weather"]
     jsonschema.validate(json.loads("".join(e[2] for e in events if e[0] == "args")), WEATHER)
     _assert_served_as_alone(worker, [REQUESTS[1]])
+
+
+def test_a_resume_without_a_state_slot_fails_that_sequence_alone(worker):
+    """The last snapshot of a resume must name its state slot: one that does not ends
+    its sequence with an error saying so; the worker serves on."""
+    model = worker.model
+    worker.link.arena, worker.link.block = _Arena(), 8
+    bad = _assign(model, "bad", "", 2, 0.0, 1)
+    bad.tokens, bad.resume = list(range(3, 19)), [P.SnapshotRef(slot=0, state=-1, position=8)]
+    worker.handle_assign(bad)
+    (finished,) = [m for m in worker.sent if isinstance(m, P.Finished)]
+    assert finished.finish_reason == "error" and "state slot of the last" in finished.error
+    worker.handle_assign(_assign(model, "ok", "The old GPU said", 2, 0.0, 1))
+    while worker.sequences:
+        worker.work_round()
+    assert [m.request_id for m in worker.sent if isinstance(m, P.Finished)] == ["bad", "ok"]
