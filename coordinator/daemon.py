@@ -425,7 +425,7 @@ class Coordinator:
             return
         self.index.adopt(pair, tokens[:msg.position])
         if msg.position % self.opts.block == 0:
-            more = self.index.reserve(1)
+            more = self.index.reserve(1, end=False)        # it holds the end's pair still
             if more:
                 req.decode_slots += more
                 self.send_worker(wid, P.DecodeSlots(request_id=req.rid, slots=more))

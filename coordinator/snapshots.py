@@ -42,7 +42,8 @@ Life of a slot:
     cached, unpinned --evicted by plan--> removed from the index, then re-planned
 A decoding sequence's snapshots are taken where its tokens are not known in advance
 (block boundaries while it decodes, its final state): the worker gets (KV slot, state
-slot) pairs to write, and the coordinator adopts each written one under the key of the
+slot) pairs to write, one with a state kept for the end (a boundary gets a state only
+if one was free), and the coordinator adopts each written one under the key of the
 tokens it then holds. An entry (or its state) leaves the index before its slot is
 handed out again, and pinned or planned slots are never evicted, so a lookup can never
 return a reused slot. A Resume pins the KV of its every entry and the state of its last.
@@ -373,16 +374,19 @@ class SnapshotIndex:
                 self._lru.add(k, self._tier(k))
         return planned
 
-    def reserve(self, n: int) -> list[tuple[int, int]]:
-        """Up to n (KV slot, state slot) pairs for a decoding sequence's snapshots
-        (evicting as plan() does for a resume point)."""
+    def reserve(self, n: int, end: bool = True) -> list[tuple[int, int]]:
+        """Up to n (KV slot, state slot) pairs for a decoding sequence's snapshots, evicting
+        as plan() does: the first with a state for where the generation ends (end=False: the
+        sequence holds one already), the others with a state only if one is free (-1: a KV
+        link for a block boundary the generation crosses). None when the end's state cannot
+        be had."""
         pairs = []
         while len(pairs) < n and (slot := self._take_slot()) is not None:
-            state = self._take_state(evict=True)
-            if state is None:
+            state = self._take_state(evict=end and not pairs)
+            if state is None and end and not pairs:
                 self._free.append(slot)
                 break
-            pairs.append((slot, state))
+            pairs.append((slot, -1 if state is None else state))
         self._reserved.update(pairs)
         return pairs
 
@@ -391,13 +395,16 @@ class SnapshotIndex:
         for pair in pairs:
             self._reserved.remove(tuple(pair))
             self._free.append(pair[0])
-            self._free_states.append(pair[1])
+            if pair[1] >= 0:
+                self._free_states.append(pair[1])
 
     def adopt(self, pair: tuple[int, int], tokens) -> bool:
         """A reserved (KV slot, state slot) pair now holds the snapshot at the end of
         `tokens`: cache it under their key (a block entry on a block boundary, else an end
-        entry); a cached block entry without a state takes the state alone. False, and the
-        slots freed, if that key is cached with a state or being written already."""
+        entry; a pair without a state, a KV link, on a block boundary only); a cached block
+        entry without a state takes the state alone. False, and the slots freed, if that key
+        is cached (with a state, for a pair with one) or being written already, or an end
+        entry would have no state."""
         pair = tuple(pair)
         self._reserved.remove(pair)
         slot, state = pair
@@ -409,9 +416,11 @@ class SnapshotIndex:
         else:
             key, parent = self._end(keys[-1] if keys else b"", data, len(keys) * self.block, n), \
                 (keys[-1] if keys else None)
-        if n == 0 or key in self._planned or key in self._states:
+        if (n == 0 or key in self._planned or key in self._states or (state < 0 and n % self.block)
+                or (state < 0 and key in self._entries)):
             self._free.append(slot)
-            self._free_states.append(state)
+            if state >= 0:
+                self._free_states.append(state)
             return False
         if key in self._entries:                    # a KV link of a chain: now a resume point too
             self._free.append(slot)
@@ -549,7 +558,7 @@ class SnapshotIndex:
         assert len(set(slots) | set(self._free)) == self.n_slots, "a slot is used twice"
         assert all(0 <= s < self.n_slots for s in slots + self._free)
         states = (list(self._states.values()) + [p.state for p in planned if p.state >= 0]
-                  + sorted(s for _, s in self._reserved))
+                  + sorted(s for _, s in self._reserved if s >= 0))
         assert len(states) + len(self._free_states) == self.n_state_slots, "state slots lost or duplicated"
         assert len(set(states) | set(self._free_states)) == self.n_state_slots, "a state slot is used twice"
         assert all(0 <= s < self.n_state_slots for s in states + self._free_states)

@@ -198,20 +198,27 @@ class CPUWorker:
         return tokens, seq.state, seq.media.slice(pos, pos + len(tokens))
 
     def write_boundary_snapshot(self, rid: str, seq: Sequence) -> None:
-        """At a block boundary while decoding: a snapshot into a decode slot, keeping one
-        for the final state; without a spare slot the chain has a gap, and no later decode
-        snapshot could be resumed from."""
-        if len(seq.decode_slots) < 2 or seq.decode_gap:
+        """At a block boundary while decoding: a snapshot into a decode pair, keeping one
+        with a state for the final state (with a state itself if a spare one has, else a
+        KV link of the chain); without a spare pair the chain has a gap, and no later
+        decode snapshot could be resumed from."""
+        with_state = [p for p in seq.decode_slots if p[1] >= 0]
+        links = [p for p in seq.decode_slots if p[1] < 0]
+        pair = with_state[0] if len(with_state) >= 2 else links[0] if links and with_state else None
+        if pair is None or seq.decode_gap:
             seq.decode_gap = True
             return
-        self.link.write_snapshot(rid, *seq.decode_slots.pop(0), seq.state, seq.state.position)
+        seq.decode_slots.remove(pair)
+        self.link.write_snapshot(rid, *pair, seq.state, seq.state.position)
 
     def write_final_snapshot(self, rid: str, seq: Sequence) -> None:
         """Where the generation ended (not on a boundary, written already): the next chat
         turn, which appends to this one, resumes here."""
         pos = seq.state.position
-        if seq.decode_slots and not seq.decode_gap and pos > len(seq.msg.tokens) and pos % self.link.block:
-            self.link.write_snapshot(rid, *seq.decode_slots.pop(0), seq.state, pos)
+        pair = next((p for p in seq.decode_slots if p[1] >= 0), None)
+        if pair is not None and not seq.decode_gap and pos > len(seq.msg.tokens) and pos % self.link.block:
+            seq.decode_slots.remove(pair)
+            self.link.write_snapshot(rid, *pair, seq.state, pos)
 
     def handle_decode_slots(self, msg: P.DecodeSlots, data=()) -> None:
         seq = self.sequences.get(msg.request_id)

@@ -255,9 +255,11 @@ class Assign(_Msg, tag="assign"):
     max_tokens: int
     sampling: SamplingParams            # its seed always set (the coordinator's draw if the client gave none)
     ignore_eos: bool = False
-    # (KV slot, state slot) pairs for snapshots while decoding, taken in order: at each block
-    # boundary the generation crosses (while one more pair is left) and of the final state
-    # when it ends (an end-of-generation token or max_tokens): the next chat turn resumes after them.
+    # (KV slot, state slot) pairs for snapshots while decoding: at each block boundary the
+    # generation crosses (while a pair with a state is left beside it; a pair without one,
+    # state -1, holds the block's KV alone) and of the final state when it ends (an
+    # end-of-generation token or max_tokens) in a pair with a state: the next chat turn
+    # resumes after them.
     decode_slots: list[tuple[int, int]] = []
     logprobs: int | None = None         # as in Generate
     # the request's Constraint as llguidance's grammar (its JSON form), the reasoning before it

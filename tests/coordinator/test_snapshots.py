@@ -380,15 +380,16 @@ def test_random_operations_keep_the_index_sound(n_state_slots):
                 if p.state >= 0:
                     states[p.state] = ("writing", p.key)
                 pending.append(p)
-        elif op < 0.83:                                 # a decoding sequence's snapshot
-            for pair in idx.reserve(1):
+        elif op < 0.83:                                 # a decoding sequence's snapshots
+            for pair in idx.reserve(rng.choice((1, 2)), end=rng.random() < 0.7):
                 tokens = prompt()
                 content[pair[0]], states[pair[1]] = ("writing", None), ("writing", None)
                 key = idx.chain_keys(tokens)[-1] if len(tokens) % block == 0 else idx.end_key(tokens)
                 if idx.adopt(pair, tokens):
                     if idx._entries[key].slot == pair[0]:
                         content[pair[0]] = key
-                    states[pair[1]] = key
+                    if pair[1] >= 0:
+                        states[pair[1]] = key
         elif pending:
             p = pending.pop(rng.randrange(len(pending)))
             if rng.random() < 0.8:
@@ -724,3 +725,31 @@ def test_the_same_bytes_hold_a_far_longer_conversation():
     ends = [0] + [(t + 1) * 4 * block for t in range(29)]
     assert split == ends
     assert whole[:5] == ends[:5] and max(whole) == 16 * block and ends[-1] > 7 * 16 * block
+
+
+def test_a_decoding_sequence_keeps_a_state_for_its_end_and_links_its_boundaries():
+    """Decode pairs: the first with a state (evicting one), the others with one only if free,
+    else KV links (state -1) for the block boundaries the generation crosses; a link is
+    adopted on a boundary only, and the replacement pair of a sequence that holds its end's
+    takes no state by eviction."""
+    idx = SnapshotIndex(16, block=4, n_state_slots=3)
+    cache(idx, [9, 9, 9, 9, 9, 9])                         # states at 4 and 6: one free
+    pairs = idx.reserve(3)
+    assert [s >= 0 for _, s in pairs] == [True, False, False] and idx.stats()["free_state_slots"] == 0
+    tokens = list(range(1, 20))
+    assert idx.adopt(pairs[1], tokens[:8])                 # a boundary: a KV link
+    assert not idx.adopt(pairs[2], tokens[:9])             # no state, not a boundary: useless
+    more = idx.reserve(1, end=False)
+    assert [s for _, s in more] == [-1] and idx.stats()["state_evictions"] == 0
+    assert idx.adopt(pairs[0], tokens[:10])                # the end, after the chain's blocks 4 and 8
+    idx.unreserve(more)
+    idx.check_invariants()
+    assert idx.cached(tokens[:8] + [99]) == 0 and idx.cached(tokens[:10] + [99]) == 0   # block 4 missing
+    idx.commit(idx.plan(tokens[:4], 0))                    # block 4, its state the oldest end's
+    assert idx.cached(tokens[:10] + [99]) == 10 and idx.cached([9] * 7) == 4
+    assert idx.reserve(1, end=True) and idx.stats()["free_state_slots"] == 0
+    none = SnapshotIndex(4, block=4, n_state_slots=1)
+    res = none.lookup(cache(none, [1, 2, 3]) and [1, 2, 3])
+    assert res is not None and none.reserve(2) == []       # the one state pinned: no end, no pairs
+    none.release(res)
+    none.check_invariants()
