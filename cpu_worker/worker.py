@@ -54,6 +54,7 @@ class Sequence:
     pending: list = field(default_factory=list)    # SnapshotRefs still to write, in position order
     decode_slots: list = field(default_factory=list)   # (KV, state) pairs for snapshots while decoding
     decode_gap: bool = False     # a block boundary passed without a slot: later decode snapshots are useless
+    link_at: int = -1            # the last block boundary written as a KV link while decoding
     decoder: Decoder | None = None
     media: object = None         # the prompt's images and M-RoPE positions (TokenMedia), None: text
     prefill_ms: float = 0.0
@@ -209,14 +210,17 @@ class CPUWorker:
             seq.decode_gap = True
             return
         seq.decode_slots.remove(pair)
+        if pair[1] < 0:
+            seq.link_at = seq.state.position
         self.link.write_snapshot(rid, *pair, seq.state, seq.state.position)
 
     def write_final_snapshot(self, rid: str, seq: Sequence) -> None:
-        """Where the generation ended (not on a boundary, written already): the next chat
-        turn, which appends to this one, resumes here."""
+        """Where the generation ended (not on a boundary written with a state already): the
+        next chat turn, which appends to this one, resumes here."""
         pos = seq.state.position
         pair = next((p for p in seq.decode_slots if p[1] >= 0), None)
-        if pair is not None and not seq.decode_gap and pos > len(seq.msg.tokens) and pos % self.link.block:
+        if pair is not None and not seq.decode_gap and pos > len(seq.msg.tokens) and \
+                (pos % self.link.block or seq.link_at == pos):
             seq.decode_slots.remove(pair)
             self.link.write_snapshot(rid, *pair, seq.state, pos)
 
