@@ -123,7 +123,7 @@ class GPUWorker:
                     self.engine.prefill_batch([job for _, job, _ in jobs], everything.is_set)
         except Exception as e:                 # report, never die silently
             if not isinstance(e, PrefillStopped):
-                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _ in jobs))
+                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _, _ in jobs))
             failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _, _ in jobs)
         tokens = sum(len(job.tokens) for _, job, _ in jobs)
         vision_tokens, vision_ms = ((self._images.tokens - tower[0], 1000 * (self._images.seconds - tower[1]))

@@ -338,3 +338,20 @@ def test_with_a_tower_the_images_run_on_the_gpu(tiny, tiny_q4_path, tmp_path, ki
     with pytest.raises(FermoeError, match="the vision tower alone takes"):
         GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-mm", device=open_test_device(kind), probe_tokens=[8],
                   gpu_mem=1 << 20, mmproj=str(path))
+
+
+def test_a_device_error_fails_the_batch_and_the_worker_serves_on(gpu_worker, monkeypatch):
+    """An error out of the engine (not a Stop) is logged and fails every prompt of the
+    batch with its message; the next Prefill runs."""
+    prefill_batch = gpu_worker.engine.prefill_batch
+
+    def broken(jobs, *a):
+        raise RuntimeError("the device fell over")
+    monkeypatch.setattr(gpu_worker.engine, "prefill_batch", broken)
+    gpu_worker.handle_prefill(P.Prefill(request_id="a", tokens=PROMPT, resume=[], snapshots=_refs(0, [8, 30])))
+    assert gpu_worker.sent[-1].request_id == "a" and "RuntimeError: the device fell over" in gpu_worker.sent[-1].error
+    assert not any(isinstance(m, P.SnapshotWritten) for m in gpu_worker.sent)
+    monkeypatch.setattr(gpu_worker.engine, "prefill_batch", prefill_batch)
+    gpu_worker.handle_prefill(P.Prefill(request_id="b", tokens=PROMPT[:8], resume=[], snapshots=_refs(0, [8])))
+    assert gpu_worker.sent[-1] == P.Prefilled(request_id="b", prefill_ms=gpu_worker.sent[-1].prefill_ms,
+                                              batch_tokens=8)
