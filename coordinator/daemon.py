@@ -487,10 +487,12 @@ class Coordinator:
         req.resume = resume
         if not replay:
             req.cached_tokens = resume.position if resume else 0
-        req.planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks) if cache else []
         asked = req.msg.max_tokens
         wanted = DECODE_SLOTS if asked is None else min(DECODE_SLOTS, asked // self.opts.block + 2)
+        # the decode pairs first: the state of the generation's end, where the next turn resumes,
+        # must not find every state taken by the prompt's own snapshots, not yet written
         req.decode_slots = self.index.reserve(wanted) if cache and asked != 0 else []
+        req.planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks) if cache else []
         if req.prefill_device != "gpu":
             req.prefill_device = "cpu" if not resume or resume.position < len(req.tokens) else None
         req.worker, req.attempts, req.phase = wid, req.attempts + 1, Phase.RUNNING

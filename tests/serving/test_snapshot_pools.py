@@ -9,10 +9,11 @@ from shared.model import Model
 from shared.state import kv_slot_nbytes, state_slot_nbytes
 from tests.support.serving_harness import BLOCK, Daemon, local_ids, streamed_ids
 
-WHOLE_SNAPSHOTS = 8     # the budget: this many whole snapshots (8 blocks of positions)
-TURNS = 12
+WHOLE_SNAPSHOTS = 10    # the budget: this many whole snapshots (10 blocks of positions)
+TURNS = 13
 GENERATED = 6           # each answer crosses a block boundary every other turn or so
 APPENDED = 5
+FIRST = 45
 
 
 def test_a_long_conversation_resumes_after_each_answer_in_a_small_store(tiny_q4_path):
@@ -26,7 +27,8 @@ def test_a_long_conversation_resumes_after_each_answer_in_a_small_store(tiny_q4_
             stats = c.status().snapshots
             assert (stats["slots"], stats["state_slots"]) == snapshot_pools(budget, kv, state)
             assert stats["state_slots"] == 4 and stats["slots"] * BLOCK > 2 * old_positions
-            prompt, cached = [5 + (11 * i) % 300 for i in range(21)], []
+            # the first prompt has more block boundaries than the store has states
+            prompt, cached = [5 + (11 * i) % 300 for i in range(FIRST)], []
             for turn in range(TURNS):
                 msgs = list(c.generate(tokens=prompt, max_tokens=GENERATED, ignore_eos=True, seed=turn))
                 cached.append(msgs[-1].cached_prompt_tokens)
@@ -39,7 +41,7 @@ def test_a_long_conversation_resumes_after_each_answer_in_a_small_store(tiny_q4_
         daemon.stop()
     # every turn after the first: the previous prompt and its answer but the last token
     # (sampled, never fed) came from the cache
-    lengths = [21 + t * (GENERATED + APPENDED) for t in range(TURNS)]
+    lengths = [FIRST + t * (GENERATED + APPENDED) for t in range(TURNS)]
     assert cached == [0] + [n + GENERATED - 1 for n in lengths[:-1]], cached
     assert cached[-1] > 2 * old_positions                     # the old layout ran out long before
     assert stats["states"] <= 4 < stats["entries"] and stats["misses"] == 1
