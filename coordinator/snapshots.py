@@ -29,9 +29,12 @@ an end entry (which always has one) after the chain's first k blocks.
 Which snapshots get a state: the prompt's end, the marks (where a chat's turns begin),
 the last block boundary of the prompt, and a decoding sequence's snapshots (its
 generation's end) take one, evicting the least recently used state if none is free;
-other block boundaries only take a free one, so a long one-off prompt does not flush
-the resume points of other conversations. A cached block entry lacking its state gets
-one written (a "state only" plan) when it is one of the first kind.
+other block boundaries of a prompt only take a free one, so a long one-off prompt does
+not flush the resume points of other conversations; the block boundaries a generation
+crosses take a free one or one of a block entry no lookup resumed from (the spare states
+prompts took), so the next turn resumes close to where a re-rendered answer diverges.
+A cached block entry lacking its state gets one written (a "state only" plan) when it
+is one of the first kind.
 
 Life of a slot:
     free --plan--> planned (pinned, invisible to lookup) --commit--> cached (LRU)
@@ -43,8 +46,8 @@ Life of a slot:
 A decoding sequence's snapshots are taken where its tokens are not known in advance
 (block boundaries while it decodes, its final state): the worker gets (KV slot, state
 slot) pairs to write, one with a state kept for the end (a boundary gets a state only
-if one was free), and the coordinator adopts each written one under the key of the
-tokens it then holds. An entry (or its state) leaves the index before its slot is
+if one is free or held by a block entry no lookup resumed from), and the coordinator
+adopts each written one under the key of the tokens it then holds. An entry (or its state) leaves the index before its slot is
 handed out again, and pinned or planned slots are never evicted, so a lookup can never
 return a reused slot. A Resume pins the KV of its every entry and the state of its last.
 
@@ -376,13 +379,15 @@ class SnapshotIndex:
 
     def reserve(self, n: int, end: bool = True) -> list[tuple[int, int]]:
         """Up to n (KV slot, state slot) pairs for a decoding sequence's snapshots, evicting
-        as plan() does: the first with a state for where the generation ends (end=False: the
-        sequence holds one already), the others with a state only if one is free (-1: a KV
-        link for a block boundary the generation crosses). None when the end's state cannot
-        be had."""
+        as plan() does: the first with a state for where the generation ends, the others,
+        for the block boundaries the generation crosses, with a state if one is free or held
+        by a block entry no lookup resumed from (else -1: a KV link). end=False: more pairs
+        for a sequence that holds its end's already, a state only if one is free (one taken
+        from a block entry could be the state it just wrote). None when the end's state
+        cannot be had."""
         pairs = []
         while len(pairs) < n and (slot := self._take_slot()) is not None:
-            state = self._take_state(evict=end and not pairs)
+            state = self._take_state(evict=end, tiers=None if not pairs else (1,))
             if state is None and end and not pairs:
                 self._free.append(slot)
                 break
@@ -442,12 +447,14 @@ class SnapshotIndex:
         self._counts["evictions"] += 1
         return self._remove(key)
 
-    def _take_state(self, evict: bool) -> int | None:
+    def _take_state(self, evict: bool, tiers=None) -> int | None:
+        """A free state slot, or with `evict` the least recently used state of the lowest
+        of `tiers` (default: all) that has one; None if none."""
         if self._free_states:
             return self._free_states.pop()
-        if not evict or not self._state_lru:
+        if not evict or not self._state_lru.has(tiers):
             return None
-        key = self._state_lru.pop_oldest()
+        key = self._state_lru.pop_oldest(tiers)
         state = self._states.pop(key)
         self._resumed.discard(key)
         self._counts["state_evictions"] += 1
@@ -628,9 +635,14 @@ class _EvictionOrder:
     def tier_of(self, key: bytes) -> int:
         return self._tier[key]
 
-    def pop_oldest(self) -> bytes:
-        """The key to evict: the least recently used of the lowest non-empty tier."""
-        for tier in self._tiers:
+    def has(self, tiers=None) -> bool:
+        """Whether a key is in one of `tiers` (default: any)."""
+        return any(self._tiers[t] for t in (range(self.TIERS) if tiers is None else tiers))
+
+    def pop_oldest(self, tiers=None) -> bytes:
+        """The key to evict: the least recently used of the lowest non-empty tier (of
+        `tiers`, default all)."""
+        for tier in (self._tiers if tiers is None else [self._tiers[t] for t in tiers]):
             if tier:
                 key, _ = tier.popitem(last=False)
                 del self._tier[key]

@@ -728,26 +728,27 @@ def test_the_same_bytes_hold_a_far_longer_conversation():
 
 
 def test_a_decoding_sequence_keeps_a_state_for_its_end_and_links_its_boundaries():
-    """Decode pairs: the first with a state (evicting one), the others with one only if free,
-    else KV links (state -1) for the block boundaries the generation crosses; a link is
-    adopted on a boundary only, and the replacement pair of a sequence that holds its end's
-    takes no state by eviction."""
+    """Decode pairs: the first with a state (evicting one), the others with one if free or
+    a block entry's no lookup resumed from, else KV links (state -1) for the block
+    boundaries the generation crosses; a link is adopted on a boundary only, and the
+    replacement pair of a sequence that holds its end's takes no state by eviction."""
     idx = SnapshotIndex(16, block=4, n_state_slots=3)
     cache(idx, [9, 9, 9, 9, 9, 9])                         # states at 4 and 6: one free
-    pairs = idx.reserve(3)
-    assert [s >= 0 for _, s in pairs] == [True, False, False] and idx.stats()["free_state_slots"] == 0
+    assert lookup_position(idx, [9] * 7) == 6              # the end resumed from: kept
+    pairs = idx.reserve(3)                                 # the free state, block 4's, then none
+    assert [s >= 0 for _, s in pairs] == [True, True, False] and idx.stats()["state_evictions"] == 1
+    assert idx.cached([9] * 5) == 0 and idx.cached([9] * 7) == 6
     tokens = list(range(1, 20))
-    assert idx.adopt(pairs[1], tokens[:8])                 # a boundary: a KV link
-    assert not idx.adopt(pairs[2], tokens[:9])             # no state, not a boundary: useless
-    more = idx.reserve(1, end=False)
-    assert [s for _, s in more] == [-1] and idx.stats()["state_evictions"] == 0
+    assert idx.adopt(pairs[2], tokens[:4])                 # a boundary: a KV link
+    assert idx.adopt(pairs[1], tokens[:8])                 # a boundary, with a state
+    more = idx.reserve(2, end=False)                       # none free: links only
+    assert [s for _, s in more] == [-1, -1] and idx.stats()["state_evictions"] == 1
+    assert not idx.adopt(more[0], tokens[:9])              # no state, not a boundary: useless
     assert idx.adopt(pairs[0], tokens[:10])                # the end, after the chain's blocks 4 and 8
-    idx.unreserve(more)
+    idx.unreserve(more[1:])
     idx.check_invariants()
-    assert idx.cached(tokens[:8] + [99]) == 0 and idx.cached(tokens[:10] + [99]) == 0   # block 4 missing
-    idx.commit(idx.plan(tokens[:4], 0))                    # block 4, its state the oldest end's
-    assert idx.cached(tokens[:10] + [99]) == 10 and idx.cached([9] * 7) == 4
-    assert idx.reserve(1, end=True) and idx.stats()["free_state_slots"] == 0
+    assert [idx.cached(tokens[:n] + [99]) for n in (5, 9, 10)] == [0, 8, 10]
+    assert idx.cached([9] * 7) == 6 and idx.stats()["free_state_slots"] == 0
     none = SnapshotIndex(4, block=4, n_state_slots=1)
     res = none.lookup(cache(none, [1, 2, 3]) and [1, 2, 3])
     assert res is not None and none.reserve(2) == []       # the one state pinned: no end, no pairs
