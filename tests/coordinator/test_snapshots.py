@@ -754,3 +754,26 @@ def test_a_decoding_sequence_keeps_a_state_for_its_end_and_links_its_boundaries(
     assert res is not None and none.reserve(2) == []       # the one state pinned: no end, no pairs
     none.release(res)
     none.check_invariants()
+
+
+def test_a_cached_block_without_its_state_gets_a_state_only_snapshot():
+    """A prompt ending on a block boundary whose KV is cached but whose state was evicted
+    plans a state alone there (no KV slot), pinning the entry until written; committed, the
+    prompt resumes at its end."""
+    idx = SnapshotIndex(16, block=4, n_state_slots=2)
+    a = list(range(1, 9))
+    cache(idx, a)                                          # blocks 4 and 8, both with a state
+    cache(idx, [50, 51, 52, 53, 54, 55])                   # takes both states
+    assert idx.cached(a) == 0 and idx.chain_keys(a)[1] in idx._entries
+    free = idx.stats()["free_slots"]
+    (p,) = idx.plan(a, 0)
+    assert (p.slot, p.position) == (-1, 8) and p.state >= 0 and p.key == idx.chain_keys(a)[1]
+    # no KV slot taken; the end entry whose state it took went whole
+    assert (idx.stats()["pinned"], idx.stats()["writing"], idx.stats()["free_slots"]) == (1, 0, free + 1)
+    cache(idx, list(range(100, 140)))                      # evicting KV: never the pinned entry
+    idx.check_invariants()
+    assert p.key in idx._entries
+    idx.commit(p)
+    idx.check_invariants()
+    assert idx.cached(a) == 8 and idx.cached(a + [1]) == 8
+    assert idx.plan(a, 0) == []                            # nothing left to write
