@@ -33,12 +33,12 @@ from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
-from shared.state import recurrent_nbytes, snapshot_nbytes
+from shared.state import kv_slot_nbytes, recurrent_nbytes, state_slot_nbytes
 from shared.model import has_random_weights, random_weights_notice
 
-from .memory import host_footprint, resolve_max_model_len
+from .memory import host_footprint, resolve_max_model_len, snapshot_pools
 from .gpu_prefill import GPUPrefills
-from .requests import Phase, Request, TextStream, Unfinished
+from .requests import Phase, Request, TextStream, Unfinished, planned_refs, resume_refs
 from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
@@ -48,9 +48,9 @@ log = logging.getLogger("fermoe.coordinator")
 # between prompt chunks, which take seconds on a big model on a small machine.
 WORKER_TIMEOUT_S = 60.0
 MAX_ATTEMPTS = 3
-# Slots a decoding sequence starts with for its snapshots: one for each block boundary
-# its max_tokens can cross and one for where it ends, at most DECODE_SLOTS; each boundary
-# snapshot adopted is replaced at once, so a long generation always has one ahead.
+# (KV, state) slot pairs a decoding sequence starts with for its snapshots: one for each
+# block boundary its max_tokens can cross and one for where it ends, at most DECODE_SLOTS;
+# each boundary snapshot adopted is replaced at once, so a long generation always has one ahead.
 DECODE_SLOTS = 4
 TURN_MARKS = 2
 ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
@@ -116,9 +116,10 @@ class Coordinator:
         # the largest frame either socket takes: a client's message (one over --max-request-size is
         # refused by P.decode with an Error naming the option, while ZeroMQ's own cut drops the
         # connection unanswered, so that cut lies well above it), or a snapshot that a worker
-        # without the arena sends as a frame
+        # without the arena sends as a frame (a KV slot or a state slot)
         P.set_max_message_bytes(self.opts.max_request_size)
-        slot = snapshot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
+        slot = max(kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype),
+                   state_slot_nbytes(self.model.config))
         sock.setsockopt(zmq.MAXMSGSIZE, max(2 * self.opts.max_request_size, slot) + (1 << 20))
         if mandatory:           # sending to a vanished client raises, so its request is freed
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -132,14 +133,17 @@ class Coordinator:
         from shared.shm_arena import SnapshotArena
         for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
             log.warning("removed stale snapshot arena %s", name)
-        slot = snapshot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
-        n_slots = self.opts.snapshot_mem // slot
-        self.index = SnapshotIndex(n_slots, self.opts.block)
-        self.arena = SnapshotArena.create(slot, n_slots) if n_slots else None
+        kv = kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
+        state = state_slot_nbytes(self.model.config)
+        n_kv, n_states = snapshot_pools(self.opts.snapshot_mem, kv, state, getattr(self.opts, "snapshot_states", None))
+        self.index = SnapshotIndex(n_kv, self.opts.block, n_state_slots=n_states)
+        self.arena = (SnapshotArena.create(kv, n_kv, state_slot_bytes=state, n_state_slots=n_states)
+                      if n_kv else None)
         how = (f"default: {self.opts.snapshot_mem_default}" if self.opts.snapshot_mem_default
                else "--snapshot-mem")
-        log.info("snapshot store: %d slots of %.1f MiB, block %d: %.1f MiB of /dev/shm%s (%s)",
-                 n_slots, slot / 2**20, self.opts.block, n_slots * slot / 2**20,
+        log.info("snapshot store: %d KV slots of %.2f MiB (%d positions, block %d) and %d state slots of %.1f MiB: "
+                 "%.1f MiB of /dev/shm%s (%s)", n_kv, kv / 2**20, n_kv * self.opts.block, self.opts.block,
+                 n_states, state / 2**20, (n_kv * kv + n_states * state) / 2**20,
                  f" ({self.arena.name})" if self.arena else "", how)
 
     def _share_experts(self, why_not: str | None):
@@ -345,7 +349,9 @@ class Coordinator:
                                        prefill_fixed_ms=msg.prefill_fixed_ms, decode_tok_s=msg.decode_tok_s)
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
-                                        n_slots=arena.n_slots if arena else 0, block=self.opts.block,
+                                        n_slots=arena.n_slots if arena else 0,
+                                        state_slot_bytes=arena.state_slot_bytes if arena else 0,
+                                        n_state_slots=arena.n_state_slots if arena else 0, block=self.opts.block,
                                         kv_cache_dtype=self.opts.kv_cache_dtype, max_model_len=self.max_model_len))
         log.info("%s worker %s (pid %d, %s) joined: prefill %.0f ms + %.0f tok/s", msg.kind, wid, msg.pid,
                  msg.device or f"{msg.threads} threads", msg.prefill_fixed_ms, msg.prefill_tok_s)
@@ -394,13 +400,13 @@ class Coordinator:
         req = self.requests.get(msg.request_id)
         if req is None or req.worker != wid:
             return
-        if msg.slot in req.decode_slots:
+        if (msg.slot, msg.state) in req.decode_slots:
             self._adopt_decode_snapshot(wid, req, msg, data)
             return
         for planned in list(req.planned):
-            if planned.slot != msg.slot:
+            if (planned.slot, planned.state) != (msg.slot, msg.state):
                 continue
-            if not self._slot_from(wid, msg.slot, data):
+            if not self._slots_from(wid, msg.slot, msg.state, data):
                 return
             self.index.commit(planned)
             req.planned.remove(planned)
@@ -408,29 +414,36 @@ class Coordinator:
     def _adopt_decode_snapshot(self, wid: str, req: Request, msg: P.SnapshotWritten, data: list) -> None:
         """A snapshot taken while decoding, at msg.position: cached under the tokens the
         sequence holds there (every one of them came in a Sampled before this); a block
-        boundary's slot is replaced, for the next one."""
-        req.decode_slots.remove(msg.slot)
+        boundary's pair is replaced, for the next one."""
+        pair = (msg.slot, msg.state)
+        req.decode_slots.remove(pair)
         tokens = list(req.cache_tokens) + req.generated
-        if not len(req.tokens) < msg.position <= len(tokens) or not self._slot_from(wid, msg.slot, data):
+        if not len(req.tokens) < msg.position <= len(tokens) or not self._slots_from(wid, *pair, data):
             log.error("worker %s: decode snapshot at %d of request %s does not match its %d tokens",
                       wid, msg.position, req.rid, len(tokens))
-            self.index.unreserve([msg.slot])
+            self.index.unreserve([pair])
             return
-        self.index.adopt(msg.slot, tokens[:msg.position])
+        self.index.adopt(pair, tokens[:msg.position])
         if msg.position % self.opts.block == 0:
-            more = self.index.reserve(1)
+            more = self.index.reserve(1, end=False)        # it holds the end's pair still
             if more:
                 req.decode_slots += more
                 self.send_worker(wid, P.DecodeSlots(request_id=req.rid, slots=more))
 
-    def _slot_from(self, wid: str, slot: int, data: list) -> bool:
-        """A snapshot from a worker without the arena comes as a frame: into its slot."""
+    def _slots_from(self, wid: str, slot: int, state: int, data: list) -> bool:
+        """A snapshot from a worker without the arena comes as frames: its KV slot's bytes
+        (if it has one), then its state slot's (if it has one)."""
         if self.workers[wid].arena:
             return True
-        if len(data) != 1 or len(data[0]) != self.arena.slot_bytes:
-            log.error("worker %s sent snapshot %d without its %d bytes", wid, slot, self.arena.slot_bytes)
+        sizes = [n for n, i in ((self.arena.slot_bytes, slot), (self.arena.state_slot_bytes, state)) if i >= 0]
+        if [len(d) for d in data] != sizes:
+            log.error("worker %s sent snapshot (KV slot %d, state slot %d) as frames of %s bytes, expected %s",
+                      wid, slot, state, [len(d) for d in data], sizes)
             return False
-        self.arena.slot(slot)[:] = data[0]
+        if slot >= 0:
+            self.arena.slot(slot)[:] = data[0]
+        if state >= 0:
+            self.arena.state_slot(state)[:] = data[-1]
         return True
 
     def handle_finished(self, wid: str, msg: P.Finished, data=()) -> None:
@@ -474,10 +487,12 @@ class Coordinator:
         req.resume = resume
         if not replay:
             req.cached_tokens = resume.position if resume else 0
-        req.planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks) if cache else []
         asked = req.msg.max_tokens
         wanted = DECODE_SLOTS if asked is None else min(DECODE_SLOTS, asked // self.opts.block + 2)
+        # the decode pairs first: the state of the generation's end, where the next turn resumes,
+        # must not find every state taken by the prompt's own snapshots, not yet written
         req.decode_slots = self.index.reserve(wanted) if cache and asked != 0 else []
+        req.planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks) if cache else []
         if req.prefill_device != "gpu":
             req.prefill_device = "cpu" if not resume or resume.position < len(req.tokens) else None
         req.worker, req.attempts, req.phase = wid, req.attempts + 1, Phase.RUNNING
@@ -486,12 +501,9 @@ class Coordinator:
         self.workers[wid].requests.add(req.rid)
         m = req.msg
         until_context_end = self.max_model_len - len(req.tokens) + 1
-        refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
-        # a worker without the arena gets the slots' bytes as frames (copied: the slot may be reused later)
-        data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
+        refs, data = resume_refs(resume, self.arena, self.workers[wid].arena)
         self.send_worker(wid, P.Assign(
-            request_id=req.rid, tokens=req.tokens, resume=refs,
-            snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in req.planned],
+            request_id=req.rid, tokens=req.tokens, resume=refs, snapshots=planned_refs(req.planned),
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
             sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs,

@@ -17,7 +17,7 @@ import time
 from shared import protocol as P
 
 from .placement import place_prefill
-from .requests import Phase, Request, Unfinished
+from .requests import Phase, Request, Unfinished, planned_refs, resume_refs
 from .scheduler import WorkerView, update_rate
 
 log = logging.getLogger("fermoe.coordinator")
@@ -60,14 +60,14 @@ class GPUPrefills:
 
     def _start(self, req: Request, wid: str) -> bool:
         """Send the Prefill: the cached prefix to resume from, the planned snapshots up to the
-        prompt's end. False if that end cannot be stored (the arena full of pinned entries):
+        prompt's end (with a state). False if that end cannot be stored (the arena full of pinned entries):
         the prompt is then prefilled on a CPU worker, before any token is sent."""
         replay = req.attempts > 0
         resume = self.index.lookup(req.cache_tokens, replay=replay)
         if not replay:
             req.cached_tokens = resume.position if resume else 0
         planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks)
-        if not planned or planned[-1].position != len(req.tokens):
+        if not planned or planned[-1].position != len(req.tokens) or planned[-1].state < 0:
             log.warning("request %s: no snapshot slot free for the end of its prompt: prefilling it on a CPU worker",
                         req.rid)
             self.index.release(resume)
@@ -80,11 +80,9 @@ class GPUPrefills:
         req.first_dispatch = req.first_dispatch or time.monotonic()
         req.attempts += 1
         self.workers[wid].requests.add(req.rid)
-        refs = [P.SnapshotRef(slot=e.slot, position=e.position) for e in (resume.entries if resume else [])]
-        data = [bytes(self.arena.slot(r.slot)) for r in refs] if refs and not self.workers[wid].arena else []
+        refs, data = resume_refs(resume, self.arena, self.workers[wid].arena)
         # images: the tower runs where the prefill runs (the GPU worker, for those past `resume`)
-        self.send(wid, P.Prefill(request_id=req.rid, tokens=req.tokens, resume=refs,
-                                 snapshots=[P.SnapshotRef(slot=p.slot, position=p.position) for p in planned],
+        self.send(wid, P.Prefill(request_id=req.rid, tokens=req.tokens, resume=refs, snapshots=planned_refs(planned),
                                  images=req.images), data)
         return True
 

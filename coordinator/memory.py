@@ -37,8 +37,9 @@ def host_memory_bytes() -> int:
 # The snapshot arena lives in /dev/shm: memory the kernel can neither swap nor reclaim
 # while the coordinator runs, taken beside the weights and the workers' KV. By default
 # it gets an eighth of the host's memory, at most half of what /dev/shm has free (other
-# programs use it too) and at most 8 GiB (a few thousand full-size snapshots: past that,
-# more cache rarely means more hits).
+# programs use it too) and at most 8 GiB (on the full-size model some thirty resume
+# points and a quarter of a million positions of KV: past that, more cache rarely means
+# more hits).
 SNAPSHOT_MEM_HOST_FRACTION = 8
 SNAPSHOT_MEM_SHM_FRACTION = 2
 SNAPSHOT_MEM_CAP = 8 << 30
@@ -58,6 +59,38 @@ def default_snapshot_mem() -> tuple[int, str]:
     why = (f"1/{SNAPSHOT_MEM_HOST_FRACTION} of this host's {host / gib:.1f} GiB, at most 1/{SNAPSHOT_MEM_SHM_FRACTION} "
            f"of the {shm / gib:.1f} GiB free in {SHM_DIR} and {SNAPSHOT_MEM_CAP // gib} GiB")
     return size, why
+
+
+# The snapshot store's two pools (coordinator/snapshots.py): KV slots, a block's K and V
+# each, link the chains that every resume needs whole; state slots, a recurrent state
+# each (far larger), are the resume points, of which a few recent ones serve most
+# requests. By default the states get about a quarter of the budget, and at least
+# SNAPSHOT_STATES_MIN (a conversation's turn start, its prompt's end and its
+# generation's end, with one to spare), when they fit.
+SNAPSHOT_STATES_SHARE = 4
+SNAPSHOT_STATES_MIN = 4
+
+
+def snapshot_pools(budget: int, kv_slot_bytes: int, state_slot_bytes: int,
+                   states: int | None = None) -> tuple[int, int]:
+    """(KV slots, state slots) of a --snapshot-mem `budget`: `states` state slots
+    (--snapshot-states) or by default about a quarter of the budget, at least
+    SNAPSHOT_STATES_MIN and at most what leaves room for one KV slot; the rest KV slots.
+    (0, 0): the budget holds no snapshot (one KV slot and one state slot)."""
+    room = (budget - kv_slot_bytes) // state_slot_bytes if budget >= kv_slot_bytes else 0
+    if states is not None:
+        if states < 1:
+            raise FermoeError(f"--snapshot-states {states}: a snapshot store needs one state slot at least")
+        if budget and states > room:
+            raise FermoeError(f"--snapshot-states {states}: {states} states of {state_slot_bytes / 2**20:.1f} MiB "
+                              f"and a KV slot do not fit in --snapshot-mem {budget / 2**20:.1f} MiB "
+                              f"({room} would)")
+    if room < 1:
+        return 0, 0
+    if states is None:
+        share = round(budget / SNAPSHOT_STATES_SHARE / state_slot_bytes)
+        states = min(max(share, SNAPSHOT_STATES_MIN), room)
+    return (budget - states * state_slot_bytes) // kv_slot_bytes, states
 
 
 # What one GPU worker holds in host memory, in sequences: the state of the prompts it

@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-mem", default=None,
                    help="shared memory (/dev/shm) for prefix snapshots, e.g. 2GiB; 0 = no cache (default: an "
                         "eighth of the host's memory, at most half of /dev/shm's free space and 8 GiB)")
+    p.add_argument("--snapshot-states", type=int, default=None, metavar="N",
+                   help="of the snapshot memory, N slots hold recurrent states (where a prompt can resume), the "
+                        "rest the KV of the prompts' blocks (default: about a quarter of it, at least 4)")
     p.add_argument("--block", type=int, default=DEFAULT_BLOCK,
                    help=f"snapshot every this many prompt tokens (default {DEFAULT_BLOCK})")
     p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")

@@ -37,7 +37,7 @@ class Request:
     sent: int = 0                    # tokens streamed to the client
     generated: list = field(default_factory=list)  # every token sampled for it, end-of-generation ones too
     marks: list = field(default_factory=list)      # prompt positions where chat turns begin: snapshots there too
-    decode_slots: list = field(default_factory=list)   # reserved for its worker's decode snapshots
+    decode_slots: list = field(default_factory=list)   # (KV, state) pairs reserved for its worker's decode snapshots
     skip: int = 0                    # tokens a replaying worker will re-sample before new ones
     attempts: int = 0
     # Timings of the current attempt, kept here so that every finish reason (a stop string
@@ -95,6 +95,24 @@ class Request:
             return gpu + 1000 * (now - self.dispatched), 0.0
         span = self.last_token - self.first_token
         return gpu + self.prefill_ms, (self.sampled - 1) / span if span > 0 else 0.0
+
+
+def resume_refs(resume, arena, attached: bool) -> tuple[list[P.SnapshotRef], list[bytes]]:
+    """A lookup's snapshots as a worker is told them: the KV slot of each, the state slot
+    of the last; and for a worker without the arena (`attached` false) their bytes as
+    frames, copied (the slots may be reused later): the KV slots in order, then the state."""
+    if resume is None:
+        return [], []
+    entries = resume.entries
+    refs = [P.SnapshotRef(slot=e.slot, state=resume.state if i == len(entries) - 1 else -1, position=e.position)
+            for i, e in enumerate(entries)]
+    data = [] if attached else [bytes(arena.slot(e.slot)) for e in entries] + [bytes(arena.state_slot(resume.state))]
+    return refs, data
+
+
+def planned_refs(planned) -> list[P.SnapshotRef]:
+    """The snapshots a worker is to write: (KV slot, state slot, position) of each."""
+    return [P.SnapshotRef(slot=p.slot, state=p.state, position=p.position) for p in planned]
 
 
 class Unfinished:

@@ -1,14 +1,18 @@
-"""The coordinator's index over the snapshot arena: which slot holds which prefix.
+"""The coordinator's index over the snapshot arena: which slots hold which prefix.
 
 Pure policy: no sockets, no shared memory; it deals in slot numbers of a
 shared/shm_arena.SnapshotArena and is not thread-safe (the coordinator's event
 loop owns it).
 
 Why snapshots: the Gated DeltaNet state is only valid at the end of a sequence, so
-plain KV prefix caching cannot resume a prompt. We store the whole state at
-positions instead. Prompts are cut in blocks of `block` tokens; a slot holds one
-snapshot at position p: the recurrent state, the KV of its own block (positions
-[block_start, p)) and the logits of position p-1 (shared/state.py writes it).
+plain KV prefix caching cannot resume a prompt. We store states at positions instead.
+Prompts are cut in blocks of `block` tokens; a snapshot at position p is a KV slot
+with the KV of its own block (positions [block_start, p)) and, where p is a resume
+point, a state slot with the recurrent state and the logits of position p-1
+(shared/state.py writes them). Resuming at p needs the KV of every block before p but
+the recurrent state at p only, and a state is far larger than a block's KV on the
+models we run: so the two live in two pools of slots, and most entries of a long
+prompt's chain are KV links without a state.
 
 Keys (blake2b, 16-byte digests; tokens as little-endian int32):
     chain key_0 = b""                                   the empty prefix
@@ -17,8 +21,20 @@ Keys (blake2b, 16-byte digests; tokens as little-endian int32):
 Equal prefixes give equal keys; different ones differ (chaining fixes the block split
 and the input lengths differ mod 4, so chain and end keys never meet).
 
-Resuming at p needs the chain entries of blocks 1..p//block (their KV pages) plus,
-when p is not aligned, the end entry at p, whose recurrent state is the one to load.
+Resuming at p needs the chain entries of blocks 1..p//block (their KV) plus, when p is
+not aligned, the end entry at p; the last of them must hold a state. A lookup takes the
+deepest such point the prompt's cached chain reaches: a block entry with a state, or
+an end entry (which always has one) after the chain's first k blocks.
+
+Which snapshots get a state: the prompt's end, the marks (where a chat's turns begin),
+the last block boundary of the prompt, and a decoding sequence's snapshots (its
+generation's end) take one, evicting the least recently used state if none is free;
+other block boundaries of a prompt only take a free one, so a long one-off prompt does
+not flush the resume points of other conversations; the block boundaries a generation
+crosses take a free one or one of a block entry no lookup resumed from (the spare states
+prompts took), so the next turn resumes close to where a re-rendered answer diverges.
+A cached block entry lacking its state gets one written (a "state only" plan) when it
+is one of the first kind.
 
 Life of a slot:
     free --plan--> planned (pinned, invisible to lookup) --commit--> cached (LRU)
@@ -28,19 +44,26 @@ Life of a slot:
     cached --lookup--> pinned by a Resume --release--> cached, most recent
     cached, unpinned --evicted by plan--> removed from the index, then re-planned
 A decoding sequence's snapshots are taken where its tokens are not known in advance
-(block boundaries while it decodes, its final state): the worker gets slots to write,
-and the coordinator adopts each written one under the key of the tokens it then holds.
-An entry leaves the index before its slot is handed out again, and pinned or
-planned slots are never evicted, so a lookup can never return a reused slot.
+(block boundaries while it decodes, its final state): the worker gets (KV slot, state
+slot) pairs to write, one with a state kept for the end (a boundary gets a state only
+if one is free or held by a block entry no lookup resumed from), and the coordinator
+adopts each written one under the key of the tokens it then holds. An entry (or its state) leaves the index before its slot is
+handed out again, and pinned or planned slots are never evicted, so a lookup can never
+return a reused slot. A Resume pins the KV of its every entry and the state of its last.
 
-What is evicted first (least recently used within each tier, tiers in this order):
+Eviction, two pools. A KV slot goes with its entry (and the entry's state with it),
+least recently used within each tier, tiers in this order:
     0. end entries no client lookup has reused: the last snapshot of a one-off prompt
     1. block entries no client lookup has reused: shared by every extension of a prompt
     2. entries a client lookup has reused
 so a stream of one-off short prompts recycles its own slots and never pushes out a
 long prompt's blocks, and what was reused once (a system prompt, a conversation)
-outlives what never was. A replay's lookup (a request restarted after its worker
-died) reuses the request's own snapshots: it is counted apart and promotes nothing.
+outlives what never was; a chain's parents are kept at least as recent as its children,
+so chains are trimmed from the deep end. A state slot goes by its own LRU in the same
+tiers, where "reused" means a client lookup resumed from that state: the entry then
+stays as a KV link of its chain, except an end entry, which is useless without its
+state and goes whole. A replay's lookup (a request restarted after its worker died)
+reuses the request's own snapshots: it is counted apart and promotes nothing.
 """
 from __future__ import annotations
 
@@ -59,8 +82,9 @@ KEY_BYTES = 16
 
 @dataclass(frozen=True)
 class Entry:
-    """A cached snapshot. parent = chain key of the block before this entry's own
-    block (None when its block is the first)."""
+    """A cached snapshot's KV slot (whether it has a state is the index's to say).
+    parent = chain key of the block before this entry's own block (None when its block
+    is the first)."""
     key: bytes
     slot: int
     position: int
@@ -69,24 +93,28 @@ class Entry:
 
 @dataclass(frozen=True)
 class Planned:
-    """A snapshot to take during a prefill: write the state at `position` into `slot`,
-    then commit() it (or abort() if the write failed)."""
+    """A snapshot to take during a prefill: the state at `position`, its block's KV into
+    `slot` and its recurrent part into `state` (-1: none, a KV link of the chain; slot
+    -1: the KV is cached already and only the state is written); then commit() it (or
+    abort() if the write failed)."""
     key: bytes
     slot: int
     position: int
     parent: bytes | None
+    state: int = -1
 
 
 @dataclass(frozen=True)
 class Resume:
     """Where a request can start: restore `entries` (chain blocks 1..k in order, then
-    the end entry if any; the last one carries the recurrent state) and prefill
-    tokens[position:]. exact: position == len(tokens), the snapshot's logits give the
-    first token. Its entries stay pinned until SnapshotIndex.release(resume)."""
+    the end entry if any: the KV of each) and the state slot `state` of the last one,
+    and prefill tokens[position:]. exact: position == len(tokens), the snapshot's logits
+    give the first token. Its slots stay pinned until SnapshotIndex.release(resume)."""
     position: int
     exact: bool
     chain: tuple[Entry, ...]
     end: Entry | None
+    state: int = -1
     ticket: int = field(compare=False, repr=False, default=0)
 
     @property
@@ -115,25 +143,35 @@ def _hash(*parts) -> bytes:
 
 
 class SnapshotIndex:
-    """Maps token prefixes to snapshot slots, with LRU eviction within n_slots."""
+    """Maps token prefixes to snapshot slots, with LRU eviction within n_slots KV slots
+    and n_state_slots state slots (default: as many, so that every entry can have one)."""
 
-    def __init__(self, n_slots: int, block: int = DEFAULT_BLOCK):
-        if n_slots < 0 or block < 1:
-            raise ValueError(f"need n_slots >= 0 and block >= 1, got {n_slots}, {block}")
+    def __init__(self, n_slots: int, block: int = DEFAULT_BLOCK, n_state_slots: int | None = None):
+        n_state_slots = n_slots if n_state_slots is None else n_state_slots
+        if n_slots < 0 or n_state_slots < 0 or block < 1:
+            raise ValueError(f"need n_slots >= 0, n_state_slots >= 0 and block >= 1, got {n_slots}, "
+                             f"{n_state_slots}, {block}")
         self.n_slots = n_slots
+        self.n_state_slots = n_state_slots
         self.block = block
         self._entries: dict[bytes, Entry] = {}            # committed, visible
+        self._states: dict[bytes, int] = {}               # committed key -> its state slot, if it has one
         self._lru = _EvictionOrder()                     # committed and unpinned, by tier, oldest first
+        self._state_lru = _EvictionOrder()               # keys with a state not pinned, by state tier
         self._reused: set[bytes] = set()                 # committed keys a client lookup returned
-        self._pins: dict[bytes, int] = {}                # committed key -> Resumes holding it
-        self._planned: dict[bytes, Planned] = {}         # being written, pinned, invisible
+        self._resumed: set[bytes] = set()                # keys whose state a client lookup resumed from
+        self._pins: dict[bytes, int] = {}                # committed key -> Resumes (and state-only plans) holding it
+        self._state_pins: dict[bytes, int] = {}          # committed key -> Resumes holding its state
+        self._planned: dict[bytes, Planned] = {}         # being written, pinned, invisible (state only: visible)
         self._planned_slots: dict[int, Planned] = {}
         self._ends: dict[bytes, dict[int, int]] = {}     # base chain key -> {tail length: count}
         self._resumes: dict[int, Resume] = {}
         self._tickets = itertools.count(1)
         self._free = list(range(n_slots - 1, -1, -1))   # pop() hands out slot 0 first
-        self._reserved: set[int] = set()                 # handed to a decoding sequence, not yet written
-        self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, skipped=0, replays=0, replay_hit_tokens=0)
+        self._free_states = list(range(n_state_slots - 1, -1, -1))
+        self._reserved: set[tuple[int, int]] = set()     # (KV, state) handed to a decoding sequence, not yet written
+        self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, state_evictions=0, skipped=0, replays=0,
+                            replay_hit_tokens=0)
 
     # ---- keys ----------------------------------------------------------------
     def chain_keys(self, tokens) -> list[bytes]:
@@ -179,11 +217,15 @@ class SnapshotIndex:
         if position == 0:
             return None
         chain = tuple(self._entries[k] for k in keys[:m])
-        resume = Resume(position, position == n, chain, end, next(self._tickets))
+        last = end if end is not None else chain[-1]
+        resume = Resume(position, position == n, chain, end, self._states[last.key], next(self._tickets))
         for e in resume.entries:
             self._pin(e.key)
             if promote:
                 self._reused.add(e.key)
+        self._pin_state(last.key)
+        if promote:
+            self._resumed.add(last.key)
         self._resumes[resume.ticket] = resume
         return resume
 
@@ -192,23 +234,26 @@ class SnapshotIndex:
         return self._find(tokens)[0]
 
     def _find(self, tokens):
-        """(position, n tokens, the chain's keys, how many of them are cached, the end entry)."""
+        """(position, n tokens, the chain's keys, how many of them the resume takes, the
+        end entry): the deepest point with a state the cached chain reaches."""
         data = token_bytes(tokens)
         n = len(data) // 4
         keys = self._chain(data)
         m = 0
         while m < len(keys) and keys[m] in self._entries:
             m += 1
-        position, end = m * self.block, None
-        if position < n:
-            end = self._longest_end(keys[m - 1] if m else b"", data, position, n)
-            if end is not None:
-                position = end.position
-        return position, n, keys, m, end
+        for k in range(m, -1, -1):
+            if k * self.block < n:
+                end = self._longest_end(keys[k - 1] if k else b"", data, k * self.block, n)
+                if end is not None:
+                    return end.position, n, keys, k, end
+            if k and keys[k - 1] in self._states:
+                return k * self.block, n, keys, k, None
+        return 0, n, keys, 0, None
 
     def _longest_end(self, base: bytes, data: bytes, begin: int, n: int) -> Entry | None:
-        # An end entry of a prefix of tokens that starts after the chain run: the
-        # exact prompt, or a shorter one this prompt extends (the next chat turn).
+        # An end entry of a prefix of tokens that starts after the chain's first blocks:
+        # the exact prompt, or a shorter one this prompt extends (the next chat turn).
         tails = self._ends.get(base)
         for r in sorted(tails or (), reverse=True):
             if begin + r <= n:
@@ -224,6 +269,7 @@ class SnapshotIndex:
         if self._resumes.pop(resume.ticket, None) is None:
             raise ValueError(f"resume at position {resume.position} was already released "
                              "or does not come from this index")
+        self._unpin_state(resume.entries[-1].key)
         # Deepest first, so the chain's first blocks end up the most recent.
         for e in reversed(resume.entries):
             self._unpin(e.key)
@@ -240,9 +286,27 @@ class SnapshotIndex:
             del self._pins[key]
             self._lru.add(key, self._tier(key))
 
+    def _pin_state(self, key: bytes) -> None:
+        if key not in self._state_pins:
+            self._state_lru.remove(key)
+            self._state_pins[key] = 0
+        self._state_pins[key] += 1
+
+    def _unpin_state(self, key: bytes) -> None:
+        self._state_pins[key] -= 1
+        if self._state_pins[key] == 0:
+            del self._state_pins[key]
+            self._state_lru.add(key, self._state_tier(key))
+
     def _tier(self, key: bytes) -> int:
-        """Eviction tier of a committed entry (see the module's docstring)."""
+        """Eviction tier of a committed entry's KV (see the module's docstring)."""
         if key in self._reused:
+            return 2
+        return 1 if self._entries[key].position % self.block == 0 else 0
+
+    def _state_tier(self, key: bytes) -> int:
+        """Eviction tier of a committed entry's state."""
+        if key in self._resumed:
             return 2
         return 1 if self._entries[key].position % self.block == 0 else 0
 
@@ -251,9 +315,11 @@ class SnapshotIndex:
         """Slots for the snapshots a prefill of tokens[start:] should take: each block
         boundary in (start, len], the unaligned end, and each of `marks` in (start, len)
         (where a chat's turns begin: the next turn may diverge right after one), unless
-        cached or already being written. Evicts least-recently-used unpinned entries; when
-        nothing more can be evicted the rest are skipped (a request never fails for lack
-        of cache)."""
+        cached or already being written; in position order. The end, the marks and the
+        last block boundary get a state slot (a cached block entry there without one gets
+        a state-only plan), other boundaries only a free one. Evicts least-recently-used
+        unpinned entries (and states); when nothing more can be evicted the rest are
+        skipped (a request never fails for lack of cache)."""
         data = token_bytes(tokens)
         n = len(data) // 4
         if not 0 <= start <= n:
@@ -264,62 +330,111 @@ class SnapshotIndex:
         end = self._end(keys[-1] if keys else b"", data, len(keys) * self.block, n)
         if n % self.block and n > start:
             wanted.append((end, n, keys[-1] if keys else None))
+        resume_points = {n, len(keys) * self.block}
         for m in sorted({int(m) for m in marks if start < m < n and m % self.block}):
             base = m // self.block                 # the mark's own end entry, after `base` full blocks
             wanted.append((self._end(keys[base - 1] if base else b"", data, base * self.block, m), m,
                            keys[base - 1] if base else None))
+            resume_points.add(m)
         wanted.sort(key=lambda w: w[1])            # in position order, the prompt's end last
+        state_only = [w for w in wanted if w[1] in resume_points and w[0] in self._entries
+                      and w[0] not in self._states and w[0] not in self._planned]
         wanted = [w for w in wanted if w[0] not in self._entries and w[0] not in self._planned]
         # This prompt's own cached snapshots must not be evicted to make room for its
         # later ones (a gap would make those useless): hold them out of the LRU.
         held = [k for k in keys + [end] if k in self._lru]
         for k in held:
             self._lru.remove(k)
-        planned = []
+        kv = []
         for key, position, parent in wanted:
             slot = self._take_slot()
             if slot is None:
-                self._counts["skipped"] += len(wanted) - len(planned)
+                self._counts["skipped"] += len(wanted) - len(kv)
                 break
-            p = Planned(key, slot, position, parent)
-            self._planned[key] = self._planned_slots[slot] = p
-            planned.append(p)
+            kv.append((key, position, parent, slot))
+        # states: the resume points first (deepest first), evicting; then the other
+        # boundaries (deepest first) while one is free
+        order = sorted(kv + [(k, p, par, -1) for k, p, par in state_only],
+                       key=lambda w: (w[1] not in resume_points, -w[1]))
+        planned = []
+        for key, position, parent, slot in order:
+            state = self._take_state(evict=position in resume_points)
+            if state is None and (slot < 0 or position % self.block):
+                if slot >= 0:                       # an end entry is useless without its state
+                    self._free.append(slot)
+                    self._counts["skipped"] += 1
+                continue
+            planned.append(Planned(key, slot, position, parent, -1 if state is None else state))
+        planned.sort(key=lambda p: p.position)
+        for p in planned:
+            self._planned[p.key] = p
+            if p.slot >= 0:
+                self._planned_slots[p.slot] = p
+            else:
+                self._pin(p.key)                    # the cached KV it gives a state to stays
         for k in reversed(held):
-            self._lru.add(k, self._tier(k))
+            if k in self._entries and k not in self._pins:
+                self._lru.add(k, self._tier(k))
         return planned
 
-    def reserve(self, n: int) -> list[int]:
-        """Up to n slots for a decoding sequence's snapshots (evicting as plan() does)."""
-        slots = []
-        while len(slots) < n and (slot := self._take_slot()) is not None:
-            slots.append(slot)
-        self._reserved.update(slots)
-        return slots
+    def reserve(self, n: int, end: bool = True) -> list[tuple[int, int]]:
+        """Up to n (KV slot, state slot) pairs for a decoding sequence's snapshots, evicting
+        as plan() does: the first with a state for where the generation ends, the others,
+        for the block boundaries the generation crosses, with a state if one is free or held
+        by a block entry no lookup resumed from (else -1: a KV link). end=False: more pairs
+        for a sequence that holds its end's already, a state only if one is free (one taken
+        from a block entry could be the state it just wrote). None when the end's state
+        cannot be had."""
+        pairs = []
+        while len(pairs) < n and (slot := self._take_slot()) is not None:
+            state = self._take_state(evict=end, tiers=None if not pairs else (1,))
+            if state is None and end and not pairs:
+                self._free.append(slot)
+                break
+            pairs.append((slot, -1 if state is None else state))
+        self._reserved.update(pairs)
+        return pairs
 
-    def unreserve(self, slots: Iterable[int]) -> None:
-        """Reserved slots not written after all: free again."""
-        for slot in slots:
-            self._reserved.remove(slot)
-            self._free.append(slot)
+    def unreserve(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Reserved pairs not written after all: free again."""
+        for pair in pairs:
+            self._reserved.remove(tuple(pair))
+            self._free.append(pair[0])
+            if pair[1] >= 0:
+                self._free_states.append(pair[1])
 
-    def adopt(self, slot: int, tokens) -> bool:
-        """A reserved slot now holds the snapshot at the end of `tokens`: cache it under their
-        key (a block entry on a block boundary, else an end entry). False, and the slot
-        freed, if that key is cached or being written already."""
-        self._reserved.remove(slot)
+    def adopt(self, pair: tuple[int, int], tokens) -> bool:
+        """A reserved (KV slot, state slot) pair now holds the snapshot at the end of
+        `tokens`: cache it under their key (a block entry on a block boundary, else an end
+        entry; a pair without a state, a KV link, on a block boundary only); a cached block
+        entry without a state takes the state alone. False, and the slots freed, if that key
+        is cached (with a state, for a pair with one) or being written already, or an end
+        entry would have no state."""
+        pair = tuple(pair)
+        self._reserved.remove(pair)
+        slot, state = pair
         data = token_bytes(tokens)
         n = len(data) // 4
         keys = self._chain(data)
         if n % self.block == 0:
-            key, parent = keys[-1], keys[-2] if len(keys) >= 2 else None
+            key, parent = (keys[-1], keys[-2] if len(keys) >= 2 else None) if keys else (b"", None)
         else:
             key, parent = self._end(keys[-1] if keys else b"", data, len(keys) * self.block, n), \
                 (keys[-1] if keys else None)
-        if n == 0 or key in self._entries or key in self._planned:
+        if (n == 0 or key in self._planned or key in self._states or (state < 0 and n % self.block)
+                or (state < 0 and key in self._entries)):
             self._free.append(slot)
+            if state >= 0:
+                self._free_states.append(state)
             return False
-        p = Planned(key, slot, n, parent)
-        self._planned[key] = self._planned_slots[slot] = p
+        if key in self._entries:                    # a KV link of a chain: now a resume point too
+            self._free.append(slot)
+            slot = -1
+            self._pin(key)
+        p = Planned(key, slot, n, parent, state)
+        self._planned[key] = p
+        if slot >= 0:
+            self._planned_slots[slot] = p
         self.commit(p)
         return True
 
@@ -329,11 +444,38 @@ class SnapshotIndex:
         if not self._lru:
             return None
         key = self._lru.pop_oldest()
+        self._counts["evictions"] += 1
+        return self._remove(key)
+
+    def _take_state(self, evict: bool, tiers=None) -> int | None:
+        """A free state slot, or with `evict` the least recently used state of the lowest
+        of `tiers` (default: all) that has one; None if none."""
+        if self._free_states:
+            return self._free_states.pop()
+        if not evict or not self._state_lru.has(tiers):
+            return None
+        key = self._state_lru.pop_oldest(tiers)
+        state = self._states.pop(key)
+        self._resumed.discard(key)
+        self._counts["state_evictions"] += 1
+        if self._entries[key].position % self.block:
+            # an end entry is useless without its state: it goes whole (never pinned
+            # without its state: only a Resume's last entry is an end entry)
+            self._lru.remove(key)
+            self._free.append(self._remove(key))
+        return state
+
+    def _remove(self, key: bytes) -> int:
+        """Drop an unpinned entry from the index (its state freed); returns its KV slot."""
         entry = self._entries.pop(key)
         self._reused.discard(key)
+        self._resumed.discard(key)
+        state = self._states.pop(key, None)
+        if state is not None:
+            self._state_lru.remove(key)
+            self._free_states.append(state)
         if entry.position % self.block:
             self._forget_end(entry)
-        self._counts["evictions"] += 1
         return entry.slot
 
     def _end_base(self, entry) -> tuple[bytes, int]:
@@ -351,19 +493,31 @@ class SnapshotIndex:
     def commit(self, planned: Planned | Iterable[Planned]) -> None:
         """The worker wrote these snapshots: make them visible, unpinned, recent."""
         for p in self._claim(planned):
-            entry = Entry(p.key, p.slot, p.position, p.parent)
-            self._entries[p.key] = entry
-            self._lru.add(p.key, self._tier(p.key))
-            if p.position % self.block:
-                base, r = self._end_base(entry)
-                tails = self._ends.setdefault(base, {})
-                tails[r] = tails.get(r, 0) + 1
+            if p.slot < 0:                          # a state for a cached entry
+                entry = self._entries[p.key]
+                self._unpin(p.key)
+            else:
+                entry = Entry(p.key, p.slot, p.position, p.parent)
+                self._entries[p.key] = entry
+                self._lru.add(p.key, self._tier(p.key))
+                if p.position % self.block:
+                    base, r = self._end_base(entry)
+                    tails = self._ends.setdefault(base, {})
+                    tails[r] = tails.get(r, 0) + 1
+            if p.state >= 0:
+                self._states[p.key] = p.state
+                self._state_lru.add(p.key, self._state_tier(p.key))
             self._touch_ancestors(entry)
 
     def abort(self, planned: Planned | Iterable[Planned]) -> None:
         """The write failed (worker died, request cancelled): free the slots."""
         for p in self._claim(planned):
-            self._free.append(p.slot)
+            if p.slot >= 0:
+                self._free.append(p.slot)
+            else:
+                self._unpin(p.key)
+            if p.state >= 0:
+                self._free_states.append(p.state)
 
     def _claim(self, planned) -> list[Planned]:
         # Validate the whole batch before changing anything.
@@ -376,7 +530,8 @@ class SnapshotIndex:
             seen.add(p.key)
         for p in batch:
             del self._planned[p.key]
-            del self._planned_slots[p.slot]
+            if p.slot >= 0:
+                del self._planned_slots[p.slot]
         return batch
 
     def _touch_ancestors(self, entry: Entry) -> None:
@@ -389,34 +544,62 @@ class SnapshotIndex:
             key = self._entries[key].parent
 
     def planned_in(self, slot: int) -> Planned | None:
-        """The pending planned snapshot writing `slot`, if any (for SnapshotWritten)."""
+        """The pending planned snapshot writing KV slot `slot`, if any."""
         return self._planned_slots.get(slot)
 
     # ---- reporting -----------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        return dict(slots=self.n_slots, block=self.block, entries=len(self._entries),
-                    free_slots=len(self._free), pinned=len(self._pins) + len(self._planned) + len(self._reserved),
-                    writing=len(self._planned), **self._counts)
+        state_only = sum(p.slot < 0 for p in self._planned.values())
+        return dict(slots=self.n_slots, state_slots=self.n_state_slots, block=self.block,
+                    entries=len(self._entries), states=len(self._states), free_slots=len(self._free),
+                    free_state_slots=len(self._free_states),
+                    pinned=len(self._pins) - state_only + len(self._planned) + len(self._reserved),
+                    writing=len(self._planned) - state_only, **self._counts)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
-        slots = ([e.slot for e in self._entries.values()] + [p.slot for p in self._planned.values()]
-                 + sorted(self._reserved))
+        planned = list(self._planned.values())
+        slots = ([e.slot for e in self._entries.values()] + [p.slot for p in planned if p.slot >= 0]
+                 + sorted(kv for kv, _ in self._reserved))
         assert len(slots) + len(self._free) == self.n_slots, "slots lost or duplicated"
         assert len(set(slots) | set(self._free)) == self.n_slots, "a slot is used twice"
         assert all(0 <= s < self.n_slots for s in slots + self._free)
+        states = (list(self._states.values()) + [p.state for p in planned if p.state >= 0]
+                  + sorted(s for _, s in self._reserved if s >= 0))
+        assert len(states) + len(self._free_states) == self.n_state_slots, "state slots lost or duplicated"
+        assert len(set(states) | set(self._free_states)) == self.n_state_slots, "a state slot is used twice"
+        assert all(0 <= s < self.n_state_slots for s in states + self._free_states)
+        assert set(self._states) <= set(self._entries), "a state outlived its entry"
+        assert all(e.key in self._states for e in self._entries.values() if e.position % self.block), \
+            "an end entry without its state"
         assert set(self._lru) | set(self._pins) == set(self._entries)
         assert not set(self._lru) & set(self._pins), "a pinned entry is evictable"
+        assert set(self._state_lru) | set(self._state_pins) == set(self._states)
+        assert not set(self._state_lru) & set(self._state_pins), "a pinned state is evictable"
+        assert set(self._state_pins) <= set(self._pins), "a state pinned without its entry"
         assert self._reused <= set(self._entries), "a reuse mark outlived its entry"
+        assert self._resumed <= set(self._states), "a resume mark outlived its state"
         assert all(self._lru.tier_of(k) == self._tier(k) for k in self._lru), "an entry in the wrong tier"
-        assert not set(self._planned) & set(self._entries)
-        assert {p.slot: p for p in self._planned.values()} == self._planned_slots
-        pins: dict[bytes, int] = {}
+        assert all(self._state_lru.tier_of(k) == self._state_tier(k) for k in self._state_lru), \
+            "a state in the wrong tier"
+        for p in planned:
+            if p.slot >= 0:
+                assert p.key not in self._entries, "a planned entry is visible"
+            else:
+                assert p.key in self._entries and p.key not in self._states and p.state >= 0, \
+                    "a state-only plan of no cached entry without a state"
+        assert {p.slot: p for p in planned if p.slot >= 0} == self._planned_slots
+        pins: dict[bytes, int] = {p.key: 1 for p in planned if p.slot < 0}
+        state_pins: dict[bytes, int] = {}
         for r in self._resumes.values():
             for e in r.entries:
                 assert self._entries.get(e.key) == e, "a pinned entry changed"
                 pins[e.key] = pins.get(e.key, 0) + 1
+            last = r.entries[-1].key
+            assert self._states.get(last) == r.state, "a pinned state changed"
+            state_pins[last] = state_pins.get(last, 0) + 1
         assert pins == self._pins, "pin counts disagree with live resumes"
+        assert state_pins == self._state_pins, "state pin counts disagree with live resumes"
         ends: dict[bytes, dict[int, int]] = {}
         for e in self._entries.values():
             if e.position % self.block:
@@ -452,9 +635,14 @@ class _EvictionOrder:
     def tier_of(self, key: bytes) -> int:
         return self._tier[key]
 
-    def pop_oldest(self) -> bytes:
-        """The key to evict: the least recently used of the lowest non-empty tier."""
-        for tier in self._tiers:
+    def has(self, tiers=None) -> bool:
+        """Whether a key is in one of `tiers` (default: any)."""
+        return any(self._tiers[t] for t in (range(self.TIERS) if tiers is None else tiers))
+
+    def pop_oldest(self, tiers=None) -> bytes:
+        """The key to evict: the least recently used of the lowest non-empty tier (of
+        `tiers`, default all)."""
+        for tier in (self._tiers if tiers is None else [self._tiers[t] for t in tiers]):
             if tier:
                 key, _ = tier.popitem(last=False)
                 del self._tier[key]

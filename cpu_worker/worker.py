@@ -2,13 +2,14 @@
 
 One DEALER socket to the coordinator's worker endpoint. Each sequence is restored
 from the snapshot slots named in its Assign (or started empty), prefilled up to
-each planned snapshot position in turn (writing the slot as it passes), then
+each planned snapshot position with a state slot in turn (writing the slots as it
+passes; a KV link of the chain is written from the pages once passed), then
 decoded one token at a time. The slots live in the coordinator's shared-memory
 arena; a worker that cannot map it (another host) gets and sends them as raw
 frames beside the messages instead. A round is one forward pass (each weight read once
 for all of its sequences), as vLLM's scheduler builds them: one token for every
 decoding sequence first, then prompt chunks in arrival order, each stopping at its
-next snapshot position, up to PASS_TOKENS in all, or DECODING_PASS_TOKENS while a
+next snapshot position with a state, up to PASS_TOKENS in all, or DECODING_PASS_TOKENS while a
 sequence is decoding. So a long prompt never stalls the generations already running
 for more than one short pass, a prompt alone prefills in long ones (more tokens per
 expert), and N clients cost far less than N times one. Started by the coordinator,
@@ -51,8 +52,9 @@ class Sequence:
     state: SequenceState
     params: SamplingParams
     pending: list = field(default_factory=list)    # SnapshotRefs still to write, in position order
-    decode_slots: list = field(default_factory=list)   # for snapshots while decoding (Assign.decode_slots)
+    decode_slots: list = field(default_factory=list)   # (KV, state) pairs for snapshots while decoding
     decode_gap: bool = False     # a block boundary passed without a slot: later decode snapshots are useless
+    link_at: int = -1            # the last block boundary written as a KV link while decoding
     decoder: Decoder | None = None
     media: object = None         # the prompt's images and M-RoPE positions (TokenMedia), None: text
     prefill_ms: float = 0.0
@@ -115,15 +117,16 @@ class CPUWorker:
 
     # ---- sequences --------------------------------------------------------
     def start(self, msg: P.Assign, data: list[bytes] = ()) -> Sequence:
-        slots = self.link.resume_slots(msg, data)
-        if slots:
-            state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
-                                      self.engine.kv_cache_dtype, self._spare.pop() if self._spare else None)
+        kv_slots, state_slot = self.link.resume_slots(msg, data)
+        if kv_slots:
+            state = restore_snapshots(self.model.config, self.model.fingerprint, kv_slots, state_slot,
+                                      self.link.block, self.engine.kv_cache_dtype,
+                                      self._spare.pop() if self._spare else None)
         else:
             state = self.engine.new_state()
         media, vision = self.media(msg, state.position) if msg.images else (None, (0, 0.0))
         return Sequence(msg, state, msg.sampling, sorted(msg.snapshots, key=lambda s: s.position),
-                        decode_slots=list(msg.decode_slots), media=media, vision=vision)
+                        decode_slots=[tuple(p) for p in msg.decode_slots], media=media, vision=vision)
 
     def media(self, msg: P.Assign, start: int):
         """The TokenMedia of an Assign's prompt: its images through the tower (those its
@@ -160,7 +163,7 @@ class CPUWorker:
             pos, tokens = seq.state.position, seq.msg.tokens
             if pos >= len(tokens) or budget <= 0 or not self.guarded(rid, seq, self.write_snapshots):
                 continue
-            end = min(len(tokens), pos + budget, seq.pending[0].position if seq.pending else len(tokens))
+            end = min([len(tokens), pos + budget] + [r.position for r in seq.pending if r.state >= 0][:1])
             batch.append((rid, seq, tokens[pos:end]))
             budget -= end - pos
         if batch:
@@ -196,25 +199,35 @@ class CPUWorker:
         return tokens, seq.state, seq.media.slice(pos, pos + len(tokens))
 
     def write_boundary_snapshot(self, rid: str, seq: Sequence) -> None:
-        """At a block boundary while decoding: a snapshot into a decode slot, keeping one
-        for the final state; without a spare slot the chain has a gap, and no later decode
-        snapshot could be resumed from."""
-        if len(seq.decode_slots) < 2 or seq.decode_gap:
+        """At a block boundary while decoding: a snapshot into a decode pair, keeping one
+        with a state for the final state (with a state itself if a spare one has, else a
+        KV link of the chain); without a spare pair the chain has a gap, and no later
+        decode snapshot could be resumed from."""
+        with_state = [p for p in seq.decode_slots if p[1] >= 0]
+        links = [p for p in seq.decode_slots if p[1] < 0]
+        pair = with_state[0] if len(with_state) >= 2 else links[0] if links and with_state else None
+        if pair is None or seq.decode_gap:
             seq.decode_gap = True
             return
-        self.link.write_snapshot(rid, seq.decode_slots.pop(0), seq.state, seq.state.position)
+        seq.decode_slots.remove(pair)
+        if pair[1] < 0:
+            seq.link_at = seq.state.position
+        self.link.write_snapshot(rid, *pair, seq.state, seq.state.position)
 
     def write_final_snapshot(self, rid: str, seq: Sequence) -> None:
-        """Where the generation ended (not on a boundary, written already): the next chat
-        turn, which appends to this one, resumes here."""
+        """Where the generation ended (not on a boundary written with a state already): the
+        next chat turn, which appends to this one, resumes here."""
         pos = seq.state.position
-        if seq.decode_slots and not seq.decode_gap and pos > len(seq.msg.tokens) and pos % self.link.block:
-            self.link.write_snapshot(rid, seq.decode_slots.pop(0), seq.state, pos)
+        pair = next((p for p in seq.decode_slots if p[1] >= 0), None)
+        if pair is not None and not seq.decode_gap and pos > len(seq.msg.tokens) and \
+                (pos % self.link.block or seq.link_at == pos):
+            seq.decode_slots.remove(pair)
+            self.link.write_snapshot(rid, *pair, seq.state, pos)
 
     def handle_decode_slots(self, msg: P.DecodeSlots, data=()) -> None:
         seq = self.sequences.get(msg.request_id)
         if seq is not None:
-            seq.decode_slots += msg.slots
+            seq.decode_slots += [tuple(p) for p in msg.slots]
 
     def guarded(self, rid: str, seq: Sequence, step) -> bool:
         """step(rid, seq); a failure ends that sequence with an error, never the worker."""
@@ -251,9 +264,12 @@ class CPUWorker:
         return TokenMask(ll_tokenizer(self.model.tokenizer, self.model.config.n_vocab), msg.grammar)
 
     def write_snapshots(self, rid: str, seq: Sequence) -> None:
-        """Every planned snapshot at the position the prompt has reached."""
-        while seq.pending and seq.pending[0].position == seq.state.position:
-            self.link.write_snapshot(rid, seq.pending.pop(0).slot, seq.state)
+        """Every planned snapshot the prompt has reached: one with a state slot where the
+        prompt stands (a pass stops there), a KV link of the chain at or before it."""
+        while seq.pending and (seq.pending[0].position == seq.state.position
+                               or seq.pending[0].state < 0 and seq.pending[0].position <= seq.state.position):
+            ref = seq.pending.pop(0)
+            self.link.write_snapshot(rid, ref.slot, ref.state, seq.state, ref.position)
 
     def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:
         if isinstance(seq.state.buffer, bytearray) and len(self._spare) < SPARE_STATES:

@@ -18,7 +18,7 @@ from .buffers import DeviceArray
 @dataclass
 class PrefillJob:
     """One prompt of a batched prefill: its tokens from `state`'s position on, and the
-    snapshots wanted (positions, or {position: slot} with the slots' KV block size);
+    snapshots wanted (positions, or {position: state slot} with the KV block size);
     media: the tokens' images and M-RoPE positions (shared/vision/prompt.TokenMedia)."""
     tokens: object
     state: SequenceState

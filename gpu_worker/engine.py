@@ -143,8 +143,9 @@ class GPUEngine:
         """Run the prompt; returns (logits, {position: SequenceState}) with the states at
         the snapshot positions in (state.position, state.position + len(tokens)].
 
-        into: {position: slot} instead of snapshot_at: each snapshot is written into its
-        slot (shared/state.py's snapshot layout, KV pages of `block` positions).
+        into: {position: state slot} instead of snapshot_at: each snapshot's recurrent part
+        is written into its state slot (shared/state.py's layout; the caller copies the
+        blocks' KV from the state into KV slots of `block` positions).
         should_stop(): asked before each pass after the first; true ends the prefill with
         PrefillStopped once the device is idle (the state and the slots are then unusable).
         media: the tokens' images and M-RoPE positions (TokenMedia)."""
@@ -221,7 +222,7 @@ class GPUEngine:
             for q, snap in p.snaps.items():
                 snap.rope_delta = p.media.slice(0, q - p.start).next_position() - q
         if job.into is not None:
-            self.land.finish_slots(p.snaps, job.into, p.state, p.logits, job.block)
+            self.land.finish_slots(p.snaps, job.into, p.logits)
         else:
             self.land.finish_snapshots(p.snaps, p.state, p.logits)
         return (np.stack(p.rows) if all_logits else p.logits[end][None]), p.snaps

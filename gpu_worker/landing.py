@@ -8,10 +8,11 @@ land in it. Another state's (the CPU engine's) land in a staging state first. K 
 land in page-locked staging rows of the state's KV dtype (fp16 for an f16 cache: its
 pages then take them as they are).
 
-Snapshots written into slots (a worker's snapshot arena) land in the slot itself when
-the arena was registered page-locked (register()), else in page-locked buffers kept
-from one prefill to the next and copied into the slot at the end; each slot then takes
-its own block's K and V rows only."""
+Snapshots' recurrent parts written into state slots (a worker's snapshot arena) land
+in the slot itself when the arena was registered page-locked (register()), else in
+page-locked buffers kept from one prefill to the next and copied into the slot at the
+end; their blocks' K and V go to KV slots of their own (the worker copies them from the
+prompt's state)."""
 from __future__ import annotations
 
 import weakref
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.config import ModelConfig
-from shared.state import HeaderLayout, SequenceState, kv_dtype, recurrent_nbytes, write_snapshot_kv
+from shared.state import HeaderLayout, SequenceState, kv_dtype, recurrent_nbytes
 
 PAGE = 4096                 # host pages: what cuMemHostRegister locks
 
@@ -126,10 +127,10 @@ class Landing:
             state.kv.append(a, keys[:T], values[:T])
         state.position = site.start + T
 
-    def finish_slots(self, snaps: dict[int, SequenceState], slots: dict[int, object], state: SequenceState,
-                     logits: dict[int, np.ndarray], block: int) -> None:
-        """The copies have landed and `state` holds the whole prompt: each slot gets its
-        position, logits and recurrent part (copied in if it was staged) and its block's KV."""
+    def finish_slots(self, snaps: dict[int, SequenceState], slots: dict[int, object],
+                     logits: dict[int, np.ndarray]) -> None:
+        """The copies have landed: each state slot gets its position, logits and recurrent
+        part (copied in if it was staged)."""
         nbytes = recurrent_nbytes(self.cfg)
         for p, snap in snaps.items():
             snap.position = p
@@ -137,7 +138,6 @@ class Landing:
             dst = np.frombuffer(slots[p], np.uint8, nbytes)
             if snap.buffer.ctypes.data != dst.ctypes.data:
                 dst[:] = snap.buffer
-            write_snapshot_kv(state, slots[p], block, p)
 
     def finish_snapshots(self, snaps: dict[int, SequenceState], state: SequenceState,
                          logits: dict[int, np.ndarray]) -> None:

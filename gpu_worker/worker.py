@@ -3,10 +3,11 @@
 One DEALER socket to the coordinator's worker endpoint (shared/worker_link.py, as the
 CPU workers have). A Prefill job restores its resume snapshots (or starts empty), runs
 its images past them through the vision tower (on the GPU: gpu_worker/vision.py), then
-the rest of the prompt through the GPU engine with the planned snapshot positions as
-chunk boundaries, and writes each snapshot (the last one: the final state and its
-logits) into the coordinator's snapshot arena, where a CPU worker resumes from it and
-decodes. Started by the coordinator, or by hand:
+the rest of the prompt through the GPU engine with the planned snapshot positions that
+take a state as chunk boundaries, and writes each snapshot into the coordinator's
+snapshot arena (a state lands from the device in its state slot, a block's KV is copied
+from the prompt's into its KV slot after; the last one: the final state and its
+logits), where a CPU worker resumes from it and decodes. Started by the coordinator, or by hand:
 `gpu_worker --connect tcp://HOST:PORT --model MODEL [--gpu N] [--gpu-mem SIZE] [--mmproj FILE]`.
 """
 from __future__ import annotations
@@ -115,23 +116,24 @@ class GPUWorker:
             with self.link.keepalive(len(batch), urgent):      # the vision tower's passes take seconds too
                 for m, d in batch:
                     try:
-                        jobs.append((m, self.job(m, d)))
+                        jobs.append((m, *self.job(m, d)))
                     except Exception as e:             # this prompt's own fault: the others run
                         failed[m.request_id] = f"{type(e).__name__}: {e}"
                 if jobs:
-                    self.engine.prefill_batch([job for _, job in jobs], everything.is_set)
+                    self.engine.prefill_batch([job for _, job, _ in jobs], everything.is_set)
         except Exception as e:                 # report, never die silently
             if not isinstance(e, PrefillStopped):
-                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _ in jobs))
-            failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _ in jobs)
-        ms = 1000 * (time.perf_counter() - t0)
-        tokens = sum(len(job.tokens) for _, job in jobs)
+                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _, _ in jobs))
+            failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _, _ in jobs)
+        tokens = sum(len(job.tokens) for _, job, _ in jobs)
         vision_tokens, vision_ms = ((self._images.tokens - tower[0], 1000 * (self._images.seconds - tower[1]))
                                     if self._images is not None else (0, 0.0))
-        for m, job in jobs:
-            if m.request_id not in failed:
+        for m, job, buffers in jobs:
+            if m.request_id not in failed:      # each snapshot's KV from the whole prompt's, its state landed
                 for ref in m.snapshots:
-                    self.link.snapshot_written(m.request_id, ref.slot, job.into[ref.position])
+                    self.link.write_snapshot(m.request_id, ref.slot, ref.state, job.state, ref.position,
+                                             buffers[ref.position])
+        ms = 1000 * (time.perf_counter() - t0)
         for m, _ in batch:
             error = failed.get(m.request_id)
             self.link.send(P.Prefilled(request_id=m.request_id, prefill_ms=0.0 if error else ms, error=error,
@@ -139,27 +141,29 @@ class GPUWorker:
                                        vision_tokens=0 if error else vision_tokens,
                                        vision_ms=0.0 if error else round(vision_ms, 3)))
 
-    def job(self, msg: P.Prefill, data: list[bytes]) -> PrefillJob:
+    def job(self, msg: P.Prefill, data: list[bytes]) -> tuple[PrefillJob, dict]:
         """A Prefill as the engine's job: its resumed state (or an empty one), the rest of
-        its prompt, its snapshots written into their arena slots."""
-        slots = self.link.resume_slots(msg, data)
-        if slots:
-            state = restore_snapshots(self.model.config, self.model.fingerprint, slots, self.link.block,
-                                      self.engine.kv_cache_dtype)
+        its prompt, its snapshots' recurrent parts landing in their state slots; and the
+        buffers of each snapshot position (KV slot, state slot) for its KV after."""
+        kv_slots, state_slot = self.link.resume_slots(msg, data)
+        if kv_slots:
+            state = restore_snapshots(self.model.config, self.model.fingerprint, kv_slots, state_slot,
+                                      self.link.block, self.engine.kv_cache_dtype)
         else:       # not the engine's page-locked new_state(): the results land in the slots
             state = SequenceState(self.model.config, self.model.fingerprint, kv_dtype=self.engine.kv_cache_dtype)
         end = len(msg.tokens)
-        if not msg.snapshots or msg.snapshots[-1].position != end:
-            raise FermoeError(f"a prefill of {end} tokens must end with a snapshot at position {end}")
+        if not msg.snapshots or msg.snapshots[-1].position != end or msg.snapshots[-1].state < 0:
+            raise FermoeError(f"a prefill of {end} tokens must end with a snapshot with a state at position {end}")
         if state.position >= end:
             raise FermoeError(f"the resumed state is at position {state.position}: nothing of the {end}-token "
                               "prompt is left to prefill")
         if self.link.arena is not None and self._registered is not self.link.arena:
             self.engine.land.register(self.link.arena.memory())      # snapshots land in their slots
             self._registered = self.link.arena
-        slots = {ref.position: self.link.snapshot_buffer(ref.slot) for ref in msg.snapshots}
+        buffers = {ref.position: self.link.snapshot_buffers(ref.slot, ref.state) for ref in msg.snapshots}
+        into = {p: state_slot for p, (_, state_slot) in buffers.items() if state_slot is not None}
         media = self.media(msg, state.position).slice(state.position, end) if msg.images else None
-        return PrefillJob(msg.tokens[state.position:], state, into=slots, block=self.link.block, media=media)
+        return PrefillJob(msg.tokens[state.position:], state, into=into, block=self.link.block, media=media), buffers
 
     def media(self, msg: P.Prefill, start: int):
         """The TokenMedia of a Prefill's prompt: its images past `start` through the tower

@@ -202,13 +202,16 @@ class Hello(_Msg, tag="hello"):
 
 
 class Welcome(_Msg, tag="welcome"):
-    """coordinator -> worker, answer to Hello: the snapshot arena to attach (shared memory)
-    and the element type of every sequence's KV cache (f16, f32), which its slots hold;
-    `max_model_len`, the positions the host's memory is planned for (a GPU worker's batch
-    of prompts holds at most that many in all; 0: unknown)."""
+    """coordinator -> worker, answer to Hello: the snapshot arena to attach (shared memory):
+    its KV slots (`slot_bytes`, `n_slots`) and its state slots (`state_slot_bytes`,
+    `n_state_slots`), and the element type of every sequence's KV cache (f16, f32), which
+    its KV slots hold; `max_model_len`, the positions the host's memory is planned for (a
+    GPU worker's batch of prompts holds at most that many in all; 0: unknown)."""
     arena: str
     slot_bytes: int
     n_slots: int
+    state_slot_bytes: int
+    n_state_slots: int
     block: int
     kv_cache_dtype: str
     max_model_len: int = 0
@@ -218,14 +221,17 @@ class Attached(_Msg, tag="attached"):
     """worker -> coordinator, answer to Welcome: whether the worker mapped the snapshot
     arena; it is ready from here on. One that did not (on another host, or started with
     --no-shared-memory) gets the snapshots of an Assign's `resume` as raw frames after
-    the Assign, in order, and sends each snapshot it writes as one raw frame after its
-    SnapshotWritten. No other message carries data frames."""
+    the Assign (the KV slot of each, then the state slot of the last), and sends each
+    snapshot it writes as raw frames after its SnapshotWritten (its KV slot's bytes if it
+    has one, then its state slot's if it has one). No other message carries data frames."""
     arena: bool
 
 
 class SnapshotRef(msgspec.Struct, forbid_unknown_fields=True):
-    """A snapshot slot in the shared arena and the position its state is at."""
+    """A snapshot in the shared arena: its KV slot (-1: already cached, only the state is
+    to be written), its state slot (-1: none, a KV link of a chain) and its position."""
     slot: int
+    state: int
     position: int
 
 
@@ -239,8 +245,8 @@ class ImageInput(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Assign(_Msg, tag="assign"):
-    """coordinator -> worker: run a sequence. The worker restores `resume` (chain slots
-    in block order, the last one also holding the recurrent state), prefills the rest of
+    """coordinator -> worker: run a sequence. The worker restores `resume` (the KV slots
+    of the chain in block order, the state slot of the last one), prefills the rest of
     `tokens`, writes each of `snapshots` as it passes that position, then decodes."""
     request_id: str
     tokens: list[int]
@@ -249,10 +255,12 @@ class Assign(_Msg, tag="assign"):
     max_tokens: int
     sampling: SamplingParams            # its seed always set (the coordinator's draw if the client gave none)
     ignore_eos: bool = False
-    # Slots for snapshots while decoding, taken in order: at each block boundary the
-    # generation crosses (while one more slot is left) and of the final state when it ends
-    # (an end-of-generation token or max_tokens): the next chat turn resumes after them.
-    decode_slots: list[int] = []
+    # (KV slot, state slot) pairs for snapshots while decoding: at each block boundary the
+    # generation crosses (while a pair with a state is left beside it; a pair without one,
+    # state -1, holds the block's KV alone) and of the final state when it ends (an
+    # end-of-generation token or max_tokens) in a pair with a state: the next chat turn
+    # resumes after them.
+    decode_slots: list[tuple[int, int]] = []
     logprobs: int | None = None         # as in Generate
     # the request's Constraint as llguidance's grammar (its JSON form), the reasoning before it
     # included, compiled by the coordinator: the worker masks every token with it
@@ -286,18 +294,20 @@ class Sampled(_Msg, tag="sampled"):
 
 
 class SnapshotWritten(_Msg, tag="snapshot_written"):
-    """worker -> coordinator: a planned snapshot slot now holds the state at its position;
-    a decode slot (Assign.decode_slots) the state at `position`."""
+    """worker -> coordinator: a planned snapshot's slots (its KV slot `slot`, its state
+    slot `state`; -1: none) now hold the state at its position; a decode pair
+    (Assign.decode_slots) the state at `position`."""
     request_id: str
     slot: int
-    position: int = -1                  # of a decode slot's snapshot (a planned one's is known)
+    state: int
+    position: int = -1                  # of a decode pair's snapshot (a planned one's is known)
 
 
 class DecodeSlots(_Msg, tag="decode_slots"):
-    """coordinator -> worker: more slots for a running sequence's decode snapshots (one
-    comes for each block-boundary snapshot written into an earlier one)."""
+    """coordinator -> worker: more (KV slot, state slot) pairs for a running sequence's
+    decode snapshots (one comes for each block-boundary snapshot written into an earlier one)."""
     request_id: str
-    slots: list[int]
+    slots: list[tuple[int, int]]
 
 
 class Finished(_Msg, tag="finished"):

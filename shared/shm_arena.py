@@ -1,25 +1,31 @@
 """Fixed-size slots in one POSIX shared-memory segment: the snapshot store's memory.
 
 The coordinator creates one arena for its snapshot budget; workers attach to it by
-name and read or write whole slots (a slot holds one snapshot, shared/state.py).
-Messages carry only the slot number; the segment name and geometry are told once.
+name and read or write whole slots. It has two regions of slots of their own sizes:
+the snapshot store keeps one block's KV in a slot of the first (`slot`) and a
+recurrent state in a slot of the second (`state_slot`, shared/state.py); a segment of
+one kind of slot (the shared experts) leaves the second empty. One segment, so that a
+GPU worker page-locks one mapping. Messages carry only slot numbers; the segment name
+and geometry are told once.
 
 Layout of /dev/shm/<name> (what shm_open("/<name>") opens from C), little-endian:
 
     offset 0            header, 64 bytes
-                          0  magic "FMARENA1"   8 bytes
+                          0  magic "FMARENA2"   8 bytes
                           8  layout version     u32
                          12  reserved           u32
                          16  slot_bytes         u64   usable bytes of a slot
                          24  n_slots            u64
-                         32  stride             u64   slot_bytes rounded up to 64
-                         40  creator pid        u64
-                         48  reserved           16 bytes
+                         32  state_slot_bytes   u64   usable bytes of a state slot (0: none)
+                         40  n_state_slots      u64
+                         48  creator pid        u64
+                         56  reserved           8 bytes
     offset 64           slot 0       [slot_bytes, then padding to stride]
-    offset 64+stride    slot 1
     ...
-    offset 64+i*stride  slot i       (every slot starts 64-byte aligned)
-    total = 64 + n_slots * stride
+    offset 64+i*stride  slot i       (stride: slot_bytes rounded up to 64)
+    offset S = 64 + n_slots*stride
+    offset S+j*sstride  state slot j (sstride: state_slot_bytes rounded up to 64)
+    total = S + n_state_slots * sstride          (every slot starts 64-byte aligned)
 
 Who creates, who unlinks (vLLM shm_broadcast's rule): the creating process alone
 unlinks the name, on `unlink()`, on leaving its `with` block, or when it exits
@@ -44,11 +50,11 @@ import weakref
 from .errors import FermoeError
 
 SHM_DIR = "/dev/shm"
-MAGIC = b"FMARENA1"
-LAYOUT_VERSION = 1
+MAGIC = b"FMARENA2"
+LAYOUT_VERSION = 2
 HEADER_BYTES = 64
 ALIGN = 64
-_HEADER = struct.Struct("<8sIIQQQQ")
+_HEADER = struct.Struct("<8sIIQQQQQ")
 
 
 class ArenaError(FermoeError, ValueError):
@@ -59,15 +65,21 @@ def _stride(slot_bytes: int) -> int:
     return (slot_bytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _total(slot_bytes: int, n_slots: int) -> int:
-    return HEADER_BYTES + n_slots * _stride(slot_bytes)
+def _total(slot_bytes: int, n_slots: int, state_slot_bytes: int = 0, n_state_slots: int = 0) -> int:
+    return HEADER_BYTES + n_slots * _stride(slot_bytes) + n_state_slots * _stride(state_slot_bytes)
 
 
-def _check_geometry(slot_bytes: int, n_slots: int) -> None:
+def _check_geometry(slot_bytes: int, n_slots: int, state_slot_bytes: int = 0, n_state_slots: int = 0) -> None:
     if not isinstance(slot_bytes, int) or slot_bytes < 1:
         raise ArenaError(f"slot_bytes must be a positive integer, got {slot_bytes!r}")
     if not isinstance(n_slots, int) or n_slots < 1:
         raise ArenaError(f"n_slots must be a positive integer, got {n_slots!r}")
+    for name, value in (("state_slot_bytes", state_slot_bytes), ("n_state_slots", n_state_slots)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ArenaError(f"{name} must be a non-negative integer, got {value!r}")
+    if (state_slot_bytes == 0) != (n_state_slots == 0):
+        raise ArenaError(f"state slots need both a size and a count, got state_slot_bytes={state_slot_bytes}, "
+                         f"n_state_slots={n_state_slots}")
 
 
 def _path(name: str) -> str:
@@ -87,16 +99,20 @@ def _unlink_if_creator(path: str, creator_pid: int) -> None:
 
 
 class SnapshotArena:
-    """`n_slots` slots of `slot_bytes` bytes each in one shared-memory segment."""
+    """`n_slots` slots of `slot_bytes` bytes each, then `n_state_slots` slots of
+    `state_slot_bytes` bytes each (none by default), in one shared-memory segment."""
 
     def __init__(self, name: str, slot_bytes: int, n_slots: int, mm: mmap.mmap,
-                 creator: bool):
+                 creator: bool, state_slot_bytes: int = 0, n_state_slots: int = 0):
         # Use create() or attach(); this only wires up an existing mapping.
         self.name = name
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self.stride = _stride(slot_bytes)
-        self.nbytes = _total(slot_bytes, n_slots)
+        self.state_slot_bytes = state_slot_bytes
+        self.n_state_slots = n_state_slots
+        self.state_stride = _stride(state_slot_bytes)
+        self.nbytes = _total(slot_bytes, n_slots, state_slot_bytes, n_state_slots)
         self.creator = creator
         self._pid = os.getpid()
         self._path = _path(name)
@@ -110,17 +126,17 @@ class SnapshotArena:
     # ---- making and finding --------------------------------------------------
     @classmethod
     def create(cls, slot_bytes: int, n_slots: int, prefix: str = "fermoe",
-               reserve: bool = False) -> "SnapshotArena":
+               reserve: bool = False, state_slot_bytes: int = 0, n_state_slots: int = 0) -> "SnapshotArena":
         """A new segment named `<prefix>-<pid>-<random>`, zero-filled.
 
         Pages are allocated as slots are first written, so an unused budget costs no
         RAM; a /dev/shm with less free space than the whole arena is refused here
         (a write into a page tmpfs cannot back is a SIGBUS, not an exception).
         reserve=True allocates every page now (posix_fallocate: time in proportion to the size)."""
-        _check_geometry(slot_bytes, n_slots)
+        _check_geometry(slot_bytes, n_slots, state_slot_bytes, n_state_slots)
         if not re.fullmatch(r"[A-Za-z0-9_.]+", prefix):
             raise ArenaError(f"arena prefix {prefix!r}: use letters, digits, '_' or '.'")
-        total = _total(slot_bytes, n_slots)
+        total = _total(slot_bytes, n_slots, state_slot_bytes, n_state_slots)
         for _ in range(16):
             name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
             try:
@@ -138,13 +154,15 @@ class SnapshotArena:
             raise
         os.close(fd)
         _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, 0, slot_bytes, n_slots,
-                          _stride(slot_bytes), os.getpid())
-        return cls(name, slot_bytes, n_slots, mm, creator=True)
+                          state_slot_bytes, n_state_slots, os.getpid())
+        return cls(name, slot_bytes, n_slots, mm, creator=True, state_slot_bytes=state_slot_bytes,
+                   n_state_slots=n_state_slots)
 
     @classmethod
-    def attach(cls, name: str, slot_bytes: int, n_slots: int) -> "SnapshotArena":
+    def attach(cls, name: str, slot_bytes: int, n_slots: int, state_slot_bytes: int = 0,
+               n_state_slots: int = 0) -> "SnapshotArena":
         """Map an existing arena; its size and header must match the geometry given."""
-        _check_geometry(slot_bytes, n_slots)
+        _check_geometry(slot_bytes, n_slots, state_slot_bytes, n_state_slots)
         path = _path(name)
         try:
             fd = os.open(path, os.O_RDWR)
@@ -152,22 +170,25 @@ class SnapshotArena:
             raise ArenaError(f"shared-memory arena {name!r}: no such segment ({path})") from None
         try:
             size = os.fstat(fd).st_size
-            total = _total(slot_bytes, n_slots)
+            total = _total(slot_bytes, n_slots, state_slot_bytes, n_state_slots)
             if size != total:
                 raise ArenaError(f"shared-memory arena {name!r} is {size} bytes; "
-                                 f"{n_slots} slots of {slot_bytes} bytes need {total}")
+                                 f"{n_slots} slots of {slot_bytes} bytes and {n_state_slots} state slots "
+                                 f"of {state_slot_bytes} bytes need {total}")
             mm = mmap.mmap(fd, total)
         finally:
             os.close(fd)
-        magic, version, _, sb, ns, stride, _ = _HEADER.unpack_from(mm, 0)
-        if (magic, version, sb, ns, stride) != (MAGIC, LAYOUT_VERSION, slot_bytes, n_slots,
-                                                _stride(slot_bytes)):
+        magic, version, _, sb, ns, ssb, nss, _ = _HEADER.unpack_from(mm, 0)
+        if (magic, version, sb, ns, ssb, nss) != (MAGIC, LAYOUT_VERSION, slot_bytes, n_slots,
+                                                  state_slot_bytes, n_state_slots):
             mm.close()
             raise ArenaError(f"shared-memory arena {name!r}: header says magic={magic!r} "
-                             f"version={version} slot_bytes={sb} n_slots={ns}, expected "
-                             f"{MAGIC!r} v{LAYOUT_VERSION} slot_bytes={slot_bytes} "
-                             f"n_slots={n_slots}")
-        return cls(name, slot_bytes, n_slots, mm, creator=False)
+                             f"version={version} slot_bytes={sb} n_slots={ns} state_slot_bytes={ssb} "
+                             f"n_state_slots={nss}, expected {MAGIC!r} v{LAYOUT_VERSION} "
+                             f"slot_bytes={slot_bytes} n_slots={n_slots} "
+                             f"state_slot_bytes={state_slot_bytes} n_state_slots={n_state_slots}")
+        return cls(name, slot_bytes, n_slots, mm, creator=False, state_slot_bytes=state_slot_bytes,
+                   n_state_slots=n_state_slots)
 
     @staticmethod
     def remove_stale(prefix: str = "fermoe") -> list[str]:
@@ -188,14 +209,25 @@ class SnapshotArena:
     # ---- using ---------------------------------------------------------------
     def offset(self, i: int) -> int:
         """Byte offset of slot i in the segment (for a C or CUDA reader mapping it whole)."""
-        return HEADER_BYTES + self._check_slot(i) * self.stride
+        return HEADER_BYTES + self._check_slot(i, self.n_slots) * self.stride
+
+    def state_offset(self, j: int) -> int:
+        """Byte offset of state slot j in the segment."""
+        return HEADER_BYTES + self.n_slots * self.stride + self._check_slot(j, self.n_state_slots, "state ") \
+            * self.state_stride
 
     def slot(self, i: int) -> memoryview:
         """A writable view of slot i's `slot_bytes` bytes (format 'B')."""
+        return self._view(self.offset(i), self.slot_bytes)
+
+    def state_slot(self, j: int) -> memoryview:
+        """A writable view of state slot j's `state_slot_bytes` bytes (format 'B')."""
+        return self._view(self.state_offset(j), self.state_slot_bytes)
+
+    def _view(self, off: int, nbytes: int) -> memoryview:
         if self._mv is None:
             raise ArenaError(f"shared-memory arena {self.name!r} is closed")
-        off = self.offset(i)
-        view = self._mv[off:off + self.slot_bytes]
+        view = self._mv[off:off + nbytes]
         if len(self._views) >= 64:
             self._views = [r for r in self._views if r() is not None]
         self._views.append(weakref.ref(view))
@@ -210,14 +242,14 @@ class SnapshotArena:
         self._views.append(weakref.ref(view))
         return view
 
-    def _check_slot(self, i) -> int:
+    def _check_slot(self, i, n: int, kind: str = "") -> int:
         try:
             index = operator.index(i)
         except TypeError:
             index = None
-        if index is None or isinstance(i, bool) or not 0 <= index < self.n_slots:
-            raise ArenaError(f"slot {i!r} is out of range: arena {self.name!r} has "
-                             f"slots 0..{self.n_slots - 1}")
+        if index is None or isinstance(i, bool) or not 0 <= index < n:
+            has = f"{kind}slots 0..{n - 1}" if n else f"no {kind}slots"
+            raise ArenaError(f"{kind}slot {i!r} is out of range: arena {self.name!r} has {has}")
         return index
 
     @property
@@ -271,8 +303,10 @@ class SnapshotArena:
     def __repr__(self) -> str:
         role = "creator" if self.creator else "attached"
         state = "closed" if self.closed else "open"
+        states = (f", state_slot_bytes={self.state_slot_bytes}, n_state_slots={self.n_state_slots}"
+                  if self.n_state_slots else "")
         return (f"SnapshotArena({self.name!r}, slot_bytes={self.slot_bytes}, "
-                f"n_slots={self.n_slots}, {role}, {state})")
+                f"n_slots={self.n_slots}{states}, {role}, {state})")
 
 
 def _size_and_map(fd: int, name: str, total: int, reserve: bool) -> mmap.mmap:

@@ -5,8 +5,9 @@ name and offset. Two parts: the recurrent part, one buffer of a size fixed by th
 (RecurrentLayout: a 64-byte header, S and the conv state of every GDN layer, the last
 position's logits), and the attention part, K and V of each attention layer in pages of
 `block` positions (KVCache), so sequences that share a prefix can share its pages
-read-only. A snapshot is the state at a position in one slot of shared memory
-(SlotLayout). These two layouts are the one description every reader and writer uses:
+read-only. A snapshot is the state at a position in slots of shared memory: a KV
+slot with its own block's K and V (SlotLayout) and, at a resume point, a state slot
+with the recurrent buffer. These two layouts are the one description every reader and writer uses:
 the array views here, the slot writer and reader, the C engine (given the views'
 addresses) and the GPU worker's landing. docs/state.md draws them.
 """
@@ -347,15 +348,16 @@ def _fp_bytes(fingerprint: str) -> bytes:
     return raw.ljust(16, b"\0")
 
 
-# ---- snapshots: a state at a position, in a slot of shared memory ------------------
+# ---- snapshots: a state at a position, in slots of shared memory ------------------
 @dataclass(frozen=True)
 class SlotLayout:
-    """One snapshot slot: the recurrent buffer, a 64-byte KV header (u64 block start, u64
-    rows, u32 KV element bytes, then padding), then K and V of each attention layer,
+    """One KV slot of the snapshot store: a 64-byte KV header (u64 block start, u64 rows,
+    u32 KV element bytes, then padding), then K and V of each attention layer,
     [block][n_head_kv][head_dim] of the KV dtype: rows [block start, block start + rows) of
-    the sequence. A snapshot at position p keeps only the KV of its own block; resuming at p
-    reads the snapshots of every earlier block boundary for theirs."""
-    recurrent_nbytes: int
+    the sequence. A snapshot at position p is a KV slot with the KV of its own block and,
+    where it is a resume point, a state slot (the recurrent buffer, RecurrentLayout:
+    header, S, conv, logits). Resuming at p reads the KV slots of every earlier block
+    boundary in order, then p's own KV slot and state slot."""
     n_attention: int
     page_shape: tuple                  # (block, n_head_kv, head_dim)
     dtype: np.dtype
@@ -365,8 +367,7 @@ class SlotLayout:
 
     @classmethod
     def of(cls, cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_KV_DTYPE) -> "SlotLayout":
-        return cls(recurrent_nbytes(cfg), len(cfg.attention_layers), (block, cfg.n_head_kv, cfg.head_dim),
-                   kv_dtype(kv_dtype_name))
+        return cls(len(cfg.attention_layers), (block, cfg.n_head_kv, cfg.head_dim), kv_dtype(kv_dtype_name))
 
     @property
     def page_nbytes(self) -> int:
@@ -374,39 +375,67 @@ class SlotLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.recurrent_nbytes + self.KV_HEADER_NBYTES + 2 * self.n_attention * self.page_nbytes
+        return self.KV_HEADER_NBYTES + 2 * self.n_attention * self.page_nbytes
 
     def kv_header(self, slot) -> tuple[int, int, int]:
-        """(block start, rows, KV element bytes) of a slot."""
-        return self.KV_HEADER.unpack_from(memoryview(slot).cast("B"), self.recurrent_nbytes)
+        """(block start, rows, KV element bytes) of a KV slot."""
+        return self.KV_HEADER.unpack_from(self._bytes(slot, self.KV_HEADER_NBYTES), 0)
 
     def set_kv_header(self, slot, start: int, rows: int) -> None:
-        self.KV_HEADER.pack_into(memoryview(slot).cast("B"), self.recurrent_nbytes, start, rows, self.dtype.itemsize)
+        self.KV_HEADER.pack_into(self._bytes(slot), 0, start, rows, self.dtype.itemsize)
 
     def pages(self, slot, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Attention layer `layer`'s K and V pages of a slot, as arrays over it."""
-        view = memoryview(slot).cast("B")
-        offset = self.recurrent_nbytes + self.KV_HEADER_NBYTES + 2 * layer * self.page_nbytes
+        """Attention layer `layer`'s K and V pages of a KV slot, as arrays over it."""
+        view = self._bytes(slot)
+        offset = self.KV_HEADER_NBYTES + 2 * layer * self.page_nbytes
         n = int(np.prod(self.page_shape))
         return (np.frombuffer(view, self.dtype, n, offset).reshape(self.page_shape),
                 np.frombuffer(view, self.dtype, n, offset + self.page_nbytes).reshape(self.page_shape))
 
+    def _bytes(self, slot, need: int | None = None) -> memoryview:
+        view = memoryview(slot).cast("B")
+        if len(view) < (self.nbytes if need is None else need):
+            raise StateError(f"a KV slot of {len(view)} bytes; this model's block of {self.page_shape[0]} "
+                             f"{self.dtype.name} positions needs {self.nbytes}")
+        return view
 
-def snapshot_nbytes(cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_KV_DTYPE) -> int:
+
+def kv_slot_nbytes(cfg: ModelConfig, block: int, kv_dtype_name: str = DEFAULT_KV_DTYPE) -> int:
+    """Bytes of a KV slot: one block's K and V in every attention layer, and its header."""
     return SlotLayout.of(cfg, block, kv_dtype_name).nbytes
 
 
-def write_snapshot(state: SequenceState, slot, block: int) -> None:
-    """Copy `state` (at any position) into a slot: recurrent part + KV of its last block."""
+def state_slot_nbytes(cfg: ModelConfig) -> int:
+    """Bytes of a state slot: the recurrent buffer."""
+    return recurrent_nbytes(cfg)
+
+
+def write_snapshot(state: SequenceState, kv_slot, state_slot, block: int, position: int | None = None) -> None:
+    """A snapshot of `state` at `position` (default: its own): its last block's KV into
+    kv_slot, its recurrent part into state_slot (then at its own position only); either
+    may be None (a KV link of a chain, or a state for a cached block)."""
+    position = state.position if position is None else position
+    if kv_slot is not None:
+        write_snapshot_kv(state, kv_slot, block, position)
+    if state_slot is not None:
+        if position != state.position:
+            raise StateError(f"a state slot at position {position} written from a state at {state.position}")
+        write_snapshot_state(state, state_slot)
+
+
+def write_snapshot_state(state: SequenceState, slot) -> None:
+    """The recurrent part of `state` (header, S, conv, logits) into a state slot."""
     r = recurrent_nbytes(state.cfg)
-    memoryview(slot).cast("B")[:r] = memoryview(state.buffer).cast("B")[:r]
-    write_snapshot_kv(state, slot, block, state.position)
+    dst = memoryview(slot).cast("B")
+    if len(dst) < r:
+        raise StateError(f"a state slot of {len(dst)} bytes; this model's recurrent state needs {r}")
+    dst[:r] = memoryview(state.buffer).cast("B")[:r]
 
 
 def write_snapshot_kv(state: SequenceState, slot, block: int, position: int) -> None:
-    """The KV part of a snapshot at `position` (at most state.position): the rows of
-    `state`'s pages from the start of the block that holds position - 1 up to position,
-    with the header that says where they start. The slot's recurrent part is left alone."""
+    """The KV of a snapshot at `position` (at most state.position) into a KV slot: the rows
+    of `state`'s pages from the start of the block that holds position - 1 up to position,
+    with the header that says where they start."""
     layout = SlotLayout.of(state.cfg, block, state.kv.dtype_name)
     start = (position - 1) // block * block if position else 0
     layout.set_kv_header(slot, start, position - start)
@@ -414,27 +443,32 @@ def write_snapshot_kv(state: SequenceState, slot, block: int, position: int) -> 
         state.kv.copy_rows(layer, start, position, *layout.pages(slot, layer))
 
 
-def restore_snapshots(cfg: ModelConfig, fingerprint: str, slots, block: int,
+def restore_snapshots(cfg: ModelConfig, fingerprint: str, kv_slots, state_slot, block: int,
                       kv_dtype_name: str = DEFAULT_KV_DTYPE, buffer: bytearray | None = None) -> SequenceState:
-    """A fresh state from snapshots in block order; the last one gives the recurrent part.
+    """A fresh state from a snapshot: the KV slots of its chain in block order (its own
+    last), and its state slot, which gives the recurrent part.
     buffer: a recurrent buffer to reuse (a finished sequence's), which spares the page
     faults of a new one: most of a large model's restore time."""
-    if not slots:
-        raise StateError("no snapshot to restore")
+    if not kv_slots or state_slot is None:
+        raise StateError("no snapshot to restore: a resume needs its KV slots and a state slot")
     layout = SlotLayout.of(cfg, block, kv_dtype_name)
-    r = layout.recurrent_nbytes
-    last = memoryview(slots[-1]).cast("B")
+    r = recurrent_nbytes(cfg)
+    src = memoryview(state_slot).cast("B")
+    if len(src) < r:
+        raise StateError(f"a state slot of {len(src)} bytes; this model's recurrent state needs {r}")
     if buffer is None or len(buffer) != r:
         buffer = bytearray(r)
-    memoryview(buffer)[:] = last[:r]
+    memoryview(buffer)[:] = src[:r]
     state = SequenceState(cfg, fingerprint, buffer, kv_block=block, kv_dtype=kv_dtype_name)
     expected = 0
-    for slot in slots:
+    for slot in kv_slots:
         start, rows, itemsize = layout.kv_header(slot)
         if itemsize != layout.dtype.itemsize:
             raise StateError(f"a snapshot holds {8 * itemsize}-bit KV, expected {kv_dtype_name}")
         if start != expected:
             raise StateError(f"snapshot chain broken: a page starts at {start}, expected {expected}")
+        if rows > block:
+            raise StateError(f"a KV slot says {rows} rows, more than its block of {block}")
         for layer in range(layout.n_attention):
             k, v = layout.pages(slot, layer)
             state.kv.append(layer, k[:rows], v[:rows])

@@ -4,12 +4,13 @@ prefill): everything but the work itself.
     worker --Hello--> coordinator --Welcome--> worker --Attached--> (ready)
     ... Heartbeat every HEARTBEAT_S while alive ... Goodbye when it leaves
 
-The Welcome names the coordinator's snapshot arena (shared memory). A worker that
-can map it reads and writes snapshot slots in place; one that cannot (on another
-host, or told not to) gets an Assign's resume snapshots as raw frames after it and
-sends each snapshot it writes as a raw frame after its SnapshotWritten. Both paths
-live here, so a worker only ever asks for "the slots to resume from" and "write this
-state into that slot".
+The Welcome names the coordinator's snapshot arena (shared memory): KV slots (a
+block's K and V) and state slots (a recurrent state). A worker that can map it reads
+and writes snapshot slots in place; one that cannot (on another host, or told not to)
+gets an Assign's resume snapshots as raw frames after it (the KV slots, then the state
+slot) and sends each snapshot it writes as raw frames after its SnapshotWritten. Both
+paths live here, so a worker only ever asks for "the slots to resume from" and "write
+this state into those slots".
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import zmq
 
 from . import protocol as P
 from .errors import FermoeError, ProtocolError
-from .state import SequenceState, kv_dtype, write_snapshot
+from .state import SequenceState, kv_dtype, write_snapshot, write_snapshot_kv
 
 log = logging.getLogger("fermoe.worker_link")
 HEARTBEAT_S = 1.0
@@ -43,7 +44,8 @@ class WorkerLink:
         self.worker_id, self.configure, self.shared_memory = worker_id, configure, shared_memory
         self.arena = None                      # the SnapshotArena, once attached
         self.block: int | None = None          # from the Welcome: positions a slot's KV covers
-        self.slot_bytes: int | None = None
+        self.slot_bytes: int | None = None     # of a KV slot
+        self.state_slot_bytes: int | None = None
         self.max_model_len = 0                 # from the Welcome: the positions the host's memory is planned for
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
@@ -163,45 +165,68 @@ class WorkerLink:
             self.report(str(e))
             return
         self.configure(msg.kv_cache_dtype)
-        self.block, self.slot_bytes, self.max_model_len = msg.block, msg.slot_bytes, msg.max_model_len
+        self.block, self.max_model_len = msg.block, msg.max_model_len
+        self.slot_bytes, self.state_slot_bytes = msg.slot_bytes, msg.state_slot_bytes
         if self.arena is None and msg.n_slots and self.shared_memory:
             try:
-                self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots)
+                self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots, msg.state_slot_bytes,
+                                                  msg.n_state_slots)
             except FermoeError as e:        # another host: no shared memory with the coordinator
                 log.warning("no snapshot arena here (%s): snapshots travel as message frames", e)
         self.send(P.Attached(arena=self.arena is not None))
 
     # ---- snapshots ------------------------------------------------------------
-    def resume_slots(self, msg: P.Assign | P.Prefill, data: list[bytes]) -> list:
-        """The bytes of an Assign's or a Prefill's resume snapshots, in order: arena slots,
-        or the frames that came with it."""
+    def resume_slots(self, msg: P.Assign | P.Prefill, data: list[bytes]) -> tuple[list, object]:
+        """The bytes of an Assign's or a Prefill's resume snapshot: (its chain's KV slots in
+        order, the last one's state slot), arena slots or the frames that came with it;
+        ([], None) when it starts empty."""
         if (msg.resume or msg.snapshots) and self.block is None:
             raise FermoeError("snapshots assigned before the coordinator's Welcome")
+        if not msg.resume:
+            if data:
+                raise FermoeError(f"{len(data)} data frames came with a message that resumes from no snapshot")
+            return [], None
+        if any(r.slot < 0 for r in msg.resume) or msg.resume[-1].state < 0:
+            raise FermoeError("a resume needs the KV slot of each snapshot and the state slot of the last")
         if self.arena is None:
-            if len(data) != len(msg.resume):
-                raise FermoeError(f"{len(msg.resume)} snapshots to resume from, {len(data)} came with the message")
-            return list(data)
-        return [self.arena.slot(r.slot) for r in msg.resume]
+            if len(data) != len(msg.resume) + 1:
+                raise FermoeError(f"{len(msg.resume)} snapshots to resume from take {len(msg.resume) + 1} frames "
+                                  f"(their KV, the last one's state), {len(data)} came with the message")
+            return list(data[:-1]), data[-1]
+        return [self.arena.slot(r.slot) for r in msg.resume], self.arena.state_slot(msg.resume[-1].state)
 
-    def snapshot_buffer(self, slot: int):
-        """Where a snapshot for `slot` is to be written: the arena's slot, or without the
-        arena a buffer of a slot's size that snapshot_written() sends."""
-        return self.arena.slot(slot) if self.arena is not None else bytearray(self.slot_bytes)
+    def snapshot_buffers(self, slot: int, state: int) -> tuple:
+        """Where a snapshot for KV slot `slot` and state slot `state` is to be written (None
+        for -1): the arena's slots, or without the arena buffers of their sizes that
+        snapshot_written() sends."""
+        if self.arena is not None:
+            return (self.arena.slot(slot) if slot >= 0 else None,
+                    self.arena.state_slot(state) if state >= 0 else None)
+        return (bytearray(self.slot_bytes) if slot >= 0 else None,
+                bytearray(self.state_slot_bytes) if state >= 0 else None)
 
-    def snapshot_written(self, request_id: str, slot: int, buffer, position: int = -1) -> None:
-        """SnapshotWritten for a buffer from snapshot_buffer(slot), now holding the snapshot
-        (at `position`, for a decode slot); without the arena it rides as a frame after it."""
-        written = P.SnapshotWritten(request_id=request_id, slot=slot, position=position)
+    def snapshot_written(self, request_id: str, slot: int, state: int, buffers, position: int = -1) -> None:
+        """SnapshotWritten for buffers from snapshot_buffers(slot, state), now holding the
+        snapshot (at `position`, for a decode pair); without the arena they ride as frames
+        after it."""
+        written = P.SnapshotWritten(request_id=request_id, slot=slot, state=state, position=position)
         if self.arena is not None:
             self.send(written)
         else:
-            self.send(written, buffer)
+            self.send(written, *(b for b in buffers if b is not None))
 
-    def write_snapshot(self, request_id: str, slot: int, state: SequenceState, position: int = -1) -> None:
-        """The state into snapshot `slot` (its recurrent part and its last block's KV)."""
-        buffer = self.snapshot_buffer(slot)
-        write_snapshot(state, buffer, self.block)
-        self.snapshot_written(request_id, slot, buffer, position)
+    def write_snapshot(self, request_id: str, slot: int, state: int, seq_state: SequenceState, position: int,
+                       buffers=None) -> None:
+        """The snapshot at `position` (at most seq_state's own; only there with a state slot)
+        into its slots, then sent: its block's KV into KV slot `slot`, the recurrent part
+        into state slot `state` (-1: not written). buffers: from snapshot_buffers(), their
+        state part landed already (a GPU prefill's): only the KV is written."""
+        if buffers is None:
+            buffers = self.snapshot_buffers(slot, state)
+            write_snapshot(seq_state, *buffers, self.block, position)
+        elif buffers[0] is not None:
+            write_snapshot_kv(seq_state, buffers[0], self.block, position)
+        self.snapshot_written(request_id, slot, state, buffers, position)
 
     def close(self) -> None:
         try:

@@ -22,8 +22,11 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # StatusReply.snapshots entries that are levels; the others count events since start
-SNAPSHOT_LEVELS = {"slots": "snapshot slots in the store", "free_slots": "snapshot slots holding nothing",
-                   "entries": "cached prefix snapshots", "pinned": "snapshots in use by running requests",
+SNAPSHOT_LEVELS = {"slots": "snapshot KV slots in the store", "free_slots": "snapshot KV slots holding nothing",
+                   "state_slots": "snapshot state slots in the store",
+                   "free_state_slots": "snapshot state slots holding nothing",
+                   "entries": "cached prefix snapshots", "states": "cached snapshots with a state (resume points)",
+                   "pinned": "snapshots in use by running requests",
                    "writing": "snapshot slots being written", "block": "prompt tokens between snapshots"}
 
 

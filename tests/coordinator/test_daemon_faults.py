@@ -365,9 +365,40 @@ def test_the_snapshot_store_defaults_to_a_share_of_this_host(tiny_q4_path, monke
     assert opts.snapshot_mem == 128 << 20
     coord = daemon.Coordinator(opts)
     try:
-        slot = coord.arena.slot_bytes
-        assert coord.arena.n_slots == (128 << 20) // slot
+        kv, state = coord.arena.slot_bytes, coord.arena.state_slot_bytes
+        n_states = coord.arena.n_state_slots          # a quarter of the budget, at least 4
+        assert n_states == max(4, round((32 << 20) / state)) and coord.index.n_state_slots == n_states
+        assert coord.arena.n_slots == coord.index.n_slots == ((128 << 20) - n_states * state) // kv
+        n_kv = coord.arena.n_slots
     finally:
         coord.shutdown()
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("snapshot store:")]
-    assert f"{(128 << 20) // slot} slots" in line and "(default: 1/8 of this host's 1.0 GiB" in line, line
+    assert f"{n_kv} KV slots" in line and f"{n_states} state slots" in line, line
+    assert "(default: 1/8 of this host's 1.0 GiB" in line, line
+
+
+def test_the_snapshot_states_option_splits_the_budget(tiny_q4_path):
+    """--snapshot-states N: N state slots, the rest of --snapshot-mem KV slots; more states
+    than fit beside one KV slot, or none, is a clear error."""
+    from coordinator.memory import snapshot_pools
+    from shared.errors import FermoeError
+    assert snapshot_pools(100_000, 10, 100) == (7500, 250)    # a quarter of the budget
+    assert snapshot_pools(1000, 10, 100) == (60, 4)           # at least 4
+    assert snapshot_pools(350, 10, 100) == (5, 3)             # at most what leaves room for a KV slot
+    assert snapshot_pools(4000, 10, 100, states=30) == (100, 30)
+    assert snapshot_pools(100, 10, 100) == (0, 0)             # not one of each: no store
+    with pytest.raises(FermoeError, match="--snapshot-states 40: 40 states .* do not fit"):
+        snapshot_pools(4000, 10, 100, states=40)
+    with pytest.raises(FermoeError, match="--snapshot-states 0"):
+        snapshot_pools(4000, 10, 100, states=0)
+    opts = parse_options(["--model", str(tiny_q4_path), "--bind", f"tcp://127.0.0.1:{free_port()}",
+                          "--snapshot-mem", "8MiB", "--snapshot-states", "5", "--max-model-len", "256"])
+    coord = daemon.Coordinator(opts)
+    try:
+        assert (coord.arena.n_state_slots, coord.index.stats()["state_slots"]) == (5, 5)
+        assert coord.arena.n_slots == ((8 << 20) - 5 * coord.arena.state_slot_bytes) // coord.arena.slot_bytes
+    finally:
+        coord.shutdown()
+    opts.snapshot_states = 1000
+    with pytest.raises(FermoeError, match="--snapshot-states 1000"):
+        daemon.Coordinator(opts)

@@ -300,7 +300,8 @@ def test_eviction_inside_a_chain_truncates_lookups():
 
 # ---- model-based random test -------------------------------------------------
 def _expected_position(idx, tokens) -> int:
-    """Brute force: the longest p whose chain entries and own entry are all cached."""
+    """Brute force: the longest p whose chain entries and own entry are all cached, its
+    own with a state (an end entry always has one)."""
     cached = idx._entries
     data = np.asarray(tokens, "<i4").tobytes()
     keys = idx.chain_keys(tokens)
@@ -309,17 +310,20 @@ def _expected_position(idx, tokens) -> int:
         if not all(key in cached for key in keys[:k]):
             continue
         if p % idx.block == 0:
-            return p
+            if keys[k - 1] in idx._states:
+                return p
+            continue
         base = keys[k - 1] if k else b""
         if idx._end(base, data, k * idx.block, p) in cached:
             return p
     return 0
 
 
-def test_random_operations_keep_the_index_sound():
+@pytest.mark.parametrize("n_state_slots", [None, 5])
+def test_random_operations_keep_the_index_sound(n_state_slots):
     rng = random.Random(1234)
     block, n_slots = 4, 16
-    idx = SnapshotIndex(n_slots, block=block)
+    idx = SnapshotIndex(n_slots, block=block, n_state_slots=n_state_slots)
     docs = [[rng.randrange(5) for _ in range(30)] for _ in range(3)]
 
     asked: list[list[int]] = []
@@ -332,12 +336,14 @@ def test_random_operations_keep_the_index_sound():
         asked.append(tokens + [rng.randrange(5) for _ in range(rng.choice((0, 0, 1, 3)))])
         return asked[-1]
 
-    content: dict[int, object] = {}        # what the simulated arena's slots hold
+    content: dict[int, object] = {}        # what the simulated arena's KV slots hold
+    states: dict[int, object] = {}         # ... and its state slots
     resumes, pending = [], []
 
     def check_resume(res, tokens):
         for e in res.entries:
             assert content.get(e.slot) == e.key, "a resume points at a stale slot"
+        assert states.get(res.state) == res.entries[-1].key, "a resume points at a stale state"
         assert [e.position for e in res.chain] == [block * (i + 1) for i in range(len(res.chain))]
         assert [e.key for e in res.chain] == idx.chain_keys(tokens)[:len(res.chain)]
         if res.end is not None:
@@ -349,7 +355,7 @@ def test_random_operations_keep_the_index_sound():
         if len(resumes) > 3:                            # keep a steady state: requests end
             op = 0.4
         elif len(pending) > 6:
-            op = 0.9
+            op = 0.85
         if op < 0.35:
             tokens = prompt()
             expected = _expected_position(idx, tokens)
@@ -367,23 +373,42 @@ def test_random_operations_keep_the_index_sound():
         elif op < 0.8:
             tokens = prompt()
             start = rng.choice((0, _expected_position(idx, tokens)))
-            for p in idx.plan(tokens, start):
-                assert p.key not in idx._entries and start < p.position <= len(tokens)
-                content[p.slot] = ("writing", p.key)   # the worker scribbles at once
+            for p in idx.plan(tokens, start, marks=[rng.randrange(len(tokens) + 1)]):
+                assert (p.key in idx._entries) == (p.slot < 0) and start < p.position <= len(tokens)
+                if p.slot >= 0:
+                    content[p.slot] = ("writing", p.key)   # the worker scribbles at once
+                if p.state >= 0:
+                    states[p.state] = ("writing", p.key)
                 pending.append(p)
+        elif op < 0.83:                                 # a decoding sequence's snapshots
+            for pair in idx.reserve(rng.choice((1, 2)), end=rng.random() < 0.7):
+                tokens = prompt()
+                content[pair[0]], states[pair[1]] = ("writing", None), ("writing", None)
+                key = idx.chain_keys(tokens)[-1] if len(tokens) % block == 0 else idx.end_key(tokens)
+                if idx.adopt(pair, tokens):
+                    if idx._entries[key].slot == pair[0]:
+                        content[pair[0]] = key
+                    if pair[1] >= 0:
+                        states[pair[1]] = key
         elif pending:
             p = pending.pop(rng.randrange(len(pending)))
             if rng.random() < 0.8:
-                content[p.slot] = p.key
+                if p.slot >= 0:
+                    content[p.slot] = p.key
+                if p.state >= 0:
+                    states[p.state] = p.key
                 idx.commit(p)
             else:
-                content[p.slot] = None
+                content[p.slot] = states[p.state] = None
                 idx.abort(p)
         idx.check_invariants()
         s = idx.stats()
         assert s["entries"] + s["writing"] + s["free_slots"] == n_slots
     s = idx.stats()
-    assert min(s["hits"], s["misses"], s["evictions"], s["skipped"], exact_hits) > 15, (s, exact_hits)
+    assert min(s["hits"], s["misses"], s["evictions"], s["skipped"]) > 15, s
+    assert exact_hits > (15 if n_state_slots is None else 2), exact_hits   # few states: fewer exact hits
+    if n_state_slots:
+        assert s["state_evictions"] > 15 and s["entries"] > s["states"], s
 
 
 # ---- shared-memory arena -----------------------------------------------------
@@ -449,6 +474,42 @@ def test_arena_attach_refuses_a_wrong_geometry():
         SnapshotArena.attach(arena.name, 1000, 4)
     with pytest.raises(ArenaError):
         SnapshotArena.attach("../etc/passwd", 1000, 4)
+
+
+def test_arena_state_slots_follow_the_kv_slots():
+    """A second region of state slots of their own size after the KV slots, each 64-byte
+    aligned, bounded apart; an attach must name both geometries; a state region needs a
+    size and a count."""
+    with SnapshotArena.create(slot_bytes=100, n_slots=3, prefix="fermoetest", state_slot_bytes=1000,
+                              n_state_slots=2) as arena:
+        assert os.path.getsize(os.path.join(SHM_DIR, arena.name)) == HEADER_BYTES + 3 * 128 + 2 * 1024
+        assert [arena.state_offset(j) for j in range(2)] == [HEADER_BYTES + 384, HEADER_BYTES + 384 + 1024]
+        for i in range(3):
+            arena.slot(i)[:] = bytes([i + 1]) * 100
+        for j in range(2):
+            view = arena.state_slot(j)
+            assert len(view) == 1000 and np.frombuffer(view, np.uint8).ctypes.data % 64 == 0
+            view[:] = bytes([10 + j]) * 1000
+        whole = bytes(arena.memory())
+        assert [whole[arena.offset(i):arena.offset(i) + 100] for i in range(3)] == [bytes([i + 1]) * 100
+                                                                                  for i in range(3)]
+        assert whole[arena.state_offset(1):arena.state_offset(1) + 1000] == bytes([11]) * 1000
+        with pytest.raises(ArenaError, match="state slot 2 is out of range: .* has state slots 0..1"):
+            arena.state_slot(2)
+        with SnapshotArena.attach(arena.name, 100, 3, 1000, 2) as same:
+            assert bytes(same.state_slot(0)) == bytes([10]) * 1000 and bytes(same.slot(2)) == bytes([3]) * 100
+        with pytest.raises(ArenaError, match="header says .* state_slot_bytes=1000 n_state_slots=2"):
+            SnapshotArena.attach(arena.name, 100, 3, 1001, 2)     # the same size once padded
+        with pytest.raises(ArenaError, match="state slots"):
+            SnapshotArena.attach(arena.name, 100, 3)
+    with SnapshotArena.create(slot_bytes=100, n_slots=1, prefix="fermoetest") as plain:
+        with pytest.raises(ArenaError, match="has no state slots"):
+            plain.state_slot(0)
+    with pytest.raises(ArenaError, match="state slots need both a size and a count"):
+        SnapshotArena.create(slot_bytes=100, n_slots=1, prefix="fermoetest", state_slot_bytes=100)
+    with pytest.raises(ArenaError, match="n_state_slots must be a non-negative integer"):
+        SnapshotArena.create(slot_bytes=100, n_slots=1, prefix="fermoetest", state_slot_bytes=100,
+                             n_state_slots=-1)
 
 
 def test_arena_larger_than_dev_shm_is_refused():
@@ -559,3 +620,160 @@ def test_marks_inside_a_prompt_are_snapshots_a_diverging_prompt_resumes_from():
     rewritten = prompt[:9] + [99, 98, 97]                  # the same up to the second mark
     assert idx.cached(rewritten) == 9
     assert idx.cached(prompt[:7] + [99]) == 6
+
+
+# ---- two pools: KV slots and state slots ----------------------------------------------
+def test_a_long_prompts_states_go_to_its_resume_points_only():
+    """Its end, its marks and its last block boundary take a state; the other boundaries
+    only while one is free, deepest first: the rest are KV links of the chain."""
+    idx = SnapshotIndex(32, block=4, n_state_slots=4)
+    prompt = list(range(1, 31))                            # 7 blocks and an end at 30; a mark at 13
+    planned = idx.plan(prompt, 0, marks=[13])
+    assert [p.position for p in planned] == [4, 8, 12, 13, 16, 20, 24, 28, 30]
+    assert [p.position for p in planned if p.state >= 0] == [13, 24, 28, 30]
+    idx.commit(planned)
+    idx.check_invariants()
+    assert idx.stats()["states"] == 4 and idx.stats()["free_state_slots"] == 0
+    assert idx.cached(prompt[:22] + [99]) == 13            # diverging at 22: the mark, not a link
+    assert idx.cached(prompt + [99]) == 30
+
+
+def test_evicting_a_state_keeps_the_kv_chain_for_a_deeper_resume():
+    """Block entries that lose their states stay as KV links: an end entry past them still
+    resumes from the whole chain."""
+    idx = SnapshotIndex(16, block=4, n_state_slots=3)
+    a = list(range(1, 15))                                 # blocks 4, 8, 12 and its end 14
+    cache(idx, a)                                          # states at 14, 12 and (the free one) 8
+    assert lookup_position(idx, a + [99]) == 14            # its end resumed: the most protected state
+    eight, twelve = idx.chain_keys(a)[1:3]
+    assert eight in idx._states and twelve in idx._states
+    cache(idx, [50, 51, 52, 53, 54, 55])                   # another prompt takes two states
+    idx.check_invariants()
+    assert idx.stats()["state_evictions"] == 2 and idx.stats()["entries"] == 6
+    assert twelve in idx._entries and twelve not in idx._states and eight not in idx._states
+    res = idx.lookup(a + [99, 98])
+    assert res.position == 14 and [e.position for e in res.entries] == [4, 8, 12, 14]
+    assert res.state == idx._states[res.end.key]
+    idx.release(res)
+    assert idx.cached(a[:12] + [99]) == 0                  # at 12 itself there is nothing to resume
+
+
+def test_an_end_entry_losing_its_state_disappears():
+    """An end entry is useless without its state: it goes whole, its KV slot freed; the
+    block entries before it stay."""
+    idx = SnapshotIndex(16, block=4, n_state_slots=2)
+    a = [1, 2, 3, 4, 5, 6]
+    cache(idx, a)                                          # block 4 and end 6: both with a state
+    free = idx.stats()["free_slots"]
+    cache(idx, [7, 8, 9, 10, 11, 12])                      # two more states: both of a's go
+    idx.check_invariants()
+    assert idx.end_key(a) not in idx._entries and idx.chain_keys(a)[0] in idx._entries
+    assert idx.stats()["free_slots"] == free - 2 + 1       # b's two slots, a's end slot back
+    assert idx.cached(a) == 0 and idx.stats()["state_evictions"] == 2
+
+
+def test_a_long_one_off_prompt_keeps_other_conversations_resume_points():
+    """A one-off prompt of twenty blocks takes one state, at its end (evicting the least
+    useful one: a block's no lookup resumed from), not one a block: the resume points of
+    two conversations before it stay."""
+    idx = SnapshotIndex(64, block=4, n_state_slots=6)
+    talks = [[1, 2] * 5, [3, 4] * 5]
+    for talk in talks:
+        cache(idx, talk)                                   # states at 4, 8 and 10: all six taken
+        assert lookup_position(idx, talk + [9]) == 10
+    cache(idx, list(range(100, 180)))                      # 80 tokens
+    idx.check_invariants()
+    assert idx.stats()["state_evictions"] == 1 and idx.stats()["states"] == 6
+    assert [idx.cached(talk + [9]) for talk in talks] == [10, 10]
+    assert idx.cached(list(range(100, 180)) + [9]) == 80
+
+
+def _conversation(idx: SnapshotIndex, turns: int, block: int) -> list[int]:
+    """A chat of `turns` turns, each prompt the last one, its answer and a new message,
+    served as the coordinator does (lookup, plan with the turn's start as a mark, the
+    answer's end adopted from a decode pair): the cached position of each turn's prompt."""
+    rng = random.Random(7)
+    history, cached = [], []
+    for _ in range(turns):
+        mark = len(history)
+        prompt = history + [rng.randrange(1000) for _ in range(3 * block + 1)]
+        res = idx.lookup(prompt)
+        cached.append(res.position if res else 0)
+        idx.commit(idx.plan(prompt, cached[-1], marks=[mark]))
+        answer = prompt + [rng.randrange(1000) for _ in range(block - 1)]     # to the next block boundary
+        pairs = idx.reserve(1)
+        if pairs:
+            idx.adopt(pairs[0], answer)
+        idx.release(res)
+        idx.check_invariants()
+        history = answer
+    return cached
+
+
+def test_the_same_bytes_hold_a_far_longer_conversation():
+    """A budget of 16 whole snapshots (a state and a block's KV each, a state 13 times a
+    block's KV as on the full-size model) split into the two pools: a conversation of 30
+    turns (120 blocks) still resumes each turn at the last one's answer, where 16
+    whole snapshots lose it past 16 blocks."""
+    from coordinator.memory import snapshot_pools
+    block, kv, state = 4, 1, 13
+    n_kv, n_states = snapshot_pools(16 * (kv + state), kv, state)
+    assert (n_kv, n_states) == (172, 4)
+    whole = _conversation(SnapshotIndex(16, block=block), 30, block)
+    split = _conversation(SnapshotIndex(n_kv, block=block, n_state_slots=n_states), 30, block)
+    # each turn's prompt: the last turn's answer (its end cached) and 3 blocks and a token more
+    ends = [0] + [(t + 1) * 4 * block for t in range(29)]
+    assert split == ends
+    assert whole[:5] == ends[:5] and max(whole) == 16 * block and ends[-1] > 7 * 16 * block
+
+
+def test_a_decoding_sequence_keeps_a_state_for_its_end_and_links_its_boundaries():
+    """Decode pairs: the first with a state (evicting one), the others with one if free or
+    a block entry's no lookup resumed from, else KV links (state -1) for the block
+    boundaries the generation crosses; a link is adopted on a boundary only, and the
+    replacement pair of a sequence that holds its end's takes no state by eviction."""
+    idx = SnapshotIndex(16, block=4, n_state_slots=3)
+    cache(idx, [9, 9, 9, 9, 9, 9])                         # states at 4 and 6: one free
+    assert lookup_position(idx, [9] * 7) == 6              # the end resumed from: kept
+    pairs = idx.reserve(3)                                 # the free state, block 4's, then none
+    assert [s >= 0 for _, s in pairs] == [True, True, False] and idx.stats()["state_evictions"] == 1
+    assert idx.cached([9] * 5) == 0 and idx.cached([9] * 7) == 6
+    tokens = list(range(1, 20))
+    assert idx.adopt(pairs[2], tokens[:4])                 # a boundary: a KV link
+    assert idx.adopt(pairs[1], tokens[:8])                 # a boundary, with a state
+    more = idx.reserve(2, end=False)                       # none free: links only
+    assert [s for _, s in more] == [-1, -1] and idx.stats()["state_evictions"] == 1
+    assert not idx.adopt(more[0], tokens[:9])              # no state, not a boundary: useless
+    assert idx.adopt(pairs[0], tokens[:10])                # the end, after the chain's blocks 4 and 8
+    idx.unreserve(more[1:])
+    idx.check_invariants()
+    assert [idx.cached(tokens[:n] + [99]) for n in (5, 9, 10)] == [0, 8, 10]
+    assert idx.cached([9] * 7) == 6 and idx.stats()["free_state_slots"] == 0
+    none = SnapshotIndex(4, block=4, n_state_slots=1)
+    res = none.lookup(cache(none, [1, 2, 3]) and [1, 2, 3])
+    assert res is not None and none.reserve(2) == []       # the one state pinned: no end, no pairs
+    none.release(res)
+    none.check_invariants()
+
+
+def test_a_cached_block_without_its_state_gets_a_state_only_snapshot():
+    """A prompt ending on a block boundary whose KV is cached but whose state was evicted
+    plans a state alone there (no KV slot), pinning the entry until written; committed, the
+    prompt resumes at its end."""
+    idx = SnapshotIndex(16, block=4, n_state_slots=2)
+    a = list(range(1, 9))
+    cache(idx, a)                                          # blocks 4 and 8, both with a state
+    cache(idx, [50, 51, 52, 53, 54, 55])                   # takes both states
+    assert idx.cached(a) == 0 and idx.chain_keys(a)[1] in idx._entries
+    free = idx.stats()["free_slots"]
+    (p,) = idx.plan(a, 0)
+    assert (p.slot, p.position) == (-1, 8) and p.state >= 0 and p.key == idx.chain_keys(a)[1]
+    # no KV slot taken; the end entry whose state it took went whole
+    assert (idx.stats()["pinned"], idx.stats()["writing"], idx.stats()["free_slots"]) == (1, 0, free + 1)
+    cache(idx, list(range(100, 140)))                      # evicting KV: never the pinned entry
+    idx.check_invariants()
+    assert p.key in idx._entries
+    idx.commit(p)
+    idx.check_invariants()
+    assert idx.cached(a) == 8 and idx.cached(a + [1]) == 8
+    assert idx.plan(a, 0) == []                            # nothing left to write

@@ -105,21 +105,24 @@ def test_a_failed_pass_ends_its_sequences_and_the_worker_serves_on(worker):
 
 def test_a_long_prompt_does_not_stall_running_generations(worker):
     """Every pass that takes a chunk of a 300-token prompt also takes the next token of
-    the generation already running, and the prompt is cut at its snapshot positions."""
+    the generation already running, and the prompt is cut at its snapshot positions that
+    take a state (a KV link of the chain is written once passed, cutting nothing)."""
     model = worker.model
     worker.handle_assign(_assign(model, "a", "The old GPU said", 40, 0.8, 1))
     worker.work_round()                                   # its prompt: decoding from the next pass
     long = _assign(model, "b", "", 4, 0.8, 2)
     long.tokens = list(range(3, 303))
     worker.link.arena, worker.link.block = _Arena(), 8
-    long.snapshots = [P.SnapshotRef(slot=0, position=100), P.SnapshotRef(slot=1, position=200)]
+    long.snapshots = [P.SnapshotRef(slot=0, state=0, position=100), P.SnapshotRef(slot=2, state=-1, position=150),
+                      P.SnapshotRef(slot=1, state=1, position=200)]
     worker.handle_assign(long)
     while worker.sequences["b"].state.position < 300:
         worker.work_round()
     prefill_passes = worker.passes[1:]
     assert len(prefill_passes) == 6 and all(p[0] == 1 for p in prefill_passes)   # a decode token in each
     assert [sum(p[1:]) for p in prefill_passes] == [63, 37, 63, 37, 63, 37]       # cut at 100 and 200
-    assert [m.slot for m in worker.sent if isinstance(m, P.SnapshotWritten)] == [0, 1]
+    written = [m for m in worker.sent if isinstance(m, P.SnapshotWritten)]
+    assert [(m.slot, m.state, m.position) for m in written] == [(0, 0, 100), (2, -1, 150), (1, 1, 200)]
 
 
 def test_a_prompt_alone_prefills_in_long_passes(worker):
@@ -154,6 +157,9 @@ class _Arena:
 
     def slot(self, i):
         return self.slots.setdefault(i, bytearray(1 << 24))      # larger than the tiny model's snapshots
+
+    def state_slot(self, i):
+        return self.slots.setdefault(("state", i), bytearray(1 << 24))
 
     def close(self):
         pass
@@ -196,7 +202,7 @@ def test_a_finished_sequences_state_buffer_is_reused_by_the_next_restore(worker)
     worker.link.arena, worker.link.block = _Arena(), 8
     first = _assign(model, "a", "The old GPU said", 2, 0.0, 1)
     first.tokens = list(range(3, 19))
-    first.snapshots = [P.SnapshotRef(slot=0, position=8), P.SnapshotRef(slot=1, position=16)]
+    first.snapshots = [P.SnapshotRef(slot=0, state=-1, position=8), P.SnapshotRef(slot=1, state=1, position=16)]
     worker.handle_assign(first)
     buffer = worker.sequences["a"].state.buffer
     while worker.sequences:
@@ -249,3 +255,19 @@ def test_constrained_sequences_each_follow_their_own_grammar_in_one_pass(worker)
     assert [e[3] for e in events if e[0] == "call"] == ["get_weather"]
     jsonschema.validate(json.loads("".join(e[2] for e in events if e[0] == "args")), WEATHER)
     _assert_served_as_alone(worker, [REQUESTS[1]])
+
+
+def test_a_resume_without_a_state_slot_fails_that_sequence_alone(worker):
+    """The last snapshot of a resume must name its state slot: one that does not ends
+    its sequence with an error saying so; the worker serves on."""
+    model = worker.model
+    worker.link.arena, worker.link.block = _Arena(), 8
+    bad = _assign(model, "bad", "", 2, 0.0, 1)
+    bad.tokens, bad.resume = list(range(3, 19)), [P.SnapshotRef(slot=0, state=-1, position=8)]
+    worker.handle_assign(bad)
+    (finished,) = [m for m in worker.sent if isinstance(m, P.Finished)]
+    assert finished.finish_reason == "error" and "state slot of the last" in finished.error
+    worker.handle_assign(_assign(model, "ok", "The old GPU said", 2, 0.0, 1))
+    while worker.sequences:
+        worker.work_round()
+    assert [m.request_id for m in worker.sent if isinstance(m, P.Finished)] == ["bad", "ok"]

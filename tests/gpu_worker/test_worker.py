@@ -18,7 +18,7 @@ from shared.engine import ReferenceEngine
 from shared.generate import generate
 from shared.sampling import SamplingParams
 from shared.shm_arena import SnapshotArena
-from shared.state import restore_snapshots, snapshot_nbytes
+from shared.state import kv_slot_nbytes, restore_snapshots, state_slot_nbytes
 from shared.worker_link import WorkerLink
 from tests.support.gpu_device import DEVICES, assert_close, open_test_device
 
@@ -32,13 +32,15 @@ def _collecting(worker, arena):
     """The worker's link as a Welcome leaves it, with the snapshot `arena`; sends collected."""
     worker.sent = []
     worker.link.send = lambda msg, *frames: worker.sent.append(msg)
-    worker.link.arena, worker.link.block, worker.link.slot_bytes = arena, BLOCK, arena.slot_bytes
+    worker.link.arena, worker.link.block = arena, BLOCK
+    worker.link.slot_bytes, worker.link.state_slot_bytes = arena.slot_bytes, arena.state_slot_bytes
     return worker
 
 
 @pytest.fixture
 def arena(tiny):
-    arena = SnapshotArena.create(snapshot_nbytes(tiny.config, BLOCK, "f16"), 8)
+    arena = SnapshotArena.create(kv_slot_nbytes(tiny.config, BLOCK, "f16"), 8,
+                                 state_slot_bytes=state_slot_nbytes(tiny.config), n_state_slots=8)
     yield arena
     arena.close()
     arena.unlink()
@@ -58,8 +60,17 @@ def gpu_worker(request, tiny_q4_path, arena):
     w.close()
 
 
-def _refs(first_slot: int, positions) -> list[P.SnapshotRef]:
-    return [P.SnapshotRef(slot=first_slot + i, position=p) for i, p in enumerate(positions)]
+def _refs(first_slot: int, positions, links=()) -> list[P.SnapshotRef]:
+    """Snapshots in KV slots from first_slot on, each with the state slot of the same
+    number but those at `links` (KV links of the chain, no state)."""
+    return [P.SnapshotRef(slot=first_slot + i, state=-1 if p in links else first_slot + i, position=p)
+            for i, p in enumerate(positions)]
+
+
+def _restore(tiny, arena, chain):
+    """The state of the chain's last snapshot: its KV slots in order, the last one's state slot."""
+    return restore_snapshots(tiny.config, tiny.fingerprint, [arena.slot(r.slot) for r in chain],
+                             arena.state_slot(chain[-1].state), BLOCK)
 
 
 def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(gpu_worker, tiny, tiny_q4_path,
@@ -74,7 +85,7 @@ def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(g
     done = gpu_worker.sent[-1]
     assert isinstance(done, P.Prefilled) and done.error is None and done.prefill_ms > 0
     for k, ref in enumerate(first):
-        state = restore_snapshots(tiny.config, tiny.fingerprint, [slots.slot(r.slot) for r in first[:k + 1]], BLOCK)
+        state = _restore(tiny, slots, first[:k + 1])
         assert state.position == ref.position
         assert_close(state.logits, reference_logits[ref.position - 1], GPU_RTOL, floor=1.0)
 
@@ -82,13 +93,13 @@ def test_a_prefill_lands_every_snapshot_and_a_cpu_worker_decodes_from_the_last(g
     gpu_worker.handle_prefill(P.Prefill(request_id="b", tokens=PROMPT + MORE, resume=first, snapshots=chain[4:]))
     assert gpu_worker.sent[-1] == P.Prefilled(request_id="b", prefill_ms=gpu_worker.sent[-1].prefill_ms,
                                               batch_tokens=len(MORE))
-    state = restore_snapshots(tiny.config, tiny.fingerprint, [slots.slot(r.slot) for r in chain[:3] + chain[4:]],
-                              BLOCK)
+    state = _restore(tiny, slots, chain[:3] + chain[4:])
     assert state.position == 40
     assert_close(state.logits, reference_logits[39], GPU_RTOL, floor=1.0)
 
     cpu = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "cpu-test", threads=1)
-    _collecting(cpu, SnapshotArena.attach(slots.name, slots.slot_bytes, slots.n_slots))    # as another process
+    _collecting(cpu, SnapshotArena.attach(slots.name, slots.slot_bytes, slots.n_slots, slots.state_slot_bytes,
+                                          slots.n_state_slots))    # as another process
     try:
         cpu.handle_assign(P.Assign(request_id="a", tokens=PROMPT, resume=first, snapshots=[], max_tokens=12,
                                    sampling=SamplingParams(temperature=0.0, seed=1), ignore_eos=True))
@@ -107,7 +118,7 @@ def test_snapshots_land_in_their_slots_or_through_reused_staging(gpu_worker, tin
     device, allocated = gpu_worker.engine.device, []
     pagelocked_empty = device.pagelocked_empty
     monkeypatch.setattr(device, "pagelocked_empty", lambda *a: allocated.append(a) or pagelocked_empty(*a))
-    arena, refs = gpu_worker.link.arena, _refs(0, [8, 16, 24, 30])
+    arena, refs = gpu_worker.link.arena, _refs(0, [8, 16, 24, 30], links=[16])
     job = P.Prefill(request_id="a", tokens=PROMPT, resume=[], snapshots=refs)
     written = []
     for staged in (False, True, True):
@@ -115,9 +126,10 @@ def test_snapshots_land_in_their_slots_or_through_reused_staging(gpu_worker, tin
             gpu_worker.engine.land.unregister()
         for r in refs:                                    # nothing left from the run before
             arena.slot(r.slot)[:] = bytes(arena.slot_bytes)
+            arena.state_slot(r.slot)[:] = bytes(arena.state_slot_bytes)
         gpu_worker.handle_prefill(job)
         assert gpu_worker.sent[-1].error is None
-        written.append([bytes(arena.slot(r.slot)) for r in refs])
+        written.append([bytes(arena.slot(r.slot)) + bytes(arena.state_slot(r.slot)) for r in refs])
         if not staged:
             assert gpu_worker.engine.land._registered, "the arena was not page-locked"
     assert written[0] == written[1] == written[2]
@@ -127,8 +139,9 @@ def test_snapshots_land_in_their_slots_or_through_reused_staging(gpu_worker, tin
 
 
 @pytest.mark.parametrize("snapshots, images, problem", [
-    (_refs(0, [8, 16]), [], "must end with a snapshot at position 30"),
-    ([], [], "must end with a snapshot at position 30"),
+    (_refs(0, [8, 16]), [], "must end with a snapshot with a state at position 30"),
+    ([], [], "must end with a snapshot with a state at position 30"),
+    (_refs(0, [8, 30], links=[30]), [], "must end with a snapshot with a state at position 30"),
     (_refs(0, [30]), [P.ImageInput(data=b"png", start=2, rows=2, cols=2)], "this GPU worker has no vision tower"),
 ])
 def test_a_bad_job_fails_alone_and_the_worker_serves_on(gpu_worker, snapshots, images, problem):
@@ -155,7 +168,7 @@ def test_prompts_waiting_behind_a_prefill_join_its_batch(gpu_worker, tiny, monke
                         or prefill_batch(jobs, *a))
     monkeypatch.setattr("gpu_worker.worker.BATCH_TOKENS", len(PROMPT) + 8 + 2 * len(MORE))
     prompts = {"a": PROMPT, "b": PROMPT[:8], "bad": MORE, "c": MORE, "late": PROMPT}
-    slots = {"a": _refs(0, [8, 16, 24, 30]), "b": _refs(4, [8]), "bad": [], "c": _refs(5, [8, 10]),
+    slots = {"a": _refs(0, [8, 16, 24, 30], links=[16]), "b": _refs(4, [8]), "bad": [], "c": _refs(5, [8, 10]),
              "late": _refs(7, [30])}      # a chain: a slot holds its own block of KV
     jobs = {rid: P.Prefill(request_id=rid, tokens=t, resume=[], snapshots=slots[rid]) for rid, t in prompts.items()}
     queue = [jobs["b"], jobs["bad"], P.Stop(request_id="x"), jobs["c"], jobs["late"]]
@@ -168,9 +181,11 @@ def test_prompts_waiting_behind_a_prefill_join_its_batch(gpu_worker, tiny, monke
     arena = gpu_worker.link.arena
     for rid in "abc":
         want = ReferenceEngine(tiny).forward(prompts[rid], ReferenceEngine(tiny).new_state())
-        for k, ref in enumerate(slots[rid]):              # every snapshot of the chain its own
-            state = restore_snapshots(tiny.config, tiny.fingerprint, [arena.slot(r.slot) for r in slots[rid][:k + 1]],
-                                      BLOCK)
+        for k, ref in enumerate(slots[rid]):              # every snapshot with a state, the chain its own
+            if ref.state < 0:
+                assert not any(arena.state_slot(ref.slot)), "a KV link got a state"
+                continue
+            state = _restore(tiny, arena, slots[rid][:k + 1])
             assert state.position == ref.position
             assert_close(state.logits, want[ref.position - 1], GPU_RTOL, floor=1.0)
             engine = ReferenceEngine(tiny, kv_cache_dtype="f16")
@@ -221,14 +236,16 @@ def test_the_worker_link_reports_what_it_cannot_take():
             assert router.poll(5000)
             return P.decode(router.recv_multipart()[1], P.FROM_WORKER)
 
-        welcome = P.Welcome(arena="", slot_bytes=0, n_slots=0, block=BLOCK, kv_cache_dtype="f32")
+        welcome = P.Welcome(arena="", slot_bytes=0, n_slots=0, state_slot_bytes=0, n_state_slots=0, block=BLOCK,
+                            kv_cache_dtype="f32")
         assert exchange(P.encode(welcome)) == P.Attached(arena=False) and configured == ["f32"]
         assert "Stop came with 1 data frames" in exchange(P.encode(P.Stop(request_id="r")), b"x").message
         prefill = P.Prefill(request_id="r", tokens=[1], resume=[], snapshots=[])
         assert "does not take Prefill messages" in exchange(P.encode(prefill)).message
         router.send_multipart([b"w1", P.encode(P.Stop(request_id="r"))])
         assert link.serve({P.Stop: lambda m, d: handled.append(m)}, 5000) and handled == [P.Stop(request_id="r")]
-        bad = P.Welcome(arena="", slot_bytes=0, n_slots=0, block=BLOCK, kv_cache_dtype="f8")
+        bad = P.Welcome(arena="", slot_bytes=0, n_slots=0, state_slot_bytes=0, n_state_slots=0, block=BLOCK,
+                        kv_cache_dtype="f8")
         assert "f8" in exchange(P.encode(bad)).message and configured == ["f32"]
     finally:
         link.sock.close()
@@ -244,7 +261,8 @@ def test_a_long_prefill_heartbeats_and_stops_between_passes(tiny_q4_path, tiny, 
     port = router.bind_to_random_port("tcp://127.0.0.1")
     worker = GPUWorker(str(tiny_q4_path), f"tcp://127.0.0.1:{port}", "gpu-long", device=open_test_device("emulate"),
                        probe_tokens=[8])
-    worker.link.arena, worker.link.block, worker.link.slot_bytes = arena, BLOCK, arena.slot_bytes
+    worker.link.arena, worker.link.block = arena, BLOCK
+    worker.link.slot_bytes, worker.link.state_slot_bytes = arena.slot_bytes, arena.state_slot_bytes
     worker.engine.max_pass_tokens = 8                     # 64 tokens: 8 passes
     prompt = (PROMPT + MORE + PROMPT)[:64]
     job = P.Prefill(request_id="long", tokens=prompt, resume=[], snapshots=_refs(0, range(8, 65, 8)))
@@ -320,3 +338,20 @@ def test_with_a_tower_the_images_run_on_the_gpu(tiny, tiny_q4_path, tmp_path, ki
     with pytest.raises(FermoeError, match="the vision tower alone takes"):
         GPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "gpu-mm", device=open_test_device(kind), probe_tokens=[8],
                   gpu_mem=1 << 20, mmproj=str(path))
+
+
+def test_a_device_error_fails_the_batch_and_the_worker_serves_on(gpu_worker, monkeypatch):
+    """An error out of the engine (not a Stop) is logged and fails every prompt of the
+    batch with its message; the next Prefill runs."""
+    prefill_batch = gpu_worker.engine.prefill_batch
+
+    def broken(jobs, *a):
+        raise RuntimeError("the device fell over")
+    monkeypatch.setattr(gpu_worker.engine, "prefill_batch", broken)
+    gpu_worker.handle_prefill(P.Prefill(request_id="a", tokens=PROMPT, resume=[], snapshots=_refs(0, [8, 30])))
+    assert gpu_worker.sent[-1].request_id == "a" and "RuntimeError: the device fell over" in gpu_worker.sent[-1].error
+    assert not any(isinstance(m, P.SnapshotWritten) for m in gpu_worker.sent)
+    monkeypatch.setattr(gpu_worker.engine, "prefill_batch", prefill_batch)
+    gpu_worker.handle_prefill(P.Prefill(request_id="b", tokens=PROMPT[:8], resume=[], snapshots=_refs(0, [8])))
+    assert gpu_worker.sent[-1] == P.Prefilled(request_id="b", prefill_ms=gpu_worker.sent[-1].prefill_ms,
+                                              batch_tokens=8)

@@ -266,6 +266,10 @@ def test_repeated_prompt_is_cached_and_counted(daemon, client):
     assert after["fermoe:num_requests_running"] == after["fermoe:num_requests_waiting"] == 0
     assert after['fermoe:worker_alive{worker_id="cpu0.0"}'] == 1 and after["fermoe:coordinator_up"] == 1
     assert 0 < after["fermoe:snapshot_usage_perc"] <= 1
+    # the two pools: KV slots and state slots, and how many entries hold a state
+    assert after["fermoe:snapshot_slots"] > after["fermoe:snapshot_state_slots"] >= 4
+    assert 0 < after["fermoe:snapshot_states"] <= after["fermoe:snapshot_entries"]
+    assert after["fermoe:snapshot_free_state_slots"] < after["fermoe:snapshot_state_slots"]
 
 
 def test_tokenize_and_detokenize_use_the_models_tokenizer(daemon, local):

@@ -319,7 +319,7 @@ def test_timings_are_llama_servers():
 
 # ---- sizes: one limit, and a full context within it --------------------------------
 def test_the_coordinators_sockets_take_a_snapshot_frame_whatever_the_request_limit(tiny_q4_path):
-    from shared.state import snapshot_nbytes
+    from shared.state import kv_slot_nbytes
     from coordinator.daemon import Coordinator
     from coordinator.options import parse_options
     from tests.support.serving_harness import free_port
@@ -327,7 +327,7 @@ def test_the_coordinators_sockets_take_a_snapshot_frame_whatever_the_request_lim
                           "0", "--block", "4096", "--max-request-size", "1KiB"])
     coord = Coordinator(opts)
     try:
-        slot = snapshot_nbytes(coord.model.config, 4096, opts.kv_cache_dtype)
+        slot = kv_slot_nbytes(coord.model.config, 4096, opts.kv_cache_dtype)
         assert slot > 2 << 20 and coord.workers_sock.getsockopt(zmq.MAXMSGSIZE) > slot
         assert P.max_message_bytes() == 1024
     finally:

@@ -139,7 +139,8 @@ def test_a_worker_without_the_arena_gets_snapshots_as_frames(tiny_q4_path):
             assert "".join(m.text for m in msgs[:-1]) == expected
             assert (msgs[-1].cached_prompt_tokens, msgs[-1].prefill_ms, prefilled) == (len(cached), 0.0, [])
             assign, frames = remote.assigns[-1]
-            assert frames == len(assign.resume) == len(cached) // BLOCK + (len(cached) % BLOCK > 0)  # blocks, end
+            # the KV of its blocks and of its end, then the end's state
+            assert frames == len(assign.resume) + 1 == len(cached) // BLOCK + (len(cached) % BLOCK > 0) + 1
 
             longer = cached + encode(" And then some more words to extend it.")
             msgs, prefilled = on_remote(longer, 3)                    # extended: only the new tokens run
@@ -177,7 +178,7 @@ def test_broken_worker_frames_are_logged_and_the_daemon_serves_on(tiny_q4_path):
         fingerprint = Model(tiny_q4_path).fingerprint
         sock.send(P.encode(P.Hello(worker_id="rogue", pid=1, threads=1, fingerprint=fingerprint)))
         sock.send(P.encode(P.Attached(arena=False)))
-        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0)), b"short"])
+        sock.send_multipart([P.encode(P.SnapshotWritten(request_id="nobody", slot=0, state=0)), b"short"])
         sock.send(b"\x00\xc1garbage")
         sock.send_multipart([P.encode(P.Heartbeat(running=0)), b"unexpected data"])
         wait_until(lambda: any("rogue sent a bad message: Heartbeat came with 1 data frames" in line for line in d.log),

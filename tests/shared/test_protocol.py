@@ -27,3 +27,22 @@ def test_the_message_limit_names_the_option_that_raises_it():
     finally:
         P.set_max_message_bytes(P.MAX_MESSAGE_BYTES)
     assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
+
+
+def test_a_snapshot_without_its_state_slot_is_a_clear_error():
+    """A snapshot names its KV slot and its state slot (-1: none); a message of a build
+    that knew one slot a snapshot (no `state`) is refused naming the field, never half read."""
+    import msgspec
+    ref = P.SnapshotRef(slot=3, state=-1, position=8)
+    pairs = [(4, 1), (5, 2)]
+    msg = P.Assign(request_id="r", tokens=[1] * 9, resume=[ref], snapshots=[ref], max_tokens=1,
+                   sampling=SamplingParams(seed=1), decode_slots=pairs)
+    back = P.decode(P.encode(msg), P.TO_WORKER)
+    assert back.resume == [ref] and back.decode_slots == pairs
+    old = msgspec.msgpack.encode({"type": "assign", "request_id": "r", "tokens": [1], "resume": [
+        {"slot": 3, "position": 8}], "snapshots": [], "max_tokens": 1, "sampling": SamplingParams(seed=1)})
+    with pytest.raises(FermoeError, match=r"invalid message: .*state.*\$\.resume\[0\]"):
+        P.decode(old, P.TO_WORKER)
+    written = msgspec.msgpack.encode({"type": "snapshot_written", "request_id": "r", "slot": 3})
+    with pytest.raises(FermoeError, match="invalid message: .*state"):
+        P.decode(written, P.FROM_WORKER)

@@ -7,7 +7,8 @@ import pytest
 
 from shared.engine import ReferenceEngine
 from shared.model import Model
-from shared.state import SequenceState, StateError, restore_snapshots, snapshot_nbytes, write_snapshot
+from shared.state import (SequenceState, StateError, kv_slot_nbytes, recurrent_nbytes, restore_snapshots,
+                          state_slot_nbytes, write_snapshot)
 from tests.shared.test_reference import PROMPT
 
 
@@ -56,25 +57,55 @@ def test_state_refuses_another_model(engine, tmp_path):
 
 @pytest.mark.parametrize("kv", ["f16", "f32"])
 def test_snapshots_restore_a_state_that_continues_identically(tiny_path, kv):
-    """A chain of snapshot slots (each block's KV, the last one's recurrent part)
-    restores to a state whose continuation is bitwise the original's."""
+    """A chain of KV slots (each block's KV) and the state slot of its last snapshot
+    restore to a state whose continuation is bitwise the original's; the KV links are
+    written from the pages after the prompt passed them, with no state of their own."""
     engine = ReferenceEngine(Model(tiny_path), kv_cache_dtype=kv)
     cfg, fp, block = engine.model.config, engine.model.fingerprint, 8
     state = engine.new_state()
-    slots = []
-    for end in (8, 16, 19):                          # two full blocks and a partial one
-        engine.forward(PROMPT[state.position:end], state)
-        slots.append(bytearray(snapshot_nbytes(cfg, block, kv)))
-        write_snapshot(state, slots[-1], block)
-    restored = restore_snapshots(cfg, fp, slots, block, kv)
+    engine.forward(PROMPT[:19], state)
+    kv_slots = [bytearray(kv_slot_nbytes(cfg, block, kv)) for _ in range(3)]
+    for slot, position in zip(kv_slots, (8, 16)):    # two full blocks: links, written past them
+        write_snapshot(state, slot, None, block, position)
+    state_slot = bytearray(state_slot_nbytes(cfg))
+    write_snapshot(state, kv_slots[2], state_slot, block)          # the partial one, and the state
+    assert len(state_slot) == recurrent_nbytes(cfg)
+    restored = restore_snapshots(cfg, fp, kv_slots, state_slot, block, kv)
     assert restored.position == 19 and restored.kv.dtype == state.kv.dtype
     spare = bytearray(b"\xff") * len(restored.buffer)           # a finished sequence's buffer, reused
-    again = restore_snapshots(cfg, fp, slots, block, kv, buffer=spare)
+    again = restore_snapshots(cfg, fp, kv_slots, state_slot, block, kv, buffer=spare)
     assert again.buffer is spare and bytes(spare) == bytes(restored.buffer)
     np.testing.assert_array_equal(engine.forward(PROMPT[19:], restored), engine.forward(PROMPT[19:], state))
     other = "f32" if kv == "f16" else "f16"
     with pytest.raises(StateError, match=f"expected {other}"):
-        restore_snapshots(cfg, fp, slots, block, other)
+        restore_snapshots(cfg, fp, kv_slots, state_slot, block, other)
+
+
+def test_snapshot_slots_of_the_wrong_geometry_are_refused(engine):
+    """A chain with a gap, a state at another position, slots too small, a state slot
+    missing, a state written away from its own position: each a StateError naming it."""
+    cfg, fp, block = engine.model.config, engine.model.fingerprint, 8
+    state = engine.new_state()
+    engine.forward(PROMPT[:19], state)
+    kv_slots = [bytearray(kv_slot_nbytes(cfg, block)) for _ in range(3)]
+    for slot, position in zip(kv_slots, (8, 16, 19)):
+        write_snapshot(state, slot, None, block, position)
+    state_slot = bytearray(state_slot_nbytes(cfg))
+    write_snapshot(state, None, state_slot, block)
+    with pytest.raises(StateError, match="chain broken: a page starts at 16, expected 8"):
+        restore_snapshots(cfg, fp, [kv_slots[0], kv_slots[2]], state_slot, block)
+    with pytest.raises(StateError, match="cover 16 positions, the state is at 19"):
+        restore_snapshots(cfg, fp, kv_slots[:2], state_slot, block)
+    with pytest.raises(StateError, match="a resume needs its KV slots and a state slot"):
+        restore_snapshots(cfg, fp, kv_slots, None, block)
+    with pytest.raises(StateError, match="state slot of 100 bytes"):
+        restore_snapshots(cfg, fp, kv_slots, state_slot[:100], block)
+    with pytest.raises(StateError, match="a KV slot of 100 bytes"):
+        restore_snapshots(cfg, fp, [kv_slots[0][:100]], state_slot, block)
+    with pytest.raises(StateError, match="state slot at position 16 written from a state at 19"):
+        write_snapshot(state, kv_slots[1], state_slot, block, 16)
+    with pytest.raises(StateError, match="KV slot of .* bytes; .* block of 16"):
+        write_snapshot(state, kv_slots[0], None, 16)
 
 
 def test_f16_kv_cache_holds_rounded_values_and_halves_the_snapshot(tiny_path):
@@ -88,7 +119,7 @@ def test_f16_kv_cache_holds_rounded_values_and_halves_the_snapshot(tiny_path):
     np.testing.assert_array_equal(k16, k16.astype(np.float16).astype(np.float32))
     np.testing.assert_allclose(k16, k32, rtol=2e-3, atol=1e-3 * np.abs(k32).max())
     cfg = model.config
-    kv_bytes = {kv: snapshot_nbytes(cfg, 8, kv) - snapshot_nbytes(cfg, 0, kv) for kv in ("f16", "f32")}
+    kv_bytes = {kv: kv_slot_nbytes(cfg, 8, kv) - kv_slot_nbytes(cfg, 0, kv) for kv in ("f16", "f32")}
     assert kv_bytes["f32"] == 2 * kv_bytes["f16"] > 0
     with pytest.raises(Exception, match="KV cache dtype 'bf16'"):
         ReferenceEngine(model, kv_cache_dtype="bf16")

@@ -124,7 +124,7 @@ def test_snapshot_slots_carry_the_rope_delta(mm):
     """As a GPU worker prefills: snapshots into arena slots, block by block. A chain restored
     up to the prompt's text end decodes on (the reference) at the positions after the image;
     one restored inside an image resumes on the GPU with the rest of its media."""
-    from shared.state import restore_snapshots, snapshot_nbytes
+    from shared.state import kv_slot_nbytes, restore_snapshots, state_slot_nbytes, write_snapshot_kv
     _, model, tower = mm
     cfg, block = model.config, 4
     ids, media = _prompt(model, tower, _images())
@@ -132,12 +132,15 @@ def test_snapshot_slots_carry_the_rope_delta(mm):
     n = int(media.rows[-1]) + 2
     engine = gpu(model)
     at = list(range(block, n, block)) + [n]
-    slots = {p: bytearray(snapshot_nbytes(cfg, block, "f32")) for p in at}
-    engine.prefill_batch([PrefillJob(ids[:n], engine.new_state(), into=slots, block=block,
-                                     media=media.slice(0, n))])
+    states = {p: bytearray(state_slot_nbytes(cfg)) for p in at}
+    state = engine.new_state()
+    engine.prefill_batch([PrefillJob(ids[:n], state, into=states, block=block, media=media.slice(0, n))])
+    kv = {p: bytearray(kv_slot_nbytes(cfg, block, "f32")) for p in at}
+    for p in at:                                   # each block's KV from the prompt's, as the worker copies it
+        write_snapshot_kv(state, kv[p], block, p)
 
     def chain(q):
-        return restore_snapshots(cfg, model.fingerprint, [slots[p] for p in at if p <= q], block, "f32")
+        return restore_snapshots(cfg, model.fingerprint, [kv[p] for p in at if p <= q], states[q], block, "f32")
     ended = chain(n)
     assert ended.rope_delta == reference(model, ids[:n], media.slice(0, n))[1].rope_delta != 0
     close(reference(model, ids[n:], None, ended)[0], whole[n:])
