@@ -53,6 +53,7 @@ MAX_ATTEMPTS = 3
 # each boundary snapshot adopted is replaced at once, so a long generation always has one ahead.
 DECODE_SLOTS = 4
 TURN_MARKS = 2
+TOOL_RESPONSE = b"<tool_response>"      # how a Qwen template opens a user turn that holds tool results
 ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
 
 
@@ -244,22 +245,40 @@ class Coordinator:
         self.queue.append(req.rid)
 
     def _turn_marks(self, msg: P.Generate, tokens: list[int]) -> list[int]:
-        """Where a chat prompt's last TURN_MARKS turns begin, after their role line (ChatML's
-        <|im_start|>ROLE and a newline): the generation prompt and the last message. The
-        next turn of an agent often matches this prompt only up to one of them (a template
-        drops the reasoning of earlier turns once a new user message comes, rewriting from
-        the last answer's first token), so a snapshot there lets it resume right before what
-        changed."""
+        """Where the turns of a chat prompt begin that its next turn may diverge right after,
+        after their role line (ChatML's <|im_start|>ROLE and a newline): the last TURN_MARKS
+        turns (the generation prompt and the last message), and the first answer after the
+        last user message. A template that drops the reasoning of earlier answers once a new
+        user message comes rewrites from that answer's first token, however many agent steps
+        later: naming it in every prompt until then keeps its snapshot (SnapshotIndex.plan)."""
         opener = self.tokenizer.token_to_id.get("<|im_start|>")
         if msg.messages is None or opener is None:
             return []
         starts = np.flatnonzero(np.asarray(tokens) == opener).tolist()     # a prompt may be 200k tokens
-        marks = []
-        for i in starts[len(starts) - TURN_MARKS:] if len(starts) > TURN_MARKS else starts:
-            role_end = next((j for j in range(i + 1, min(i + ROLE_LINE_TOKENS, len(tokens)))
-                             if b"\n" in self.tokenizer.piece_bytes(tokens[j])), None)
-            marks.append(i if role_end is None else role_end + 1)
-        return marks
+        turns = [self._role_line(tokens, i) for i in starts]               # (role, where its text starts)
+        marks = {start for _, start in turns[-TURN_MARKS:]}
+        last_user = max((t for t, (role, _) in enumerate(turns) if role == "user"), default=None)
+        if last_user is not None and last_user + 1 < len(turns) and turns[last_user + 1][0] == "assistant":
+            marks.add(turns[last_user + 1][1])
+        return sorted(marks)
+
+    def _role_line(self, tokens: list[int], i: int) -> tuple[str, int]:
+        """The role of the turn whose <|im_start|> is tokens[i], and where its text begins
+        (after the role line's newline; i if no newline comes within ROLE_LINE_TOKENS).
+        A user turn that opens with <tool_response> is "tool": Qwen's templates render tool
+        results as user turns."""
+        line = b""
+        for j in range(i + 1, min(i + ROLE_LINE_TOKENS, len(tokens))):
+            line += self.tokenizer.piece_bytes(tokens[j])
+            if b"\n" in line:
+                role, text = line.split(b"\n", 1)
+                for k in range(j + 1, min(j + 1 + ROLE_LINE_TOKENS, len(tokens))):
+                    if len(text) >= len(TOOL_RESPONSE):
+                        break
+                    text += self.tokenizer.piece_bytes(tokens[k])
+                role = role.decode("utf-8", "replace").strip()
+                return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j + 1
+        return "", i
 
     def _prompt_tokens(self, msg: P.Generate):
         """(the prompt's token ids, its ChatPrompt with the images or None)."""
@@ -491,6 +510,8 @@ class Coordinator:
         wanted = DECODE_SLOTS if asked is None else min(DECODE_SLOTS, asked // self.opts.block + 2)
         # the decode pairs first: the state of the generation's end, where the next turn resumes,
         # must not find every state taken by the prompt's own snapshots, not yet written
+        if cache:
+            self.index.keep(req.cache_tokens, req.marks)     # turn starts a later turn may rewrite from
         req.decode_slots = self.index.reserve(wanted) if cache and asked != 0 else []
         req.planned = self.index.plan(req.cache_tokens, resume.position if resume else 0, req.marks) if cache else []
         if req.prefill_device != "gpu":

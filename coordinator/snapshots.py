@@ -62,7 +62,9 @@ outlives what never was; a chain's parents are kept at least as recent as its ch
 so chains are trimmed from the deep end. A state slot goes by its own LRU in the same
 tiers, where "reused" means a client lookup resumed from that state: the entry then
 stays as a KV link of its chain, except an end entry, which is useless without its
-state and goes whole. A replay's lookup (a request restarted after its worker died)
+state and goes whole. A turn start a later prompt marks again (the coordinator names the
+first answer after the last user message in every prompt until the next user message)
+counts as resumed from, in both pools. A replay's lookup (a request restarted after its worker died)
 reuses the request's own snapshots: it is counted apart and promotes nothing.
 """
 from __future__ import annotations
@@ -159,7 +161,7 @@ class SnapshotIndex:
         self._lru = _EvictionOrder()                     # committed and unpinned, by tier, oldest first
         self._state_lru = _EvictionOrder()               # keys with a state not pinned, by state tier
         self._reused: set[bytes] = set()                 # committed keys a client lookup returned
-        self._resumed: set[bytes] = set()                # keys whose state a client lookup resumed from
+        self._resumed: set[bytes] = set()                # keys whose state a client lookup resumed from (or _keep)
         self._pins: dict[bytes, int] = {}                # committed key -> Resumes (and state-only plans) holding it
         self._state_pins: dict[bytes, int] = {}          # committed key -> Resumes holding its state
         self._planned: dict[bytes, Planned] = {}         # being written, pinned, invisible (state only: visible)
@@ -317,7 +319,10 @@ class SnapshotIndex:
         (where a chat's turns begin: the next turn may diverge right after one), unless
         cached or already being written; in position order. The end, the marks and the
         last block boundary get a state slot (a cached block entry there without one gets
-        a state-only plan), other boundaries only a free one. Evicts least-recently-used
+        a state-only plan), other boundaries only a free one. A mark the prompt has already
+        passed (at or before `start`) that is cached is kept as if a client had resumed
+        from it (_keep): a turn start the coordinator names again is where a later turn's
+        template may rewrite, however many turns on. Evicts least-recently-used
         unpinned entries (and states); when nothing more can be evicted the rest are
         skipped (a request never fails for lack of cache)."""
         data = token_bytes(tokens)
@@ -331,6 +336,7 @@ class SnapshotIndex:
         if n % self.block and n > start:
             wanted.append((end, n, keys[-1] if keys else None))
         resume_points = {n, len(keys) * self.block}
+        kept = self._keep_marks(data, keys, [m for m in marks if m <= start])
         for m in sorted({int(m) for m in marks if start < m < n and m % self.block}):
             base = m // self.block                 # the mark's own end entry, after `base` full blocks
             wanted.append((self._end(keys[base - 1] if base else b"", data, base * self.block, m), m,
@@ -342,9 +348,12 @@ class SnapshotIndex:
         wanted = [w for w in wanted if w[0] not in self._entries and w[0] not in self._planned]
         # This prompt's own cached snapshots must not be evicted to make room for its
         # later ones (a gap would make those useless): hold them out of the LRU.
-        held = [k for k in keys + [end] if k in self._lru]
+        held = [k for k in keys + [end] + kept if k in self._lru]
         for k in held:
             self._lru.remove(k)
+        held_states = [k for k in kept if k in self._state_lru]     # nor the states of its kept turn starts
+        for k in held_states:
+            self._state_lru.remove(k)
         kv = []
         for key, position, parent in wanted:
             slot = self._take_slot()
@@ -375,7 +384,40 @@ class SnapshotIndex:
         for k in reversed(held):
             if k in self._entries and k not in self._pins:
                 self._lru.add(k, self._tier(k))
+        for k in held_states:
+            self._state_lru.add(k, self._state_tier(k))
         return planned
+
+    def keep(self, tokens, marks) -> None:
+        """Keep the cached snapshots at these turn starts of tokens as ones a client resumed
+        from (see plan): called before a request's decode pairs are reserved, which may evict."""
+        data = token_bytes(tokens)
+        self._keep_marks(data, self._chain(data), marks)
+
+    def _keep_marks(self, data: bytes, keys: list[bytes], marks) -> list[bytes]:
+        """_keep the cached end entries at `marks` (positions in the tokens of `data`, whose
+        chain keys are `keys`); returns their keys."""
+        kept = []
+        for m in sorted({int(m) for m in marks if 0 < m <= len(data) // 4 and m % self.block}):
+            base = m // self.block
+            key = self._end(keys[base - 1] if base else b"", data, base * self.block, m)
+            if key in self._entries:
+                self._keep(key)
+                kept.append(key)
+        return kept
+
+    def _keep(self, key: bytes) -> None:
+        """A later prompt marks this snapshot as a turn start again (where a template may
+        rewrite what follows, however many turns later): keep it, KV and state, as one a
+        client resumed from, and make it the most recent. Nothing if it is not cached."""
+        if key not in self._entries:
+            return
+        self._reused.add(key)
+        self._resumed.add(key)                     # an end entry's state is there while it is
+        if key in self._lru:
+            self._lru.add(key, self._tier(key))
+        if key in self._state_lru:
+            self._state_lru.add(key, self._state_tier(key))
 
     def reserve(self, n: int, end: bool = True) -> list[tuple[int, int]]:
         """Up to n (KV slot, state slot) pairs for a decoding sequence's snapshots, evicting

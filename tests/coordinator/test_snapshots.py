@@ -777,3 +777,41 @@ def test_a_cached_block_without_its_state_gets_a_state_only_snapshot():
     idx.check_invariants()
     assert idx.cached(a) == 8 and idx.cached(a + [1]) == 8
     assert idx.plan(a, 0) == []                            # nothing left to write
+
+
+def _agent_steps(idx: SnapshotIndex, steps: int, block: int, keep: bool) -> tuple[list[int], list[int]]:
+    """An agent's turns after one user message: each prompt is the last one, its answer and
+    a tool result, marked at its own turn start and (keep=True, as the coordinator does)
+    at the first answer's start. Returns that first answer's start and the prompt."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(1000) for _ in range(2 * block + 3)]   # system and user message
+    first_answer = len(prompt)
+    for _ in range(steps):                 # served as the coordinator serves them
+        res = idx.lookup(prompt)
+        marks = [len(prompt)] + ([first_answer] if keep else [])
+        idx.keep(prompt, marks)
+        pairs = idx.reserve(2)
+        idx.commit(idx.plan(prompt, res.position if res else 0, marks=marks))
+        answer = prompt + [rng.randrange(1000) for _ in range(block + 2)]
+        if pairs:
+            idx.adopt(pairs[0], answer)
+            idx.unreserve(pairs[1:])
+        idx.release(res)
+        idx.check_invariants()
+        prompt = answer + [rng.randrange(1000) for _ in range(block)]      # the tool's result
+    return first_answer, prompt
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_first_answers_start_outlives_many_agent_steps_when_marked_again(keep):
+    """A new user message makes the template rewrite every answer since the last one from
+    the first answer's first token: its snapshot must outlive the agent's steps between.
+    Marked again in each step's prompt it is kept (as resumed from); marked once, the few
+    state slots of a long agent loop evict it."""
+    idx = SnapshotIndex(256, block=4, n_state_slots=6)
+    first_answer, prompt = _agent_steps(idx, 12, 4, keep)
+    rewritten = prompt[:first_answer] + [7777, 7778]        # the reasoning dropped from there on
+    if keep:
+        assert idx.cached(rewritten) == first_answer
+    else:
+        assert idx.cached(rewritten) < first_answer

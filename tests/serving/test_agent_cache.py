@@ -6,6 +6,8 @@ turn on, only what the agent appended since the previous generation is prefilled
 plus the generation's last token (sampled, never run)."""
 from __future__ import annotations
 
+import pytest
+
 import bench.agent
 from bench.agent import replay, summary
 from bench.make_agent_episode import build
@@ -39,13 +41,17 @@ def test_each_agent_turn_prefills_only_what_was_appended(tmp_path):
     assert_keys_documented({"fermoe": {"turns": rows, "summary": summary(rows)}}, bench.agent)
 
 
-def test_a_new_user_message_that_drops_earlier_reasoning_resumes_where_that_turn_began(tmp_path):
+@pytest.mark.parametrize("store", [("--snapshot-mem", "256MiB"),
+                                   ("--snapshot-mem", "3MiB", "--snapshot-states", "4")])
+def test_a_new_user_message_that_drops_earlier_reasoning_resumes_where_that_turn_began(tmp_path, store):
     """Without preserve_thinking the template drops the reasoning of the turns before the
     last user message once a new one comes, so that prompt matches the cache only up to
-    where the first answer began: the snapshot taken at its turn's start serves it."""
+    where the first answer began: the snapshot taken at its turn's start serves it, also
+    in a store of four states that the agent's steps in between have cycled through many
+    times (the coordinator names that turn start in each of their prompts)."""
     model = tmp_path / "builtin-qwen-template.gguf"
     rewrite_gguf(BUILTIN["tiny"], model, meta={"tokenizer.chat_template": QWEN_STYLE_TEMPLATE})
-    daemon = HttpDaemon(model, "--block", "64", "--snapshot-mem", "256MiB")
+    daemon = HttpDaemon(model, "--block", "64", *store)
     episode = build(result_chars=300, notes=False)
     second_request = next(i for i, t in enumerate(episode["turns"]) if i and "user" in t)
     try:
