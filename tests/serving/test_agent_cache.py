@@ -6,11 +6,13 @@ turn on, only what the agent appended since the previous generation is prefilled
 plus the generation's last token (sampled, never run)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 import bench.agent
 from bench.agent import replay, summary
-from bench.make_agent_episode import build
 from shared.builtin import BUILTIN
 from shared.model import Model
 from tests.support.bench_keys import assert_keys_documented
@@ -20,6 +22,14 @@ from tests.support.qwen_template import QWEN_STYLE_TEMPLATE
 
 GENERATED = 24
 SLACK = 4          # tokens where re-encoding the model's text may differ from what it sampled
+# bench/make_agent_episode.py's build(result_chars=300, notes=False), kept: built afresh it
+# quotes this repository's files, and the tiny model's answers (which the template re-renders)
+# change with every edit to them
+EPISODE = Path(__file__).resolve().parent.parent / "support" / "agent_episode_small.json"
+
+
+def load_episode() -> dict:
+    return json.loads(EPISODE.read_text())
 
 
 def test_each_agent_turn_prefills_only_what_was_appended(tmp_path):
@@ -27,7 +37,7 @@ def test_each_agent_turn_prefills_only_what_was_appended(tmp_path):
     rewrite_gguf(BUILTIN["tiny"], model, meta={"tokenizer.chat_template": QWEN_STYLE_TEMPLATE})
     daemon = HttpDaemon(model, "--block", "64", "--snapshot-mem", "256MiB")
     try:
-        rows = replay(daemon.url, build(result_chars=300, notes=False), max_tokens=GENERATED,
+        rows = replay(daemon.url, load_episode(), max_tokens=GENERATED,
                       request={"ignore_eos": True})
     finally:
         assert daemon.stop() == 0
@@ -52,7 +62,7 @@ def test_a_new_user_message_that_drops_earlier_reasoning_resumes_where_that_turn
     model = tmp_path / "builtin-qwen-template.gguf"
     rewrite_gguf(BUILTIN["tiny"], model, meta={"tokenizer.chat_template": QWEN_STYLE_TEMPLATE})
     daemon = HttpDaemon(model, "--block", "64", *store)
-    episode = build(result_chars=300, notes=False)
+    episode = load_episode()
     second_request = next(i for i, t in enumerate(episode["turns"]) if i and "user" in t)
     try:
         rows = replay(daemon.url, episode, max_tokens=GENERATED,
