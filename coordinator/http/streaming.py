@@ -167,7 +167,8 @@ class GenerationResponse:
         else:
             first, *rest = self.fmt.closing(done)           # the tokens no delta carried yet go with the first
             *last, final = [self._with_logprobs(first), *rest]
-            events = [self._chunk([c]) for c in last] + [self._chunk([final], timings=self.timings.final(done))]
+            timings = {"timings": self.timings.partial()} if self.timings_per_token else {}
+            events = [self._chunk([c], **timings) for c in last] + [self._chunk([final], timings=self.timings.final(done))]
             if self.include_usage:
                 events.append(self._chunk([], usage=usage(done)))
         return events + [b"data: [DONE]\n\n"]
