@@ -277,28 +277,16 @@ class SnapshotIndex:
             self._unpin(e.key)
 
     def _pin(self, key: bytes) -> None:
-        if key not in self._pins:
-            self._lru.remove(key)
-            self._pins[key] = 0
-        self._pins[key] += 1
+        _hold(self._pins, self._lru, key)
 
     def _unpin(self, key: bytes) -> None:
-        self._pins[key] -= 1
-        if self._pins[key] == 0:
-            del self._pins[key]
-            self._lru.add(key, self._tier(key))
+        _let_go(self._pins, self._lru, key, self._tier)
 
     def _pin_state(self, key: bytes) -> None:
-        if key not in self._state_pins:
-            self._state_lru.remove(key)
-            self._state_pins[key] = 0
-        self._state_pins[key] += 1
+        _hold(self._state_pins, self._state_lru, key)
 
     def _unpin_state(self, key: bytes) -> None:
-        self._state_pins[key] -= 1
-        if self._state_pins[key] == 0:
-            del self._state_pins[key]
-            self._state_lru.add(key, self._state_tier(key))
+        _let_go(self._state_pins, self._state_lru, key, self._state_tier)
 
     def _tier(self, key: bytes) -> int:
         """Eviction tier of a committed entry's KV (see the module's docstring)."""
@@ -648,6 +636,22 @@ class SnapshotIndex:
                 base, r = self._end_base(e)
                 ends.setdefault(base, {})[r] = ends.get(base, {}).get(r, 0) + 1
         assert ends == self._ends, "end-entry index out of date"
+
+
+def _hold(pins: dict[bytes, int], order: "_EvictionOrder", key: bytes) -> None:
+    """One more holder of key: out of the eviction order while any holds it."""
+    if key not in pins:
+        order.remove(key)
+        pins[key] = 0
+    pins[key] += 1
+
+
+def _let_go(pins: dict[bytes, int], order: "_EvictionOrder", key: bytes, tier_of) -> None:
+    """One holder less: back into the eviction order, most recent in its tier, with the last."""
+    pins[key] -= 1
+    if pins[key] == 0:
+        del pins[key]
+        order.add(key, tier_of(key))
 
 
 class _EvictionOrder:
