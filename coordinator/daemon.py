@@ -267,18 +267,17 @@ class Coordinator:
         (after the role line's newline; i if no newline comes within ROLE_LINE_TOKENS).
         A user turn that opens with <tool_response> is "tool": Qwen's templates render tool
         results as user turns."""
-        line = b""
-        for j in range(i + 1, min(i + ROLE_LINE_TOKENS, len(tokens))):
-            line += self.tokenizer.piece_bytes(tokens[j])
-            if b"\n" in line:
-                role, text = line.split(b"\n", 1)
-                for k in range(j + 1, min(j + 1 + ROLE_LINE_TOKENS, len(tokens))):
-                    if len(text) >= len(TOOL_RESPONSE):
-                        break
-                    text += self.tokenizer.piece_bytes(tokens[k])
-                role = role.decode("utf-8", "replace").strip()
-                return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j + 1
-        return "", i
+        piece = self.tokenizer.piece_bytes
+        line, j = b"", i + 1
+        while j < min(i + ROLE_LINE_TOKENS, len(tokens)) and b"\n" not in line:
+            line += piece(tokens[j])
+            j += 1
+        if b"\n" not in line:
+            return "", i
+        role, text = line.split(b"\n", 1)
+        text += b"".join(piece(t) for t in tokens[j:j + ROLE_LINE_TOKENS])
+        role = role.decode("utf-8", "replace").strip()
+        return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j
 
     def _prompt_tokens(self, msg: P.Generate):
         """(the prompt's token ids, its ChatPrompt with the images or None)."""

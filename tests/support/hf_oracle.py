@@ -31,15 +31,11 @@ SHAPES = {
                         head_dim=32, linear_num_key_heads=3, linear_num_value_heads=9, linear_key_head_dim=32,
                         linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4,
                         moe_intermediate_size=64, shared_expert_intermediate_size=32, full_attention_interval=3),
-    "qwen3next-a": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2),
-    "qwen3next-b": dict(hidden_size=96, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
-                        head_dim=32, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=32,
-                        linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4,
-                        moe_intermediate_size=64, shared_expert_intermediate_size=32, full_attention_interval=3),
 }
+# Qwen3-Next: the same shapes with two value heads a key head
+SHAPES.update({f"qwen3next-{v}": {**SHAPES[f"qwen35moe-{v}"],
+                                  "linear_num_value_heads": 2 * SHAPES[f"qwen35moe-{v}"]["linear_num_key_heads"]}
+               for v in "ab"})
 
 
 def build_hf_model(shape: str, seed: int = 0):

@@ -13,7 +13,8 @@ from gpu_worker.engine import GPUEngine
 from shared.engine import ReferenceEngine
 from shared.reference import text_positions
 from shared.vision.prompt import TokenMedia
-from tests.gpu_worker.test_engine import GPU_RTOL, close
+from tests.gpu_worker.test_engine import close
+from tests.support.bad_media import assert_refuses_bad_media
 from tests.vision.test_prompt import LOGIT_RTOL, _check, _images, _prompt, mm  # noqa: F401 (a fixture)
 
 vo = pytest.importorskip("tests.support.vision_oracle")
@@ -109,14 +110,9 @@ def test_text_through_the_image_path_is_bit_for_bit_plain_text(mm):
 
 
 def test_bad_media_is_refused(mm):
-    from shared.errors import FermoeError
     _, model, _ = mm
     engine = gpu(model)
-    bad = TokenMedia(text_positions(0, 3), np.array([1]), np.zeros((1, 7), np.float32))
-    with pytest.raises(FermoeError, match=r"image embeddings of shape \(1, 7\)"):
-        engine.forward([1, 2, 3], engine.new_state(), media=bad)
-    with pytest.raises(FermoeError, match="image positions of shape"):
-        engine.forward([1, 2], engine.new_state(), media=bad)
+    assert_refuses_bad_media(engine)
     engine.close()
 
 

@@ -14,6 +14,7 @@ from shared.reference import text_positions
 from shared.vision.mmproj import Mmproj
 from shared.vision.prompt import TokenMedia, build, expand, positions
 from shared.vision.reference import encode_image
+from tests.support.bad_media import assert_refuses_bad_media
 
 vo = pytest.importorskip("tests.support.vision_oracle")
 torch = vo.torch
@@ -165,12 +166,7 @@ def test_expand_and_positions():
 
 
 def test_bad_media_is_refused(tiny_model):
-    eng = ReferenceEngine(tiny_model)
-    bad = TokenMedia(text_positions(0, 3), np.array([1]), np.zeros((1, 7), np.float32))
-    with pytest.raises(FermoeError, match=r"image embeddings of shape \(1, 7\)"):
-        eng.forward([1, 2, 3], eng.new_state(), media=bad)
-    with pytest.raises(FermoeError, match="image positions of shape"):
-        eng.forward([1, 2], eng.new_state(), media=bad)
+    assert_refuses_bad_media(ReferenceEngine(tiny_model))
 
 
 def test_only_images_past_the_resume_point_are_encoded():
