@@ -73,6 +73,7 @@ class Coordinator:
             snapshot_bytes=opts.snapshot_mem, state_bytes=recurrent_nbytes(self.model.config))
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    weight_bytes, sequences)
+        self._pools = self._snapshot_pools()     # an impossible --snapshot-states fails before binding
         self.ctx = zmq.Context.instance()
         self.clients = self._socket(opts.bind, mandatory=True)
         self.workers_sock = self._socket(opts.worker_bind)
@@ -130,13 +131,18 @@ class Coordinator:
             raise FermoeError(f"cannot bind {endpoint}: {e}") from None
         return sock
 
+    def _snapshot_pools(self) -> tuple[int, int, int, int]:
+        """(KV slot bytes, state slot bytes, KV slots, state slots) of the snapshot store."""
+        kv = kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
+        state = state_slot_nbytes(self.model.config)
+        return (kv, state, *snapshot_pools(self.opts.snapshot_mem, kv, state,
+                                           getattr(self.opts, "snapshot_states", None)))
+
     def _make_snapshot_store(self) -> None:
         from shared.shm_arena import SnapshotArena
         for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
             log.warning("removed stale snapshot arena %s", name)
-        kv = kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
-        state = state_slot_nbytes(self.model.config)
-        n_kv, n_states = snapshot_pools(self.opts.snapshot_mem, kv, state, getattr(self.opts, "snapshot_states", None))
+        kv, state, n_kv, n_states = self._pools
         self.index = SnapshotIndex(n_kv, self.opts.block, n_state_slots=n_states)
         self.arena = (SnapshotArena.create(kv, n_kv, state_slot_bytes=state, n_state_slots=n_states)
                       if n_kv else None)
