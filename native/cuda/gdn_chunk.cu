@@ -11,15 +11,23 @@
  * Layouts of q, k, v, beta, g, S as in gdn.cu; dk <= 128.
  *
  *   gdn_chunk_prep    G, A, T (forward substitution in shared memory), W, U, P
- *                     grid (nc, hv), block 256; shared: A/T [64][65], K and Q slabs
- *                     [64][33] (dk in slabs of 32)
+ *                     grid (nc, hv), block 256; shared: A/T [64][68], two slabs of 32
+ *                     key (or value) dims: K and Q transposed [32][68] for K K^T and
+ *                     Q K^T, then K or V as rows [64][33] for T K and T V
  *   gdn_chunk_state   the only sequential part: chunk after chunk, Vn and S1 from S0;
  *                     a block holds 16 value columns of a head's state (in registers,
  *                     8 entries a thread), W and K stream through shared memory in
  *                     double-buffered slabs (below). grid (hv, ceil(dv / 16)), block 256;
  *                     dk a multiple of 4, k 16-byte aligned
  *   gdn_chunk_output  O from S0, P, Vn: every chunk in parallel
- *                     grid (nc, hv, ceil(dv / 32)), block 256 */
+ *                     grid (nc, hv, ceil(dv / 32)), block 256
+ *
+ * The products inside a chunk are register-blocked as the GEMM tiles are: thread (ty, tx)
+ * = (tid / 32, tid % 32) holds the 8 rows 8 ty .. 8 ty + 7 of one or two output columns,
+ * so a step over the inner dimension takes the rows' 8 values in two 16-byte loads (a
+ * warp's threads read the same ones) and a column's value in one: 3 shared loads for 8
+ * FMAs, where a thread an output took 2 for 1. Every output sums its terms in the order
+ * of the inner dimension, as a thread an output did. */
 #include "prelude.cuh"
 #include "gdn.cuh"
 
@@ -40,15 +48,36 @@ FM_DEVICE void fm_load_slab(float (*dst)[FM_SLAB + 1], const float *src, long lo
     }
 }
 
+#define FM_T_LD 68      /* a transposed slab's row stride ([32][64] in rows of 68: 16-byte aligned) */
+
+/* The same rows and columns transposed: dst[c * FM_T_LD + i] for c < 32, i < 64 */
+FM_DEVICE void fm_load_slab_t(float *dst, const float *src, long long row_stride, int head_offset, int t0, int n,
+                              int c0, int width)
+{
+    for (int idx = threadIdx.x; idx < FM_CHUNK * FM_SLAB; idx += blockDim.x) {
+        int i = idx / FM_SLAB, c = idx % FM_SLAB;
+        dst[c * FM_T_LD + i] = i < n && c0 + c < width ? src[(long long)(t0 + i) * row_stride + head_offset + c0 + c]
+                                                        : 0.0f;
+    }
+}
+
+/* Entries 8 ty .. 8 ty + 7 of a row of a transposed slab (two 16-byte loads) */
+FM_DEVICE void fm_rows8(float v[8], const float *row, int ty)
+{
+    fm_f4 a = *(const fm_f4 *)(row + 8 * ty), b = *(const fm_f4 *)(row + 8 * ty + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
 FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const float *q, const float *k, const float *v,
                               const float *beta, const float *g, const int *chunk_start, const int *chunk_len, int hk,
                               int hv, int dk, int dv, int ldv, int tiled)
 {
     __shared__ float Gs[FM_CHUNK], Bs[FM_CHUNK], Es[FM_CHUNK], tmp[FM_CHUNK];
-    __shared__ float Am[FM_CHUNK][FM_CHUNK + 1];
-    __shared__ float Ks[FM_CHUNK][FM_SLAB + 1], Qs[FM_CHUNK][FM_SLAB + 1];
+    __shared__ FM_ALIGN16 float Am[FM_CHUNK][FM_T_LD];
+    __shared__ FM_ALIGN16 float slab[2][FM_SLAB * FM_T_LD];  /* K and Q transposed; then K or V as rows [64][33] */
     __shared__ float Ts[FM_SLAB][FM_CHUNK + 1];     /* a W slab, key-major, on its way out */
-    int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    float(*Ks)[FM_SLAB + 1] = (float(*)[FM_SLAB + 1])slab[0];
+    int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, ty = tid / 32, tx = tid % 32;
     int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
     if (tid == 0) {
@@ -65,29 +94,35 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
         Gc[ch * FM_CHUNK + tid] = Gs[tid];
     }
 
-    /* K K^T and Q K^T over dk in slabs: thread tid owns pairs (i, j) = (idx / 64, idx % 64), idx = tid + 256 u */
-    float accA[16], accP[16];
-    for (int u = 0; u < 16; u++) accA[u] = accP[u] = 0.0f;
+    /* K K^T and Q K^T over dk in slabs: rows i = 8 ty + a, columns j = tx + 32 b */
+    float accA[8][2], accP[8][2];
+    for (int a = 0; a < 8; a++)
+        for (int b = 0; b < 2; b++) accA[a][b] = accP[a][b] = 0.0f;
     long long rs = (long long)hk * dk;
     for (int s0 = 0; s0 < dk; s0 += FM_SLAB) {
-        fm_load_slab(Ks, k, rs, kh * dk, t0, n, s0, dk, 0);
-        fm_load_slab(Qs, q, rs, kh * dk, t0, n, s0, dk, 0);
+        fm_load_slab_t(slab[0], k, rs, kh * dk, t0, n, s0, dk);
+        fm_load_slab_t(slab[1], q, rs, kh * dk, t0, n, s0, dk);
         __syncthreads();
-        for (int u = 0; u < 16; u++) {
-            int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_CHUNK, j = idx % FM_CHUNK;
-            for (int c = 0; c < FM_SLAB; c++) {
-                accA[u] = fm_fma(Ks[i][c], Ks[j][c], accA[u]);
-                accP[u] = fm_fma(Qs[i][c], Ks[j][c], accP[u]);
-            }
+        for (int c = 0; c < FM_SLAB; c++) {
+            const float *kt = slab[0] + c * FM_T_LD;
+            float ki[8], qi[8], kj[2] = {kt[tx], kt[tx + 32]};
+            fm_rows8(ki, kt, ty);
+            fm_rows8(qi, slab[1] + c * FM_T_LD, ty);
+            for (int a = 0; a < 8; a++)
+                for (int b = 0; b < 2; b++) {
+                    accA[a][b] = fm_fma(ki[a], kj[b], accA[a][b]);
+                    accP[a][b] = fm_fma(qi[a], kj[b], accP[a][b]);
+                }
         }
         __syncthreads();
     }
-    for (int u = 0; u < 16; u++) {
-        int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_CHUNK, j = idx % FM_CHUNK;
-        bool in = i < n && j < n;
-        Am[i][j] = in && j < i ? Bs[i] * accA[u] * fm_expf(Gs[i] - Gs[j]) : 0.0f;
-        P[ch * FM_CHUNK * FM_CHUNK + idx] = in && j <= i ? accP[u] * fm_expf(Gs[i] - Gs[j]) : 0.0f;
-    }
+    for (int a = 0; a < 8; a++)
+        for (int b = 0; b < 2; b++) {
+            int i = 8 * ty + a, j = tx + 32 * b;
+            bool in = i < n && j < n;
+            Am[i][j] = in && j < i ? Bs[i] * accA[a][b] * fm_expf(Gs[i] - Gs[j]) : 0.0f;
+            P[ch * FM_CHUNK * FM_CHUNK + i * FM_CHUNK + j] = in && j <= i ? accP[a][b] * fm_expf(Gs[i] - Gs[j]) : 0.0f;
+        }
     __syncthreads();
 
     /* T = (I + A)^-1 in place, row by row: T_ij = -sum_{m=j}^{i-1} A_im T_mj (j < i), T_ii = 1 */
@@ -105,9 +140,10 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
         __syncthreads();
     }
 
-    /* W = T (beta e^G K), U = T (beta V), 32 columns at a time: thread owns (i, c) = (idx / 32,
-     * idx % 32), so a warp's m loop has one length. U [64][dv] is written as computed; W is
-     * stored key-major, [dk][64] (the state pass reads it in slabs of key dims), through
+    /* W = T (beta e^G K), U = T (beta V), 32 columns at a time: rows i = 8 ty + a of column
+     * tx, the sum over m <= i (T is lower triangular) four m at a time (a row's four T
+     * values in one 16-byte load). U [64][dv] is written as computed; W is stored
+     * key-major, [dk][64] (the state pass reads it in slabs of key dims), through
      * Ts [32][65], so that a warp writes 32 consecutive rows of one key dim. */
     for (int pass = 0; pass < 2; pass++) {
         int width = pass == 0 ? dk : dv;
@@ -115,12 +151,21 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
             if (pass == 0) fm_load_slab(Ks, k, rs, kh * dk, t0, n, s0, dk, Es);
             else fm_load_slab(Ks, v, ldv, h * dv, t0, n, s0, dv, Bs);
             __syncthreads();
-            for (int u = 0; u < FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS; u++) {
-                int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
-                float acc = 0.0f;
-                for (int m = 0; m <= i; m++) acc = fm_fma(Am[i][m], Ks[m][c], acc);
-                if (pass == 0) Ts[c][i] = acc;
-                else if (s0 + c < width) U[(ch * FM_CHUNK + i) * dv + s0 + c] = acc;
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int m0 = 0; m0 < 8 * ty + 8; m0 += 4) {
+                float x[4] = {Ks[m0][tx], Ks[m0 + 1][tx], Ks[m0 + 2][tx], Ks[m0 + 3][tx]};
+                for (int a = 0; a < 8; a++) {
+                    int i = 8 * ty + a;
+                    fm_f4 t = *(const fm_f4 *)&Am[i][m0];
+                    float tm[4] = {t.x, t.y, t.z, t.w};
+                    for (int e = 0; e < 4; e++)
+                        if (m0 + e <= i) acc[a] = fm_fma(tm[e], x[e], acc[a]);
+                }
+            }
+            for (int a = 0; a < 8; a++) {
+                int i = 8 * ty + a;
+                if (pass == 0) Ts[tx][i] = acc[a];
+                else if (s0 + tx < width) U[(ch * FM_CHUNK + i) * dv + s0 + tx] = acc[a];
             }
             __syncthreads();
             if (pass == 0) {
@@ -298,38 +343,45 @@ FM_KERNEL void gdn_chunk_output(float *O, const float *q, const float *S0, const
                                 const float *Gc, const int *chunk_start, const int *chunk_len, int hk, int hv, int dk,
                                 int dv, int tiled)
 {
-    __shared__ float Qs[FM_CHUNK][FM_SLAB + 1], Ss[FM_SLAB][FM_SLAB + 1];
-    __shared__ float Ps[FM_CHUNK][FM_CHUNK + 1], Vs[FM_CHUNK][FM_SLAB + 1];
-    int ci = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * FM_SLAB, tid = threadIdx.x;
+    __shared__ FM_ALIGN16 float Qt[FM_SLAB * FM_T_LD];     /* a Q slab transposed: Qt[r][i] = q_i[r0 + r] */
+    __shared__ FM_ALIGN16 float Pt[FM_CHUNK * FM_T_LD];    /* P transposed: Pt[j][i] = P[i][j] */
+    __shared__ float Ss[FM_SLAB][FM_SLAB + 1], Vs[FM_CHUNK][FM_SLAB + 1];
+    int ci = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * FM_SLAB, tid = threadIdx.x, ty = tid / 32, tx = tid % 32;
     int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
-    const int per = FM_CHUNK * FM_SLAB / FM_CHUNK_THREADS;
-    float acc[per];
-    for (int u = 0; u < per; u++) acc[u] = 0.0f;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  /* rows 8 ty + a, column tx */
     for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {            /* Q S0 */
-        fm_load_slab(Qs, q, (long long)hk * dk, kh * dk, t0, n, r0, dk, 0);
+        fm_load_slab_t(Qt, q, (long long)hk * dk, kh * dk, t0, n, r0, dk);
         for (int idx = tid; idx < FM_SLAB * FM_SLAB; idx += blockDim.x) {
             int r = idx / FM_SLAB, c = idx % FM_SLAB;
             Ss[r][c] = r0 + r < dk && c0 + c < dv ? S0[(ch * dk + r0 + r) * dv + c0 + c] : 0.0f;
         }
         __syncthreads();
-        for (int u = 0; u < per; u++) {
-            int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
-            for (int r = 0; r < FM_SLAB; r++) acc[u] = fm_fma(Qs[i][r], Ss[r][c], acc[u]);
+        for (int r = 0; r < FM_SLAB; r++) {
+            float qi[8], s = Ss[r][tx];
+            fm_rows8(qi, Qt + r * FM_T_LD, ty);
+            for (int a = 0; a < 8; a++) acc[a] = fm_fma(qi[a], s, acc[a]);
         }
         __syncthreads();
     }
     for (int idx = tid; idx < FM_CHUNK * FM_CHUNK; idx += blockDim.x)
-        Ps[idx / FM_CHUNK][idx % FM_CHUNK] = P[ch * FM_CHUNK * FM_CHUNK + idx];
+        Pt[(idx % FM_CHUNK) * FM_T_LD + idx / FM_CHUNK] = P[ch * FM_CHUNK * FM_CHUNK + idx];
     for (int idx = tid; idx < FM_CHUNK * FM_SLAB; idx += blockDim.x) {
         int i = idx / FM_SLAB, c = idx % FM_SLAB;
         Vs[i][c] = c0 + c < dv ? Vn[(ch * FM_CHUNK + i) * dv + c0 + c] : 0.0f;
     }
     __syncthreads();
-    for (int u = 0; u < per; u++) {                       /* e^G (Q S0) + P Vn */
-        int idx = tid + FM_CHUNK_THREADS * u, i = idx / FM_SLAB, c = idx % FM_SLAB;
-        float out = acc[u] * fm_expf(Gc[ch * FM_CHUNK + i]);
-        for (int j = 0; j <= i; j++) out = fm_fma(Ps[i][j], Vs[j][c], out);
-        if (i < n && c0 + c < dv) O[((long long)(t0 + i) * hv + h) * dv + c0 + c] = out;
+    float out[8];                                          /* e^G (Q S0) + P Vn, j <= i */
+    for (int a = 0; a < 8; a++) out[a] = acc[a] * fm_expf(Gc[ch * FM_CHUNK + 8 * ty + a]);
+    for (int j = 0; j < 8 * ty + 8; j++) {
+        float pj[8], x = Vs[j][tx];
+        fm_rows8(pj, Pt + j * FM_T_LD, ty);
+        for (int a = 0; a < 8; a++)
+            if (j <= 8 * ty + a) out[a] = fm_fma(pj[a], x, out[a]);
+    }
+    for (int a = 0; a < 8; a++) {
+        int i = 8 * ty + a;
+        if (i < n && c0 + tx < dv) O[((long long)(t0 + i) * hv + h) * dv + c0 + tx] = out[a];
     }
 }
+
