@@ -198,7 +198,7 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng, sweep: bool) -> list[dic
     in the tiles the engine picks (ops.moe_tile_rows); with `sweep`, Q4_0 in every tile
     height too (`tiles_q4_0`: TFLOP/s and the useful fractions of each)."""
     from gpu_worker.buffers import DeviceArray
-    from gpu_worker.kernels import MOE_BM
+    from gpu_worker.kernels import MOE_BM, MOE_DOWN_TILES, MOE_GATEUP_TILES
     from gpu_worker.ops import moe_tile_rows, moe_useful_fraction
     from gpu_worker.workspace import MoeGroups
     dev, E, k, d, ff = ops.device, cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
@@ -209,18 +209,21 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng, sweep: bool) -> list[dic
     ops.moe_route(g.topk_ids, g.topk_w, g.counts, logits, T, E, k)
     picked = moe_tile_rows(T, E, k)
 
-    def group(bm: int) -> dict:
+    def group(bm: int) -> dict[str, dict]:
+        """Each launch's useful fractions in tiles of bm rows (its own columns: its warps' rows)"""
         ops.moe_group(g, T, E, k, bm)
         n_tiles = int(g.n_tiles.download()[0])
-        useful = moe_useful_fraction(g.tile_rows.download()[:n_tiles], bm)
-        return {"tiles": n_tiles, **{key: round(v, 3) for key, v in useful.items()}}
+        rows = g.tile_rows.download()[:n_tiles]
+        return {name: {"tiles": n_tiles, **{key: round(v, 3) for key, v in
+                                           moe_useful_fraction(rows, bm, tiles[bm]).items()}}
+                for name, tiles in (("experts_gate_up", MOE_GATEUP_TILES), ("experts_down", MOE_DOWN_TILES))}
 
     useful = group(picked)
     x = DeviceArray.of(dev, rng.standard_normal((T, d)).astype(np.float32))
     act, y = DeviceArray(dev, (P, ff)), DeviceArray(dev, (P, d))
     act.upload(rng.standard_normal((P, ff)).astype(np.float32))
     results = {s["name"]: {"name": s["name"], "M": P, "N": s["N"], "K": s["K"], "experts": E,
-                           "rows_per_expert": round(P / E, 1), "tile_rows": picked, "useful_fraction": useful}
+                           "rows_per_expert": round(P / E, 1), "tile_rows": picked, "useful_fraction": useful[s["name"]]}
                for s in expert_shapes(cfg)}
     for wtype in ("q4_0", "f32"):
         gate_up = [random_weights(2 * ff, d, wtype, rng) for _ in range(E)]
@@ -241,7 +244,7 @@ def _experts(ops, timer, cfg, T: int, peak: float, rng, sweep: bool) -> list[dic
                 if bm == picked:
                     results[s["name"]][wtype] = rate
                 if len(heights) > 1:
-                    results[s["name"]].setdefault("tiles_q4_0", {})[str(bm)] = {**rate, "useful_fraction": fraction}
+                    results[s["name"]].setdefault("tiles_q4_0", {})[str(bm)] = {**rate, "useful_fraction": fraction[s["name"]]}
         ops.moe_group(g, T, E, k, picked)
         slot.free()
         identity.free()

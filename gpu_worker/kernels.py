@@ -17,11 +17,13 @@ from .cuda_source import kernel_signatures
 KERNEL_TYPES = {GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.Q4_0: "q4_0", GGMLType.Q8_0: "q8_0"}
 
 # gemm.cu's tile rows (BM) of the dense GEMMs (all 128 columns wide), and of the
-# grouped-expert GEMMs with their columns (BN): the heights FM_GEMM_ENTRIES instantiates
-# (check_tiles holds these to the entry points the sources declare)
+# grouped-expert GEMMs with their columns (BN), gate|up and down: the heights
+# FM_GEMM_ENTRIES instantiates (check_tiles holds these to the entry points the sources
+# declare)
 DENSE_BM, DENSE_BN = (32, 64, 128), 128
-MOE_TILES = {64: 256, 128: 128}
-MOE_BM = tuple(MOE_TILES)
+MOE_GATEUP_TILES = {64: 128, 128: 128}
+MOE_DOWN_TILES = {64: 256, 128: 128}
+MOE_BM = tuple(MOE_DOWN_TILES)
 
 
 def signatures() -> dict[str, str]:

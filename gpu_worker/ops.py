@@ -10,7 +10,7 @@ from shared.config import ModelConfig
 
 from .buffers import DeviceArray
 from .cuda_source import kernel_constants
-from .kernels import DENSE_BM, DENSE_BN, KERNEL_TYPES, MOE_BM, MOE_TILES, Kernels, LaunchError
+from .kernels import DENSE_BM, DENSE_BN, KERNEL_TYPES, MOE_BM, MOE_DOWN_TILES, MOE_GATEUP_TILES, Kernels, LaunchError
 
 # A tile's fixed cost a K step, in rows of FMAs: the 128 weight columns' loads and
 # dequantisation, the A stores and the barrier are ~60 instructions a thread against
@@ -27,7 +27,7 @@ SPLIT_K_FLOATS = 1 << 22
 WARP_THREAD_ROWS = 4                         # a warp is 4 x 8 threads of the tile's grid
 # The grouped expert GEMMs' tile rows by the mean rows an expert gets (P / E): the
 # tallest height whose threshold that mean reaches (moe_tile_rows; `bench kernels --gpu`
-# sweeps them: at 59 rows 64 x 256 tiles, at 512 rows 128 x 128)
+# sweeps them: at 59 rows 64-row tiles, at 512 rows 128-row ones)
 MOE_TILE_FROM_ROWS = {64: 0, 128: 192}
 _CU = kernel_constants()                     # what the .cu files #define, read from them
 CHUNK = _CU["FM_CHUNK"]                      # gdn_chunk.cu's chunk of tokens
@@ -107,12 +107,12 @@ def moe_tile_rows(T: int, E: int, k: int) -> int:
     return max(bm for bm, rows in MOE_TILE_FROM_ROWS.items() if mean >= rows)
 
 
-def moe_useful_fraction(tile_rows, bm: int) -> dict[str, float]:
-    """Of the rows a grouped launch's tiles hold (n_tiles x bm), and of those its warps
-    compute (a warp holds warp_rows and skips when all are past the tile's end), the
-    fraction that are routed rows."""
+def moe_useful_fraction(tile_rows, bm: int, bn: int) -> dict[str, float]:
+    """Of the rows a grouped launch's tiles of bm x bn hold (n_tiles x bm), and of those
+    its warps compute (a warp holds warp_rows and skips when all are past the tile's end),
+    the fraction that are routed rows."""
     rows = np.asarray(tile_rows, np.int64)
-    warp = warp_rows(bm, MOE_TILES[bm])
+    warp = warp_rows(bm, bn)
     useful = int(rows.sum())
     return {"of_tiles": useful / max(1, len(rows) * bm),
             "of_computed": useful / max(1, int((-(-rows // warp) * warp).sum()))}
@@ -188,7 +188,7 @@ class Ops:
     def moe_group(self, g, T: int, E: int, k: int, bm: int | None = None):
         """Offsets, the tile table and the grouped order from g.counts (a MoeGroups), in
         tiles of moe_tile_rows rows (or `bm`: the benchmark's sweep, the tests)."""
-        need(bm is None or bm in MOE_TILES, f"moe_group: tiles of {bm} rows (gemm.cu has {MOE_BM})")
+        need(bm is None or bm in MOE_BM, f"moe_group: tiles of {bm} rows (gemm.cu has {MOE_BM})")
         g.bm = bm or moe_tile_rows(T, E, k)
         g.cursor.zero(self.stream)          # moe_scatter's arrival counts: zero for every grouping
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
@@ -200,13 +200,13 @@ class Ops:
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
         """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
         need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
-        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_TILES[g.bm] // 2), g.max_tiles), (GEMM_THREADS,), self.stream, act, x,
+        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_GATEUP_TILES[g.bm] // 2), g.max_tiles), (GEMM_THREADS,), self.stream, act, x,
                                                slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
                                                g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
         need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
-        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_TILES[g.bm]), g.max_tiles), (GEMM_THREADS,), self.stream, y, act, slot,
+        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_DOWN_TILES[g.bm]), g.max_tiles), (GEMM_THREADS,), self.stream, y, act, slot,
                                              slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                              g.tile_rows, g.n_tiles, N, K)
 

@@ -29,7 +29,9 @@
  *
  * so each weight of a tile is dequantised once, the loads' latency hides under the
  * FMAs, and one barrier a step suffices (the buffer written in step s was last read
- * in step s - 1, before that step's barrier). Shared memory: 21 KB (32 x 128) to
+ * in step s - 1, before that step's barrier). Within a step each k's shared loads are
+ * issued before the previous k's FMAs (fm_mma: two sets of fragment registers), and a
+ * tile's A rows (gathered or not) are looked up once, not every step. Shared memory: 21 KB (32 x 128) to
  * 42 KB (64 x 256). A's rows are read 16 bytes a thread (4 threads a row's 16 k)
  * when K and lda are multiples of 4 and the tile has 64 rows or more, else a float
  * a thread (16 threads a row); a W row's 16 k are fetched by 256 / BN threads
@@ -50,11 +52,11 @@
  *                     block a 8 x 32 tile over K in steps of 256 (8 K blocks at once), so a
  *                     long prompt still spreads over every SM (no FM_SWIGLU)
  *   moe_gateup_mBM_T  act[p] = silu(x Wg_e^T) * (x Wu_e^T) for the grouped rows p of each
- *                     expert e, x gathered by token (pair_token[p]); BM = 64: 64 x 256
- *                     tiles (128 gate and the matching 128 up columns), BM = 128:
- *                     128 x 128 (64 and 64); N = ff (GLU below). The height goes with the
- *                     rows an expert gets (ops.moe_tile_rows). No 32-row tiles: they waste
- *                     fewer rows but dequantise each weight for half as many, and lose
+ *                     expert e, x gathered by token (pair_token[p]); tiles BM x 128 (64
+ *                     gate and the matching 64 up columns), BM = 64 or 128; N = ff (GLU
+ *                     below). The height goes with the rows an expert gets
+ *                     (ops.moe_tile_rows). No 32-row tiles: they waste fewer rows but
+ *                     dequantise each weight for half as many, and lose
  *                     (docs/measurements.md has the sweep)
  *   moe_down_mBM_T    y[p] = act[p] Wd_e^T, tiles 64 x 256 or 128 x 128
  *
@@ -105,20 +107,29 @@ FM_DEVICE int fm_warp_row0() { return 4 * ((int)(threadIdx.x >> 5) / FmTile<BM, 
 /* ---- A: rows of activations (gathered, or their SwiGLU) ---- */
 
 /* vec (BM a multiple of 64, rows 16-byte aligned): thread t fetches k = 4 (i % 4) ..
- * + 3 of tile row i / 4, i = t + 256 e, e < BM / 64: a warp reads 8 rows' 64 bytes.
+ * + 3 of tile row i / 4, i = t + 256 e, e < BM / 64: a warp reads 8 rows' 64 bytes; the
+ * rows' indices in A (vrow, fm_a_rows) are looked up once a tile, not every step.
  * Otherwise k = t % 16 of the tile rows t / 16 + 16 e, e < BM / 16. Past the tile's
  * rows or kend: zeros. */
 template <int BM>
-FM_DEVICE void fm_fetch_a(float a[BM / 16], const float *A, int lda, const int *rows_map, int m0, int rows, int k0,
-                          int kend, int K, bool swiglu, bool vec)
+FM_DEVICE void fm_a_rows(int vrow[], const int *rows_map, int m0, int rows)
+{
+    for (int e = 0; e < (BM + 63) / 64; e++) {
+        int m = (int)(threadIdx.x + FM_GEMM_THREADS * e) >> 2;
+        vrow[e] = m >= rows ? -1 : rows_map ? rows_map[m0 + m] : m0 + m;
+    }
+}
+
+template <int BM>
+FM_DEVICE void fm_fetch_a(float a[BM / 16], const float *A, int lda, const int *rows_map, const int vrow[], int m0,
+                          int rows, int k0, int kend, int K, bool swiglu, bool vec)
 {
     if (BM % 64 == 0 && vec) {
         for (int e = 0; e < BM / 64; e++) {
-            int i = threadIdx.x + FM_GEMM_THREADS * e, m = i >> 2, k = k0 + 4 * (i & 3);
+            int i = threadIdx.x + FM_GEMM_THREADS * e, k = k0 + 4 * (i & 3);
             fm_f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (m < rows && k < kend) {
-                int src = rows_map ? rows_map[m0 + m] : m0 + m;
-                const float *p = A + (long long)src * lda + k;
+            if (vrow[e] >= 0 && k < kend) {
+                const float *p = A + (long long)vrow[e] * lda + k;
                 v = *(const fm_f4 *)p;
                 if (swiglu) {
                     fm_f4 u = *(const fm_f4 *)(p + K);
@@ -260,27 +271,38 @@ FM_DEVICE void fm_store_w(float (*Ws)[BN + 4], const unsigned r[KW], int k0)
 template <int BN>
 FM_DEVICE int fm_col(int tx, int j) { return (j / 4) * (BN / 2) + tx * 4 + (j % 4); }
 
+/* Thread (ty, tx)'s A values (its TM rows) and W values (its 8 columns) of k row k */
+template <int BM, int BN>
+FM_DEVICE void fm_frag(float a[], float b[8], float (*As)[BM + 4], float (*Ws)[BN + 4], int k, int ty, int tx)
+{
+    const int TM = FmTile<BM, BN>::TM;
+    if (TM % 4 == 0) {
+        for (int i = 0; i < TM; i += 4) {
+            fm_f4 v = *(const fm_f4 *)&As[k][ty * TM + i];
+            a[i] = v.x, a[i + 1] = v.y, a[i + 2] = v.z, a[i + 3] = v.w;
+        }
+    } else {
+        for (int i = 0; i < TM; i++) a[i] = As[k][ty * TM + i];
+    }
+    for (int j = 0; j < 8; j += 4) {
+        fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col<BN>(tx, j) ^ fm_w_swz<BN>(k)];
+        b[j] = v.x, b[j + 1] = v.y, b[j + 2] = v.z, b[j + 3] = v.w;
+    }
+}
+
+/* A step's 16 k of FMAs, each k's shared loads issued before the previous k's FMAs
+ * (two sets of fragment registers) so their latency hides under them */
 template <int BM, int BN>
 FM_DEVICE void fm_mma(float acc[][8], float (*As)[BM + 4], float (*Ws)[BN + 4], int ty, int tx)
 {
     const int TM = FmTile<BM, BN>::TM;
+    float a[2][TM], b[2][8];
+    fm_frag<BM, BN>(a[0], b[0], As, Ws, 0, ty, tx);
 #pragma unroll
     for (int k = 0; k < FM_BK; k++) {
-        float a[TM], b[8];
-        if (TM % 4 == 0) {
-            for (int i = 0; i < TM; i += 4) {
-                fm_f4 v = *(const fm_f4 *)&As[k][ty * TM + i];
-                a[i] = v.x, a[i + 1] = v.y, a[i + 2] = v.z, a[i + 3] = v.w;
-            }
-        } else {
-            for (int i = 0; i < TM; i++) a[i] = As[k][ty * TM + i];
-        }
-        for (int j = 0; j < 8; j += 4) {
-            fm_f4 v = *(const fm_f4 *)&Ws[k][fm_col<BN>(tx, j) ^ fm_w_swz<BN>(k)];
-            b[j] = v.x, b[j + 1] = v.y, b[j + 2] = v.z, b[j + 3] = v.w;
-        }
+        if (k + 1 < FM_BK) fm_frag<BM, BN>(a[(k + 1) & 1], b[(k + 1) & 1], As, Ws, k + 1, ty, tx);
         for (int i = 0; i < TM; i++)
-            for (int j = 0; j < 8; j++) acc[i][j] = fm_fma(a[i], b[j], acc[i][j]);
+            for (int j = 0; j < 8; j++) acc[i][j] = fm_fma(a[k & 1][i], b[k & 1][j], acc[i][j]);
     }
 }
 
@@ -316,7 +338,9 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A
     int steps = (kend - kbeg + FM_BK - 1) / FM_BK;
     float ra[BM / 16];
     unsigned rw[KW];
-    fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, kbeg, kend, K, swiglu, vec);
+    int vrow[(BM + 63) / 64];
+    fm_a_rows<BM>(vrow, rows_map, m0, rows);
+    fm_fetch_a<BM>(ra, A, lda, rows_map, vrow, m0, rows, kbeg, kend, K, swiglu, vec);
     fm_fetch_w<WT, KW>(rw, wrow, kbeg + kw, kend);
     fm_store_a<BM>(As[0], ra, vec);
     fm_store_w<WT, BN, KW>(Ws[0], rw, kbeg);
@@ -324,7 +348,7 @@ FM_DEVICE void fm_gemm_tile(float *C, int ldc, int c0, int flags, const float *A
     for (int s = 0; s < steps; s++) {
         int next = kbeg + (s + 1) * FM_BK;
         if (s + 1 < steps) {              /* the next step's loads fly while this one multiplies */
-            fm_fetch_a<BM>(ra, A, lda, rows_map, m0, rows, next, kend, K, swiglu, vec);
+            fm_fetch_a<BM>(ra, A, lda, rows_map, vrow, m0, rows, next, kend, K, swiglu, vec);
             fm_fetch_w<WT, KW>(rw, wrow, next + kw, kend);
         }
         if (busy) fm_mma<BM, BN>(acc, As[s & 1], Ws[s & 1], ty, tx);
@@ -421,7 +445,7 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
                                          fm_mini(K, kbeg + ksplit));                                               \
     }
 
-#define FM_GEMM_MOE(T, WT, BM, BN, BLOCKS)                                                                       \
+#define FM_GEMM_GATEUP(T, WT, BM, BN, BLOCKS)                                                                    \
     FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_gateup_m##BM##_##T(                                    \
         float *act, const float *x, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
         const int *tile_expert, const int *tile_row0, const int *tile_rows, const int *n_tiles,                  \
@@ -432,7 +456,9 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         const uint8_t *w = slot + slot_map[e] * expert_bytes;                                                    \
         fm_gemm_tile<WT, BM, BN, true>(act, N, row0, 0, x, lda, pair_token, row0, rows, w,                       \
                                        blockIdx.x * (BN / 2), N, K, 0, K);                                       \
-    }                                                                                                            \
+    }
+
+#define FM_GEMM_DOWN(T, WT, BM, BN, BLOCKS)                                                                      \
     FM_KERNEL FM_BOUNDS(FM_GEMM_THREADS, BLOCKS) void moe_down_m##BM##_##T(                                      \
         float *y, const float *act, const uint8_t *slot, const int *slot_map, long long expert_bytes,            \
         long long down_offset, const int *tile_expert, const int *tile_row0, const int *tile_rows,               \
@@ -444,13 +470,19 @@ FM_DEVICE bool fm_moe_tile(const int *tile_expert, const int *tile_row0, const i
         fm_gemm_tile<WT, BM, BN, false>(y, N, row0, 0, act, K, 0, row0, rows, w, blockIdx.x * BN, N, K, 0, K);   \
     }
 
-/* Blocks an SM is asked to hold (caps registers: 64 accumulators a thread need ~120) */
+/* Blocks an SM is asked to hold (caps registers: 64 accumulators a thread need ~120, 32
+ * ~80). The gate|up tile of 64 rows is 64 x 128 (32 accumulators, three blocks an SM):
+ * its warps skip past an expert's rows in runs of 16 instead of 32, and its blocks, twice
+ * as many, leave less of the last wave idle, which outweighs loading each A tile twice as
+ * often; the down tile of 64 rows stays 64 x 256. */
 #define FM_GEMM_ENTRIES(T, WT)                                                                                   \
     FM_GEMM_DENSE(T, WT, 32, 3)                                                                                  \
     FM_GEMM_DENSE(T, WT, 64, 3)                                                                                  \
     FM_GEMM_DENSE(T, WT, 128, 2)                                                                                 \
-    FM_GEMM_MOE(T, WT, 64, 256, 2)                                                                               \
-    FM_GEMM_MOE(T, WT, 128, 128, 2)                                                                              \
+    FM_GEMM_GATEUP(T, WT, 64, 128, 3)                                                                            \
+    FM_GEMM_GATEUP(T, WT, 128, 128, 2)                                                                           \
+    FM_GEMM_DOWN(T, WT, 64, 256, 2)                                                                              \
+    FM_GEMM_DOWN(T, WT, 128, 128, 2)                                                                             \
     FM_KERNEL void gemm_narrow_##T(float *C, const float *A, const uint8_t *W, int M, int N, int K, int lda,     \
                                    int ldc, int flags)                                                           \
     {                                                                                                            \

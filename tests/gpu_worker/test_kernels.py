@@ -178,10 +178,12 @@ def test_gemm_refuses_a_tile_height_it_lacks(ops):
 
 
 def test_moe_useful_fraction():
-    """Tiles of 64 rows (64 x 256: warps of 32 rows): 64 + 70 routed rows in tiles 64, 64, 6."""
-    f = moe_useful_fraction([64, 64, 6], 64)
+    """Tiles of 64 rows: 64 + 70 routed rows in tiles 64, 64, 6; 64 x 256 tiles have warps
+    of 32 rows, 64 x 128 ones of 16."""
+    f = moe_useful_fraction([64, 64, 6], 64, 256)
     assert f["of_tiles"] == pytest.approx(134 / 192)
     assert f["of_computed"] == pytest.approx(134 / 160)
+    assert moe_useful_fraction([64, 64, 6], 64, 128)["of_computed"] == pytest.approx(134 / 144)
 
 
 def test_moe_tile_rows_by_rows_an_expert():

@@ -13,7 +13,7 @@ import pytest
 from gpu_worker import fermi_check
 from gpu_worker.cuda_source import CUDA_DIR, compose, kernel_files, kernel_signatures
 from gpu_worker.emulator import EmulatedDevice, EmulationError, EmuModule, build_library
-from gpu_worker.kernels import DENSE_BM, MOE_TILES, Kernel, check_tiles, signatures
+from gpu_worker.kernels import DENSE_BM, MOE_DOWN_TILES, MOE_GATEUP_TILES, Kernel, check_tiles, signatures
 from shared.errors import FermoeError
 
 PRELUDE = CUDA_DIR / "prelude.cuh"
@@ -56,8 +56,9 @@ def test_the_launchers_tile_tables_are_the_sources():
     with pytest.raises(FermoeError, match="tile heights"):
         check_tiles({**entries, "gemm_m16_q4_0": "P"})
     gemm = (CUDA_DIR / "gemm.cu").read_text()
-    made = {(int(bm), int(bn)) for bm, bn in re.findall(r"^\s*FM_GEMM_MOE\(T, WT, (\d+), (\d+), \d+\)", gemm, re.M)}
-    assert made == set(MOE_TILES.items())
+    for launch, tiles in (("GATEUP", MOE_GATEUP_TILES), ("DOWN", MOE_DOWN_TILES)):
+        made = re.findall(rf"^\s*FM_GEMM_{launch}\(T, WT, (\d+), (\d+), \d+\)", gemm, re.M)
+        assert {(int(bm), int(bn)) for bm, bn in made} == set(tiles.items())
     assert {int(bm) for bm in re.findall(r"^\s*FM_GEMM_DENSE\(T, WT, (\d+), \d+\)", gemm, re.M)} == set(DENSE_BM)
 
 
