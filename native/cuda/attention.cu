@@ -282,7 +282,10 @@ FM_DEVICE void fm_attn_rows(fm_attn_smem &sm, float *out, const float *qg, const
     }
 }
 
-FM_KERNEL FM_BOUNDS(FM_A_THREADS, 2) void attn_prompt(float *out, const float *q, const float *Kc, const float *Vc,
+/* One block an SM asked for: a thread's 64 output accumulators and 4 x 4 scores with the
+ * chunks in flight take ~220 registers; held to 128 (two blocks) they spill to local
+ * memory, which cost more than the second block's warps hid */
+FM_KERNEL FM_BOUNDS(FM_A_THREADS, 1) void attn_prompt(float *out, const float *q, const float *Kc, const float *Vc,
                                                       const float *qg, int start, int T, int nh, int nkv, int hd,
                                                       float scale)
 {
