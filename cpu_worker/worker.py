@@ -94,11 +94,14 @@ class CPUWorker:
                         prefill_tok_s=round(rate, 1))
         while self.running:
             busy = bool(self.sequences)
-            if self.link.serve(self.handlers, 0 if busy else int(HEARTBEAT_S * 1000)):
+            prefault = not busy and self.link.prefaulting
+            if self.link.serve(self.handlers, 0 if busy or prefault else int(HEARTBEAT_S * 1000)):
                 continue                                 # drain messages before working
             self.link.beat(len(self.sequences))
             if busy:
                 self.work_round()
+            elif prefault:              # idle: map the snapshot slots' pages, so that no request's
+                self.link.prefault_step()   # snapshot write pays for faulting them in
 
     def handle_assign(self, msg: P.Assign, data: list[bytes] = ()) -> None:
         try:

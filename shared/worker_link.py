@@ -43,6 +43,7 @@ class WorkerLink:
                  shared_memory: bool = True):
         self.worker_id, self.configure, self.shared_memory = worker_id, configure, shared_memory
         self.arena = None                      # the SnapshotArena, once attached
+        self._prefault = None                  # its pages being mapped while the worker idles
         self.block: int | None = None          # from the Welcome: positions a slot's KV covers
         self.slot_bytes: int | None = None     # of a KV slot
         self.state_slot_bytes: int | None = None
@@ -171,9 +172,21 @@ class WorkerLink:
             try:
                 self.arena = SnapshotArena.attach(msg.arena, msg.slot_bytes, msg.n_slots, msg.state_slot_bytes,
                                                   msg.n_state_slots)
+                self._prefault = self.arena.prefault()
             except FermoeError as e:        # another host: no shared memory with the coordinator
                 log.warning("no snapshot arena here (%s): snapshots travel as message frames", e)
         self.send(P.Attached(arena=self.arena is not None))
+
+    @property
+    def prefaulting(self) -> bool:
+        """Pages of the arena are still to be mapped into this process (prefault_step)."""
+        return self._prefault is not None
+
+    def prefault_step(self) -> None:
+        """One step of mapping the arena's pages into this process (SnapshotArena.prefault),
+        for an idle worker."""
+        if self._prefault is not None and next(self._prefault, False) is not None:
+            self._prefault = None
 
     # ---- snapshots ------------------------------------------------------------
     def resume_slots(self, msg: P.Assign | P.Prefill, data: list[bytes]) -> tuple[list, object]:

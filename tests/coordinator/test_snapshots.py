@@ -512,6 +512,54 @@ def test_arena_state_slots_follow_the_kv_slots():
                              n_state_slots=-1)
 
 
+def _rss_of_mapping(address: int) -> int:
+    """Bytes of this process's mapping that starts at `address` that are in its page tables."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}" and "-" in line.split()[0]:
+            return next(int(m.split()[1]) * 1024 for m in lines[i + 1:] if m.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def _kernel_populates() -> bool:
+    import mmap
+    from shared.shm_arena import MADV_POPULATE_WRITE
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        probe.madvise(MADV_POPULATE_WRITE, 0, mmap.PAGESIZE)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+@pytest.mark.skipif(not _kernel_populates(), reason="the kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
+def test_arena_prefault_maps_the_state_slots_without_writing():
+    """prefault() steps through the state region a chunk at a time; afterwards this
+    process's mapping holds every page of the state slots (and of the KV slots only what it
+    touched), and every byte is what it was."""
+    kv_bytes, state_bytes = 64 << 10, 1 << 20
+    with SnapshotArena.create(slot_bytes=kv_bytes, n_slots=4, prefix="fermoetest", state_slot_bytes=state_bytes,
+                              n_state_slots=3) as arena:
+        arena.state_slot(1)[:] = bytes(range(256)) * (state_bytes // 256)
+        arena.slot(0)[:] = b"\x07" * kv_bytes
+        with SnapshotArena.attach(arena.name, kv_bytes, 4, state_bytes, 3) as same:
+            whole = np.frombuffer(same.memory(), np.uint8)
+            address = whole.ctypes.data
+            del whole
+            before = _rss_of_mapping(address)
+            steps = list(same.prefault(chunk=256 << 10))
+            region = 3 * state_bytes
+            assert len(steps) == -(-(region + arena.state_offset(0) % 4096) // (256 << 10))
+            after = _rss_of_mapping(address)
+            assert before < region <= after < region + 4 * kv_bytes
+            assert bytes(same.state_slot(1)) == bytes(range(256)) * (state_bytes // 256)
+            assert bytes(same.slot(0)) == b"\x07" * kv_bytes and not any(bytes(same.state_slot(2)))
+    with SnapshotArena.create(slot_bytes=100, n_slots=1, prefix="fermoetest") as plain:
+        assert list(plain.prefault()) == []                   # no state slots: nothing to map
+
+
 def test_arena_larger_than_dev_shm_is_refused():
     before = set(os.listdir(SHM_DIR))
     free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize

@@ -79,6 +79,25 @@ def test_the_next_turn_resumes_after_the_previous_generation(daemon, tiny_q4_pat
     assert streamed_ids(msgs) == local_ids(tiny_q4_path, turn2, 4, seed=1)
 
 
+def test_an_idle_worker_maps_the_state_slots(daemon):
+    """While idle the CPU worker maps every page of the snapshot store's state slots
+    (SnapshotArena.prefault), so no request's final snapshot pays for faulting them in."""
+    from shared.shm_arena import _HEADER, _stride
+    (name,) = shm_names(daemon.proc.pid)
+    with open(f"/dev/shm/{name}", "rb") as f:
+        _, _, _, _, _, state_bytes, n_states, _ = _HEADER.unpack(f.read(_HEADER.size))
+    states = n_states * _stride(state_bytes)
+    assert states > 0
+    pid = daemon.workers[0].pid
+
+    def rss() -> int:
+        lines = open(f"/proc/{pid}/smaps").read().splitlines()
+        at = next(i for i, line in enumerate(lines) if line.endswith(f"/dev/shm/{name}"))
+        return next(int(m.split()[1]) * 1024 for m in lines[at + 1:] if m.startswith("Rss:"))
+
+    wait_until(lambda: rss() >= states, 60, f"the worker's mapping of {name} holding its {states} bytes of states")
+
+
 def test_logprobs_are_the_models_before_sampling_modifiers(daemon, tiny_q4_path):
     """Each streamed token carries its log-probability and the n most likely tokens', from
     the logits as the model gives them (temperature and the rest left out): the values a
