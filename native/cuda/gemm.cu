@@ -31,8 +31,8 @@
  * FMAs, and one barrier a step suffices (the buffer written in step s was last read
  * in step s - 1, before that step's barrier). Within a step each k's shared loads are
  * issued before the previous k's FMAs (fm_mma: two sets of fragment registers), and a
- * tile's A rows (gathered or not) are looked up once, not every step. Shared memory: 21 KB (32 x 128) to
- * 42 KB (64 x 256). A's rows are read 16 bytes a thread (4 threads a row's 16 k)
+ * tile's A rows (gathered or not) are looked up once, not every step. Shared memory:
+ * 21 KB (32 x 128) to 42 KB (64 x 256). A's rows are read 16 bytes a thread (4 threads a row's 16 k)
  * when K and lda are multiples of 4 and the tile has 64 rows or more, else a float
  * a thread (16 threads a row); a W row's 16 k are fetched by 256 / BN threads
  * (fm_w_row), and Q4_0 / Q8_0 become floats by exponent bits, not conversions.
@@ -106,11 +106,8 @@ FM_DEVICE int fm_warp_row0() { return 4 * ((int)(threadIdx.x >> 5) / FmTile<BM, 
 
 /* ---- A: rows of activations (gathered, or their SwiGLU) ---- */
 
-/* vec (BM a multiple of 64, rows 16-byte aligned): thread t fetches k = 4 (i % 4) ..
- * + 3 of tile row i / 4, i = t + 256 e, e < BM / 64: a warp reads 8 rows' 64 bytes; the
- * rows' indices in A (vrow, fm_a_rows) are looked up once a tile, not every step.
- * Otherwise k = t % 16 of the tile rows t / 16 + 16 e, e < BM / 16. Past the tile's
- * rows or kend: zeros. */
+/* The rows of A that thread t's vec fetches read (tile rows (t + 256 e) / 4, below):
+ * their indices in A, gathered or not, or -1 past the tile's rows; once a tile */
 template <int BM>
 FM_DEVICE void fm_a_rows(int vrow[], const int *rows_map, int m0, int rows)
 {
@@ -120,6 +117,10 @@ FM_DEVICE void fm_a_rows(int vrow[], const int *rows_map, int m0, int rows)
     }
 }
 
+/* vec (BM a multiple of 64, rows 16-byte aligned): thread t fetches k = 4 (i % 4) ..
+ * + 3 of tile row i / 4, i = t + 256 e, e < BM / 64 (its row in A: vrow[e]): a warp
+ * reads 8 rows' 64 bytes. Otherwise k = t % 16 of the tile rows t / 16 + 16 e,
+ * e < BM / 16. Past the tile's rows or kend: zeros. */
 template <int BM>
 FM_DEVICE void fm_fetch_a(float a[BM / 16], const float *A, int lda, const int *rows_map, const int vrow[], int m0,
                           int rows, int k0, int kend, int K, bool swiglu, bool vec)
