@@ -35,29 +35,20 @@
 #define FM_SLAB 32
 #define FM_CHUNK_THREADS 256
 
+#define FM_ROW_LD (FM_SLAB + 1)  /* a slab of rows' row stride ([64][33]) */
+#define FM_T_LD 68      /* a transposed slab's row stride ([32][64] in rows of 68: 16-byte aligned) */
+
 /* rows [t0, t0 + n) of a [T, heads, width] tensor, columns [c0, c0 + 32) of head `head`, scaled by
- * scale[i] (or 1), into dst [64][33]; the rest of the slab is 0. */
-FM_DEVICE void fm_load_slab(float (*dst)[FM_SLAB + 1], const float *src, long long row_stride, int head_offset,
-                            int t0, int n, int c0, int width, const float *scale)
+ * scale[i] (or 1), into a slab: row i's column c at dst[i * ld_row + c * ld_col] ([64][33] as
+ * rows: FM_ROW_LD, 1; transposed [32][68]: 1, FM_T_LD); the rest of the slab is 0. */
+FM_DEVICE void fm_load_slab(float *dst, int ld_row, int ld_col, const float *src, long long row_stride,
+                            int head_offset, int t0, int n, int c0, int width, const float *scale)
 {
     for (int idx = threadIdx.x; idx < FM_CHUNK * FM_SLAB; idx += blockDim.x) {
         int i = idx / FM_SLAB, c = idx % FM_SLAB;
         float v = 0.0f;
         if (i < n && c0 + c < width) v = src[(long long)(t0 + i) * row_stride + head_offset + c0 + c];
-        dst[i][c] = scale && i < n ? v * scale[i] : v;
-    }
-}
-
-#define FM_T_LD 68      /* a transposed slab's row stride ([32][64] in rows of 68: 16-byte aligned) */
-
-/* The same rows and columns transposed: dst[c * FM_T_LD + i] for c < 32, i < 64 */
-FM_DEVICE void fm_load_slab_t(float *dst, const float *src, long long row_stride, int head_offset, int t0, int n,
-                              int c0, int width)
-{
-    for (int idx = threadIdx.x; idx < FM_CHUNK * FM_SLAB; idx += blockDim.x) {
-        int i = idx / FM_SLAB, c = idx % FM_SLAB;
-        dst[c * FM_T_LD + i] = i < n && c0 + c < width ? src[(long long)(t0 + i) * row_stride + head_offset + c0 + c]
-                                                        : 0.0f;
+        dst[i * ld_row + c * ld_col] = scale && i < n ? v * scale[i] : v;
     }
 }
 
@@ -76,7 +67,7 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
     __shared__ FM_ALIGN16 float Am[FM_CHUNK][FM_T_LD];
     __shared__ FM_ALIGN16 float slab[2][FM_SLAB * FM_T_LD];  /* K and Q transposed; then K or V as rows [64][33] */
     __shared__ float Ts[FM_SLAB][FM_CHUNK + 1];     /* a W slab, key-major, on its way out */
-    float(*Ks)[FM_SLAB + 1] = (float(*)[FM_SLAB + 1])slab[0];
+    float(*Ks)[FM_ROW_LD] = (float(*)[FM_ROW_LD])slab[0];
     int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, ty = tid / 32, tx = tid % 32;
     int t0 = chunk_start[ci], n = chunk_len[ci], kh = fm_key_head(h, hk, hv, tiled);
     long long ch = (long long)ci * hv + h;
@@ -100,8 +91,8 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
         for (int b = 0; b < 2; b++) accA[a][b] = accP[a][b] = 0.0f;
     long long rs = (long long)hk * dk;
     for (int s0 = 0; s0 < dk; s0 += FM_SLAB) {
-        fm_load_slab_t(slab[0], k, rs, kh * dk, t0, n, s0, dk);
-        fm_load_slab_t(slab[1], q, rs, kh * dk, t0, n, s0, dk);
+        fm_load_slab(slab[0], 1, FM_T_LD, k, rs, kh * dk, t0, n, s0, dk, 0);
+        fm_load_slab(slab[1], 1, FM_T_LD, q, rs, kh * dk, t0, n, s0, dk, 0);
         __syncthreads();
         for (int c = 0; c < FM_SLAB; c++) {
             const float *kt = slab[0] + c * FM_T_LD;
@@ -148,8 +139,8 @@ FM_KERNEL void gdn_chunk_prep(float *W, float *U, float *Gc, float *P, const flo
     for (int pass = 0; pass < 2; pass++) {
         int width = pass == 0 ? dk : dv;
         for (int s0 = 0; s0 < width; s0 += FM_SLAB) {
-            if (pass == 0) fm_load_slab(Ks, k, rs, kh * dk, t0, n, s0, dk, Es);
-            else fm_load_slab(Ks, v, ldv, h * dv, t0, n, s0, dv, Bs);
+            if (pass == 0) fm_load_slab(slab[0], FM_ROW_LD, 1, k, rs, kh * dk, t0, n, s0, dk, Es);
+            else fm_load_slab(slab[0], FM_ROW_LD, 1, v, ldv, h * dv, t0, n, s0, dv, Bs);
             __syncthreads();
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int m0 = 0; m0 < 8 * ty + 8; m0 += 4) {
@@ -351,7 +342,7 @@ FM_KERNEL void gdn_chunk_output(float *O, const float *q, const float *S0, const
     long long ch = (long long)ci * hv + h;
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  /* rows 8 ty + a, column tx */
     for (int r0 = 0; r0 < dk; r0 += FM_SLAB) {            /* Q S0 */
-        fm_load_slab_t(Qt, q, (long long)hk * dk, kh * dk, t0, n, r0, dk);
+        fm_load_slab(Qt, 1, FM_T_LD, q, (long long)hk * dk, kh * dk, t0, n, r0, dk, 0);
         for (int idx = tid; idx < FM_SLAB * FM_SLAB; idx += blockDim.x) {
             int r = idx / FM_SLAB, c = idx % FM_SLAB;
             Ss[r][c] = r0 + r < dk && c0 + c < dv ? S0[(ch * dk + r0 + r) * dv + c0 + c] : 0.0f;
