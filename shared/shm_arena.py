@@ -255,7 +255,7 @@ class SnapshotArena:
                 self._mm.madvise(MADV_POPULATE_WRITE, off, min(chunk, len(self._mm) - off))
             except OSError:
                 return
-            yield
+            yield True
 
     def memory(self) -> memoryview:
         """A writable view of the whole segment (a GPU worker page-locks it, so that

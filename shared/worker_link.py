@@ -185,8 +185,8 @@ class WorkerLink:
     def prefault_step(self) -> None:
         """One step of mapping the arena's pages into this process (SnapshotArena.prefault),
         for an idle worker."""
-        if self._prefault is not None and next(self._prefault, False) is not None:
-            self._prefault = None
+        if self._prefault is not None and not next(self._prefault, False):
+            self._prefault = None               # all mapped
 
     # ---- snapshots ------------------------------------------------------------
     def resume_slots(self, msg: P.Assign | P.Prefill, data: list[bytes]) -> tuple[list, object]:

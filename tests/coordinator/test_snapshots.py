@@ -15,6 +15,7 @@ import pytest
 
 from coordinator.snapshots import Planned, SnapshotIndex
 from shared.shm_arena import HEADER_BYTES, SHM_DIR, ArenaError, SnapshotArena
+from tests.support.smaps import mapping_rss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -514,11 +515,7 @@ def test_arena_state_slots_follow_the_kv_slots():
 
 def _rss_of_mapping(address: int) -> int:
     """Bytes of this process's mapping that starts at `address` that are in its page tables."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.split("-", 1)[0] == f"{address:x}" and "-" in line.split()[0]:
-            return next(int(m.split()[1]) * 1024 for m in lines[i + 1:] if m.startswith("Rss:"))
-    raise AssertionError(f"no mapping at {address:#x}")
+    return mapping_rss("self", lambda line: line.split("-", 1)[0] == f"{address:x}")
 
 
 def _kernel_populates() -> bool:

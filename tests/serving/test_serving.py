@@ -26,6 +26,7 @@ from tests.support.eos_seed import seed_with_early_eos
 from tests.support.sampling_cases import SEED, field_cases, option_cases
 from tests.support.serving_harness import (BLOCK, Daemon, local, local_ids, local_text, run, shm_names, stop_string_at,
                                    streamed_ids, wait_until)
+from tests.support.smaps import mapping_rss
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the old GPU hums along, " * 2
 
@@ -91,9 +92,7 @@ def test_an_idle_worker_maps_the_state_slots(daemon):
     pid = daemon.workers[0].pid
 
     def rss() -> int:
-        lines = open(f"/proc/{pid}/smaps").read().splitlines()
-        at = next(i for i, line in enumerate(lines) if line.endswith(f"/dev/shm/{name}"))
-        return next(int(m.split()[1]) * 1024 for m in lines[at + 1:] if m.startswith("Rss:"))
+        return mapping_rss(pid, lambda line: line.endswith(f"/dev/shm/{name}"))
 
     wait_until(lambda: rss() >= states, 60, f"the worker's mapping of {name} holding its {states} bytes of states")
 
