@@ -110,6 +110,8 @@ class Upstream:
     # ---- requests -----------------------------------------------------------
     def submit(self, msg: P.Generate, data: bytes | None = None) -> RequestStream:
         """Send `msg` (`data`: its encoding, where the caller has it already)."""
+        if not self.streams:                # the watchdog's silence counts from here, not from an idle spell
+            self.last_reply = max(self.last_reply, time.monotonic())
         stream = self.streams[msg.request_id] = RequestStream(msg.request_id, self.bound)
         self.sock.send(P.encode(msg) if data is None else data)
         return stream
@@ -143,7 +145,10 @@ class Upstream:
             except ProtocolError as e:
                 log.error("the coordinator sent a bad reply: %s", e)
                 continue
-            self.route(msg)
+            try:
+                self.route(msg)
+            except Exception:               # one reply's fault: the reader, and every other request, go on
+                log.exception("routing a %s failed", type(msg).__name__)
 
     def route(self, msg) -> None:
         if isinstance(msg, P.StatusReply) or (isinstance(msg, P.Error) and msg.request_id is None):

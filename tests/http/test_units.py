@@ -4,6 +4,8 @@ coordinator), OpenAI bodies -> Generate, the listen address."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import msgspec
 import pytest
@@ -114,6 +116,40 @@ def test_status_replies_go_to_the_callers_in_order_and_silence_fails_requests():
         fake.recv()                                 # and then the coordinator says nothing more
         done = await stream.get()
         assert done.finish_reason == "error" and "did not answer" in done.error
+        await up.close()
+    run(go())
+    fake.close()
+
+
+def test_an_idle_spell_does_not_count_as_silence_of_the_next_request():
+    """Fault guarded: the watchdog measured silence from the last reply, which nothing
+    refreshes while no request is open, so the first request after an idle spell longer
+    than the timeout failed with "did not answer" at the watchdog's first look, although
+    the coordinator answered every status probe while it prefilled."""
+    fake = FakeCoordinator()
+
+    def coordinator_prefilling(seconds: float):
+        """Answers the status probes for `seconds`, then the request's token and Done."""
+        generate = fake.recv()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if fake.sock.poll(20):
+                assert isinstance(fake.recv(), P.Status)
+                fake.send(P.StatusReply(model="m", workers=[], queued=0, running=1, snapshots={}))
+        fake.send(token(generate.request_id, 7))
+        fake.send(P.Done(request_id=generate.request_id, finish_reason="length"))
+
+    async def go():
+        up = Upstream(fake.addr, timeout_s=0.5, watch_s=0.1)
+        up.start()
+        await asyncio.sleep(1.0)                    # idle for twice the timeout
+        stream = up.submit(P.Generate(request_id="after-idle", prompt="x"))
+        answering = threading.Thread(target=coordinator_prefilling, args=(1.0,))
+        answering.start()
+        first = await stream.get()
+        answering.join()
+        assert isinstance(first, P.Token) and first.token == 7, first
+        assert isinstance(await stream.get(), P.Done)
         await up.close()
     run(go())
     fake.close()
