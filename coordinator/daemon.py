@@ -355,13 +355,13 @@ class Coordinator:
             log.error("worker %s sent a bad message: %s", wid, e)
             return
         self.last_seen[wid] = time.monotonic()
-        if isinstance(msg, P.Hello):
-            self.handle_hello(wid, msg)
-        elif wid in self.workers:                   # (a stranger says hello first)
-            try:
+        try:
+            if isinstance(msg, P.Hello):
+                self.handle_hello(wid, msg)
+            elif wid in self.workers:               # (a stranger says hello first)
                 self.worker_handlers[type(msg)](wid, msg, frames[2:])
-            except Exception:              # a bug met by one message must not stop the daemon
-                log.exception("worker %s: handling its %s failed", wid, type(msg).__name__)
+        except Exception:                  # a bug met by one message must not stop the daemon
+            log.exception("worker %s: handling its %s failed", wid, type(msg).__name__)
 
     def handle_hello(self, wid: str, msg: P.Hello) -> None:
         if msg.fingerprint != self.model.fingerprint:
@@ -494,7 +494,12 @@ class Coordinator:
             wid = pick_worker(self.workers, self.opts.max_sequences)
             if wid is None:
                 return
-            self.assign(self.requests[self.queue.pop(0)], wid)
+            req = self.requests[self.queue.pop(0)]
+            try:
+                self.assign(req, wid)
+            except Exception as e:         # a bug met by one request ends that request only
+                log.exception("assigning request %s to worker %s failed", req.rid, wid)
+                self.end(req, "error", error=f"internal error: {type(e).__name__}: {e}")
 
     def handle_prefilled(self, wid: str, msg: P.Prefilled, data=()) -> None:
         req = self.gpu.prefilled(wid, msg)

@@ -106,9 +106,13 @@ class CPUWorker:
     def handle_assign(self, msg: P.Assign, data: list[bytes] = ()) -> None:
         try:
             self.sequences[msg.request_id] = self.start(msg, data)
-        except (FermoeError, ValueError) as e:
+        except Exception as e:         # the request ends with the reason; the worker serves on
+            known = isinstance(e, (FermoeError, ValueError))
+            if not known:
+                log.exception("starting request %s failed", msg.request_id)
             self.send(P.Finished(request_id=msg.request_id, finish_reason="error", prefill_ms=0.0,
-                                 decode_ms=0.0, completion_tokens=0, error=str(e)))
+                                 decode_ms=0.0, completion_tokens=0,
+                                 error=str(e) if known else f"{type(e).__name__}: {e}"))
 
     def handle_stop(self, msg: P.Stop, data=()) -> None:
         seq = self.sequences.pop(msg.request_id, None)

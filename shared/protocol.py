@@ -28,6 +28,10 @@ _limit = MAX_MESSAGE_BYTES
 # The largest image a chat message may carry (its PNG or JPEG bytes); the coordinator
 # refuses a larger one by name. Its pixels are bounded apart (shared/vision/image.py).
 MAX_IMAGE_BYTES = 20 << 20
+# How deep containers may nest in a message's free-form fields (tools, chat_template_kwargs,
+# a tool call's arguments): far deeper than any JSON schema a client sends, far shallower
+# than what exhausts a decoder's or a template's recursion.
+MAX_NESTING = 64
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -379,20 +383,29 @@ def max_message_bytes() -> int:
     return _limit
 
 
+class _Addressed(msgspec.Struct):
+    """Only the request_id of a message; every other field is skipped unread."""
+    request_id: str | None = None
+
+
+_addressed = msgspec.msgpack.Decoder(_Addressed)
+
+
 def request_id_of(data: bytes) -> str | None:
     """The request_id of a message that failed to decode, if it has a readable one: the
     Error answering it then reaches the request's stream (Client.stream waits by id)."""
     if len(data) > _limit:
         return None
     try:
-        rid = msgspec.msgpack.decode(data).get("request_id")
-    except (msgspec.DecodeError, AttributeError):
+        return _addressed.decode(data).request_id
+    except Exception:       # not a map, a request_id not a string, nesting past the decoder's bound...
         return None
-    return rid if isinstance(rid, str) else None
 
 
 def decode(data: bytes, kind):
-    """Decode one message of the union `kind`; any defect is a ProtocolError naming it."""
+    """Decode one message of the union `kind`; any defect is a ProtocolError naming it.
+    Whatever the bytes (truncated, nested without end, of the wrong types), nothing else
+    is raised: a receiver answers or logs the error and goes on with its next message."""
     if len(data) > _limit:
         raise ProtocolError(f"the message is {len(data)} bytes, over the limit of {_limit} bytes "
                             f"(the coordinator's --max-request-size raises it)")
@@ -400,8 +413,42 @@ def decode(data: bytes, kind):
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
     try:
-        return decoder.decode(data)
+        msg = decoder.decode(data)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"invalid message: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"not a MessagePack message: {e}") from None
+    except RecursionError:
+        raise ProtocolError(f"the message nests containers deeper than {MAX_NESTING} levels") from None
+    except Exception as e:              # a decoder's own limit we have not met yet: still one bad message
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
+    for field, value in _free_form(msg):
+        if not _nests_within(value, MAX_NESTING):
+            raise ProtocolError(f"invalid message: `{field}` nests containers deeper than {MAX_NESTING} levels")
+    return msg
+
+
+def _free_form(msg):
+    """(name, value) of the fields whose type is Any (JSON objects of the client's own)."""
+    if not isinstance(msg, Generate):
+        return
+    yield "tools", msg.tools
+    yield "chat_template_kwargs", msg.chat_template_kwargs
+    for i, m in enumerate(msg.messages or ()):
+        for j, call in enumerate(m.tool_calls or ()):
+            yield f"messages[{i}].tool_calls[{j}].function.arguments", call.function.arguments
+
+
+def _nests_within(value, limit: int) -> bool:
+    """Whether no list or dict in `value` lies more than `limit` containers deep (no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        if depth == limit:
+            return False
+        stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return True

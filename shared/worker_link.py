@@ -99,12 +99,14 @@ class WorkerLink:
         except ProtocolError as e:
             self.report(str(e))
             return True
-        if isinstance(msg, P.Welcome):
-            self._welcome(msg)
-        elif type(msg) in handlers:
-            handlers[type(msg)](msg, frames[1:])
-        else:
+        if type(msg) not in handlers and not isinstance(msg, P.Welcome):
             self.report(f"this worker does not take {type(msg).__name__} messages")
+            return True
+        try:
+            self._welcome(msg) if isinstance(msg, P.Welcome) else handlers[type(msg)](msg, frames[1:])
+        except Exception as e:             # a bug met by one message must not end the worker
+            log.exception("handling a %s failed", type(msg).__name__)
+            self.report(f"handling a {type(msg).__name__} failed: {type(e).__name__}: {e}")
         return True
 
     def waiting(self, kind: type, accept: Callable[[object], bool]) -> list[tuple[object, list[bytes]]]:
@@ -148,6 +150,8 @@ class WorkerLink:
                                 urgent(P.decode(frames[0], P.TO_WORKER))
                             except ProtocolError:
                                 pass            # serve() reports it
+                            except Exception:   # a bug: the message is still served (or reported) by serve()
+                                log.exception("looking ahead at a message failed")
                 self.beat(running)
 
         thread = threading.Thread(target=run, name="keepalive", daemon=True)

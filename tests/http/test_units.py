@@ -19,6 +19,7 @@ from coordinator.http.upstream import Upstream
 from shared import protocol as P
 from shared.errors import FermoeError
 from shared.sampling import SamplingParams
+from tests.support import frame_fuzz
 
 RECV_TIMEOUT_MS = 5000      # one loopback hop; generous for a loaded machine
 
@@ -147,9 +148,34 @@ def test_an_idle_spell_does_not_count_as_silence_of_the_next_request():
         answering = threading.Thread(target=coordinator_prefilling, args=(1.0,))
         answering.start()
         first = await stream.get()
-        answering.join()
+        await asyncio.to_thread(answering.join)
         assert isinstance(first, P.Token) and first.token == 7, first
         assert isinstance(await stream.get(), P.Done)
+        await up.close()
+    run(go())
+    fake.close()
+
+
+def test_the_front_ends_reader_survives_every_mutant_of_a_reply():
+    """The front end's socket to the coordinator, fuzzed (tests/support/frame_fuzz.py):
+    mutants of every reply, addressed to an open request; the reader goes on, and a
+    request sent after them gets its own replies."""
+    fake = FakeCoordinator()
+
+    async def go():
+        up = Upstream(fake.addr, bound=1 << 20)
+        up.start()
+        up.submit(P.Generate(request_id="fuzz", prompt="x"))
+        fake.recv()
+        sent = frame_fuzz.fuzz(frame_fuzz.coordinator_replies(), 2,
+                               lambda what, frames: fake.sock.send_multipart([fake.peer, *frames]))
+        after = up.submit(P.Generate(request_id="after", prompt="y"))
+        while not isinstance(fake.recv(), P.Generate):
+            pass                                    # the watchdog's status probes
+        fake.send(token("after", 1))
+        fake.send(P.Done(request_id="after", finish_reason="length"))
+        assert (await after.get()).token == 1 and isinstance(await after.get(), P.Done)
+        assert sent > 50 and not any(task.done() for task in up.tasks)
         await up.close()
     run(go())
     fake.close()
