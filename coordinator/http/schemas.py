@@ -140,6 +140,8 @@ def decode_body(body: bytes, kind):
         raise APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
                             "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
                        code="invalid_json") from None
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def decode_object(body: bytes) -> dict:
@@ -149,9 +151,17 @@ def decode_object(body: bytes) -> dict:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError:
         raise APIError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data
+
+
+def _too_deep() -> APIError:
+    """A body nested past the JSON decoder's recursion bound (its free-form fields are bounded
+    tighter still by the coordinator: protocol.MAX_NESTING)."""
+    return APIError(400, "the JSON body nests arrays or objects too deeply to be parsed", code="invalid_json")
 
 
 def _field(m: re.Match) -> str:

@@ -14,7 +14,7 @@ import zmq
 from coordinator.http import params
 from coordinator.http.options import parse_listen
 from coordinator.http.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       decode_body)
+                                       decode_body, decode_object)
 from coordinator.http.upstream import Upstream
 from shared import protocol as P
 from shared.errors import FermoeError
@@ -360,6 +360,16 @@ def test_integers_at_their_bounds_reach_the_coordinator_whole():
     with pytest.raises(APIError) as e:
         decode_body(msgspec.json.encode({"tokens": [2**64]}), DetokenizeRequest)
     assert e.value.param == "tokens[0]"
+
+
+def test_a_body_nested_past_the_decoders_bound_is_a_400():
+    """Fault guarded: 100,000 nested arrays raised RecursionError out of the JSON decoder,
+    which the web server answered with a bare 500."""
+    deep = b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for decode in (lambda body: decode_body(body, ChatCompletionRequest), decode_object):
+        with pytest.raises(APIError) as e:
+            decode(deep)
+        assert (e.value.status, e.value.code) == (400, "invalid_json") and "too deeply" in e.value.message
 
 
 # ---- llama-server's timings -------------------------------------------------------
