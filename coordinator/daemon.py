@@ -55,6 +55,9 @@ DECODE_SLOTS = 4
 TURN_MARKS = 2
 TOOL_RESPONSE = b"<tool_response>"      # how a Qwen template opens a user turn that holds tool results
 ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
+UNAVAILABLE = "unavailable"     # the Error code of a request refused because no worker can run it
+NO_DECODER = ("no CPU worker is left to decode: each one failed to start or kept dying and was given up "
+              "(see the coordinator log)")
 
 
 class Coordinator:
@@ -100,6 +103,7 @@ class Coordinator:
             P.Sampled: self.handle_sampled, P.SnapshotWritten: self.handle_snapshotwritten,
             P.Finished: self.handle_finished, P.Prefilled: self.handle_prefilled, P.Goodbye: self.handle_goodbye}
         self.stopping = False
+        self.unavailable: str | None = None     # why no request can be served (no CPU worker left), else None
 
     def _vision_config(self, opts):
         if getattr(opts, "mmproj", None) is None:
@@ -240,6 +244,9 @@ class Coordinator:
         except FermoeError as e:
             self.reply(client, P.Error(message=str(e), request_id=msg.request_id, **getattr(e, "wire_fields", {})))
             return
+        if self.unavailable:
+            self.reply(client, P.Error(message=self.unavailable, request_id=msg.request_id, code=UNAVAILABLE))
+            return
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
                       grammar=grammar, marks=self._turn_marks(msg, tokens))
@@ -330,7 +337,8 @@ class Coordinator:
                                          name=self.opts.alias or self.opts.model,
                                          fingerprint=self.model.fingerprint,
                                          max_request_size=P.max_message_bytes(), n_ctx=self.max_model_len,
-                                         max_sequences=self.opts.max_sequences, vision=self.vision is not None))
+                                         max_sequences=self.opts.max_sequences, vision=self.vision is not None,
+                                         unavailable=self.unavailable or ""))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:
@@ -480,9 +488,9 @@ class Coordinator:
 
     # ---- lifecycle ------------------------------------------------------------
     def schedule(self) -> None:
-        if self.queue and not self.workers and self.supervisor.all_given_up:
-            for rid in list(self.queue):      # nobody will ever run them: fail, never hang
-                self.end(self.requests[rid], "error", error="no CPU worker could be started (see the coordinator log)")
+        if self.queue and self.unavailable:
+            for rid in list(self.queue):      # nobody will ever run them: refuse, never hang
+                self.end(self.requests[rid], "error", error=self.unavailable, refuse=UNAVAILABLE)
             return
         while self.queue:
             placed = self.gpu.place(self.requests[self.queue[0]])
@@ -541,8 +549,9 @@ class Coordinator:
             grammar=req.grammar, images=req.images), data)
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True,
-            worker_done: bool = False) -> None:
-        """Free everything the request holds, log it and tell the client (unless it is gone)."""
+            worker_done: bool = False, refuse: str | None = None) -> None:
+        """Free everything the request holds, log it and tell the client (unless it is gone):
+        its Done, or with `refuse` (a code) an Error, for one that has sent nothing yet."""
         now = time.monotonic()
         prefill_ms, decode_tok_s = req.timings(now)
         self._log_finished(req, reason, error, prefill_ms, decode_tok_s, now)
@@ -557,6 +566,9 @@ class Coordinator:
                 self.unfinished.hold(req)
         req.release(self.index)
         if not notify:
+            return
+        if refuse is not None and req.sent == 0:
+            self.reply(req.client, P.Error(message=error or reason, request_id=req.rid, code=refuse))
             return
         tail = req.stream.flush()
         if tail:
@@ -596,8 +608,22 @@ class Coordinator:
         dead |= {w for w, seen in self.last_seen.items() if now - seen > WORKER_TIMEOUT_S and w in self.workers}
         for wid in dead:
             self.worker_died(wid)
+        self._check_available()
         if self.http:
             self.http.poll()
+
+    def _check_available(self) -> None:
+        """Every CPU worker of ours given up and none joined by hand: nothing can decode, so
+        requests are refused at once (the front end answers 503 and /health says why)."""
+        decoders = any(w.kind == "cpu" for w in self.workers.values())
+        unavailable = NO_DECODER if self.supervisor.all_given_up and not decoders else None
+        if unavailable != self.unavailable:
+            if unavailable:
+                log.error("%s: requests are refused until a CPU worker joins (cpu_worker --connect %s)",
+                          unavailable, self.worker_endpoint)
+            else:
+                log.info("a CPU worker joined: requests are served again")
+            self.unavailable = unavailable
 
     def worker_died(self, wid: str) -> None:
         log.error("worker %s died", wid)

@@ -148,7 +148,8 @@ class Done(_Msg, tag="done"):
 class Error(_Msg, tag="error"):
     """coordinator -> client: a message was refused (malformed, unknown, duplicate id...).
     A prompt longer than the context has code "context_length_exceeded" (OpenAI's) and
-    llama-server's counts: the prompt's tokens and the positions a sequence may hold."""
+    llama-server's counts: the prompt's tokens and the positions a sequence may hold; a
+    request that no worker can run (none is left) has code "unavailable"."""
     message: str
     request_id: str | None = None
     code: str | None = None
@@ -183,6 +184,7 @@ class StatusReply(_Msg, tag="status_reply"):
     n_ctx: int = 0                  # the longest prompt + generation (--max-model-len); 0: not said
     max_sequences: int = 0          # per worker (--max-sequences); 0: not said
     vision: bool = False            # a vision tower is loaded (--mmproj): chat messages may hold images
+    unavailable: str = ""           # why every request is refused now (no worker can run it); "": served
 
 
 # ---- coordinator <-> worker ---------------------------------------------------

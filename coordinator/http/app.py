@@ -205,6 +205,8 @@ async def submit(server: Server, msg: P.Generate):
 async def health(request: Request):
     st = await request.app.state.server.status()
     ready = sum(w.alive for w in st.workers)
+    if st.unavailable:
+        raise APIError(503, st.unavailable, code="unavailable")
     if not ready:
         raise APIError(503, "no worker is ready yet", headers={"Retry-After": RETRY_AFTER_S})
     return JSONResponse({"status": "ok", "workers_ready": ready})

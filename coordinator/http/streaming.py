@@ -67,8 +67,9 @@ class GenerationResponse:
             first = await self._next()
             if self.gone:
                 return
-            if isinstance(first, P.Error):           # refused: bad input the coordinator names
-                await send_json(send, 400, self.error_body(_refusal(first, self.fmt.prompt_param)))
+            if isinstance(first, P.Error):           # refused: bad input the coordinator names, or no worker
+                refusal = _refusal(first, self.fmt.prompt_param)
+                await send_json(send, refusal.status, self.error_body(refusal), refusal.headers)
             elif isinstance(first, P.Done) and first.finish_reason == "error":    # _next() has counted it
                 await send_json(send, 500, self.error_body(_failure_error(first)))
             elif self.streaming:
@@ -197,8 +198,11 @@ class GenerationResponse:
 
 
 def _refusal(error: P.Error, prompt_param: str) -> APIError:
-    """The coordinator's refusal of a request as a 400: an over-long prompt as OpenAI's
-    context_length_exceeded, with llama-server's n_prompt_tokens and n_ctx."""
+    """The coordinator's refusal of a request: a 400 (an over-long prompt as OpenAI's
+    context_length_exceeded, with llama-server's n_prompt_tokens and n_ctx), or a 503
+    when no worker is left to run it."""
+    if error.code == "unavailable":                 # no worker left that can run it
+        return APIError(503, error.message, code=error.code)
     if error.code == "context_length_exceeded":
         return APIError(400, error.message, param=prompt_param, code=error.code,
                         extra={"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx})

@@ -84,14 +84,14 @@ class FakeWorker:
     beats every BEAT_S until told to go silent. Its own thread owns the socket, so it
     beats however slowly the test runs; the test sends and receives through queues."""
 
-    def __init__(self, coord, wid):
+    def __init__(self, coord, wid, kind="cpu"):
         self.coord, self.wid, self.beating, self.running = coord, wid, True, True
         self.outbox, self.inbox = queue.Queue(), queue.Queue()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, wid.encode())
         self.sock.connect(coord.worker_endpoint)
-        self.send(P.Hello(worker_id=wid, pid=os.getpid(), threads=1, fingerprint=coord.model.fingerprint))
+        self.send(P.Hello(worker_id=wid, pid=os.getpid(), threads=1, fingerprint=coord.model.fingerprint, kind=kind))
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         self.welcome = self.recv()
@@ -248,24 +248,66 @@ def test_a_request_whose_workers_keep_dying_fails_after_max_attempts(tiny_q4_pat
         late.close()
 
 
-def test_queued_requests_fail_when_every_worker_was_given_up(tiny_q4_path, tmp_path, monkeypatch, caplog):
+def test_requests_are_refused_at_once_when_every_worker_was_given_up(tiny_q4_path, tmp_path, monkeypatch, caplog):
     """Real worker processes that cannot start (their model is gone): the supervisor
-    restarts each MAX_RESTARTS times, then gives up, and the daemon fails the queued
-    request, and any that come after, with an error saying so, instead of holding them."""
+    restarts each MAX_RESTARTS times, then gives up; the queued request, and any that
+    come after, are refused with code "unavailable" and the reason, the status says it,
+    and the log says it once."""
     monkeypatch.setattr(supervisor, "MAX_RESTARTS", 1)           # two starts: the count is not what is tested
     caplog.set_level(logging.INFO, logger="fermoe.coordinator")
     gone = str(tmp_path / "moved-away.gguf")
     with running_coordinator(tiny_q4_path, fake_supervisor=False, worker_model=gone) as coord, \
             Client(coord.addr, timeout_s=20) as c:
-        first = list(c.generate("queued while the workers fail", max_tokens=4))[-1]
-        later = list(c.generate("sent after the give-up", max_tokens=4))[-1]
-        assert not c.status().workers and c.status().queued == 0
-    problem = "no CPU worker could be started (see the coordinator log)"
-    assert (first.finish_reason, first.error) == (later.finish_reason, later.error) == ("error", problem)
+        first = c.submit("queued while the workers fail", max_tokens=4)
+        refusals = [c._next(first, 20)]
+        started = time.monotonic()
+        refusals += [c._next(c.submit("sent after the give-up", max_tokens=4), 20) for _ in range(3)]
+        assert time.monotonic() - started < 5          # at once, not after a client's timeout
+        status = c.status()
+        assert not status.workers and status.queued == 0 and status.unavailable == daemon.NO_DECODER
+    for refusal in refusals:
+        assert isinstance(refusal, P.Error) and (refusal.code, refusal.message) == ("unavailable", daemon.NO_DECODER)
     messages = [r.getMessage() for r in caplog.records]
     n_workers = len(supervisor.worker_plan(coord.opts))
     assert sum(m.startswith("started worker") for m in messages) == n_workers * (supervisor.MAX_RESTARTS + 1)
     assert sum("not restarting it" in m for m in messages) == n_workers
+    assert sum(m.startswith(daemon.NO_DECODER) for m in messages) == 1
+
+
+def test_the_front_end_answers_503_with_the_reason_when_no_worker_is_left(tiny_q4_path, tmp_path, monkeypatch):
+    import httpx
+    monkeypatch.setattr(supervisor, "MAX_RESTARTS", 0)
+    url = f"http://127.0.0.1:{free_port()}"
+    with running_coordinator(tiny_q4_path, "--http", url.removeprefix("http://"), fake_supervisor=False,
+                             worker_model=str(tmp_path / "gone.gguf")):
+        def health():
+            try:
+                return httpx.get(f"{url}/health", timeout=5)
+            except httpx.HTTPError:
+                return None                             # the front end is still starting
+        answer = wait_until(lambda: (r := health()) is not None and "given up" in r.text and r, 60,
+                            "/health saying why")
+        assert answer.status_code == 503 and answer.json()["error"]["message"] == daemon.NO_DECODER
+        started = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert time.monotonic() - started < 5
+        assert r.status_code == 503 and r.json()["error"]["message"] == daemon.NO_DECODER, r.text
+
+
+def test_a_gpu_worker_alone_does_not_keep_requests_waiting(tiny_q4_path):
+    """Fault guarded: with every CPU worker given up, a GPU worker still listed kept the
+    daemon from seeing that nothing could decode, and requests waited for the client's
+    timeout while /health said ok. A CPU worker that joins by hand serves again."""
+    with running_coordinator(tiny_q4_path) as coord, Client(coord.addr, timeout_s=20) as c:
+        coord.supervisor.plan, coord.supervisor.all_given_up = {"cpu-0": None}, True
+        gpu = FakeWorker(coord, "gpu-0", kind="gpu")
+        wait_until(lambda: "gpu-0" in coord.workers and coord.unavailable, HEARD_S, "the GPU worker joined")
+        refusal = c._next(c.submit("nobody decodes this", max_tokens=4), 10)
+        assert isinstance(refusal, P.Error) and refusal.code == "unavailable", refusal
+        cpu = FakeWorker(coord, "by-hand")
+        wait_until(lambda: "by-hand" in coord.workers and not coord.unavailable, HEARD_S, "the CPU worker joined")
+        gpu.close(), cpu.close()
 
 
 def test_a_hung_worker_process_is_killed_replaced_and_its_request_resumed(tiny_q4_path, monkeypatch):
