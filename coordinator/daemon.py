@@ -247,6 +247,13 @@ class Coordinator:
         if self.unavailable:
             self.reply(client, P.Error(message=self.unavailable, request_id=msg.request_id, code=UNAVAILABLE))
             return
+        if msg.max_queue is not None:
+            waiting = sum(r.client == client and r.first_token is None for r in self.requests.values())
+            if waiting >= msg.max_queue:
+                self.reply(client, P.Error(message=f"{waiting} requests are already waiting (--max-queue "
+                                                   f"{msg.max_queue}); retry later", request_id=msg.request_id,
+                                           code="queue_full"))
+                return
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
                       grammar=grammar, marks=self._turn_marks(msg, tokens))

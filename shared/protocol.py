@@ -102,6 +102,10 @@ class Generate(_Msg, tag="generate"):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     grammar: Constraint | None = None   # None: unconstrained
+    # refuse it (Error code "queue_full") when this client has this many requests waiting for
+    # their first token already: checked after the request is validated, so that a bad request
+    # gets its own error however full the queue (the HTTP front end's --max-queue)
+    max_queue: int | None = None
 
 
 class Cancel(_Msg, tag="cancel"):

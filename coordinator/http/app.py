@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -42,6 +43,7 @@ from shared.errors import FermoeError, ProtocolError
 
 from . import anthropic_api, chat_params, llama_server_api, params, responses_api
 from .cors import CORS
+from .errors import RETRY_AFTER_S
 from .logprobs import Logprobs
 from .metrics import Metrics
 from .schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -52,7 +54,6 @@ from .upstream import Upstream
 log = logging.getLogger("fermoe.http")
 # the page and its icon are static (the page asks for the key itself)
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/favicon.ico"})
-RETRY_AFTER_S = 1
 STATIC = Path(__file__).with_name("static")
 
 
@@ -194,11 +195,10 @@ async def submit(server: Server, msg: P.Generate):
     if len(data) > server.coordinator_limit:        # a coordinator of its own, with a lower limit
         raise _too_large(f"the request is {len(data)} bytes as a message to the coordinator",
                          server.coordinator_limit, "the coordinator's")
-    limit, upstream = server.settings.max_queue, server.upstream
-    if limit is not None and upstream.waiting >= limit:
-        raise APIError(503, f"{upstream.waiting} requests are already waiting (--max-queue {limit}); "
-                            f"retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
-    return model, upstream, upstream.submit(msg, data)
+    if server.settings.max_queue is not None:      # the coordinator admits it once it has checked it
+        msg = msgspec.structs.replace(msg, max_queue=server.settings.max_queue)
+        data = P.encode(msg)
+    return model, server.upstream, server.upstream.submit(msg, data)
 
 
 # ---- the rest ------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """OpenAI's error JSON: every refusal of the HTTP API is one of these."""
 from __future__ import annotations
 
+RETRY_AFTER_S = 1           # the Retry-After of a 503 that a moment may cure (a full queue, a coordinator starting)
+
 
 class APIError(Exception):
     """An error answered as OpenAI answers it: {"error": {message, type, param, code}}, plus

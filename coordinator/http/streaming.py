@@ -26,7 +26,7 @@ import msgspec
 
 from shared import protocol as P
 
-from .errors import APIError
+from .errors import RETRY_AFTER_S, APIError
 from .formats import ChatFormat, TextFormat  # noqa: F401 (the formats a response takes)
 from .llama_server import Timings
 
@@ -203,6 +203,8 @@ def _refusal(error: P.Error, prompt_param: str) -> APIError:
     when no worker is left to run it."""
     if error.code == "unavailable":                 # no worker left that can run it
         return APIError(503, error.message, code=error.code)
+    if error.code == "queue_full":                  # the front end's --max-queue
+        return APIError(503, error.message, code=error.code, headers={"Retry-After": RETRY_AFTER_S})
     if error.code == "context_length_exceeded":
         return APIError(400, error.message, param=prompt_param, code=error.code,
                         extra={"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx})

@@ -212,6 +212,10 @@ def _check_the_queue_limit(daemon, url: str) -> None:
         r = httpx.post(f"{url}/v1/completions", headers=auth, json={"prompt": "one too many", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "queue_full"
+        # a bad request gets its own 400 however full the queue (fault guarded: the front end
+        # counted it against --max-queue before the coordinator had looked at it)
+        bad = httpx.post(f"{url}/v1/completions", headers=auth, json={"prompt": [10**9], "max_tokens": 2})
+        assert bad.status_code == 400 and "token ids must be in" in bad.json()["error"]["message"], bad.text
         assert status(daemon).queued == 1
     waiter.join(120)                                   # the endless streams are gone: it runs now
     assert waited[0].status_code == 200 and waited[0].json()["usage"]["completion_tokens"] == 2
