@@ -278,8 +278,9 @@ async def server_error(request: Request, exc: Exception):
 
 
 class Gate:
-    """ASGI middleware: the Bearer key on every path but the open ones, and per-endpoint counts
-    (by route path; any other path, a model's own /v1/models/NAME too, counts as "other")."""
+    """ASGI middleware: the Bearer key on every path but the open ones, per-endpoint counts
+    (by route path; any other path, a model's own /v1/models/NAME too, counts as "other"),
+    and a log line for every refusal (status, route, the error's message; never the body)."""
 
     def __init__(self, app, server: Server, endpoints: frozenset[str]):
         self.app, self.server, self.endpoints = app, server, endpoints
@@ -291,9 +292,16 @@ class Gate:
             return await self.app(scope, receive, send)
         endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
 
+        status = 0
+
         async def counted_send(message):
+            nonlocal status
             if message["type"] == "http.response.start":
-                self.server.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+                status = message["status"]
+                self.server.metrics.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
+            elif message["type"] == "http.response.body" and status >= 400:
+                _log_refusal(scope, status, message.get("body", b""))
+                status = 0                          # one line, however many chunks
             await send(message)
 
         problem = self._refusal(scope)
@@ -317,6 +325,17 @@ class Gate:
         if not hmac.compare_digest(token.strip(), self.key):
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return None
+
+
+def _log_refusal(scope, status: int, body: bytes) -> None:
+    """One line for a 4xx or 5xx answer: the route, the status and the error's own message
+    (OpenAI's and Anthropic's bodies both carry error.message)."""
+    try:
+        reason = msgspec.json.decode(body)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        reason = body[:200].decode("utf-8", "replace")
+    log.log(logging.ERROR if status >= 500 else logging.WARNING, "%s %s -> %d: %s", scope.get("method", ""),
+            scope["path"], status, reason)
 
 
 def build_app(settings: Settings) -> Starlette:

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.http_server import HttpDaemon, LocalEngine, sse_events
+from tests.support.serving_harness import wait_until
 
 MAX_SEQUENCES = 4           # a worker decoding several at once, as served (no test here counts on four)
 MAX_REQUEST = 4 << 20       # --max-request-size: small enough to exceed cheaply, above the old 1 MiB message cap
@@ -388,3 +389,17 @@ def test_a_thousand_fuzzed_requests_are_each_answered_4xx(daemon):
     assert daemon.proc.poll() is None and httpx.get(f"{daemon.url}/health").status_code == 200
     r = post(daemon, "/v1/completions", {"prompt": "after the storm", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_every_refusal_leaves_one_line_in_the_daemons_log_without_the_body(daemon):
+    """Fault guarded: a 4xx or 5xx from the front end left no trace in the daemon's log."""
+    secret = "a-string-only-the-body-holds"
+    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": secret}], "max_tokens": -7}, 400),
+             ("/v1/completions", {"prompt": [10**9], "max_tokens": 2, "user": secret}, 400),
+             ("/v1/no-such-route", {"prompt": secret}, 404)]
+    for path, body, status in cases:
+        assert httpx.post(f"{daemon.url}{path}", json=body, timeout=60).status_code == status
+        line = wait_until(lambda: next((l for l in daemon.log if f"POST {path} -> {status}: " in l), None), 10,
+                          f"the log line of {path}'s {status}")
+        assert len(line.split(" -> ")[1]) > 6 and secret not in line, line
+    assert not any(secret in line for line in daemon.log)
