@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a tool loop: the model may call pydoc (default prompt: {AGENT_QUESTION!r})")
     p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate (default 32, with "
                    "--agent 128 a reply; -1: until end of generation or of the context)")
-    p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="where the coordinator listens "
-                                                                  "(default: loopback 5557)")
+    p.add_argument("--addr", default=None, help="where its coordinator listens (default: a free loopback port; "
+                                                "an address another process listens on is refused)")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API for a running coordinator",
                        description="Serve the OpenAI-compatible HTTP API for a running coordinator (or start "
@@ -463,6 +463,7 @@ def cmd_demo(args) -> None:
     except OSError as e:
         raise FermoeError(f"{args.model}: {e.strerror or e}") from None
     _notices(args, metadata)
+    args.addr = _own_address(args.addr)
     with tempfile.TemporaryFile("w+") as log:
         daemon = start_coordinator(args.model, args.addr, ["--snapshot-mem", "64MiB"], log)
         try:
@@ -482,6 +483,24 @@ def cmd_demo(args) -> None:
         if daemon.returncode != 0:
             last = last_words(log)
             raise FermoeError(f"the coordinator exited with status {daemon.returncode}" + (f": {last}" if last else ""))
+
+
+def _own_address(addr: str | None) -> str:
+    """Where the demo's own coordinator listens: a free loopback port, or `addr` when no
+    process listens there already (the demo would talk to that one, on another model maybe)."""
+    import socket
+    if addr is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    host, sep, port = addr.removeprefix("tcp://").rpartition(":")
+    if addr.startswith("tcp://") and sep and port.isdigit():
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
+            s.settimeout(1.0)
+            if s.connect_ex((host.strip("[]"), int(port))) == 0:
+                raise FermoeError(f"--addr {addr}: another process listens there already (a coordinator of its "
+                                  "own?); leave --addr out to use a free port")
+    return addr
 
 
 def _agent(client, question: str, max_tokens: int | None, metadata: dict) -> None:

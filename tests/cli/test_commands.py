@@ -5,6 +5,7 @@ import json
 import msgspec
 import os
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -250,8 +251,7 @@ def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
     no arena left behind)."""
     monkeypatch.setenv("FERMOE_CACHE", str(tmp_path))
     leaked_before = _dead_arenas()
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    run = fermoe("demo", "-p", r"The old GPU\tsaid", "-n", 12, "--addr", addr)
+    run = fermoe("demo", "-p", r"The old GPU\tsaid", "-n", 12)      # its coordinator on a free port of its own
     from shared.builtin import resolve_model
     ids = local_ids(resolve_model("tiny"), "The old GPU\tsaid", 12, eos=True, temperature=0.0)
     expected = Model(resolve_model("tiny")).tokenizer.decode(ids)
@@ -260,6 +260,19 @@ def test_demo_streams_a_greedy_continuation_and_stops(tmp_path, monkeypatch):
     assert re.fullmatch(rf"stopped: {re.escape(why)}; prompt \d+ tokens \(0 cached\), prefill \d+ ms, "
                         rf"{len(ids)} tokens generated at [\d.]+ tok/s\n", run.stderr), run.stderr
     assert _dead_arenas() <= leaked_before
+
+
+def test_demo_refuses_an_address_another_process_listens_on():
+    """Fault guarded: the demo's coordinator failed to bind an address already taken, the
+    demo sent its prompt to whatever listened there (another model, possibly), and then
+    reported that its coordinator had exited."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        run = fermoe("demo", "-n", 2, "--addr", addr, check=False)
+    assert run.returncode == 1 and run.stdout == "", run.stdout
+    assert f"--addr {addr}: another process listens there already" in run.stderr, run.stderr
 
 
 def test_demo_agent_runs_a_real_tool_loop(tmp_path, monkeypatch):
