@@ -36,6 +36,7 @@ class ImageDecoder:
     finished() when it is readable."""
 
     def __init__(self, fn=decode_all, processes: int = DECODE_PROCESSES):
+        import PIL.JpegImagePlugin, PIL.PngImagePlugin     # noqa: F401  (now, not on the loop with the first image)
         self.fn, self.processes = fn, processes
         self.pool: ProcessPoolExecutor | None = None
         self.pending: list[tuple] = []          # (the caller's key, its future, the pool it runs in), in order
