@@ -27,7 +27,9 @@ import numpy as np
 import zmq
 
 from shared import protocol as P
-from shared.vision.chat import chat_prompt
+from shared.vision.chat import plan, template_places_images
+from shared.vision.image import ImageLimits
+from shared.vision.prompt import IMAGE_PAD
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
@@ -38,6 +40,7 @@ from shared.model import has_random_weights, random_weights_notice
 
 from .memory import host_footprint, resolve_max_model_len, snapshot_pools
 from .gpu_prefill import GPUPrefills
+from .images import ImageDecoder
 from .requests import Phase, Request, TextStream, Unfinished, planned_refs, resume_refs
 from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
@@ -68,6 +71,8 @@ class Coordinator:
             log.warning("%s", random_weights_notice(opts.model))
         self.tokenizer = self.model.tokenizer
         self.vision = self._vision_config(opts)     # the tower's shapes (--mmproj), for images' token counts
+        self.image_limits = ImageLimits()
+        self.images = ImageDecoder() if self.vision is not None else None     # its pool starts with the first image
         gpus = len(opts.gpus)
         why_not_shared = unshareable(self.model) if gpus else "no GPU worker"
         weight_bytes, sequences = host_footprint(
@@ -112,6 +117,9 @@ class Coordinator:
         tower = Mmproj(opts.mmproj)
         try:
             tower.check_text_model(self.model.config.n_embd, opts.model_path)
+            if not template_places_images(self.tokenizer):
+                log.warning("the model's chat template places no image (no %s for an image part): every request "
+                            "with an image will be refused, although --mmproj is given", IMAGE_PAD)
             return tower.config
         finally:
             tower.close()
@@ -180,9 +188,13 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.workers_sock, zmq.POLLIN)
+        if self.images:
+            poller.register(self.images.fd, zmq.POLLIN)
         ready_logged = False
         while not self.stopping:
             events = dict(poller.poll(200))
+            if self.images and self.images.fd in events:
+                self.images_decoded()
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self.handle_worker_frames)
             if self.clients in events:
@@ -230,7 +242,8 @@ class Coordinator:
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
-            tokens, chat = self._prompt_tokens(msg)        # (msg.sampling was checked as it was decoded)
+            tokens, chat = self._prompt_tokens(msg)        # (msg.sampling was checked as it was decoded; images
+                                                           # from their headers only)
             if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
                 raise FermoeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or null: none), got {msg.logprobs}")
             if msg.max_tokens is not None and msg.max_tokens < 0:
@@ -257,12 +270,32 @@ class Coordinator:
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
                       grammar=grammar, marks=self._turn_marks(msg, tokens))
-        if chat is not None and chat.images:
+        self.requests[req.rid] = req
+        if chat is not None and chat.data:      # queued once its images are decoded (images_decoded)
+            req.phase, req.chat = Phase.DECODING, chat
+            self.images.submit(req, chat.data, self.vision, self.image_limits)
+            return
+        self.queue.append(req.rid)
+
+    def images_decoded(self) -> None:
+        """Requests whose images are decoded: queued with their cache keys, or refused (a bad
+        image) as a bad request is at arrival: one Error, no Done."""
+        for req, decoded, error in self.images.finished():
+            if self.requests.get(req.rid) is not req:
+                continue                        # ended meanwhile (cancelled, its client gone)
+            try:
+                if error is not None:
+                    raise error
+                chat = req.chat.prompt(decoded)
+            except FermoeError as e:
+                log.info("request %s refused: %s", req.rid, e)
+                del self.requests[req.rid]
+                self.reply(req.client, P.Error(message=str(e), request_id=req.rid, **getattr(e, "wire_fields", {})))
+                continue
             req.images = [P.ImageInput(data=im.data, start=s.start, rows=s.rows, cols=s.cols)
                           for im, s in zip(chat.images, chat.spans)]
-            req.key = chat.cache_key()
-        self.requests[req.rid] = req
-        self.queue.append(req.rid)
+            req.key, req.chat, req.phase = chat.cache_key(), None, Phase.QUEUED
+            self.queue.append(req.rid)
 
     def _turn_marks(self, msg: P.Generate, tokens: list[int]) -> list[int]:
         """Where the turns of a chat prompt begin that its next turn may diverge right after,
@@ -300,7 +333,7 @@ class Coordinator:
         return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j
 
     def _prompt_tokens(self, msg: P.Generate):
-        """(the prompt's token ids, its ChatPrompt with the images or None)."""
+        """(the prompt's token ids, its ChatPlan with the images or None)."""
         given = [x is not None for x in (msg.prompt, msg.tokens, msg.messages)]
         if sum(given) != 1:
             raise FermoeError("give exactly one of prompt, tokens, messages")
@@ -310,8 +343,8 @@ class Coordinator:
         elif msg.prompt is not None:
             tokens = self.tokenizer.encode(msg.prompt)
         else:
-            chat = chat_prompt(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs,
-                               self.vision, max_image_bytes=P.MAX_IMAGE_BYTES)
+            chat = plan(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs, self.vision,
+                        self.image_limits, max_image_bytes=P.MAX_IMAGE_BYTES)
             tokens = chat.tokens
         n_vocab = self.model.config.n_vocab
         if not tokens:
@@ -339,8 +372,9 @@ class Coordinator:
                               vision_tok_s=round(w.vision_tok_s, 1))
                  for w in self.workers.values()]
         stats = {k: int(v) for k, v in self.index.stats().items()}
-        self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=len(self.queue),
-                                         running=len(self.requests) - len(self.queue), snapshots=stats,
+        waiting = len(self.queue) + sum(r.phase is Phase.DECODING for r in self.requests.values())
+        self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=waiting,
+                                         running=len(self.requests) - waiting, snapshots=stats,
                                          name=self.opts.alias or self.opts.model,
                                          fingerprint=self.model.fingerprint,
                                          max_request_size=P.max_message_bytes(), n_ctx=self.max_model_len,
@@ -563,6 +597,8 @@ class Coordinator:
         prefill_ms, decode_tok_s = req.timings(now)
         self._log_finished(req, reason, error, prefill_ms, decode_tok_s, now)
         self.requests.pop(req.rid, None)
+        if req.phase is Phase.DECODING:
+            self.images.cancel(req)
         if req.rid in self.queue:
             self.queue.remove(req.rid)
         if req.worker in self.workers:
@@ -668,6 +704,8 @@ class Coordinator:
         for wid in list(self.workers):
             self.send_worker(wid, P.Shutdown())
         self.supervisor.stop_all()
+        if self.images:
+            self.images.close()
         self.clients.close()
         self.workers_sock.close()
         for segment in (self.arena, self.experts):

@@ -14,6 +14,7 @@ from shared.tokenizer import StreamDecoder, Tokenizer
 class Phase(enum.Enum):
     """Where a request stands, so that a fault knows what to redo (gpu_prefill.py draws
     the GPU's part)."""
+    DECODING = "decoding"            # its images being decoded off the loop (coordinator/images.py), not queued yet
     QUEUED = "queued"                # waiting for a worker (new, or to be replayed)
     PREFILLING = "prefilling"        # its prompt on a GPU worker
     HANDED_OFF = "handed_off"        # prefilled on a GPU worker, waiting for a CPU worker to resume it
@@ -61,6 +62,7 @@ class Request:
     # tokens replaced by values drawn from its pixels' hash (shared/vision/chat.py); None: tokens.
     images: list = field(default_factory=list)
     key: list | None = None
+    chat: object = None              # while DECODING: its ChatPlan (shared/vision/chat.py), the images still bytes
 
     @property
     def cache_tokens(self) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,6 @@ import numpy as np
 from ..errors import FermoeError
 from .config import VisionConfig
 
-FORMATS = ("PNG", "JPEG")
 # Pillow modes that convert to RGB without losing what they mean; 16-bit and float
 # greyscale (I, I;16, F) would be clipped to 8 bits by Pillow's conversion.
 MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
@@ -32,39 +30,71 @@ class ImageError(FermoeError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """max_input_pixels: the largest image decoded at all (a guard on memory); min_pixels and
-    max_pixels: the resized area's bounds (the model's preprocessor_config.json values)."""
+    """max_input_pixels: the largest image decoded at all, and max_request_pixels: the most
+    pixels all the images of one request may hold together (guards on memory and on the
+    time their decoding takes, both checked from the headers); min_pixels and max_pixels:
+    the resized area's bounds (the model's preprocessor_config.json values)."""
     max_input_pixels: int = 64 << 20
+    max_request_pixels: int = 64 << 20
     min_pixels: int = 65536
     max_pixels: int = 16777216
 
 
+def header(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "image") -> tuple[int, int]:
+    """An image's (width, height), read and checked from its header alone (nothing decoded)."""
+    return _open(data, limits, name).size
+
+
 def decode(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "image") -> np.ndarray:
     """PNG or JPEG bytes -> uint8 [H, W, 3] RGB, transparency composited onto white (as HF)."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not data:
-        raise ImageError(f"{name}: the image is empty (0 bytes)")
+    img = _open(data, limits, name)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            _check_header(img, limits, name)
-            img.load()
-    except ImageError:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
-        if isinstance(e, UnidentifiedImageError):
-            raise ImageError(f"{name}: not a PNG or JPEG image, or a corrupt one ({len(data)} bytes)") from None
-        raise ImageError(f"{name}: {e}") from None
-    except (OSError, ValueError, SyntaxError) as e:     # Pillow's words for truncated and corrupt data
+        img.load()
+    except Exception as e:      # Pillow's words for truncated and corrupt data (OSError, ValueError, SyntaxError...)
         raise ImageError(f"{name}: corrupt or truncated {img.format} image: {e}") from None
     return _to_rgb(img)
 
 
+def _open(data: bytes, limits: ImageLimits, name: str):
+    """The image, its header read and checked. PNG and JPEG are opened by their own plugins,
+    not Image.open: that one applies Pillow's decompression-bomb check (its own two limits
+    and wording) before ours could speak; no other format's parser ever sees the data."""
+    from PIL import JpegImagePlugin, PngImagePlugin
+
+    if not data:
+        raise ImageError(f"{name}: the image is empty (0 bytes)")
+    prefix = data[:16]
+    plugins = {"PNG": (PngImagePlugin._accept, PngImagePlugin.PngImageFile),
+               "JPEG": (JpegImagePlugin._accept, JpegImagePlugin.JpegImageFile)}
+    fmt = next((f for f, (accept, _) in plugins.items() if accept(prefix)), None)
+    if fmt is None:
+        other = _format_of(prefix)
+        if other is None:
+            raise ImageError(f"{name}: not a PNG or JPEG image, or a corrupt one ({len(data)} bytes)")
+        raise ImageError(f"{name}: {other} images are not supported; send PNG or JPEG")
+    try:
+        img = plugins[fmt][1](io.BytesIO(data))
+    except Exception as e:      # a header cut short or broken: OSError, SyntaxError, struct.error...
+        raise ImageError(f"{name}: corrupt or truncated {fmt} image ({len(data)} bytes): {e}") from None
+    _check_header(img, limits, name)
+    return img
+
+
+def _format_of(prefix: bytes) -> str | None:
+    """The format Pillow would take these first bytes for (only its name is wanted)."""
+    from PIL import Image
+
+    Image.init()
+    for fmt, (_, accept) in Image.OPEN.items():
+        try:
+            if accept is not None and accept(prefix):
+                return fmt
+        except Exception:
+            continue
+    return None
+
+
 def _check_header(img, limits: ImageLimits, name: str) -> None:
-    if img.format not in FORMATS:
-        raise ImageError(f"{name}: {img.format} images are not supported; send PNG or JPEG")
     w, h = img.size
     if w <= 0 or h <= 0:
         raise ImageError(f"{name}: the image has no pixels ({w}x{h})")

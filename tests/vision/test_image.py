@@ -1,6 +1,7 @@
 """Images in: the processor against Hugging Face's Qwen2VLImageProcessorPil with the model's
 preprocessor_config.json values (resize, normalise, patch order) on PNG and JPEG of several
-sizes and modes; every bad image is one ImageError naming it."""
+sizes and modes; every bad image is one ImageError naming it, the header's faults found
+from the header alone."""
 from __future__ import annotations
 
 import io
@@ -8,8 +9,9 @@ import io
 import numpy as np
 import pytest
 
-from shared.vision.image import ImageError, ImageLimits, decode, load, smart_resize
+from shared.vision.image import ImageError, ImageLimits, decode, header, load, smart_resize
 from modeltools.vision.synth import preset_config
+from tests.support.big_png import blank_png
 
 Image = pytest.importorskip("PIL.Image")
 CFG = preset_config("tiny")
@@ -101,3 +103,35 @@ def test_a_bad_image_harms_no_other():
         decode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
     pixels, grid = load(good, CFG)
     assert grid == (14, 20) and np.isfinite(pixels).all()        # 64 x 96 is scaled up to the minimum area
+
+
+@pytest.mark.parametrize("fmt, cut", [("PNG", 16), ("PNG", 30), ("JPEG", 40), ("JPEG", 100), ("JPEG", 200)])
+def test_an_image_cut_inside_its_header_is_one_error(fmt, cut):
+    data = _encode(_picture(64, 64), fmt)
+    assert cut < len(data)
+    with pytest.raises(ImageError, match=f"^cat: corrupt or truncated {fmt} image \\({cut} bytes\\)"):
+        decode(data[:cut], name="cat")
+    with pytest.raises(ImageError, match=f"^cat: corrupt or truncated {fmt}"):
+        header(data[:cut], name="cat")
+
+
+@pytest.mark.parametrize("side", [12000, 20000])
+def test_huge_images_meet_fermoes_one_limit(side):
+    """Over Pillow's own decompression-bomb limits (89 and 179 million pixels): fermoe's limit
+    and message, from the header, whatever Pillow's MAX_IMAGE_PIXELS is."""
+    data = blank_png(side, side)
+    assert len(data) < 100_000
+    message = f"^big.png: the image is {side}x{side} = {side * side} pixels, over the limit of {64 << 20} pixels$"
+    for read in (decode, header):
+        with pytest.raises(ImageError, match=message):
+            read(data, name="big.png")
+
+
+def test_the_header_is_read_alone():
+    """An image whose pixel data is cut passes the header (its size read, nothing decoded);
+    the decode finds the cut."""
+    data = blank_png(640, 480, rows=100)
+    assert header(data, name="x") == (640, 480)
+    with pytest.raises(ImageError, match="^x: corrupt or truncated PNG image"):
+        decode(data, name="x")
+    assert decode(blank_png(64, 32)).shape == (32, 64, 3)

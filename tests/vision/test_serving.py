@@ -109,7 +109,7 @@ def test_an_image_served_is_the_local_run_and_cached_by_its_pixels(daemon, files
 
 @pytest.mark.parametrize("data, problem", [
     (b"", "image 1: the image is empty"),
-    (b"GIF89a" + bytes(40), "image 1: not a PNG or JPEG image"),
+    (b"GIF89a" + bytes(40), "image 1: GIF images are not supported"),     # named by its first bytes alone
     (png(3)[:60], "image 1: corrupt or truncated PNG"),
     (bytes(P.MAX_IMAGE_BYTES + 1), f"over the limit of {P.MAX_IMAGE_BYTES} bytes"),
 ])
