@@ -212,7 +212,7 @@ class ServerKeys:
 # fail inside libzmq; a socket monitor tells of them.
 HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a peer without CURVE keys, or one made for another coordinator's keys",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "a handshake did not complete (the peer left during it, or a network fault)",
 }
 
 
@@ -236,7 +236,7 @@ class HandshakeWatch:
             if now - self._logged >= RELOG_S:
                 self._logged = now
                 log.warning("refused a connection to the %s socket: %s", self.what,
-                            HANDSHAKE_FAILURES.get(event["event"], "the handshake failed"))
+                            HANDSHAKE_FAILURES.get(event["event"], "its handshake failed"))
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -251,7 +251,8 @@ def test_workers_and_clients_in_another_namespace_need_the_listed_keys(tiny_q4_p
         try:
             workers = [in_ns(peer, *worker_cmd(endpoint, tiny_q4_path, wid, key), stderr=subprocess.DEVNULL)
                        for wid, key in [("a-remote", k / "workers" / "host2.key_secret"), ("no-key", None),
-                                        ("wrong-key", other / "workers" / "worker.key_secret")]]
+                                        ("wrong-key", other / "workers" / "worker.key_secret"),
+                                        ("client-key", k / "clients" / "client.key_secret")]]
             seen = peer_client(peer, addr, k / "clients" / "client.key_secret",
                                other / "clients" / "client.key_secret", "a-remote")
         finally:
@@ -259,6 +260,7 @@ def test_workers_and_clients_in_another_namespace_need_the_listed_keys(tiny_q4_p
                 p.kill()
                 p.wait()
     assert seen["workers"] == ["a-remote", "cpu0.0"]          # the keyless and the wrong-keyed never joined
+    assert "refused a worker with an unknown CURVE key" in "".join(log)    # the client's key, as a worker
     assert seen["running"] == ["a-remote"] and seen["done"] == "length"    # it served, across the veth
     assert not seen["no_key"] and not seen["wrong_key"]
     text = "".join(log)
