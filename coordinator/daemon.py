@@ -132,7 +132,8 @@ class Coordinator:
             self._close_security()
             raise
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        where = f"clients on {self.opts.bind}, workers on {self.worker_endpoint}"
+        # (not "workers on ...": the ready line's words, which scripts read the endpoint from)
+        where = f"client socket {self.opts.bind}, worker socket {self.worker_endpoint}"
         if self.keys is not None:
             self.watches = [HandshakeWatch(self.clients, "client"), HandshakeWatch(self.workers_sock, "worker")]
             log.info("CURVE security on: %d client keys, %d worker keys (%s); %s", len(self.keys.clients.keys),
@@ -141,7 +142,7 @@ class Coordinator:
             log.warning("--insecure: no CURVE keys; %s: anyone who reaches these ports can submit work, or join as "
                         "a worker and read every prompt", where)
         else:
-            log.info("no CURVE keys: %s (loopback only)", where)
+            log.info("no CURVE keys, loopback only: %s", where)
 
     def _close_security(self) -> None:
         for watch in self.watches:
