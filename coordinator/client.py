@@ -12,6 +12,7 @@ import msgspec
 import zmq
 
 from shared import protocol as P
+from shared.curve import client_keys
 from shared.errors import FermoeError
 from shared.sampling import SamplingParams
 
@@ -19,10 +20,15 @@ DEFAULT_ADDR = "tcp://127.0.0.1:5557"
 
 
 class Client:
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 600.0):
-        self.addr, self.timeout_s = addr, timeout_s
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 600.0, curve_key: str | None = None):
+        """curve_key: a client key file (clients/NAME.key_secret of `fermoe keys`), for a
+        coordinator started with --curve-keys."""
+        self.addr, self.timeout_s, self.curve_key = addr, timeout_s, curve_key
+        keys = client_keys(curve_key)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(self.sock)       # before connect: the handshake reads them then
         try:
             self.sock.connect(addr)
         except zmq.ZMQError as e:
@@ -48,10 +54,16 @@ class Client:
         while not self._inbox[key]:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
-                raise FermoeError(f"no answer from the coordinator at {self.addr} within {timeout_s:.0f} s")
+                raise FermoeError(f"no answer from the coordinator at {self.addr} within {timeout_s:.0f} s"
+                                  + self._keys_hint())
             msg = P.decode(self.sock.recv(), P.CLIENT_REPLIES)
             self._inbox[getattr(msg, "request_id", None)].append(msg)
         return self._inbox[key].popleft()
+
+    def _keys_hint(self) -> str:
+        # a coordinator that refuses our keys (or our lack of them) says nothing: ZeroMQ drops the handshake
+        return (f" (is {self.curve_key} a key it takes?)" if self.curve_key else
+                " (if it requires CURVE keys, give a client key file: --curve-key)")
 
     def submit(self, prompt: str | None = None, tokens: list[int] | None = None, messages=None,
                request_id: str | None = None, sampling: SamplingParams | None = None, **params) -> str:
@@ -105,5 +117,6 @@ class Client:
             except FermoeError:
                 pass
             if time.monotonic() > deadline:
-                raise FermoeError(f"the coordinator at {self.addr} was not ready within {timeout_s:.0f} s")
+                raise FermoeError(f"the coordinator at {self.addr} was not ready within {timeout_s:.0f} s"
+                                  + self._keys_hint())
             time.sleep(0.2)

@@ -30,6 +30,7 @@ from shared import protocol as P
 from shared.vision.chat import plan, template_places_images
 from shared.vision.image import ImageLimits
 from shared.vision.prompt import IMAGE_PAD
+from shared.curve import CLIENTS, WORKERS, ClientKeys, HandshakeWatch
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
@@ -82,14 +83,12 @@ class Coordinator:
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    weight_bytes, sequences)
         self._pools = self._snapshot_pools()     # an impossible --snapshot-states fails before binding
-        self.ctx = zmq.Context.instance()
-        self.clients = self._socket(opts.bind, mandatory=True)
-        self.workers_sock = self._socket(opts.worker_bind)
-        self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bind_sockets()
         self.http = None
         if opts.http:                           # the HTTP front end: a client process of ours
             from .http.process import FrontEnd, client_endpoint
-            self.http = FrontEnd(opts, client_endpoint(self.clients))
+            self.http = FrontEnd(opts, client_endpoint(self.clients),
+                                 self.keys.own_client if self.keys else None)
         self._make_snapshot_store()
         self.experts = self._share_experts(why_not_shared) if gpus else None
         self.workers: dict[str, WorkerView] = {}
@@ -99,7 +98,8 @@ class Coordinator:
         self.unfinished = Unfinished(self.index)
         self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker,
                                self.unfinished)
-        self.supervisor = Supervisor(opts, self.worker_endpoint, self.experts.name if self.experts else None)
+        self.supervisor = Supervisor(opts, self.worker_endpoint, self.experts.name if self.experts else None,
+                                     self.keys.own_worker if self.keys else None)
         self.client_handlers = {P.Generate: self.handle_generate, P.Cancel: self.handle_cancel,
                                 P.Status: self.handle_status}
         # every worker message but Hello; data: the frames after it (only a SnapshotWritten has any)
@@ -124,9 +124,49 @@ class Coordinator:
         finally:
             tower.close()
 
-    def _socket(self, endpoint: str, mandatory: bool = False):
+    def _bind_sockets(self) -> None:
+        """The client and worker ROUTERs; with --curve-keys, CURVE servers of their own
+        context, whose ZAP handler (one per context) admits the listed keys, each socket's
+        own list. The log says which it is."""
+        self.keys = getattr(self.opts, "server_keys", None)
+        self.watches = []                       # their failed handshakes, logged
+        if self.keys is None:
+            self.ctx = zmq.Context.instance()
+        else:
+            for own in (self.keys.own_worker, *([self.keys.own_client] if self.opts.http else [])):
+                ClientKeys(own)                 # what our own workers and front end connect with
+            self.ctx = zmq.Context()            # our ZAP handler's: not that of a client in this process
+            self.keys.start(self.ctx)
+        try:
+            self.clients = self._socket(self.opts.bind, CLIENTS, mandatory=True)
+            self.workers_sock = self._socket(self.opts.worker_bind, WORKERS)
+        except FermoeError:
+            self._close_security()
+            raise
+        self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # (not "workers on ...": the ready line's words, which scripts read the endpoint from)
+        where = f"client socket {self.opts.bind}, worker socket {self.worker_endpoint}"
+        if self.keys is not None:
+            self.watches = [HandshakeWatch(self.clients, "client"), HandshakeWatch(self.workers_sock, "worker")]
+            log.info("CURVE security on: %d client keys, %d worker keys (%s); %s", len(self.keys.clients.keys),
+                     len(self.keys.workers.keys), self.keys.dir, where)
+        elif self.opts.insecure:
+            log.warning("--insecure: no CURVE keys; %s: anyone who reaches these ports can submit work, or join as "
+                        "a worker and read every prompt", where)
+        else:
+            log.info("no CURVE keys, loopback only: %s", where)
+
+    def _close_security(self) -> None:
+        for watch in self.watches:
+            watch.close()
+        if self.keys is not None:
+            self.keys.stop()
+
+    def _socket(self, endpoint: str, domain: str, mandatory: bool = False):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.apply(sock, domain)
         # the largest frame either socket takes: a client's message (one over --max-request-size is
         # refused by P.decode with an Error naming the option, while ZeroMQ's own cut drops the
         # connection unanswered, so that cut lies well above it), or a snapshot that a worker
@@ -190,6 +230,8 @@ class Coordinator:
         poller.register(self.workers_sock, zmq.POLLIN)
         if self.images:
             poller.register(self.images.fd, zmq.POLLIN)
+        for watch in self.watches:
+            poller.register(watch.monitor, zmq.POLLIN)
         ready_logged = False
         while not self.stopping:
             events = dict(poller.poll(200))
@@ -199,6 +241,9 @@ class Coordinator:
                 self._drain(self.workers_sock, self.handle_worker_frames)
             if self.clients in events:
                 self._drain(self.clients, self.handle_client_frames)
+            for watch in self.watches:
+                if watch.monitor in events:
+                    watch.drain()
             self.supervise()
             self.schedule()
             if not ready_logged and self.workers and all(w.ready for w in self.workers.values()):
@@ -706,8 +751,11 @@ class Coordinator:
         self.supervisor.stop_all()
         if self.images:
             self.images.close()
+        self._close_security()
         self.clients.close()
         self.workers_sock.close()
+        if self.keys is not None:
+            self.ctx.destroy(linger=0)  # our own context (the shared instance is left to the process)
         for segment in (self.arena, self.experts):
             if segment is not None:
                 segment.close()

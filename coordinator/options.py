@@ -18,6 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: tcp://127.0.0.1:5557)")
     p.add_argument("--worker-bind", default="tcp://127.0.0.1:*",
                    help="worker endpoint; loopback by default, a routable address lets other hosts' workers in")
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="require ZeroMQ CURVE keys (made by `fermoe keys DIR`) on both sockets: only the public keys "
+                        "in DIR/workers may join as workers, only those in DIR/clients may submit work, and all "
+                        "traffic is encrypted; needed to bind --bind or --worker-bind off loopback")
+    p.add_argument("--insecure", action="store_true",
+                   help="bind --bind or --worker-bind off loopback without keys: anyone who reaches the port can "
+                        "submit work, or join as a worker and read every prompt")
     p.add_argument("--cpu-workers-per-socket", type=int, default=1,
                    help="CPU worker processes on each NUMA node (default 1)")
     p.add_argument("--threads-per-worker", type=int, default=None,
@@ -72,6 +79,7 @@ def parse_options(argv=None):
             raise FermoeError(problem)
     from .http.options import check_http_options
     check_http_options(opts)
+    _check_security(opts)
     from shared.topology import numa_nodes, physical_cores
     for node, cpus in numa_nodes().items():
         cores = len(physical_cores(cpus))
@@ -87,6 +95,21 @@ def parse_options(argv=None):
     opts.mmproj = os.path.abspath(opts.mmproj) if opts.mmproj else None     # workers start elsewhere
     opts.gpus = _gpus(opts)
     return opts
+
+
+def _check_security(opts) -> None:
+    """--curve-keys read now (a bad key file is one error at start, naming it); without
+    keys, an endpoint other hosts can reach is refused unless --insecure."""
+    from shared.curve import ServerKeys, is_loopback
+    if opts.curve_keys is not None and opts.insecure:
+        raise FermoeError("--insecure with --curve-keys: give one (keys: only their holders get in)")
+    opts.server_keys = ServerKeys(opts.curve_keys) if opts.curve_keys is not None else None
+    if opts.server_keys is None and not opts.insecure:
+        for flag, endpoint in (("--bind", opts.bind), ("--worker-bind", opts.worker_bind)):
+            if not is_loopback(endpoint):
+                raise FermoeError(f"{flag} {endpoint}: not a loopback address, and without keys anyone who reaches "
+                                  f"it could submit work or join as a worker and read every prompt: give "
+                                  f"--curve-keys DIR (made by `fermoe keys DIR`), or --insecure to allow that")
 
 
 def _gpus(opts) -> list[int]:

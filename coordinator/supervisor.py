@@ -58,10 +58,12 @@ def worker_plan(opts) -> dict[str, tuple[int, list[int]]]:
 
 
 class Supervisor:
-    def __init__(self, opts, endpoint: str, shared_experts: str | None = None):
+    def __init__(self, opts, endpoint: str, shared_experts: str | None = None, curve_key=None):
         self.opts, self.endpoint = opts, endpoint
-        # the experts' shared segment, when the coordinator packed one: every worker reads them there
-        self.experts_args = ["--shared-experts", shared_experts] if shared_experts else []
+        # the experts' shared segment, when the coordinator packed one: every worker reads them there;
+        # with --curve-keys, the worker pair they connect with (its path: the file is the owner's alone)
+        self.common_args = (["--shared-experts", shared_experts] if shared_experts else []) + \
+            (["--curve-key", str(curve_key)] if curve_key else [])
         self.procs: dict[str, subprocess.Popen] = {}
         self.plan = worker_plan(opts)
         self.gpu_plan = {f"gpu{i}": i for i in getattr(opts, "gpus", [])}
@@ -77,7 +79,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "cpu_worker.worker", "--connect", self.endpoint, "--model",
                self.opts.model_path, "--worker-id", wid, "--threads", str(len(cpus)),
                "--cpus", ",".join(map(str, cpus)), "--node", str(node), "--engine", self.opts.engine,
-               *self.experts_args]
+               *self.common_args]
         if self.opts.numa_interleave:
             cmd.append("--numa-interleave")
         if getattr(self.opts, "mmproj", None):
@@ -89,7 +91,7 @@ class Supervisor:
 
     def _start_gpu(self, wid: str) -> None:
         cmd = [sys.executable, "-m", "gpu_worker.worker", "--connect", self.endpoint, "--model", self.opts.model_path,
-               "--worker-id", wid, "--gpu", str(self.gpu_plan[wid]), *self.experts_args]
+               "--worker-id", wid, "--gpu", str(self.gpu_plan[wid]), *self.common_args]
         if self.opts.gpu_mem:
             cmd += ["--gpu-mem", self.opts.gpu_mem]
         if getattr(self.opts, "mmproj", None):

@@ -65,15 +65,16 @@ class Sequence:
 class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
                  cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS,
-                 shared_experts: str | None = None, mmproj: str | None = None):
-        """mmproj: the vision tower's file; a sequence with images needs it."""
+                 shared_experts: str | None = None, mmproj: str | None = None, curve_key: str | None = None):
+        """mmproj: the vision tower's file; a sequence with images needs it. curve_key: the
+        worker's key file, for a coordinator that requires CURVE keys."""
         from shared.builtin import resolve_model
         from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
         self.engine = cpu_engine(engine, self.model, threads=threads, cpus=cpus,
                                  experts=attach_experts(shared_experts, self.model))
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
-        self.link = WorkerLink(connect, worker_id, self._configure, shared_memory)
+        self.link = WorkerLink(connect, worker_id, self._configure, shared_memory, curve_key)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
                          P.DecodeSlots: self.handle_decode_slots}
         self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
@@ -299,7 +300,7 @@ def run_cpu_worker(args) -> int:
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory,
-                       shared_experts=args.shared_experts, mmproj=args.mmproj)
+                       shared_experts=args.shared_experts, mmproj=args.mmproj, curve_key=args.curve_key)
     return serve_until_stopped(worker)
 
 

@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Send a prompt to a running coordinator (started with `coordinator --model "
                                    "MODEL`) and stream the reply; a summary line on stderr says why it stopped.")
     p.add_argument("--addr", default="tcp://127.0.0.1:5557", help="coordinator address (default: loopback 5557)")
+    p.add_argument("--curve-key", default=None, metavar="FILE",
+                   help="a client key file (clients/NAME.key_secret of `fermoe keys`), for a coordinator started "
+                        "with --curve-keys")
     _add_prompt(p, required=True)
     _add_n_predict(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message (model's template)")
@@ -237,6 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "--agent 128 a reply; -1: until end of generation or of the context)")
     p.add_argument("--addr", default=None, help="where its coordinator listens (default: a free loopback port; "
                                                 "an address another process listens on is refused)")
+
+    p = sub.add_parser("keys", help="write ZeroMQ CURVE key pairs for a coordinator's --curve-keys",
+                       description="Write ZeroMQ CURVE key pairs into DIR (made, mode 0700): the coordinator's "
+                                   "(server.key, server.key_secret; kept if DIR has them), and a pair for each "
+                                   "worker and client name under DIR/workers and DIR/clients (secret files mode "
+                                   "0600). A coordinator started with --curve-keys DIR takes only those keys; a "
+                                   "worker or client connects with its one NAME.key_secret file (--curve-key), "
+                                   "which also holds the coordinator's public key.")
+    p.add_argument("dir", help="the keys directory")
+    p.add_argument("--worker", action="append", default=None, metavar="NAME",
+                   help="a worker pair to write, e.g. one per host (repeatable; with neither --worker nor --client: "
+                        "worker, the pair the coordinator's own workers use, and client)")
+    p.add_argument("--client", action="append", default=None, metavar="NAME",
+                   help="a client pair to write (repeatable; `client` is the pair the coordinator's own HTTP front "
+                        "end uses)")
+    p.add_argument("--force", action="store_true", help="replace the named pairs that exist (their old keys stop "
+                                                        "working)")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API for a running coordinator",
                        description="Serve the OpenAI-compatible HTTP API for a running coordinator (or start "
@@ -429,7 +449,7 @@ def cmd_submit(args) -> None:
 
     max_tokens = _max_tokens(args)
     _escaped(args)
-    with Client(args.addr) as client:
+    with Client(args.addr, curve_key=args.curve_key) as client:
         if args.wait:
             client.wait_ready(args.wait)
         else:
@@ -534,6 +554,16 @@ def cmd_bench(args) -> None:
     bench_main(args.rest)
 
 
+def cmd_keys(args) -> None:
+    from shared.curve import write_keys
+    # named pairs only: what is not named is not written (a first run gets the two the coordinator needs)
+    first = args.worker is None and args.client is None
+    workers = args.worker or (["worker"] if first else [])
+    clients = args.client or (["client"] if first else [])
+    for path in write_keys(args.dir, workers, clients, force=args.force):
+        print(f"wrote {path}", file=sys.stderr)
+
+
 def cmd_serve(args) -> None:
     from coordinator.http.server import run
     run(args)
@@ -555,7 +585,7 @@ def cmd_prune(args) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "convert": cmd_convert, "synth": cmd_synth,
-            "submit": cmd_submit, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench,
+            "submit": cmd_submit, "demo": cmd_demo, "keys": cmd_keys, "serve": cmd_serve, "bench": cmd_bench,
             "ppl": cmd_ppl, "compare": cmd_compare, "prune": cmd_prune}
 
 

@@ -47,8 +47,9 @@ BATCH_TOKENS = 2048
 class GPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, gpu: int = 0, gpu_mem: int | None = None,
                  shared_memory: bool = True, device=None, probe_tokens=PROBE_TOKENS, shared_experts: str | None = None,
-                 mmproj: str | None = None):
-        """mmproj: the vision tower's file; a prompt with images needs it. The tower goes
+                 mmproj: str | None = None, curve_key: str | None = None):
+        """mmproj: the vision tower's file; a prompt with images needs it (curve_key: the
+        worker's key file, for a coordinator that requires CURVE keys). The tower goes
         on the device first: its weights and a workspace for a 1024x1024 image come out
         of gpu_mem, the prefill engine plans with the rest."""
         from shared.builtin import resolve_model
@@ -67,7 +68,7 @@ class GPUWorker:
         else:
             self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device, shared_experts=experts)
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
-        self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory)
+        self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory, curve_key)
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self._registered = None             # the arena page-locked for the engine's copies
         self._images = None
@@ -196,7 +197,7 @@ def run_gpu_worker(args) -> int:
         log.info("placement: CPUs %s", cpus)
     worker = GPUWorker(args.model, args.connect, args.worker_id or f"gpu-{uuid.uuid4().hex[:8]}",
                        shared_memory=not args.no_shared_memory, shared_experts=args.shared_experts,
-                       mmproj=args.mmproj, **gpu_engine_options(args))
+                       mmproj=args.mmproj, curve_key=args.curve_key, **gpu_engine_options(args))
     return serve_until_stopped(worker)
 
 

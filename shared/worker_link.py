@@ -26,11 +26,13 @@ from collections.abc import Callable
 import zmq
 
 from . import protocol as P
+from .curve import client_keys
 from .errors import FermoeError, ProtocolError
 from .state import SequenceState, kv_dtype, write_snapshot, write_snapshot_kv
 
 log = logging.getLogger("fermoe.worker_link")
 HEARTBEAT_S = 1.0
+WELCOME_WAIT_S = 30.0       # a coordinator answers a Hello at once; this long without one, say so
 
 
 class WorkerLink:
@@ -40,8 +42,11 @@ class WorkerLink:
     ready: the snapshot slots hold KV of that type, so the worker's engine must too."""
 
     def __init__(self, connect: str, worker_id: str, configure: Callable[[str], None],
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, curve_key: str | None = None):
+        """curve_key: the worker's NAME.key_secret, for a coordinator that requires CURVE keys."""
         self.worker_id, self.configure, self.shared_memory = worker_id, configure, shared_memory
+        self.connect, self.curve_key = connect, curve_key
+        keys = client_keys(curve_key)
         self.arena = None                      # the SnapshotArena, once attached
         self._prefault = None                  # its pages being mapped while the worker idles
         self.block: int | None = None          # from the Welcome: positions a slot's KV covers
@@ -51,8 +56,11 @@ class WorkerLink:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
+        if keys is not None:
+            keys.apply(self.sock)
         self.sock.connect(connect)
         self._last_beat = 0.0
+        self._hello_at: float | None = None    # until the Welcome: a refused handshake is silent
         self._lock = threading.Lock()          # the socket is used by keepalive()'s thread too
         self._early: deque = deque()           # messages keepalive() received, to be served next
 
@@ -67,6 +75,7 @@ class WorkerLink:
     def hello(self, pid: int, threads: int, fingerprint: str, **about) -> None:
         """The first message; `about`: the worker's kind, device and rates (see Hello)."""
         self.send(P.Hello(worker_id=self.worker_id, pid=pid, threads=threads, fingerprint=fingerprint, **about))
+        self._hello_at = time.monotonic()
 
     def beat(self, running: int) -> None:
         """A Heartbeat, if HEARTBEAT_S has passed since the last one."""
@@ -90,6 +99,7 @@ class WorkerLink:
         else:
             with self._lock:
                 if not self.sock.poll(timeout_ms):
+                    self._still_unwelcome()
                     return False
                 frames = self.sock.recv_multipart()
         try:
@@ -102,12 +112,25 @@ class WorkerLink:
         if type(msg) not in handlers and not isinstance(msg, P.Welcome):
             self.report(f"this worker does not take {type(msg).__name__} messages")
             return True
+        if isinstance(msg, P.Welcome):
+            self._hello_at = None
         try:
             self._welcome(msg) if isinstance(msg, P.Welcome) else handlers[type(msg)](msg, frames[1:])
         except Exception as e:             # a bug met by one message must not end the worker
             log.exception("handling a %s failed", type(msg).__name__)
             self.report(f"handling a {type(msg).__name__} failed: {type(e).__name__}: {e}")
         return True
+
+    def _still_unwelcome(self) -> None:
+        """One line when the coordinator has not answered the Hello within WELCOME_WAIT_S:
+        ZeroMQ reports neither a coordinator that is not there nor one that refused our keys."""
+        if self._hello_at is not None and time.monotonic() - self._hello_at > WELCOME_WAIT_S:
+            self._hello_at = None
+            keys = (f"that it takes this worker's key ({self.curve_key}: its public key in the coordinator's "
+                    f"keys directory, workers/)" if self.curve_key else
+                    "that it does not require CURVE keys (if it does, give this worker --curve-key FILE)")
+            log.warning("no answer from the coordinator at %s within %.0f s of saying hello: check that it runs "
+                        "there, and %s; still waiting", self.connect, WELCOME_WAIT_S, keys)
 
     def waiting(self, kind: type, accept: Callable[[object], bool]) -> list[tuple[object, list[bytes]]]:
         """The messages of type `kind` that have already arrived, with their data frames, in
@@ -264,6 +287,9 @@ def add_worker_options(p) -> None:
     p.add_argument("--no-shared-memory", action="store_true",
                    help="do not map the coordinator's snapshot arena, as a worker on another host cannot: "
                         "snapshots then travel as message frames")
+    p.add_argument("--curve-key", default=None, metavar="FILE",
+                   help="this worker's key file (a workers/NAME.key_secret of `fermoe keys`), for a coordinator "
+                        "started with --curve-keys: it holds the worker's key pair and the coordinator's public key")
     p.add_argument("--shared-experts", default=None, metavar="NAME",
                    help="read the routed experts from this shared-memory segment, which the coordinator packs "
                         "when it runs a GPU worker (one copy in RAM for all workers), not from the model file")
@@ -295,6 +321,7 @@ def worker_main(prog: str, parser, run, argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog} %(levelname)s %(message)s")
     try:
+        client_keys(args.curve_key)             # a bad key file: one error now, not after loading the model
         return run(args)
     except FermoeError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

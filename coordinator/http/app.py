@@ -66,6 +66,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ("*",)
     max_request_size: int = P.MAX_MESSAGE_BYTES  # bytes of a request body
     reasoning_format: str = "deepseek"
+    curve_key: str | None = None                 # the client pair, for a coordinator requiring CURVE keys
 
 
 class Server:
@@ -343,7 +344,7 @@ def build_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.upstream = Upstream(settings.connect)
+        server.upstream = Upstream(settings.connect, curve_key=settings.curve_key)
         server.upstream.start()
         yield
         await server.upstream.close()

@@ -27,6 +27,9 @@ def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> No
     g = p.add_argument_group("HTTP API (OpenAI-compatible)")
     if standalone:
         g.add_argument("--connect", default="tcp://127.0.0.1:5557", help="the coordinator's client endpoint")
+        g.add_argument("--curve-key", default=None, metavar="FILE",
+                       help="a client key file (clients/NAME.key_secret of `fermoe keys`), for a coordinator "
+                            "started with --curve-keys")
     g.add_argument("--http", metavar="HOST:PORT", default=DEFAULT_HTTP if standalone else None,
                    help=f"serve the OpenAI-compatible HTTP API here (loopback unless told otherwise"
                         f"{'; default ' + DEFAULT_HTTP if standalone else ', e.g. ' + DEFAULT_HTTP})")

@@ -28,8 +28,9 @@ def client_endpoint(sock) -> str:
 
 
 class FrontEnd:
-    def __init__(self, opts, connect: str):
-        self.opts, self.connect = opts, connect
+    def __init__(self, opts, connect: str, curve_key=None):
+        """curve_key: with --curve-keys, the client pair it connects with."""
+        self.opts, self.connect, self.curve_key = opts, connect, curve_key
         self.listener = bind_listener(opts.http, bool(opts.api_key))
         self.proc: subprocess.Popen | None = None
         self.restarts = RestartBudget()      # as the workers': past it, it is failing to start
@@ -42,6 +43,8 @@ class FrontEnd:
             cmd += ["--max-queue", str(self.opts.max_queue)]
         cmd += ["--cors-origins", ",".join(self.opts.cors_origins), "--max-request-size",
                 str(self.opts.max_request_size), "--reasoning-format", self.opts.reasoning_format]
+        if self.curve_key:
+            cmd += ["--curve-key", str(self.curve_key)]
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         if self.opts.api_key:

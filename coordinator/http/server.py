@@ -11,6 +11,7 @@ import sys
 
 import zmq
 
+from shared.curve import client_keys
 from shared.errors import FermoeError
 
 from .options import add_http_options, bind_listener, check_http_options, listen_url
@@ -64,11 +65,12 @@ def run(opts) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s http %(levelname)s %(message)s", stream=sys.stderr)
     check_http_options(opts)
     _check_endpoint(opts.connect)
+    client_keys(opts.curve_key)         # a bad key file: one error at start
     fd = getattr(opts, "listen_fd", None)
     sock = socket.socket(fileno=fd) if fd is not None else bind_listener(opts.http, bool(opts.api_key))
     app = build_app(Settings(connect=opts.connect, api_key=opts.api_key, max_queue=opts.max_queue, alias=opts.alias,
                              cors_origins=opts.cors_origins, max_request_size=opts.max_request_size,
-                             reasoning_format=opts.reasoning_format))
+                             reasoning_format=opts.reasoning_format, curve_key=opts.curve_key))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
     log.info("HTTP API on %s for the coordinator at %s%s", listen_url(sock), opts.connect,
              ", API key required" if opts.api_key else "")

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from shared import protocol as P
+from shared.curve import client_keys
 from shared.errors import ProtocolError
 
 log = logging.getLogger("fermoe.http")
@@ -79,10 +80,13 @@ class RequestStream:
 
 class Upstream:
     def __init__(self, addr: str, bound: int = QUEUE_BOUND, timeout_s: float = COORDINATOR_TIMEOUT_S,
-                 watch_s: float = WATCH_INTERVAL_S):
+                 watch_s: float = WATCH_INTERVAL_S, curve_key: str | None = None):
         self.addr, self.bound, self.timeout_s, self.watch_s = addr, bound, timeout_s, watch_s
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keys = client_keys(curve_key)           # checked at start (server.py): here it loads
+        if keys is not None:
+            keys.apply(self.sock)
         self.sock.connect(addr)
         self.streams: dict[str, RequestStream] = {}
         self.draining: dict[str, Callable[[P.Done], None]] = {}     # cancelled, their Done awaited

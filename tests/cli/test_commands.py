@@ -369,3 +369,26 @@ def test_synth_stores_the_chat_template_it_is_given(tmp_path):
         assert f.metadata["tokenizer.chat_template"] == QWEN_STYLE_TEMPLATE
     out = fermoe("synth", tmp_path / "n.gguf", "--chat-template-file", tmp_path / "none.jinja", check=False)
     assert out.returncode == 1 and "--chat-template-file" in out.stderr and "No such file" in out.stderr
+
+
+def test_keys_writes_private_pairs_and_refuses_to_overwrite(tmp_path):
+    from shared.curve import ClientKeys, ServerKeys
+    keys = tmp_path / "keys"
+    r = fermoe("keys", keys)
+    assert "wrote" in r.stderr and (keys / "workers" / "worker.key_secret").name in r.stderr
+    for d in (keys, keys / "workers", keys / "clients"):
+        assert os.stat(d).st_mode & 0o777 == 0o700
+    for secret in ("server.key_secret", "workers/worker.key_secret", "clients/client.key_secret"):
+        assert os.stat(keys / secret).st_mode & 0o777 == 0o600
+    server = ServerKeys(keys)               # they load back, each pair carrying the server's public key
+    assert ClientKeys(keys / "workers" / "worker.key_secret").server == server.public
+    before = (keys / "workers" / "worker.key_secret").read_text()
+    again = fermoe("keys", keys, check=False)
+    assert again.returncode == 1 and "already there" in again.stderr and "--force" in again.stderr
+    assert (keys / "workers" / "worker.key_secret").read_text() == before
+    fermoe("keys", keys, "--worker", "host2")           # a pair more, same server
+    assert ClientKeys(keys / "workers" / "host2.key_secret").server == server.public
+    assert not (keys / "clients" / "host2.key_secret").exists()
+    fermoe("keys", keys, "--force")
+    assert (keys / "workers" / "worker.key_secret").read_text() != before
+    assert len(ServerKeys(keys).workers.keys) == 2

@@ -502,7 +502,8 @@ def test_worker_started_by_hand_adds_capacity(daemon, tiny_q4_path):
     (["--model", "/nonexistent.gguf"], "cannot open"),
     (["--model", "tiny", "--block", "0"], "--block 0"),
     (["--model", "tiny", "--snapshot-mem", "lots"], "size 'lots'"),
-    (["--model", "tiny", "--bind", "tcp://256.1.1.1:1"], "cannot bind"),
+    (["--model", "tiny", "--bind", "tcp://256.1.1.1:1", "--insecure"], "cannot bind"),   # off loopback: past the keys
+    (["--model", "tiny", "--bind", "tcp://0.0.0.0:1"], "--bind tcp://0.0.0.0:1: not a loopback address"),
     (["--model", "tiny", "--kv-cache-dtype", "q4_0"], "--kv-cache-dtype 'q4_0'"),
     (["--model", "tiny", "--threads-per-worker", "4097"], "--threads-per-worker 4097: more than the"),
     (["--model", "tiny", "--cpu-workers-per-socket", "4097"], "--cpu-workers-per-socket 4097: node 0 has"),

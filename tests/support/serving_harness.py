@@ -61,15 +61,16 @@ class Daemon:
     """`coordinator` in a subprocess on a free port; its log (and its workers', which
     share its stderr) collected in `log`."""
 
-    def __init__(self, model, *extra, block: int = BLOCK):
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, model, *extra, block: int = BLOCK, curve_key=None):
+        """curve_key: the client key file to wait for it with (a daemon with --curve-keys)."""
+        self.addr, self.curve_key = f"tcp://127.0.0.1:{free_port()}", curve_key
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.daemon", "--model", str(model), "--bind", self.addr,
              "--snapshot-mem", "32MiB", "--block", str(block), "--threads-per-worker", "1", *extra],
             stderr=subprocess.PIPE, text=True, preexec_fn=unpinned)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        with Client(self.addr) as c:
+        with Client(self.addr, curve_key=curve_key) as c:
             try:
                 self.workers = c.wait_ready(120, alive=lambda: self.proc.poll() is None).workers
             except Exception as e:
