@@ -65,12 +65,16 @@ class WorkerLink:
         self._early: deque = deque()           # messages keepalive() received, to be served next
 
     # ---- sending --------------------------------------------------------------
-    def send(self, msg, *frames: bytes) -> None:
+    def send(self, msg, *frames: bytes, block: bool = True) -> bool:
+        """Send msg (and its data frames). block=False: only if ZeroMQ can queue it now (False
+        if not): a socket whose coordinator is gone, or has never answered, blocks a send
+        once its queue is full, and a heartbeat or a goodbye must never wait on that."""
         with self._lock:
-            if frames:
-                self.sock.send_multipart([P.encode(msg), *frames])
-            else:
-                self.sock.send(P.encode(msg))
+            try:
+                self.sock.send_multipart([P.encode(msg), *frames], 0 if block else zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                return False
 
     def hello(self, pid: int, threads: int, fingerprint: str, **about) -> None:
         """The first message; `about`: the worker's kind, device and rates (see Hello)."""
@@ -81,7 +85,7 @@ class WorkerLink:
         """A Heartbeat, if HEARTBEAT_S has passed since the last one."""
         now = time.monotonic()
         if now - self._last_beat >= HEARTBEAT_S:
-            self.send(P.Heartbeat(running=running))
+            self.send(P.Heartbeat(running=running), block=False)    # none taken: the coordinator is not reading
             self._last_beat = now
 
     def report(self, problem: str) -> None:
@@ -269,8 +273,8 @@ class WorkerLink:
         self.snapshot_written(request_id, slot, state, buffers, position)
 
     def close(self) -> None:
-        try:
-            self.send(P.Goodbye())              # delivered within the socket's linger
+        try:                # delivered within the socket's linger, if the coordinator takes it now
+            self.send(P.Goodbye(), block=False)
         except zmq.ZMQError:
             pass
         self.sock.close()
