@@ -111,7 +111,7 @@ def test_a_served_generation_stops_at_the_context(short_path, short):
     w = CPUWorker(str(short_path), "tcp://127.0.0.1:9", "ctx-worker", threads=1)   # never answered
     try:
         w.sent = []
-        w.link.send = lambda msg, *frames: w.sent.append(msg)
+        w.link.send = lambda msg, *frames, **how: w.sent.append(msg)
         prompt = short.tokenizer.encode("The old GPU said")
         w.handle_assign(P.Assign(request_id="a", tokens=prompt, resume=[], snapshots=[], max_tokens=1000,
                                  sampling=SamplingParams(temperature=0.8, seed=3), ignore_eos=True))

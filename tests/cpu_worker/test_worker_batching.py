@@ -28,7 +28,7 @@ def _assign(model, rid, prompt, max_tokens, temperature, seed):
 def worker(tiny_q4_path):
     w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "test-worker", threads=2)  # never answered
     w.sent = []
-    w.link.send = lambda msg, *frames: w.sent.append(msg)
+    w.link.send = lambda msg, *frames, **how: w.sent.append(msg)
     w.passes = []                      # per pass: the number of tokens of each sequence in it
     forward_batch = w.engine.forward_batch
     w.engine.forward_batch = lambda segments: w.passes.append([len(t) for t, _ in segments]) or forward_batch(segments)
@@ -170,7 +170,7 @@ def test_a_model_without_batching_still_serves(tiny_q4_path):
     w = CPUWorker(str(tiny_q4_path), "tcp://127.0.0.1:9", "ref-worker", threads=1, engine="reference")
     try:
         w.sent = []
-        w.link.send = lambda msg, *frames: w.sent.append(msg)
+        w.link.send = lambda msg, *frames, **how: w.sent.append(msg)
         for req in REQUESTS[:2]:
             w.handle_assign(_assign(Model(str(tiny_q4_path)), *req))
         while w.sequences:

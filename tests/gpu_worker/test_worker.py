@@ -31,7 +31,7 @@ MORE = np.random.default_rng(2).integers(3, 500, 10).tolist()
 def _collecting(worker, arena):
     """The worker's link as a Welcome leaves it, with the snapshot `arena`; sends collected."""
     worker.sent = []
-    worker.link.send = lambda msg, *frames: worker.sent.append(msg)
+    worker.link.send = lambda msg, *frames, **how: worker.sent.append(msg)
     worker.link.arena, worker.link.block = arena, BLOCK
     worker.link.slot_bytes, worker.link.state_slot_bytes = arena.slot_bytes, arena.state_slot_bytes
     return worker
