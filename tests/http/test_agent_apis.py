@@ -13,16 +13,16 @@ import msgspec
 import openai
 import pytest
 
-from coordinator.http import params
-from coordinator.http.anthropic_api import MessagesResponse
-from coordinator.http.anthropic_request import AnthropicError, MessagesRequest
-from coordinator.http.anthropic_request import chat_request as anthropic_chat
-from coordinator.http.errors import APIError
-from coordinator.http.formats import ChatFormat
-from coordinator.http.metrics import Metrics
-from coordinator.http.responses_api import ResponsesResponse
-from coordinator.http.responses_request import ResponsesRequest
-from coordinator.http.responses_request import chat_request as responses_chat
+from frontend import params
+from frontend.anthropic_api import MessagesResponse
+from frontend.anthropic_request import AnthropicError, MessagesRequest
+from frontend.anthropic_request import chat_request as anthropic_chat
+from frontend.errors import APIError
+from frontend.formats import ChatFormat
+from frontend.metrics import Metrics
+from frontend.responses_api import ResponsesResponse
+from frontend.responses_request import ResponsesRequest
+from frontend.responses_request import chat_request as responses_chat
 from tests.support import recorded_response as recorded
 from tests.support.recorded_response import RECORDED, NoUpstream
 

@@ -10,11 +10,11 @@ import msgspec
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from coordinator.http import params
-from coordinator.http.formats import ChatFormat
-from coordinator.http.metrics import Metrics
-from coordinator.http.schemas import APIError, ChatCompletionRequest, decode_body
-from coordinator.http.streaming import GenerationResponse
+from frontend import params
+from frontend.formats import ChatFormat
+from frontend.metrics import Metrics
+from frontend.schemas import APIError, ChatCompletionRequest, decode_body
+from frontend.streaming import GenerationResponse
 from shared import protocol as P
 from tests.support.recorded_response import RECORDED, NoUpstream, answer
 
@@ -179,7 +179,7 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from coordinator.http.app import OPEN_PATHS, Settings, build_app
+    from frontend.app import OPEN_PATHS, Settings, build_app
     app = build_app(Settings(connect="tcp://127.0.0.1:9", api_key="sekrit"))
     routes = [r for r in app.routes if isinstance(r, Route)]
     assert len(routes) >= 15

@@ -13,8 +13,7 @@ import zmq
 
 from shared.curve import client_keys
 from shared.errors import FermoeError
-
-from .options import add_http_options, bind_listener, check_http_options, listen_url
+from shared.http_options import add_http_options, bind_listener, check_http_options, listen_url
 
 log = logging.getLogger("fermoe.http")
 

@@ -24,10 +24,10 @@ import json
 from shared import protocol as P
 from shared.chat import RESERVED_KWARGS, function_tools
 from shared.grammar import GrammarError, answer_or_calls_lark, checked_schema, json_schema_text, tool_call_lark
+from shared.http_options import REASONING_FORMATS
 from shared.tool_parser import _kind
 
 from .errors import APIError
-from .formats import REASONING_FORMATS
 
 def _invalid(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
