@@ -34,6 +34,7 @@ from shared.errors import ChatTemplateError
 from . import params
 from .anthropic_request import AnthropicError, CountTokensRequest, MessagesRequest, as_anthropic, chat_request
 from .blocks import Block, BlockResponse
+from .core import read_body, submit
 from .errors import APIError
 from .formats import ChatFormat
 
@@ -128,7 +129,6 @@ class MessagesResponse(BlockResponse):
 
 
 async def messages(request: Request):
-    from .app import read_body, submit
     server = request.app.state.server
     try:
         req = MessagesRequest.decode(await read_body(request))
@@ -146,7 +146,6 @@ async def messages(request: Request):
 
 
 async def count_tokens(request: Request):
-    from .app import read_body
     server = request.app.state.server
     try:
         req = CountTokensRequest.decode(await read_body(request))

@@ -35,6 +35,7 @@ from shared.errors import ChatTemplateError
 from shared.sampling import SamplingParams
 
 from . import params
+from .core import read_body, submit
 from .errors import APIError
 from .formats import TextFormat
 from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body, decode_object
@@ -99,7 +100,6 @@ def _constraint(data: dict) -> P.Constraint | None:
 
 
 async def completion(request: Request):
-    from .app import read_body, submit
     server = request.app.state.server
     data = decode_object(await read_body(request))
     constraint = _constraint(data)
@@ -218,7 +218,6 @@ async def slots(request: Request):
 
 
 async def apply_template(request: Request):
-    from .app import read_body
     server = request.app.state.server
     body = decode_body(await read_body(request), ChatCompletionRequest)
     msg = params.chat_generate(body)

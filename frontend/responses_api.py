@@ -33,6 +33,7 @@ from shared import protocol as P
 
 from . import params
 from .blocks import Block, BlockResponse
+from .core import read_body, submit
 from .responses_request import ResponsesRequest, chat_request
 
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
@@ -141,7 +142,6 @@ class ResponsesResponse(BlockResponse):
 
 
 async def responses(request: Request):
-    from .app import read_body, submit
     server = request.app.state.server
     req = ResponsesRequest.decode(await read_body(request))
     body = chat_request(req)

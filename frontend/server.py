@@ -58,7 +58,8 @@ def run(opts) -> int:
     import prometheus_client
     import uvicorn
 
-    from .app import Settings, build_app
+    from .app import build_app
+    from .core import Settings
 
     prometheus_client.disable_created_metrics()     # a *_created sample beside every counter says nothing here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s http %(levelname)s %(message)s", stream=sys.stderr)

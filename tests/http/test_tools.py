@@ -179,7 +179,8 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from frontend.app import OPEN_PATHS, Settings, build_app
+    from frontend.app import OPEN_PATHS, build_app
+    from frontend.core import Settings
     app = build_app(Settings(connect="tcp://127.0.0.1:9", api_key="sekrit"))
     routes = [r for r in app.routes if isinstance(r, Route)]
     assert len(routes) >= 15

@@ -532,7 +532,7 @@ def test_a_cancelled_requests_done_reaches_whoever_cancelled_it():
 
 # ---- system_fingerprint ------------------------------------------------------------
 def test_system_fingerprint_is_one_per_model():
-    from frontend.app import system_fingerprint
+    from frontend.core import system_fingerprint
     a = system_fingerprint("df81f6403566e03a")
     assert a == system_fingerprint("df81f6403566e03a") != system_fingerprint("0123456789abcdef")
     assert a.startswith("fp_") and len(a) == 13
