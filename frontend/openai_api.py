@@ -8,7 +8,7 @@ from starlette.requests import Request
 
 from shared import protocol as P
 
-from . import chat_params, params
+from . import openai_request
 from .core import Server, read_body, submit
 from .logprobs import Logprobs
 from .schemas import ChatCompletionRequest, CompletionRequest, decode_body
@@ -18,16 +18,16 @@ from .streaming import ChatFormat, GenerationResponse, TextFormat
 async def chat_completions(request: Request):
     server: Server = request.app.state.server
     body = decode_body(await read_body(request), ChatCompletionRequest)
-    msg = params.chat_generate(body)
-    fmt = chat_params.reasoning_format(body, server.settings.reasoning_format)
+    msg = openai_request.chat_generate(body)
+    fmt = openai_request.reasoning_format(body, server.settings.reasoning_format)
     thinking = await server.opens_reasoning(msg.chat_template_kwargs)
-    return await _generate(server, body, msg, ChatFormat(params.chat_parser(body, msg, thinking, fmt), fmt))
+    return await _generate(server, body, msg, ChatFormat(openai_request.chat_parser(body, msg, thinking, fmt), fmt))
 
 
 async def completions(request: Request):
     server: Server = request.app.state.server
     body = decode_body(await read_body(request), CompletionRequest)
-    return await _generate(server, body, params.completion_generate(body), TextFormat())
+    return await _generate(server, body, openai_request.completion_generate(body), TextFormat())
 
 
 async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationResponse:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from frontend import params
+from frontend import openai_request
 from frontend.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               decode_body, decode_object)
 from frontend.upstream import Upstream
@@ -184,11 +184,12 @@ def test_the_front_ends_reader_survives_every_mutant_of_a_reply():
 def chat(**fields):
     body = {"messages": [{"role": "developer", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
-    return params.chat_generate(decode_body(msgspec.json.encode(body | fields), ChatCompletionRequest))
+    return openai_request.chat_generate(decode_body(msgspec.json.encode(body | fields), ChatCompletionRequest))
 
 
 def completion(**fields):
-    return params.completion_generate(decode_body(msgspec.json.encode({"prompt": "x"} | fields), CompletionRequest))
+    return openai_request.completion_generate(decode_body(msgspec.json.encode({"prompt": "x"} | fields),
+                                                          CompletionRequest))
 
 
 def test_openai_fields_map_onto_generate():
@@ -374,7 +375,7 @@ def test_a_body_nested_past_the_decoders_bound_is_a_400():
 
 # ---- llama-server's timings -------------------------------------------------------
 def test_timings_are_llama_servers():
-    from frontend.llama_server import Timings
+    from frontend.llama_server_request import Timings
     t = Timings()
     assert t.partial() == {}
     t.arrived = 10.0
