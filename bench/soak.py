@@ -82,7 +82,7 @@ def server_processes(coordinator_pid: int) -> dict[str, int]:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "coordinator.http" in argv:
+        if "frontend" in argv:
             found["http"] = int(entry)
         elif "cpu_worker.worker" in argv:
             wid = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else entry

@@ -86,7 +86,7 @@ class Coordinator:
         self._bind_sockets()
         self.http = None
         if opts.http:                           # the HTTP front end: a client process of ours
-            from .http.process import FrontEnd, client_endpoint
+            from .frontend_process import FrontEnd, client_endpoint
             self.http = FrontEnd(opts, client_endpoint(self.clients),
                                  self.keys.own_client if self.keys else None)
         self._make_snapshot_store()

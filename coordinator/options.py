@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where prompts are prefilled: auto (the GPU when its estimate is shorter, per request), "
                         "gpu (whenever a GPU worker is ready) or cpu (default auto)")
     add_kv_cache_dtype(p)
-    from .http.options import add_http_options
+    from shared.http_options import add_http_options
     add_http_options(p)                          # --http, --api-key, --max-queue: the HTTP front end
     return p
 
@@ -77,7 +77,7 @@ def parse_options(argv=None):
     for ok, problem in checks:
         if not ok:
             raise FermoeError(problem)
-    from .http.options import check_http_options
+    from shared.http_options import check_http_options
     check_http_options(opts)
     _check_security(opts)
     from shared.topology import numa_nodes, physical_cores

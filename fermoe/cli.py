@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API for a running coordinator",
                        description="Serve the OpenAI-compatible HTTP API for a running coordinator (or start "
                                    "the coordinator with --http).")
-    from coordinator.http.options import add_http_options
+    from shared.http_options import add_http_options
     add_http_options(p, standalone=True)
 
     from fermoe.quality import add_parsers
@@ -565,7 +565,7 @@ def cmd_keys(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from coordinator.http.server import run
+    from frontend.server import run
     run(args)
 
 

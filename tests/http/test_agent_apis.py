@@ -13,16 +13,16 @@ import msgspec
 import openai
 import pytest
 
-from coordinator.http import params
-from coordinator.http.anthropic_api import MessagesResponse
-from coordinator.http.anthropic_request import AnthropicError, MessagesRequest
-from coordinator.http.anthropic_request import chat_request as anthropic_chat
-from coordinator.http.errors import APIError
-from coordinator.http.formats import ChatFormat
-from coordinator.http.metrics import Metrics
-from coordinator.http.responses_api import ResponsesResponse
-from coordinator.http.responses_request import ResponsesRequest
-from coordinator.http.responses_request import chat_request as responses_chat
+from frontend import openai_request
+from frontend.anthropic_api import MessagesResponse
+from frontend.anthropic_request import AnthropicError, MessagesRequest
+from frontend.anthropic_request import chat_request as anthropic_chat
+from frontend.errors import APIError
+from frontend.formats import ChatFormat
+from frontend.metrics import Metrics
+from frontend.responses_api import ResponsesResponse
+from frontend.responses_request import ResponsesRequest
+from frontend.responses_request import chat_request as responses_chat
 from tests.support import recorded_response as recorded
 from tests.support.recorded_response import RECORDED, NoUpstream
 
@@ -48,7 +48,7 @@ ANTHROPIC = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "cont
 def anthropic_response(streaming: bool, pieces=RECORDED, **done) -> anthropic.Anthropic:
     req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"stream": streaming}).encode())
     body = anthropic_chat(req, streaming)
-    parser = params.chat_parser(body, params.chat_generate(body), True, "deepseek")
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
     raw = answer(lambda s: MessagesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser),
                  pieces, **done)
     return anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, streaming, httpx2))
@@ -110,7 +110,8 @@ def test_anthropic_history_becomes_the_chat_history():
     assert a.tool_calls[0].function.arguments == {"path": "a.py"} and body.messages[3].content == "print(1)"
     assert body.stop == ["END"] and body.chat_template_kwargs == {"enable_thinking": False}
     assert body.tool_choice == {"type": "function", "function": {"name": "read_file"}}
-    assert len(body.tools) == 2 and len(params.chat_generate(msgspec.structs.replace(body, tool_choice=None)).tools) == 1
+    assert len(body.tools) == 2
+    assert len(openai_request.chat_generate(msgspec.structs.replace(body, tool_choice=None)).tools) == 1
 
 
 @pytest.mark.parametrize("fields, word", [
@@ -142,7 +143,7 @@ RESPONSES = {"model": "m", "input": "Show me a.py", "tools": [{"type": "function
 def responses_client(streaming: bool, pieces=RECORDED, **done) -> openai.OpenAI:
     req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": streaming}).encode())
     body = responses_chat(req)
-    parser = params.chat_parser(body, params.chat_generate(body), True, "deepseek")
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
     raw = answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser,
                                              request=req), pieces, **done)
     return openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, streaming))
@@ -195,7 +196,7 @@ def test_responses_input_items_become_the_chat_history():
                   {"type": "function_call", "call_id": "call_2", "name": "read_file", "arguments": '{"path": "b"}'},
                   {"type": "function_call_output", "call_id": "call_1", "output": "A"},
                   {"type": "function_call_output", "call_id": "call_2", "output": "B"}]}).encode())
-    g = params.chat_generate(responses_chat(req))
+    g = openai_request.chat_generate(responses_chat(req))
     assert [m.role for m in g.messages] == ["system", "system", "user", "assistant", "tool", "tool"]
     a = g.messages[3]
     assert (a.reasoning_content, a.content) == ("need it", "Reading.")
@@ -234,7 +235,7 @@ def test_forced_responses_choices_reach_chats_tool_choice(choice):
     body = responses_chat(ResponsesRequest.decode(json.dumps(RESPONSES | {"tool_choice": choice}).encode()))
     assert body.tool_choice == (choice if isinstance(choice, str) else {"type": "function",
                                                                         "function": {"name": "read_file"}})
-    grammar = params.chat_generate(body).grammar
+    grammar = openai_request.chat_generate(body).grammar
     assert grammar is not None and grammar.kind == "lark" and "read_file" in grammar.text
 
 
@@ -242,6 +243,6 @@ def test_forced_anthropic_choices_reach_chats_tool_choice():
     for choice, chat in [({"type": "any"}, "required"), ({"type": "none"}, "none"), ({"type": "auto"}, "auto")]:
         req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": choice}).encode())
         assert anthropic_chat(req, False).tool_choice == chat
-    forced = params.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
+    forced = openai_request.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
         "type": "any"}}).encode()), False))
     assert forced.grammar is not None and forced.grammar.kind == "lark"

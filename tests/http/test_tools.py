@@ -10,11 +10,11 @@ import msgspec
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from coordinator.http import params
-from coordinator.http.formats import ChatFormat
-from coordinator.http.metrics import Metrics
-from coordinator.http.schemas import APIError, ChatCompletionRequest, decode_body
-from coordinator.http.streaming import GenerationResponse
+from frontend import openai_request
+from frontend.formats import ChatFormat
+from frontend.metrics import Metrics
+from frontend.schemas import APIError, ChatCompletionRequest, decode_body
+from frontend.streaming import GenerationResponse
 from shared import protocol as P
 from tests.support.recorded_response import RECORDED, NoUpstream, answer
 
@@ -34,17 +34,18 @@ def test_tools_history_and_template_settings_reach_the_generate():
             {"id": "call_1", "type": "function", "index": 0,
              "function": {"name": "read_file", "arguments": '{"path": "a.py", "limit": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"}]
-    g = params.chat_generate(body(messages=history, tools=TOOLS, reasoning_effort="none",
-                                  chat_template_kwargs={"preserve_thinking": True}))
+    g = openai_request.chat_generate(body(messages=history, tools=TOOLS, reasoning_effort="none",
+                                          chat_template_kwargs={"preserve_thinking": True}))
     assert g.tools == TOOLS[:1]                                             # web_search left out
     assert g.chat_template_kwargs == {"preserve_thinking": True, "enable_thinking": False}
     a = g.messages[1]
     assert (a.reasoning_content, a.tool_calls[0].id, a.tool_calls[0].function.arguments) == \
         ("need it", "call_1", {"path": "a.py", "limit": 3})
     assert (g.messages[2].role, g.messages[2].tool_call_id) == ("tool", "call_1")
-    explicit = params.chat_generate(body(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}))
+    explicit = openai_request.chat_generate(body(reasoning_effort="none",
+                                                 chat_template_kwargs={"enable_thinking": True}))
     assert explicit.chat_template_kwargs == {"enable_thinking": True}      # the template kwargs say
-    assert params.chat_generate(body(reasoning_effort="high")).chat_template_kwargs is None
+    assert openai_request.chat_generate(body(reasoning_effort="high")).chat_template_kwargs is None
 
 
 @pytest.mark.parametrize("fields, param, word", [
@@ -81,41 +82,44 @@ def test_tools_history_and_template_settings_reach_the_generate():
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(fields, param, word):
     with pytest.raises(APIError) as e:
-        params.chat_generate(body(**fields))
+        openai_request.chat_generate(body(**fields))
     assert (e.value.status, e.value.param) == (400, param) and word in e.value.message, e.value.message
 
 
 def test_tool_choice_and_response_format_become_the_generates_grammar():
-    forced = params.chat_generate(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read_file"}},
-                                       parallel_tool_calls=False))
+    forced = openai_request.chat_generate(body(tools=TOOLS, parallel_tool_calls=False,
+                                               tool_choice={"type": "function", "function": {"name": "read_file"}}))
     assert forced.grammar.kind == "lark" and "<function=read_file>" in forced.grammar.text
     assert '("\\n" call)*' not in forced.grammar.text                       # exactly one call
-    assert '("\\n" call)*' in params.chat_generate(body(tools=TOOLS, tool_choice="required")).grammar.text
+    assert '("\\n" call)*' in openai_request.chat_generate(body(tools=TOOLS, tool_choice="required")).grammar.text
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    answer = params.chat_generate(body(response_format=fmt)).grammar
+    answer = openai_request.chat_generate(body(response_format=fmt)).grammar
     assert answer.kind == "json_schema" and json.loads(answer.text)["properties"] == schema["properties"]
-    either = params.chat_generate(body(tools=TOOLS, response_format=fmt)).grammar
+    either = openai_request.chat_generate(body(tools=TOOLS, response_format=fmt)).grammar
     assert either.kind == "lark" and either.text.startswith("start: answer | calls")
-    assert params.chat_generate(body(tools=TOOLS, tool_choice="none", response_format=fmt)).grammar.kind == \
+    assert openai_request.chat_generate(body(tools=TOOLS, tool_choice="none", response_format=fmt)).grammar.kind == \
         "json_schema"
-    assert params.chat_generate(body(tools=TOOLS)).grammar is None
+    assert openai_request.chat_generate(body(tools=TOOLS)).grammar is None
     b = body(tools=TOOLS, tool_choice="required")
-    assert set(params.chat_parser(b, params.chat_generate(b), False, "deepseek").schemas) == {"read_file"}
+    parser = openai_request.chat_parser(b, openai_request.chat_generate(b), False, "deepseek")
+    assert set(parser.schemas) == {"read_file"}
 
 
 def test_tool_choice_none_renders_the_tools_and_parses_no_call():
     b = body(tools=TOOLS, tool_choice="none")
-    msg = params.chat_generate(b)
-    assert msg.tools == TOOLS[:1] and params.chat_parser(b, msg, False, "deepseek").schemas == {}
+    msg = openai_request.chat_generate(b)
+    assert msg.tools == TOOLS[:1] and openai_request.chat_parser(b, msg, False, "deepseek").schemas == {}
     b = body(tools=TOOLS)
-    assert set(params.chat_parser(b, params.chat_generate(b), False, "deepseek").schemas) == {"read_file"}
+    parser = openai_request.chat_parser(b, openai_request.chat_generate(b), False, "deepseek")
+    assert set(parser.schemas) == {"read_file"}
 
 
 # ---- recorded model text -> the response ------------------------------------------------------
 def respond(pieces, streaming: bool, finish="stop", reasoning_format="deepseek", tools=TOOLS):
     b = body(tools=tools)
-    fmt = ChatFormat(params.chat_parser(b, params.chat_generate(b), True, reasoning_format), reasoning_format)
+    fmt = ChatFormat(openai_request.chat_parser(b, openai_request.chat_generate(b), True, reasoning_format),
+                     reasoning_format)
     return answer(lambda stream: GenerationResponse(NoUpstream(), stream, fmt, "m", streaming, False, Metrics()),
                   pieces, request_id="chatcmpl-x", finish=finish, prompt_tokens=5)
 
@@ -179,7 +183,8 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from coordinator.http.app import OPEN_PATHS, Settings, build_app
+    from frontend.app import OPEN_PATHS, build_app
+    from frontend.core import Settings
     app = build_app(Settings(connect="tcp://127.0.0.1:9", api_key="sekrit"))
     routes = [r for r in app.routes if isinstance(r, Route)]
     assert len(routes) >= 15

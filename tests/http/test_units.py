@@ -11,13 +11,13 @@ import msgspec
 import pytest
 import zmq
 
-from coordinator.http import params
-from coordinator.http.options import parse_listen
-from coordinator.http.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       decode_body, decode_object)
-from coordinator.http.upstream import Upstream
+from frontend import openai_request
+from frontend.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                              decode_body, decode_object)
+from frontend.upstream import Upstream
 from shared import protocol as P
 from shared.errors import FermoeError
+from shared.http_options import parse_listen
 from shared.sampling import SamplingParams
 from tests.support import frame_fuzz
 
@@ -184,11 +184,12 @@ def test_the_front_ends_reader_survives_every_mutant_of_a_reply():
 def chat(**fields):
     body = {"messages": [{"role": "developer", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
-    return params.chat_generate(decode_body(msgspec.json.encode(body | fields), ChatCompletionRequest))
+    return openai_request.chat_generate(decode_body(msgspec.json.encode(body | fields), ChatCompletionRequest))
 
 
 def completion(**fields):
-    return params.completion_generate(decode_body(msgspec.json.encode({"prompt": "x"} | fields), CompletionRequest))
+    return openai_request.completion_generate(decode_body(msgspec.json.encode({"prompt": "x"} | fields),
+                                                          CompletionRequest))
 
 
 def test_openai_fields_map_onto_generate():
@@ -238,9 +239,9 @@ class _NoUpstream:
 
 
 def test_a_request_that_fails_is_counted_once():
-    from coordinator.http.metrics import Metrics
-    from coordinator.http.streaming import GenerationResponse, TextFormat
-    from coordinator.http.upstream import RequestStream
+    from frontend.metrics import Metrics
+    from frontend.streaming import GenerationResponse, TextFormat
+    from frontend.upstream import RequestStream
 
     async def go(streaming):
         metrics, stream, sent = Metrics(), RequestStream("r"), []
@@ -266,7 +267,7 @@ def test_a_front_end_that_keeps_exiting_is_restarted_within_the_workers_budget(m
     from types import SimpleNamespace
 
     from coordinator import supervisor
-    from coordinator.http.process import FrontEnd
+    from coordinator.frontend_process import FrontEnd
 
     class Exited:
         pid, returncode = 0, 1
@@ -374,7 +375,7 @@ def test_a_body_nested_past_the_decoders_bound_is_a_400():
 
 # ---- llama-server's timings -------------------------------------------------------
 def test_timings_are_llama_servers():
-    from coordinator.http.llama_server import Timings
+    from frontend.llama_server_request import Timings
     t = Timings()
     assert t.partial() == {}
     t.arrived = 10.0
@@ -410,13 +411,13 @@ def test_the_coordinators_sockets_take_a_snapshot_frame_whatever_the_request_lim
 @pytest.mark.parametrize("text, expected", [("*", ("*",)), ("", ()), ("http://a.b:3000/, https://c", (
     "http://a.b:3000", "https://c"))])
 def test_cors_origins(text, expected):
-    from coordinator.http.options import parse_origins
+    from shared.http_options import parse_origins
     assert parse_origins(text) == expected
 
 
 @pytest.mark.parametrize("text", ["*,http://a", "localhost", "http://a/path"])
 def test_bad_cors_origins_are_named(text):
-    from coordinator.http.options import parse_origins
+    from shared.http_options import parse_origins
     with pytest.raises(FermoeError, match="--cors-origins"):
         parse_origins(text)
 
@@ -449,9 +450,9 @@ class _Cancelling:
 
 
 def test_a_request_whose_client_left_is_counted_as_an_abort_once():
-    from coordinator.http.metrics import Metrics
-    from coordinator.http.streaming import GenerationResponse, TextFormat
-    from coordinator.http.upstream import RequestStream
+    from frontend.metrics import Metrics
+    from frontend.streaming import GenerationResponse, TextFormat
+    from frontend.upstream import RequestStream
 
     async def go():
         metrics, stream, upstream = Metrics(), RequestStream("r"), _Cancelling()
@@ -479,9 +480,9 @@ def test_a_request_whose_client_left_is_counted_as_an_abort_once():
 
 
 def test_a_request_that_had_ended_when_its_client_left_is_counted_by_its_own_reason():
-    from coordinator.http.metrics import Metrics
-    from coordinator.http.streaming import GenerationResponse, TextFormat
-    from coordinator.http.upstream import RequestStream
+    from frontend.metrics import Metrics
+    from frontend.streaming import GenerationResponse, TextFormat
+    from frontend.upstream import RequestStream
 
     class Closed:                                   # its Done came: nothing left to cancel
         def cancel(self, rid, on_done=None):
@@ -532,7 +533,7 @@ def test_a_cancelled_requests_done_reaches_whoever_cancelled_it():
 
 # ---- system_fingerprint ------------------------------------------------------------
 def test_system_fingerprint_is_one_per_model():
-    from coordinator.http.app import system_fingerprint
+    from frontend.core import system_fingerprint
     a = system_fingerprint("df81f6403566e03a")
     assert a == system_fingerprint("df81f6403566e03a") != system_fingerprint("0123456789abcdef")
     assert a.startswith("fp_") and len(a) == 13

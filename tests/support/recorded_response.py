@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.http.upstream import RequestStream
+from frontend.upstream import RequestStream
 from shared import protocol as P
 
 # A thinking model's reply, as its tokens' text: reasoning, then a tool call in Qwen3.5's format

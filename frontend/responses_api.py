@@ -31,8 +31,9 @@ from starlette.requests import Request
 
 from shared import protocol as P
 
-from . import params
+from . import openai_request
 from .blocks import Block, BlockResponse
+from .core import read_body, submit
 from .responses_request import ResponsesRequest, chat_request
 
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
@@ -141,13 +142,12 @@ class ResponsesResponse(BlockResponse):
 
 
 async def responses(request: Request):
-    from .app import read_body, submit
     server = request.app.state.server
     req = ResponsesRequest.decode(await read_body(request))
     body = chat_request(req)
-    msg = params.chat_generate(body)
+    msg = openai_request.chat_generate(body)
     thinking = await server.opens_reasoning(msg.chat_template_kwargs)
-    parser = params.chat_parser(body, msg, thinking, "deepseek")
+    parser = openai_request.chat_parser(body, msg, thinking, "deepseek")
     msg = msgspec.structs.replace(msg, request_id=f"resp_{uuid.uuid4().hex}")
     model, upstream, stream = await submit(server, msg)
     response = ResponsesResponse(upstream, stream, SimpleNamespace(prompt_param="input"), model, req.stream, server.metrics, parser,

@@ -2,11 +2,11 @@
 
 Field names and ranges are OpenAI's; `top_k`, `min_p`, `repeat_penalty` and
 `ignore_eos` are the llama-server/vLLM extensions, and llama-server's own fields are
-declared in llama_server.py. Unknown fields are refused, as OpenAI refuses them
+declared in llama_server_request.py. Unknown fields are refused, as OpenAI refuses them
 ("Unrecognized request argument supplied"); fields OpenAI defines that change
 nothing here (`user`, `metadata`, `store`...) are accepted, and ones whose meaning
 we cannot honour (`logprobs`, `n` > 1, a forced `tool_choice`...) are refused by name in
-params.py.
+openai_request.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from msgspec import Meta
 from .errors import APIError
 from .fields import Body as _Body
 from .fields import Int, MaxTokens, Penalty, RepeatPenalty, Seed, Stop, Temperature, TokenId, TopK, TopP
-from .llama_server import LlamaServerFields
+from .llama_server_request import LlamaServerFields
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",
            "decode_body"]

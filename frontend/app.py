@@ -1,4 +1,5 @@
-"""The Starlette application: routes, the API key, CORS, request limits.
+"""The Starlette application: the routes of every API, the API key, CORS (what they share is
+core.py: the settings, request limits, submission to the coordinator).
 
     GET  /                      the chat page (static/chat.html)
     GET  /favicon.ico           its icon, an SVG (never needs the key)
@@ -6,8 +7,9 @@
     GET  /metrics               Prometheus text format (metrics.py)
     GET  /v1/models[/{id}]      the one model the coordinator serves, under its name (--alias, else
                                 the coordinator's --model as given); any {id} is that model
-    POST /v1/chat/completions   messages rendered with the model's chat template (by the coordinator)
-    POST /v1/completions        a prompt string or token ids
+    POST /v1/chat/completions   messages rendered with the model's chat template (by the coordinator;
+                                openai_api.py)
+    POST /v1/completions        a prompt string or token ids (openai_api.py)
     POST /tokenize, /detokenize llama-server's, with the model's tokenizer loaded here
     POST /v1/responses          OpenAI's Responses API (responses_api.py)
     POST /completion, /apply-template, GET /props, /slots   llama-server's own API (llama_server_api.py)
@@ -20,14 +22,9 @@ messages they become are bounded by one limit, --max-request-size.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
 import hmac
-import importlib.metadata
 import logging
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -37,18 +34,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from shared import protocol as P
-from shared.chat import opens_reasoning
-from shared.errors import FermoeError, ProtocolError
-
-from . import anthropic_api, chat_params, llama_server_api, params, responses_api
+from . import anthropic_api, llama_server_api, openai_api, responses_api
+from .core import Server, Settings, read_body
 from .cors import CORS
 from .errors import RETRY_AFTER_S
-from .logprobs import Logprobs
 from .metrics import Metrics
-from .schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                      decode_body)
-from .streaming import ChatFormat, GenerationResponse, TextFormat, send_json
+from .schemas import APIError, DetokenizeRequest, TokenizeRequest, decode_body
+from .streaming import send_json
 from .upstream import Upstream
 
 log = logging.getLogger("fermoe.http")
@@ -57,152 +49,7 @@ OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/favicon.ico"})
 STATIC = Path(__file__).with_name("static")
 
 
-@dataclass
-class Settings:
-    connect: str
-    api_key: str | None = None
-    max_queue: int | None = None
-    alias: str | None = None                     # the model's name; None: the coordinator's
-    cors_origins: tuple[str, ...] = ("*",)
-    max_request_size: int = P.MAX_MESSAGE_BYTES  # bytes of a request body
-    reasoning_format: str = "deepseek"
-    curve_key: str | None = None                 # the client pair, for a coordinator requiring CURVE keys
-
-
-class Server:
-    """What the routes share: the upstream connection, metrics, the model's name and tokenizer."""
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.upstream: Upstream | None = None
-        self.metrics: Metrics | None = None
-        self.model_path: str | None = None
-        self.name: str | None = None
-        self.system_fingerprint = ""
-        self.coordinator_limit = P.MAX_MESSAGE_BYTES
-        self.started = int(time.time())
-        self._tokenizer = None
-        self._tokenizer_lock = asyncio.Lock()
-
-    async def status(self) -> P.StatusReply:
-        try:
-            st = await self.upstream.status()
-        except (asyncio.TimeoutError, ProtocolError) as e:
-            raise APIError(503, f"the coordinator at {self.settings.connect} does not answer"
-                                f"{': ' + str(e) if str(e) else ''}", headers={"Retry-After": RETRY_AFTER_S}) from None
-        self.model_path = st.model
-        self.name = self.settings.alias or st.name or st.model
-        self.system_fingerprint = system_fingerprint(st.fingerprint)
-        self.coordinator_limit = st.max_request_size
-        return st
-
-    async def model_id(self) -> str:
-        if self.name is None:
-            await self.status()
-        return self.name
-
-    async def opens_reasoning(self, chat_template_kwargs: dict | None) -> bool:
-        """Whether the chat template's generation prompt leaves <think> open, so that the output
-        starts as reasoning; read from the model's template, which needs the model file on this
-        host (a front end without it splits out only a <think> block the model opens itself)."""
-        try:
-            tok = await self.tokenizer()
-        except APIError:
-            return False
-        return opens_reasoning(tok, chat_template_kwargs)
-
-    async def tokenizer(self):
-        async with self._tokenizer_lock:
-            if self._tokenizer is None:
-                await self.model_id()
-                self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.model_path)
-        return self._tokenizer
-
-
-def system_fingerprint(model_fingerprint: str) -> str:
-    """OpenAI's system_fingerprint: one value per fermoe version and model file."""
-    try:
-        version = importlib.metadata.version("fermoe")
-    except importlib.metadata.PackageNotFoundError:
-        version = "source"
-    return "fp_" + hashlib.sha256(f"fermoe {version} {model_fingerprint}".encode()).hexdigest()[:10]
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.4g} MiB" if n >= 2**20 else f"{n / 2**10:.4g} KiB"
-
-
-def _load_tokenizer(path: str):
-    from shared.gguf_file import GGUFFile
-    from shared.tokenizer import Tokenizer
-    try:
-        f = GGUFFile(path)
-    except (OSError, FermoeError) as e:
-        raise APIError(501, f"the tokenizer is not available on this host: {e}") from None
-    try:
-        return Tokenizer.from_metadata(f.metadata)
-    except FermoeError as e:
-        raise APIError(501, f"the tokenizer is not available: {e}") from None
-    finally:
-        f.close()
-
-
-async def read_body(request: Request) -> bytes:
-    limit = request.app.state.server.settings.max_request_size
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(f"the request body is {declared} bytes", limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(f"the request body is over {len(body)} bytes", limit)
-    return bytes(body)
-
-
-def _too_large(what: str, limit: int, whose: str = "the server's") -> APIError:
-    return APIError(413, f"{what}, over the limit of {limit} bytes ({_size(limit)}); {whose} --max-request-size "
-                         f"raises it", code="request_too_large")
-
-
-# ---- generation ------------------------------------------------------------------------
-async def chat_completions(request: Request):
-    server: Server = request.app.state.server
-    body = decode_body(await read_body(request), ChatCompletionRequest)
-    msg = params.chat_generate(body)
-    fmt = chat_params.reasoning_format(body, server.settings.reasoning_format)
-    thinking = await server.opens_reasoning(msg.chat_template_kwargs)
-    return await _generate(server, body, msg, ChatFormat(params.chat_parser(body, msg, thinking, fmt), fmt))
-
-
-async def completions(request: Request):
-    server: Server = request.app.state.server
-    body = decode_body(await read_body(request), CompletionRequest)
-    return await _generate(server, body, params.completion_generate(body), TextFormat())
-
-
-async def _generate(server: Server, body, msg: P.Generate, fmt) -> GenerationResponse:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    logprobs = None if msg.logprobs is None else Logprobs(await server.tokenizer(), chat=isinstance(fmt, ChatFormat))
-    model, upstream, stream = await submit(server, msg)
-    return GenerationResponse(upstream, stream, fmt, model, body.stream, include_usage,
-                              server.metrics, server.system_fingerprint, bool(body.timings_per_token), logprobs)
-
-
-async def submit(server: Server, msg: P.Generate):
-    """The Generate sent to the coordinator, once within its limits: (model name, upstream, its stream)."""
-    model = await server.model_id()
-    data = P.encode(msg)
-    if len(data) > server.coordinator_limit:        # a coordinator of its own, with a lower limit
-        raise _too_large(f"the request is {len(data)} bytes as a message to the coordinator",
-                         server.coordinator_limit, "the coordinator's")
-    if server.settings.max_queue is not None:      # the coordinator admits it once it has checked it
-        msg = msgspec.structs.replace(msg, max_queue=server.settings.max_queue)
-        data = P.encode(msg)
-    return model, server.upstream, server.upstream.submit(msg, data)
-
-
-# ---- the rest ------------------------------------------------------------------------
+# ---- what every API shares: health, models, the tokenizer, the page -------------------
 async def health(request: Request):
     st = await request.app.state.server.status()
     ready = sum(w.alive for w in st.workers)
@@ -355,8 +202,8 @@ def build_app(settings: Settings) -> Starlette:
     for prefix in ("/v1", ""):                   # llama-server answers on both
         routes += [Route(f"{prefix}/health", health), Route(f"{prefix}/models", list_models),
                    Route(f"{prefix}/models/{{model:path}}", get_model),
-                   Route(f"{prefix}/chat/completions", chat_completions, methods=["POST"]),
-                   Route(f"{prefix}/completions", completions, methods=["POST"])]
+                   Route(f"{prefix}/chat/completions", openai_api.chat_completions, methods=["POST"]),
+                   Route(f"{prefix}/completions", openai_api.completions, methods=["POST"])]
     routes += [Route("/v1/responses", responses_api.responses, methods=["POST"]),
                Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
                Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"])]

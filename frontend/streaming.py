@@ -10,7 +10,7 @@ Streams are framed as OpenAI frames them: for chat a first chunk carrying the
 role, chunks of what each piece of text becomes (formats.py), one chunk with
 `finish_reason`, the usage chunk with empty `choices` when
 `stream_options.include_usage` asks for it, then `data: [DONE]`. Every body and chunk carries `system_fingerprint`; the final body
-and the `finish_reason` chunk carry llama-server's `timings` (llama_server.py), and
+and the `finish_reason` chunk carry llama-server's `timings` (llama_server_request.py), and
 with `timings_per_token` every chunk of text does.
 
 Every request that got past its refusal is counted once in /metrics: by its own
@@ -28,7 +28,7 @@ from shared import protocol as P
 
 from .errors import RETRY_AFTER_S, APIError
 from .formats import ChatFormat, TextFormat  # noqa: F401 (the formats a response takes)
-from .llama_server import Timings
+from .llama_server_request import Timings
 
 _json = msgspec.json.Encoder()
 

@@ -1,8 +1,8 @@
 """llama-server's own API, for front ends written for llama.cpp (its web page among them), in
 its field names and shapes: POST /completion, GET /props, POST /apply-template, GET /slots.
 
-/completion is /v1/completions underneath (params.completion_generate: the same sampling
-fields, llama_server.py's extensions, the same Generate); what differs is the prompt forms
+/completion is /v1/completions underneath (openai_request.completion_generate: the same sampling
+fields, llama_server_request.py's extensions, the same Generate); what differs is the prompt forms
 and the answer:
 - `prompt`: a string, token ids, or a mix of both (strings tokenized here, BOS only before a
   leading string, as llama-server's tokenize_mixed); a list of several prompts is refused.
@@ -34,7 +34,8 @@ from shared.chat import render_chat
 from shared.errors import ChatTemplateError
 from shared.sampling import SamplingParams
 
-from . import params
+from . import openai_request
+from .core import read_body, submit
 from .errors import APIError
 from .formats import TextFormat
 from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body, decode_object
@@ -99,11 +100,11 @@ def _constraint(data: dict) -> P.Constraint | None:
 
 
 async def completion(request: Request):
-    from .app import read_body, submit
     server = request.app.state.server
     data = decode_object(await read_body(request))
     constraint = _constraint(data)
-    data.pop("grammar", None), data.pop("json_schema", None)     # taken above, not llama_server.apply's to refuse
+    # taken above, not llama_server_request.apply's to refuse
+    data.pop("grammar", None), data.pop("json_schema", None)
     if "prompt" not in data:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
                        code="missing_required_parameter")
@@ -112,7 +113,7 @@ async def completion(request: Request):
         body = msgspec.convert(data, CompletionRequest)
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
-    msg = params.completion_generate(body)
+    msg = openai_request.completion_generate(body)
     if constraint is not None:                  # the same constrained path as chat's response_format
         msg = msgspec.structs.replace(msg, grammar=constraint)
     tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
@@ -218,10 +219,9 @@ async def slots(request: Request):
 
 
 async def apply_template(request: Request):
-    from .app import read_body
     server = request.app.state.server
     body = decode_body(await read_body(request), ChatCompletionRequest)
-    msg = params.chat_generate(body)
+    msg = openai_request.chat_generate(body)
     tok = await server.tokenizer()
     try:
         return JSONResponse({"prompt": render_chat(tok, msg.messages, msg.tools, msg.chat_template_kwargs)})

@@ -1,6 +1,8 @@
 """The HTTP front end's options, as `coordinator` and `fermoe serve` take them, and the
 listening socket (bound by whoever is started with --http, so that a port in use is
-one clear error at start, and a restarted front end serves the same socket)."""
+one clear error at start, and a restarted front end serves the same socket). Here in
+shared/ because both processes read them: the daemon, which binds the socket and starts
+the front end (coordinator/frontend_process.py), and the front end (frontend/)."""
 from __future__ import annotations
 
 import argparse
@@ -12,13 +14,13 @@ import socket
 
 from shared.errors import FermoeError
 
-from .formats import REASONING_FORMATS
-
 log = logging.getLogger("fermoe.http")
 DEFAULT_HTTP = "127.0.0.1:8080"
 API_KEY_ENV = "FERMOE_API_KEY"
 DEFAULT_CORS = "*"
 DEFAULT_MAX_REQUEST = "64MiB"
+# --reasoning-format: llama-server's names, and `both` for clients written against vLLM
+REASONING_FORMATS = ("deepseek", "auto", "none", "both")
 
 
 def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> None:

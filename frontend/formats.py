@@ -14,8 +14,6 @@ from shared import protocol as P
 from shared.tool_parser import ToolCallParser
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
-# --reasoning-format: llama-server's names, and `both` for clients written against vLLM
-REASONING_FORMATS = ("deepseek", "auto", "none", "both")
 
 
 def reason(done: P.Done) -> str:

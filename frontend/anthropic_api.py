@@ -2,7 +2,7 @@
 /v1/messages/count_tokens, a thin translation onto the chat path.
 
 A request becomes an OpenAI chat request (anthropic_request.py), checked and rendered as
-chat's are (params.chat_generate: the same template, tools, tool_choice handling); the model's
+chat's are (openai_request.chat_generate: the same template, tools, tool_choice handling); the model's
 text goes through the same tool-call parser, grouped into content blocks (blocks.py):
 `thinking` (with a `signature`, which fermoe does not check on the way back), `text` and
 `tool_use`. `stop_reason`: `max_tokens` when the limit cut the turn, else `tool_use` when
@@ -31,9 +31,10 @@ from shared import protocol as P
 from shared.chat import render_chat
 from shared.errors import ChatTemplateError
 
-from . import params
+from . import openai_request
 from .anthropic_request import AnthropicError, CountTokensRequest, MessagesRequest, as_anthropic, chat_request
 from .blocks import Block, BlockResponse
+from .core import read_body, submit
 from .errors import APIError
 from .formats import ChatFormat
 
@@ -128,14 +129,13 @@ class MessagesResponse(BlockResponse):
 
 
 async def messages(request: Request):
-    from .app import read_body, submit
     server = request.app.state.server
     try:
         req = MessagesRequest.decode(await read_body(request))
         body = chat_request(req, stream=req.stream)
-        msg = params.chat_generate(body)
+        msg = openai_request.chat_generate(body)
         thinking = await server.opens_reasoning(msg.chat_template_kwargs)
-        parser = params.chat_parser(body, msg, thinking, "deepseek")
+        parser = openai_request.chat_parser(body, msg, thinking, "deepseek")
         parser.call_id = lambda: f"toolu_{uuid.uuid4().hex[:24]}"
         msg = msgspec.structs.replace(msg, request_id=f"msg_{uuid.uuid4().hex[:24]}")
         model, upstream, stream = await submit(server, msg)
@@ -146,11 +146,10 @@ async def messages(request: Request):
 
 
 async def count_tokens(request: Request):
-    from .app import read_body
     server = request.app.state.server
     try:
         req = CountTokensRequest.decode(await read_body(request))
-        msg = params.chat_generate(chat_request(req, stream=False))
+        msg = openai_request.chat_generate(chat_request(req, stream=False))
         tok = await server.tokenizer()
         try:
             text = render_chat(tok, msg.messages, msg.tools, msg.chat_template_kwargs)

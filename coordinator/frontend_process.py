@@ -1,4 +1,5 @@
-"""`coordinator --http HOST:PORT`: the HTTP front end as a child process of the daemon.
+"""`coordinator --http HOST:PORT`: the HTTP front end (frontend/, `python -m frontend`) as a
+child process of the daemon.
 
 The coordinator binds the listening socket itself (a port in use fails its start
 with one clear error) and hands it to the child, which connects back to the
@@ -15,8 +16,9 @@ import sys
 
 import zmq
 
-from .options import API_KEY_ENV, bind_listener, listen_url
-from ..supervisor import RESTART_WINDOW_S, RestartBudget
+from shared.http_options import API_KEY_ENV, bind_listener, listen_url
+
+from .supervisor import RESTART_WINDOW_S, RestartBudget
 
 log = logging.getLogger("fermoe.coordinator")
 
@@ -38,7 +40,7 @@ class FrontEnd:
 
     def start(self) -> None:
         fd = self.listener.fileno()
-        cmd = [sys.executable, "-m", "coordinator.http", "--connect", self.connect, "--listen-fd", str(fd)]
+        cmd = [sys.executable, "-m", "frontend", "--connect", self.connect, "--listen-fd", str(fd)]
         if self.opts.max_queue is not None:
             cmd += ["--max-queue", str(self.opts.max_queue)]
         cmd += ["--cors-origins", ",".join(self.opts.cors_origins), "--max-request-size",

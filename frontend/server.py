@@ -13,8 +13,7 @@ import zmq
 
 from shared.curve import client_keys
 from shared.errors import FermoeError
-
-from .options import add_http_options, bind_listener, check_http_options, listen_url
+from shared.http_options import add_http_options, bind_listener, check_http_options, listen_url
 
 log = logging.getLogger("fermoe.http")
 
@@ -59,7 +58,8 @@ def run(opts) -> int:
     import prometheus_client
     import uvicorn
 
-    from .app import Settings, build_app
+    from .app import build_app
+    from .core import Settings
 
     prometheus_client.disable_created_metrics()     # a *_created sample beside every counter says nothing here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s http %(levelname)s %(message)s", stream=sys.stderr)
