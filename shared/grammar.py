@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from .errors import FermoeError
+from .errors import GrammarError
 from .tool_parser import _kind
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -41,11 +41,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 WS = r"/[ \t\r\n]{0,4}/"
 REASONING = r"/(?s:.*)/"
 KINDS = ("json_schema", "lark", "regex", "gbnf")
-
-
-class GrammarError(FermoeError, ValueError):
-    """A constraint llguidance cannot compile: an invalid JSON schema, Lark grammar or regex."""
-    wire_fields = {"code": "invalid_grammar"}     # the Error's code (protocol.Error)
 
 
 def _lit(text: str) -> str:
