@@ -80,6 +80,8 @@ import json
 
 import numpy as np
 
+from .weights import random_weights
+
 PROMPTS = (947, 8192)
 BENCH_EXPERTS = 128          # the full-size synthetic model (fermoe synth --experts 128)
 
@@ -109,14 +111,6 @@ def expert_shapes(cfg) -> list[dict]:
 def bench_config(preset: str):
     from modeltools.synth import preset_config
     return preset_config(preset, experts=min(BENCH_EXPERTS, preset_config(preset).n_expert))
-
-
-def random_weights(rows: int, cols: int, wtype: str, rng) -> np.ndarray:
-    """Raw bytes of a [rows, cols] weight in `wtype` (q4_0 or f32), values of O(1/sqrt(cols))."""
-    if wtype == "q4_0":
-        from bench.kernels import random_q4_0
-        return random_q4_0(rows, cols, seed=int(rng.integers(1 << 30))).reshape(-1)
-    return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32).view(np.uint8).reshape(-1)
 
 
 class Timer:
