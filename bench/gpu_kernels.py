@@ -253,7 +253,7 @@ def _gdn(ops, timer, cfg, T: int, peak: float, rng) -> dict:
     """The chunked Gated DeltaNet of one layer over T tokens (chunks of 64): each of its
     three kernels' milliseconds, the state pass being the sequential one."""
     from gpu_worker.buffers import DeviceArray
-    from gpu_worker.ops import STATE_COLS, _cdiv
+    from gpu_worker.ops import STATE_COLS, cdiv
     from gpu_worker.workspace import ChunkWork
     from gpu_worker.workspace import chunks_of
     dev = ops.device
@@ -273,10 +273,10 @@ def _gdn(ops, timer, cfg, T: int, peak: float, rng) -> dict:
     runs = {
         "gdn_chunk_prep": lambda: kk.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g,
                                                     w.chunk_start, w.chunk_len, hk, hv, dk, dv, hv * dv, tiled),
-        "gdn_chunk_state": lambda: kk.gdn_chunk_state((hv, _cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W,
+        "gdn_chunk_state": lambda: kk.gdn_chunk_state((hv, cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W,
                                                       w.U, w.Gc, k, w.chunk_start, w.chunk_len, nc, hk, hv, dk, dv,
                                                       tiled),
-        "gdn_chunk_output": lambda: kk.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P,
+        "gdn_chunk_output": lambda: kk.gdn_chunk_output((nc, hv, cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P,
                                                         w.Gc, w.chunk_start, w.chunk_len, hk, hv, dk, dv, tiled),
     }
     out = {"T": T, "chunks": nc, "heads": hv, "layers": len(cfg.gdn_layers),

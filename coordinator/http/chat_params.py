@@ -24,7 +24,7 @@ import json
 from shared import protocol as P
 from shared.chat import RESERVED_KWARGS, function_tools
 from shared.grammar import GrammarError, answer_or_calls_lark, checked_schema, json_schema_text, tool_call_lark
-from shared.tool_parser import _kind
+from shared.tool_parser import param_kind
 
 from .errors import APIError
 from .formats import REASONING_FORMATS
@@ -127,7 +127,7 @@ def grammar(body, function_tools: list[dict] | None) -> P.Constraint | None:
         i = body.tools.index(tool) if tool in body.tools else 0
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         for name, prop in (params.get("properties") or {}).items():
-            if isinstance(prop, dict) and _kind(prop, True) != "string":
+            if isinstance(prop, dict) and param_kind(prop, True) != "string":
                 _check_schema(f"tools[{i}].function.parameters.properties.{name}", {**defs, **prop})
     return P.Constraint(kind="lark", text=_lark(lambda: tool_call_lark(forced, parallel)))
 
