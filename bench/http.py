@@ -43,9 +43,8 @@ import time
 import numpy as np
 
 from coordinator.client import Client
+from coordinator.launcher import free_port, last_words, start_coordinator, stop_coordinator
 from shared.errors import FermoeError
-
-from .serve import free_port, last_words, start_coordinator, stop_coordinator
 
 try:
     import httpx

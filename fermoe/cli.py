@@ -466,8 +466,8 @@ def cmd_demo(args) -> None:
     its continuation and why it stopped."""
     import tempfile
 
-    from bench.serve import last_words, start_coordinator, stop_coordinator
     from coordinator.client import Client
+    from coordinator.launcher import last_words, start_coordinator, stop_coordinator
     from shared.builtin import resolve_model
     from shared.gguf_file import GGUFFile
 
@@ -509,10 +509,10 @@ def _own_address(addr: str | None) -> str:
     """Where the demo's own coordinator listens: a free loopback port, or `addr` when no
     process listens there already (the demo would talk to that one, on another model maybe)."""
     import socket
+
+    from coordinator.launcher import free_port
     if addr is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return f"tcp://127.0.0.1:{free_port()}"
     host, sep, port = addr.removeprefix("tcp://").rpartition(":")
     if addr.startswith("tcp://") and sep and port.isdigit():
         with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
