@@ -129,12 +129,13 @@ def summary(rows: list[dict]) -> dict:
 
 def run(model: str, max_tokens: int = 32, llama_server: str | None = None, extra: list[str] = (),
         episode_path: Path = EPISODE) -> dict:
-    from .http import _start
-    from .serve import stop_coordinator
+    from coordinator.launcher import stop_coordinator
+
+    from .http import start_http_coordinator
     episode = json.loads(Path(episode_path).read_text())
     out = {"model": model, "episode": Path(episode_path).name, "max_tokens": max_tokens}
     with tempfile.TemporaryFile("w+") as log:
-        daemon, _, url = _start(model, list(extra), log)
+        daemon, _, url = start_http_coordinator(model, list(extra), log)
         try:
             rows = replay(url, episode, max_tokens)
         finally:

@@ -80,6 +80,8 @@ import json
 
 import numpy as np
 
+from .weights import random_weights
+
 PROMPTS = (947, 8192)
 BENCH_EXPERTS = 128          # the full-size synthetic model (fermoe synth --experts 128)
 
@@ -109,14 +111,6 @@ def expert_shapes(cfg) -> list[dict]:
 def bench_config(preset: str):
     from modeltools.synth import preset_config
     return preset_config(preset, experts=min(BENCH_EXPERTS, preset_config(preset).n_expert))
-
-
-def random_weights(rows: int, cols: int, wtype: str, rng) -> np.ndarray:
-    """Raw bytes of a [rows, cols] weight in `wtype` (q4_0 or f32), values of O(1/sqrt(cols))."""
-    if wtype == "q4_0":
-        from bench.kernels import random_q4_0
-        return random_q4_0(rows, cols, seed=int(rng.integers(1 << 30))).reshape(-1)
-    return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32).view(np.uint8).reshape(-1)
 
 
 class Timer:
@@ -259,7 +253,7 @@ def _gdn(ops, timer, cfg, T: int, peak: float, rng) -> dict:
     """The chunked Gated DeltaNet of one layer over T tokens (chunks of 64): each of its
     three kernels' milliseconds, the state pass being the sequential one."""
     from gpu_worker.buffers import DeviceArray
-    from gpu_worker.ops import STATE_COLS, _cdiv
+    from gpu_worker.ops import STATE_COLS, cdiv
     from gpu_worker.workspace import ChunkWork
     from gpu_worker.workspace import chunks_of
     dev = ops.device
@@ -279,10 +273,10 @@ def _gdn(ops, timer, cfg, T: int, peak: float, rng) -> dict:
     runs = {
         "gdn_chunk_prep": lambda: kk.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g,
                                                     w.chunk_start, w.chunk_len, hk, hv, dk, dv, hv * dv, tiled),
-        "gdn_chunk_state": lambda: kk.gdn_chunk_state((hv, _cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W,
+        "gdn_chunk_state": lambda: kk.gdn_chunk_state((hv, cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W,
                                                       w.U, w.Gc, k, w.chunk_start, w.chunk_len, nc, hk, hv, dk, dv,
                                                       tiled),
-        "gdn_chunk_output": lambda: kk.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P,
+        "gdn_chunk_output": lambda: kk.gdn_chunk_output((nc, hv, cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P,
                                                         w.Gc, w.chunk_start, w.chunk_len, hk, hv, dk, dv, tiled),
     }
     out = {"T": T, "chunks": nc, "heads": hv, "layers": len(cfg.gdn_layers),

@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from shared.grammar import GrammarError, full_grammar, json_schema_text
+from shared.errors import GrammarError
+from shared.grammar import full_grammar, json_schema_text
 from shared.sampling import Sampler, SamplingParams
 from shared.token_mask import TokenMask, ll_tokenizer
 

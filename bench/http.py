@@ -43,9 +43,8 @@ import time
 import numpy as np
 
 from coordinator.client import Client
+from coordinator.launcher import free_port, last_words, start_coordinator, stop_coordinator
 from shared.errors import FermoeError
-
-from .serve import free_port, last_words, start_coordinator, stop_coordinator
 
 try:
     import httpx
@@ -143,7 +142,7 @@ def added_latency_vs_zmq(url: str, addr: str, prompt: list[int], pairs: int) -> 
             "within_target": added <= ADDED_LATENCY_TARGET_MS}
 
 
-def _start(model: str, extra: list[str], log) -> tuple[subprocess.Popen, str, str]:
+def start_http_coordinator(model: str, extra: list[str], log) -> tuple[subprocess.Popen, str, str]:
     addr, url = f"tcp://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     daemon = start_coordinator(model, addr, ["--http", url.removeprefix("http://"), *extra], log)
     deadline = time.monotonic() + 600
@@ -161,7 +160,7 @@ def _start(model: str, extra: list[str], log) -> tuple[subprocess.Popen, str, st
 
 def run(model: str, prompt_tokens: int, max_tokens: int, requests: int, pairs: int, extra: list[str]) -> dict:
     with tempfile.TemporaryFile("w+") as log:
-        daemon, addr, url = _start(model, extra, log)
+        daemon, addr, url = start_http_coordinator(model, extra, log)
         try:
             load = concurrency(url, prompt_tokens, max_tokens, requests)
             prompt = np.random.default_rng(1000).integers(10, 500, prompt_tokens).tolist()
@@ -176,7 +175,7 @@ def run_soak(model: str, args, extra: list[str]) -> dict:
     from .soak import soak
     idle_s = args.idle if args.idle is not None else min(60.0, args.soak * 60 * 0.2)
     with tempfile.TemporaryFile("w+") as log:
-        daemon, _, url = _start(model, extra, log)
+        daemon, _, url = start_http_coordinator(model, extra, log)
         try:
             result = soak(url, daemon.pid, args.soak, args.clients, args.sample_every, idle_s, args.prompt,
                           args.tokens)

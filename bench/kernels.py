@@ -152,6 +152,7 @@ import numpy as np
 import native
 
 from .decode import ForeignCpu
+from .weights import random_q4_0
 
 MB = 1 << 20
 QUIET_FOREIGN_CPU = 0.05    # decode_shaped pairs with other processes below this share of the CPUs
@@ -166,16 +167,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def random_q4_0(rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random Q4_0 bytes [rows, cols/32*18] with sane fp16 scales (no inf/NaN)."""
-    rng = np.random.default_rng(seed)
-    nb = cols // 32
-    W = rng.integers(0, 256, (rows, nb * 18), dtype=np.uint8)
-    d = rng.uniform(1e-3, 2e-2, (rows, nb)).astype(np.float16)
-    W.reshape(rows, nb, 18)[:, :, :2] = d.view(np.uint8).reshape(rows, nb, 2)
-    return W
 
 
 def _best_time(fn, reps: int) -> float:

@@ -55,9 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -67,35 +64,8 @@ import numpy as np
 
 from bench.host_memory import TreeMemory
 from coordinator.client import Client
+from coordinator.launcher import free_port, last_words, read_log, start_coordinator, stop_coordinator
 from shared.errors import FermoeError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_coordinator(model: str, addr: str, extra, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr, *extra],
-                            stderr=log)
-
-
-def stop_coordinator(daemon: subprocess.Popen) -> None:
-    daemon.send_signal(signal.SIGTERM)
-    daemon.wait(timeout=60)
-
-
-def _read(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()
-
-
-def last_words(log) -> str | None:
-    """The coordinator's last log line: why it did not come up."""
-    lines = [line for line in _read(log).splitlines() if line.strip()]
-    return lines[-1] if lines else None
 
 
 def ttft(client: Client, tokens: list[int], max_tokens: int = 1) -> tuple[float, dict]:
@@ -234,7 +204,7 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             except FermoeError as e:            # say why: the coordinator's own last words
                 last = last_words(log)
                 raise FermoeError(f"{e}: {last}" if last else str(e)) from None
-            if "started gpu worker" in _read(log):   # they take longer to join: they time a prompt first
+            if "started gpu worker" in read_log(log):   # they take longer to join: they time a prompt first
                 status = _wait_for_gpu(c, daemon, log)
             from shared.builtin import resolve_model
             from shared.model import Model

@@ -42,7 +42,7 @@ from shared.chat import RESERVED_KWARGS, function_tools
 from shared.grammar import GrammarError, answer_or_calls_lark, checked_schema, json_schema_text, tool_call_lark
 from shared.http_options import REASONING_FORMATS
 from shared.sampling import InvalidSampling, SamplingParams
-from shared.tool_parser import ToolCallParser, _kind
+from shared.tool_parser import ToolCallParser, param_kind
 
 from . import llama_server_request, logprobs
 from .fields import UINT64_MAX
@@ -285,7 +285,7 @@ def grammar(body, function_tools: list[dict] | None) -> P.Constraint | None:
         i = body.tools.index(tool) if tool in body.tools else 0
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         for name, prop in (params.get("properties") or {}).items():
-            if isinstance(prop, dict) and _kind(prop, True) != "string":
+            if isinstance(prop, dict) and param_kind(prop, True) != "string":
                 _check_schema(f"tools[{i}].function.parameters.properties.{name}", {**defs, **prop})
     return P.Constraint(kind="lark", text=_lark(lambda: tool_call_lark(forced, parallel)))
 

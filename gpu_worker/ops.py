@@ -69,7 +69,7 @@ class GDNHeads:
         return cls(cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, cfg.v_heads_tiled)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -82,10 +82,10 @@ def dense_tiling(M: int, N: int, K: int, sms: int, capacity: int, heights=DENSE_
     go to fewer parts, then taller tiles."""
     best = None
     for bm in heights:
-        blocks = _cdiv(M, bm) * _cdiv(N, DENSE_BN)
+        blocks = cdiv(M, bm) * cdiv(N, DENSE_BN)
         splits = 1
         while True:
-            cost = _cdiv(blocks * splits, WAVE_BLOCKS_PER_SM * max(1, sms)) * (bm + TILE_OVERHEAD_ROWS) * _cdiv(K, splits)
+            cost = cdiv(blocks * splits, WAVE_BLOCKS_PER_SM * max(1, sms)) * (bm + TILE_OVERHEAD_ROWS) * cdiv(K, splits)
             best = min(best or (cost, splits, -bm), (cost, splits, -bm))
             if (2 * splits > K // (GEMM_K_STEP * MIN_SPLIT_STEPS) or 2 * splits * M * N > capacity
                     or 2 * splits * blocks > WAVE_BLOCKS_PER_SM * sms):
@@ -157,7 +157,7 @@ class Ops:
               f"gemm: C {C.shape} and A {A.shape} for [{M}, {N}] = [{M}, {K}] x W^T")
         flags = int(accumulate) * ACCUMULATE | int(swiglu) * SWIGLU
         if N <= NARROW_COLS and not swiglu and bm is None and splits is None:   # 8-row tiles, every SM busy
-            self.k.gemm(wtype, "gemm_narrow")((_cdiv(M, 8), _cdiv(N, 32)), (8 * 32,), self.stream, C, A, W, M, N, K,
+            self.k.gemm(wtype, "gemm_narrow")((cdiv(M, 8), cdiv(N, 32)), (8 * 32,), self.stream, C, A, W, M, N, K,
                                               lda, ldc, flags)
             return
         scratch = self.split_scratch
@@ -166,9 +166,9 @@ class Ops:
                                                 (bm,) if bm else DENSE_BM)
         bm, splits = bm or picked_bm, splits or picked_splits
         need(bm in DENSE_BM, f"gemm: tiles of {bm} rows (gemm.cu has {DENSE_BM})")
-        ksplit = _cdiv(_cdiv(K, splits), 32) * 32          # whole Q4_0 / Q8_0 blocks a part
-        splits = _cdiv(K, ksplit)
-        grid = (_cdiv(N, DENSE_BN), _cdiv(M, bm), splits)
+        ksplit = cdiv(cdiv(K, splits), 32) * 32          # whole Q4_0 / Q8_0 blocks a part
+        splits = cdiv(K, ksplit)
+        grid = (cdiv(N, DENSE_BN), cdiv(M, bm), splits)
         if splits == 1:
             self.k.gemm(wtype, "gemm", bm)(grid, (GEMM_THREADS,), self.stream, C, A, W, M, N, K, lda, ldc, flags, K)
             return
@@ -176,7 +176,7 @@ class Ops:
               f"gemm: {splits} parts of K need {splits * M * N} floats of split_scratch")
         self.k.gemm(wtype, "gemm", bm)(grid, (GEMM_THREADS,), self.stream, scratch, A, W, M, N, K, lda, N,
                                        flags & SWIGLU, ksplit)
-        self.k.gemm_splitk_sum((_cdiv(M * N, 256),), (256,), self.stream, C, scratch, M, N, ldc, splits,
+        self.k.gemm_splitk_sum((cdiv(M * N, 256),), (256,), self.stream, C, scratch, M, N, ldc, splits,
                                flags & ACCUMULATE)
 
     # ---- MoE -------------------------------------------------------------------
@@ -194,19 +194,19 @@ class Ops:
         self.k.moe_tiles((1,), (1,), self.stream, g.offsets, g.tile_expert, g.tile_row0, g.tile_rows, g.n_tiles,
                          g.counts, E, g.bm, g.max_tiles)
         P = T * k
-        self.k.moe_scatter((_cdiv(P, 256),), (256,), self.stream, g.pair_token, g.pair_pos, g.cursor, g.offsets,
+        self.k.moe_scatter((cdiv(P, 256),), (256,), self.stream, g.pair_token, g.pair_pos, g.cursor, g.offsets,
                            g.topk_ids, P, k)
 
     def moe_gateup(self, act, x, slot, slot_map, expert_bytes: int, g, N: int, K: int, wtype: str):
         """act [P, N]: each grouped row's silu(gate) * up (the expert's SwiGLU, in the epilogue)."""
         need(act.shape[-1] == N, f"moe_gateup: act {act.shape} for rows of {N}")
-        self.k.gemm(wtype, "moe_gateup", g.bm)((_cdiv(N, MOE_GATEUP_TILES[g.bm] // 2), g.max_tiles), (GEMM_THREADS,), self.stream, act, x,
+        self.k.gemm(wtype, "moe_gateup", g.bm)((cdiv(N, MOE_GATEUP_TILES[g.bm] // 2), g.max_tiles), (GEMM_THREADS,), self.stream, act, x,
                                                slot, slot_map, expert_bytes, g.tile_expert, g.tile_row0,
                                                g.tile_rows, g.n_tiles, g.pair_token, N, K, K)
 
     def moe_down(self, y, act, slot, slot_map, expert_bytes: int, down_offset: int, g, N: int, K: int, wtype: str):
         need(act.shape[-1] == K, f"moe_down: act {act.shape} for rows of {K}")
-        self.k.gemm(wtype, "moe_down", g.bm)((_cdiv(N, MOE_DOWN_TILES[g.bm]), g.max_tiles), (GEMM_THREADS,), self.stream, y, act, slot,
+        self.k.gemm(wtype, "moe_down", g.bm)((cdiv(N, MOE_DOWN_TILES[g.bm]), g.max_tiles), (GEMM_THREADS,), self.stream, y, act, slot,
                                              slot_map, expert_bytes, down_offset, g.tile_expert, g.tile_row0,
                                              g.tile_rows, g.n_tiles, N, K)
 
@@ -233,20 +233,20 @@ class Ops:
         need(T * nh * hd < 2 ** 31 and (start + T) * nkv * hd < 2 ** 31,
               f"attn_prompt: {start} + {T} positions overflow the kernel's 32-bit offsets")
         # one block a head and 64 query rows, the block of the last rows (most keys) first
-        self.k.attn_prompt((nh, _cdiv(T, ATTN_ROWS)), (256,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv,
+        self.k.attn_prompt((nh, cdiv(T, ATTN_ROWS)), (256,), self.stream, out, q, Kc, Vc, qg, start, T, nh, nkv,
                            hd, float(hd) ** -0.5)
 
     def to_f16(self, dst: DeviceArray, src: DeviceArray):
         n = int(np.prod(src.shape))
         need(dst.dtype == np.uint16 and dst.nbytes >= 2 * n, f"to_f16: {dst.shape} {dst.dtype} for {src.shape}")
-        self.k.to_f16((_cdiv(n, 256),), (256,), self.stream, dst, src, n)
+        self.k.to_f16((cdiv(n, 256),), (256,), self.stream, dst, src, n)
 
     # ---- Gated DeltaNet -------------------------------------------------------------
     def gdn_conv(self, out, x, state, w, T: int, C: int, Kk: int):
-        self.k.gdn_conv((_cdiv(C, 256), T), (256,), self.stream, out, x, state, w, T, C, Kk)
+        self.k.gdn_conv((cdiv(C, 256), T), (256,), self.stream, out, x, state, w, T, C, Kk)
 
     def gdn_conv_history(self, dst, state, x, n: int, T: int, C: int, Kk: int):
-        self.k.gdn_conv_history((_cdiv(C, 256),), (256,), self.stream, dst, state, x, n, T, C, Kk)
+        self.k.gdn_conv_history((cdiv(C, 256),), (256,), self.stream, dst, state, x, n, T, C, Kk)
 
     def gdn_qk_gates(self, q, k, beta, g, conv, beta_proj, alpha_proj, ssm_a, dt_bias, T: int, heads: GDNHeads,
                      C: int, eps: float):
@@ -256,7 +256,7 @@ class Ops:
     def gdn_recurrent(self, o, S, q, k, v, beta, g, T: int, heads: GDNHeads, ldv: int):
         hk, hv, dk, dv, tiled = heads.hk, heads.hv, heads.dk, heads.dv, heads.tiled
         need(dk <= MAX_GDN_KEY_DIM, f"ssm.state_size {dk}: the GPU kernels take up to {MAX_GDN_KEY_DIM}")
-        self.k.gdn_recurrent((hv, _cdiv(dv, 32)), (dk,), self.stream, o, S, q, k, v, beta, g, T, hk, hv, dk, dv,
+        self.k.gdn_recurrent((hv, cdiv(dv, 32)), (dk,), self.stream, o, S, q, k, v, beta, g, T, hk, hv, dk, dv,
                              ldv, int(tiled))
 
     def gdn_chunked(self, o, S, q, k, v, beta, g, w, nc: int, heads: GDNHeads, ldv: int):
@@ -271,7 +271,7 @@ class Ops:
         s = self.stream
         self.k.gdn_chunk_prep((nc, hv), (256,), s, w.W, w.U, w.Gc, w.P, q, k, v, beta, g, w.chunk_start,
                               w.chunk_len, hk, hv, dk, dv, ldv, int(tiled))
-        self.k.gdn_chunk_state((hv, _cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W, w.U, w.Gc, k, w.chunk_start,
+        self.k.gdn_chunk_state((hv, cdiv(dv, STATE_COLS)), (256,), s, S, w.S0, w.Vn, w.W, w.U, w.Gc, k, w.chunk_start,
                                w.chunk_len, nc, hk, hv, dk, dv, int(tiled))
-        self.k.gdn_chunk_output((nc, hv, _cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P, w.Gc, w.chunk_start,
+        self.k.gdn_chunk_output((nc, hv, cdiv(dv, 32)), (256,), s, o, q, w.S0, w.Vn, w.P, w.Gc, w.chunk_start,
                                 w.chunk_len, hk, hv, dk, dv, int(tiled))

@@ -37,3 +37,8 @@ class PromptTooLong(ContextLengthError):
 
 class ChatTemplateError(FermoeError, ValueError):
     """A model's chat template refused the messages (its raise_exception())."""
+
+
+class GrammarError(FermoeError, ValueError):
+    """A constraint llguidance cannot compile: an invalid JSON schema, Lark grammar or regex."""
+    wire_fields = {"code": "invalid_grammar"}     # the Error's code (protocol.Error)

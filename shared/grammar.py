@@ -22,7 +22,7 @@ teaches it and shared/tool_parser.py reads it:
 
     <tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
-A parameter whose schema type is string (shared.tool_parser._kind) is raw text up to the first
+A parameter whose schema type is string (shared.tool_parser.param_kind) is raw text up to the first
 `\\n</parameter>\\n` (its enum/const as alternatives, minLength/maxLength as bounds); any other
 is JSON of its own schema (`%json`). Parameters come in the schema's order: required ones
 always, optional ones may be left out. Parallel calls are joined by a newline.
@@ -32,8 +32,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from .errors import FermoeError
-from .tool_parser import _kind
+from .errors import GrammarError
+from .tool_parser import param_kind
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # before the answer: the blank lines a model writes after </think>, bounded, so that a weak
@@ -41,11 +41,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 WS = r"/[ \t\r\n]{0,4}/"
 REASONING = r"/(?s:.*)/"
 KINDS = ("json_schema", "lark", "regex", "gbnf")
-
-
-class GrammarError(FermoeError, ValueError):
-    """A constraint llguidance cannot compile: an invalid JSON schema, Lark grammar or regex."""
-    wire_fields = {"code": "invalid_grammar"}     # the Error's code (protocol.Error)
 
 
 def _lit(text: str) -> str:
@@ -99,7 +94,7 @@ def _function_rules(i: int, fn: dict) -> tuple[str, list[str]]:
                                "model's tool-call format")
         schema = props.get(name, {})
         value = f"f{i}_v{j}"
-        if _kind(schema, name in props) == "string":
+        if param_kind(schema, name in props) == "string":
             rules += _string_value(value, schema if isinstance(schema, dict) else {})
         else:
             rules.append(f"{value}: \"\\n\" %json {json.dumps(_schema(schema, defs), ensure_ascii=False)} "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .grammar import GrammarError
+from .errors import GrammarError
 from .tokenizer import CONTROL, UNKNOWN, USER_DEFINED
 
 SPECIAL_MARK = b"\xff"

@@ -304,7 +304,7 @@ class ToolCallParser:
 
     # ---- values --------------------------------------------------------------------------------
     def _open_value(self, name: str) -> None:
-        kind = _kind((self.schemas.get(self.fn) or {}).get(name), name in (self.schemas.get(self.fn) or {}))
+        kind = param_kind((self.schemas.get(self.fn) or {}).get(name), name in (self.schemas.get(self.fn) or {}))
         self._args((", " if self.n_params else "") + json.dumps(name, ensure_ascii=False) + ": ")
         self.n_params += 1
         self.param, self.value, self.value_sent, self.value_start = (name, kind), "", False, True
@@ -347,7 +347,7 @@ class ToolCallParser:
         self.lead["content"] = self.split
 
 
-def _kind(schema, known: bool) -> str:
+def param_kind(schema, known: bool) -> str:
     """How a parameter's value is read: "string" (raw text), a JSON type, or "any" (JSON if it parses)."""
     if not known or not isinstance(schema, dict):
         return "string"

@@ -65,10 +65,6 @@ def test_the_graph_is_read_from_the_code(tmp_path):
     assert imports_of(module) == {"modeltools", "shared"}
 
 
-# Circles another branch is taking apart (issue 37 part 2): the merge of both empties this list.
-KNOWN_CIRCLES = {("bench.gpu_kernels", "bench.kernels"), ("shared.grammar", "shared.token_mask")}
-
-
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -139,9 +135,7 @@ def test_no_module_imports_one_that_imports_it_back():
     """A circle of imports (a imports b, b imports a, lazily or not) makes neither module readable
     without the other; what both need goes in a third module they import."""
     found = circles(module_graph())
-    assert not set(found) - KNOWN_CIRCLES, "\n".join(" <-> ".join(c) for c in found if c not in KNOWN_CIRCLES)
-    gone = KNOWN_CIRCLES - set(found)
-    assert not gone, f"no longer circles, take them out of KNOWN_CIRCLES: {sorted(gone)}"
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_the_module_graph_resolves_relative_and_lazy_imports(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 
 from shared import protocol as P
 from shared.generate import Decoder
-from shared.grammar import (GrammarError, answer_or_calls_lark, compile_constraint, full_grammar, json_schema_text,
-                            tool_call_lark)
+from shared.errors import GrammarError
+from shared.grammar import answer_or_calls_lark, compile_constraint, full_grammar, json_schema_text, tool_call_lark
 from shared.model import Model
 from shared.sampling import SamplingParams
 from shared.token_mask import TokenMask, ll_tokenizer

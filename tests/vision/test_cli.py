@@ -130,20 +130,21 @@ def test_engine_gpu_takes_images(tmp_path):
 def test_engine_gpu_runs_the_tower_on_its_device(tmp_path, monkeypatch):
     """With --engine gpu and images, the tower goes on the prefill engine's device (and is
     what encodes them); without images no tower is put there."""
-    from fermoe.cli import _image_encoder, _open, build_parser
+    from fermoe.cli import build_parser
+    from fermoe.commands.common import image_encoder, open_model
     from gpu_worker.vision import GPUVisionEngine
     model, tower = tmp_path / "m.gguf", tmp_path / "mmproj.gguf"
     fermoe("synth", model, "--layers", 1, "--mmproj", tower)
     monkeypatch.setenv("FERMOE_GPU", "emulate")
     base = ["generate", str(model), "--mmproj", str(tower), "--chat", "-p", "hi", "--engine", "gpu", "-t", "1"]
     args = build_parser().parse_args(base + ["--image", str(_png(tmp_path / "a.png", 1))])
-    m, engine = _open(args)
-    encoder, close = _image_encoder(args, m)
+    m, engine = open_model(args)
+    encoder, close = image_encoder(args, m)
     assert isinstance(m.gpu_vision, GPUVisionEngine) and m.gpu_vision.device is engine.device
     assert encoder.forward == m.gpu_vision.encode
     close()
     engine.close()
-    m, engine = _open(build_parser().parse_args(base))
+    m, engine = open_model(build_parser().parse_args(base))
     assert m.gpu_vision is None
     engine.close()
 

@@ -1,0 +1,42 @@
+"""`fermoe bench WHAT`: the benchmarks (bench/), each printing JSON; the options after WHAT are
+that benchmark's own."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "bench"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(NAME, help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
+                                  "| http [MODEL] | agent MODEL | vision | tools [MODEL]",
+                       description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision", "tools"],
+                   help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
+                        "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
+                        "agent's turns and the prefix cache), vision (images through the vision tower on the CPU and "
+                        "the GPU) or tools (how often the built-in model calls its pydoc tool correctly on held-out "
+                        "names)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
+
+
+def run(args) -> None:
+    if args.what == "kernels":
+        from bench.kernels import main as bench_main
+    elif args.what == "decode":
+        from bench.decode import main as bench_main
+    elif args.what == "prefill":
+        from bench.prefill import main as bench_main
+    elif args.what == "http":
+        from bench.http import main as bench_main
+    elif args.what == "agent":
+        from bench.agent import main as bench_main
+    elif args.what == "vision":
+        from bench.vision import main as bench_main
+    elif args.what == "tools":
+        from bench.tool_calls import main as bench_main
+    else:
+        from bench.serve import main as bench_main
+    sys.argv[0] = f"fermoe bench {args.what}"
+    bench_main(args.rest)
