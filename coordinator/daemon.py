@@ -23,10 +23,10 @@ import signal
 import sys
 import time
 
-import numpy as np
 import zmq
 
 from shared import protocol as P
+from shared.chat import turn_marks
 from shared.vision.chat import plan, template_places_images
 from shared.vision.image import ImageLimits
 from shared.vision.prompt import IMAGE_PAD
@@ -56,9 +56,6 @@ MAX_ATTEMPTS = 3
 # block boundary its max_tokens can cross and one for where it ends, at most DECODE_SLOTS;
 # each boundary snapshot adopted is replaced at once, so a long generation always has one ahead.
 DECODE_SLOTS = 4
-TURN_MARKS = 2
-TOOL_RESPONSE = b"<tool_response>"      # how a Qwen template opens a user turn that holds tool results
-ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
 UNAVAILABLE = "unavailable"     # the Error code of a request refused because no worker can run it
 NO_DECODER = ("no CPU worker is left to decode: each one failed to start or kept dying and was given up "
               "(see the coordinator log)")
@@ -314,7 +311,7 @@ class Coordinator:
                 return
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
-                      grammar=grammar, marks=self._turn_marks(msg, tokens))
+                      grammar=grammar, marks=turn_marks(self.tokenizer, tokens) if msg.messages is not None else [])
         self.requests[req.rid] = req
         if chat is not None and chat.data:      # queued once its images are decoded (images_decoded)
             req.phase, req.chat = Phase.DECODING, chat
@@ -341,41 +338,6 @@ class Coordinator:
                           for im, s in zip(chat.images, chat.spans)]
             req.key, req.chat, req.phase = chat.cache_key(), None, Phase.QUEUED
             self.queue.append(req.rid)
-
-    def _turn_marks(self, msg: P.Generate, tokens: list[int]) -> list[int]:
-        """Where the turns of a chat prompt begin that its next turn may diverge right after,
-        after their role line (ChatML's <|im_start|>ROLE and a newline): the last TURN_MARKS
-        turns (the generation prompt and the last message), and the first answer after the
-        last user message. A template that drops the reasoning of earlier answers once a new
-        user message comes rewrites from that answer's first token, however many agent steps
-        later: naming it in every prompt until then keeps its snapshot (SnapshotIndex.plan)."""
-        opener = self.tokenizer.token_to_id.get("<|im_start|>")
-        if msg.messages is None or opener is None:
-            return []
-        starts = np.flatnonzero(np.asarray(tokens) == opener).tolist()     # a prompt may be 200k tokens
-        turns = [self._role_line(tokens, i) for i in starts]               # (role, where its text starts)
-        marks = {start for _, start in turns[-TURN_MARKS:]}
-        last_user = max((t for t, (role, _) in enumerate(turns) if role == "user"), default=None)
-        if last_user is not None and last_user + 1 < len(turns) and turns[last_user + 1][0] == "assistant":
-            marks.add(turns[last_user + 1][1])
-        return sorted(marks)
-
-    def _role_line(self, tokens: list[int], i: int) -> tuple[str, int]:
-        """The role of the turn whose <|im_start|> is tokens[i], and where its text begins
-        (after the role line's newline; i if no newline comes within ROLE_LINE_TOKENS).
-        A user turn that opens with <tool_response> is "tool": Qwen's templates render tool
-        results as user turns."""
-        piece = self.tokenizer.piece_bytes
-        line, j = b"", i + 1
-        while j < min(i + ROLE_LINE_TOKENS, len(tokens)) and b"\n" not in line:
-            line += piece(tokens[j])
-            j += 1
-        if b"\n" not in line:
-            return "", i
-        role, text = line.split(b"\n", 1)
-        text += b"".join(piece(t) for t in tokens[j:j + ROLE_LINE_TOKENS])
-        role = role.decode("utf-8", "replace").strip()
-        return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j
 
     def _prompt_tokens(self, msg: P.Generate):
         """(the prompt's token ids, its ChatPlan with the images or None)."""
