@@ -42,7 +42,7 @@ from shared.model import has_random_weights, random_weights_notice
 from .memory import host_footprint, resolve_max_model_len, snapshot_pools
 from .gpu_prefill import GPUPrefills
 from .images import ImageDecoder
-from .requests import Phase, Request, TextStream, Unfinished, planned_refs, resume_refs
+from .requests import Phase, Request, SnapshotIntake, TextStream, Unfinished, planned_refs, resume_refs
 from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
@@ -93,6 +93,7 @@ class Coordinator:
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
         self.unfinished = Unfinished(self.index)
+        self.intake = SnapshotIntake(self.index, self.arena, opts.block, self.send_worker)
         self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker,
                                self.unfinished)
         self.supervisor = Supervisor(opts, self.worker_endpoint, self.experts.name if self.experts else None,
@@ -478,53 +479,8 @@ class Coordinator:
 
     def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten, data: list = ()) -> None:
         req = self.requests.get(msg.request_id)
-        if req is None or req.worker != wid:
-            return
-        if (msg.slot, msg.state) in req.decode_slots:
-            self._adopt_decode_snapshot(wid, req, msg, data)
-            return
-        for planned in list(req.planned):
-            if (planned.slot, planned.state) != (msg.slot, msg.state):
-                continue
-            if not self._slots_from(wid, msg.slot, msg.state, data):
-                return
-            self.index.commit(planned)
-            req.planned.remove(planned)
-
-    def _adopt_decode_snapshot(self, wid: str, req: Request, msg: P.SnapshotWritten, data: list) -> None:
-        """A snapshot taken while decoding, at msg.position: cached under the tokens the
-        sequence holds there (every one of them came in a Sampled before this); a block
-        boundary's pair is replaced, for the next one."""
-        pair = (msg.slot, msg.state)
-        req.decode_slots.remove(pair)
-        tokens = list(req.cache_tokens) + req.generated
-        if not len(req.tokens) < msg.position <= len(tokens) or not self._slots_from(wid, *pair, data):
-            log.error("worker %s: decode snapshot at %d of request %s does not match its %d tokens",
-                      wid, msg.position, req.rid, len(tokens))
-            self.index.unreserve([pair])
-            return
-        self.index.adopt(pair, tokens[:msg.position])
-        if msg.position % self.opts.block == 0:
-            more = self.index.reserve(1, end=False)        # it holds the end's pair still
-            if more:
-                req.decode_slots += more
-                self.send_worker(wid, P.DecodeSlots(request_id=req.rid, slots=more))
-
-    def _slots_from(self, wid: str, slot: int, state: int, data: list) -> bool:
-        """A snapshot from a worker without the arena comes as frames: its KV slot's bytes
-        (if it has one), then its state slot's (if it has one)."""
-        if self.workers[wid].arena:
-            return True
-        sizes = [n for n, i in ((self.arena.slot_bytes, slot), (self.arena.state_slot_bytes, state)) if i >= 0]
-        if [len(d) for d in data] != sizes:
-            log.error("worker %s sent snapshot (KV slot %d, state slot %d) as frames of %s bytes, expected %s",
-                      wid, slot, state, [len(d) for d in data], sizes)
-            return False
-        if slot >= 0:
-            self.arena.slot(slot)[:] = data[0]
-        if state >= 0:
-            self.arena.state_slot(state)[:] = data[-1]
-        return True
+        if req is not None and req.worker == wid:
+            self.intake.written(req, wid, msg, data, attached=self.workers[wid].arena)
 
     def handle_finished(self, wid: str, msg: P.Finished, data=()) -> None:
         req = self.requests.get(msg.request_id)
