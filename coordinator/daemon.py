@@ -36,10 +36,10 @@ from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
-from shared.state import kv_slot_nbytes, recurrent_nbytes, state_slot_nbytes
+from shared.state import recurrent_nbytes
 from shared.model import has_random_weights, random_weights_notice
 
-from .memory import host_footprint, resolve_max_model_len, snapshot_pools
+from .memory import host_footprint, resolve_max_model_len, snapshot_store
 from .gpu_prefill import GPUPrefills
 from .images import ImageDecoder
 from .requests import Phase, Request, SnapshotIntake, TextStream, Unfinished, planned_refs, resume_refs
@@ -79,7 +79,8 @@ class Coordinator:
             snapshot_bytes=opts.snapshot_mem, state_bytes=recurrent_nbytes(self.model.config))
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    weight_bytes, sequences)
-        self._pools = self._snapshot_pools()     # an impossible --snapshot-states fails before binding
+        self._store = snapshot_store(self.model.config, opts.block, opts.kv_cache_dtype, opts.snapshot_mem,
+                                     getattr(opts, "snapshot_states", None))   # an impossible one fails before binding
         self._bind_sockets()
         self.http = None
         if opts.http:                           # the HTTP front end: a client process of ours
@@ -170,8 +171,7 @@ class Coordinator:
         # connection unanswered, so that cut lies well above it), or a snapshot that a worker
         # without the arena sends as a frame (a KV slot or a state slot)
         P.set_max_message_bytes(self.opts.max_request_size)
-        slot = max(kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype),
-                   state_slot_nbytes(self.model.config))
+        slot = max(self._store.kv_slot_bytes, self._store.state_slot_bytes)
         sock.setsockopt(zmq.MAXMSGSIZE, max(2 * self.opts.max_request_size, slot) + (1 << 20))
         if mandatory:           # sending to a vanished client raises, so its request is freed
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -181,26 +181,17 @@ class Coordinator:
             raise FermoeError(f"cannot bind {endpoint}: {e}") from None
         return sock
 
-    def _snapshot_pools(self) -> tuple[int, int, int, int]:
-        """(KV slot bytes, state slot bytes, KV slots, state slots) of the snapshot store."""
-        kv = kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
-        state = state_slot_nbytes(self.model.config)
-        return (kv, state, *snapshot_pools(self.opts.snapshot_mem, kv, state,
-                                           getattr(self.opts, "snapshot_states", None)))
-
     def _make_snapshot_store(self) -> None:
         from shared.shm_arena import SnapshotArena
         for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
             log.warning("removed stale snapshot arena %s", name)
-        kv, state, n_kv, n_states = self._pools
-        self.index = SnapshotIndex(n_kv, self.opts.block, n_state_slots=n_states)
-        self.arena = (SnapshotArena.create(kv, n_kv, state_slot_bytes=state, n_state_slots=n_states)
-                      if n_kv else None)
+        store = self._store
+        self.index = SnapshotIndex(store.kv_slots, self.opts.block, n_state_slots=store.state_slots)
+        self.arena = (SnapshotArena.create(store.kv_slot_bytes, store.kv_slots, state_slot_bytes=store.state_slot_bytes,
+                                           n_state_slots=store.state_slots) if store.kv_slots else None)
         how = (f"default: {self.opts.snapshot_mem_default}" if self.opts.snapshot_mem_default
                else "--snapshot-mem")
-        log.info("snapshot store: %d KV slots of %.2f MiB (%d positions, block %d) and %d state slots of %.1f MiB: "
-                 "%.1f MiB of /dev/shm%s (%s)", n_kv, kv / 2**20, n_kv * self.opts.block, self.opts.block,
-                 n_states, state / 2**20, (n_kv * kv + n_states * state) / 2**20,
+        log.info("snapshot store: %s%s (%s)", store.describe(self.opts.block),
                  f" ({self.arena.name})" if self.arena else "", how)
 
     def _share_experts(self, why_not: str | None):
