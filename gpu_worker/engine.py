@@ -265,14 +265,14 @@ class GPUEngine:
         cfg, ws = self.cfg, self.ws
         half = cfg.rope_dim // 2
         if all(g.prompt.media is None for g in segments):
-            positions = np.concatenate([np.arange(g.p0, g.p0 + g.n) for g in segments])
+            positions = np.concatenate([np.arange(g.position, g.position + g.length) for g in segments])
             angle = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
         else:
             positions = np.concatenate([g.positions() for g in segments])
             angle = mrope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_sections)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
-        starts, lengths = chunks_of(n, [g.s + c for g in segments for c in g.cuts] + [g.e for g in segments])
+        starts, lengths = chunks_of(n, [g.begin + c for g in segments for c in g.cuts] + [g.end for g in segments])
         ws.chunks.set_chunks(starts, lengths)
         return {e: i for i, e in enumerate(starts)}
 
@@ -292,7 +292,7 @@ class GPUEngine:
             m = g.media()
             if m is None or not len(m.rows):
                 continue
-            rows = (g.s + m.rows).tolist()
+            rows = (g.begin + m.rows).tolist()
             for j, k in _runs(rows):        # an image's tokens are consecutive: one copy each
                 # on the compute stream: after the gather, whatever the stream's flags
                 self.ws.h.rows(rows[j], rows[k - 1] + 1).upload(m.embeds[j:k], self.ops.stream)
@@ -309,15 +309,15 @@ class GPUEngine:
         a = cfg.attention_layers.index(L)
         self._mark("attention")
         for g in segments:                  # each prompt against its own keys
-            s, e, site = g.s, g.e, g.prompt.site
+            s, e, site = g.begin, g.end, g.prompt.site
             Kc, Vc = g.prompt.lane.Kc[a], g.prompt.lane.Vc[a]
             ops.attn_qk_norm_rope(q.rows(s, e), Kc, Vc, qg.rows(s, e), kk.rows(s, e), vv.rows(s, e),
                                   w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
-                                  ws.rope_sin.rows(s, e), g.p0, g.n, self.attn_heads, cfg.rms_eps,
+                                  ws.rope_sin.rows(s, e), g.position, g.length, self.attn_heads, cfg.rms_eps,
                                   self.kv_cache_dtype == "f16")
             keys, values = site.kv[a]
-            rows = slice(g.p0 - site.start, g.p0 - site.start + g.n)
-            new = slice(g.p0, g.p0 + g.n)
+            rows = slice(g.position - site.start, g.position - site.start + g.length)
+            new = slice(g.position, g.position + g.length)
             if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
                 for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
                     ops.to_f16(half.rows(s, e), src.rows(new.start, new.stop))
@@ -325,7 +325,7 @@ class GPUEngine:
             else:
                 self._to_host(keys[rows], Kc.rows(new.start, new.stop))
                 self._to_host(values[rows], Vc.rows(new.start, new.stop))
-            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.p0, g.n, self.attn_heads)
+            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.position, g.length, self.attn_heads)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
@@ -342,12 +342,12 @@ class GPUEngine:
         g_slot = cfg.gdn_layers.index(L)
         self._mark("gdn")
         for seg in segments:                # each prompt's convolution continues its own history
-            state, x = seg.prompt.lane.conv[L], qkv.rows(seg.s, seg.e)
-            ops.gdn_conv(conv.rows(seg.s, seg.e), x, state, w["ssm_conv1d"].data, seg.n, C, K)
+            state, x = seg.prompt.lane.conv[L], qkv.rows(seg.begin, seg.end)
+            ops.gdn_conv(conv.rows(seg.begin, seg.end), x, state, w["ssm_conv1d"].data, seg.length, C, K)
             for c in seg.cuts:              # the conv state at each snapshot position, then at the end
-                ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.n, C, K)
+                ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.length, C, K)
                 self._to_host(seg.snapshot(c).conv[g_slot], ws.conv_snap)
-            ops.gdn_conv_history(state, state, x, seg.n, seg.n, C, K)
+            ops.gdn_conv_history(state, state, x, seg.length, seg.length, C, K)
             if seg.last:
                 self._to_host(seg.result.conv[g_slot], state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
@@ -358,20 +358,21 @@ class GPUEngine:
         o = ws.o.rows(0, n)
         for seg in segments:                # each prompt's recurrence on its own state
             S = seg.prompt.lane.S[L]
-            if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.n < RECURRENT_BELOW):
-                for s, e in zip([0] + seg.cuts, seg.cuts + [seg.n]):
+            if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.length < RECURRENT_BELOW):
+                for s, e in zip([0] + seg.cuts, seg.cuts + [seg.length]):
                     if e > s:
-                        r0, r1 = seg.s + s, seg.s + e
+                        r0, r1 = seg.begin + s, seg.begin + e
                         v_se = conv.block(r0, r1 - r0, values, hv * dv)
                         ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
                                           beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, heads, C)
                     if e in seg.cuts:
                         self._to_host(seg.snapshot(e).ssm[g_slot], S)
             else:
-                c0, c1 = chunk_at[seg.s], chunk_at.get(seg.e, len(chunk_at))
+                c0, c1 = chunk_at[seg.begin], chunk_at.get(seg.end, len(chunk_at))
                 ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, heads, C)
                 for c in seg.cuts:          # the state entering the chunk that starts there
-                    src = S if c == seg.n else ws.chunks.S0.rows(chunk_at[seg.s + c], chunk_at[seg.s + c] + 1)
+                    chunk = chunk_at.get(seg.begin + c)
+                    src = S if c == seg.length else ws.chunks.S0.rows(chunk, chunk + 1)
                     self._to_host(seg.snapshot(c).ssm[g_slot], src)
             if seg.last:
                 self._to_host(seg.result.ssm[g_slot], S)
