@@ -30,7 +30,6 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 from shared.vision.prompt import media_for
 
 from .batch import Lane, PrefillJob, Prompt, Segment, logit_rows, segment_of
-from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
 from .kernels import KERNEL_TYPES
@@ -97,7 +96,8 @@ class GPUEngine:
         self._fit(n, [n])
         log.info("%s: %s", self.device.name, self.plan.describe())
         self.profile = None                     # a PhaseTimer, for bench prefill
-        self.land = Landing(self.device, self.cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
+        self.land = Landing(self.device, self.cfg, model.fingerprint, kv_cache_dtype,    # the results, on the host
+                            self.ops.stream)
 
     def set_kv_cache_dtype(self, name: str) -> None:
         """The KV element type of the states this engine hands over (a worker's snapshot
@@ -105,7 +105,7 @@ class GPUEngine:
         kv_dtype(name)
         self.kv_cache_dtype = name
         self.land.unregister()
-        self.land = Landing(self.device, self.cfg, self.model.fingerprint, name)
+        self.land = Landing(self.device, self.cfg, self.model.fingerprint, name, self.ops.stream)
 
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -309,22 +309,19 @@ class GPUEngine:
         a = cfg.attention_layers.index(L)
         self._mark("attention")
         for g in segments:                  # each prompt against its own keys
-            s, e, site = g.begin, g.end, g.prompt.site
+            s, e = g.begin, g.end
             Kc, Vc = g.prompt.lane.Kc[a], g.prompt.lane.Vc[a]
             ops.attn_qk_norm_rope(q.rows(s, e), Kc, Vc, qg.rows(s, e), kk.rows(s, e), vv.rows(s, e),
                                   w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
                                   ws.rope_sin.rows(s, e), g.position, g.length, self.attn_heads, cfg.rms_eps,
                                   self.kv_cache_dtype == "f16")
-            keys, values = site.kv[a]
-            rows = slice(g.position - site.start, g.position - site.start + g.length)
-            new = slice(g.position, g.position + g.length)
+            new = (g.position, g.position + g.length)
             if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
-                for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
-                    ops.to_f16(half.rows(s, e), src.rows(new.start, new.stop))
-                    self._to_host(dst[rows], half.rows(s, e))
+                ops.to_f16(ws.kv16_k.rows(s, e), Kc.rows(*new))
+                ops.to_f16(ws.kv16_v.rows(s, e), Vc.rows(*new))
+                self.land.kv(g, a, ws.kv16_k.rows(s, e), ws.kv16_v.rows(s, e))
             else:
-                self._to_host(keys[rows], Kc.rows(new.start, new.stop))
-                self._to_host(values[rows], Vc.rows(new.start, new.stop))
+                self.land.kv(g, a, Kc.rows(*new), Vc.rows(*new))
             ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.position, g.length, self.attn_heads)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
@@ -339,17 +336,17 @@ class GPUEngine:
         self._mark("dense")
         for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (beta_proj, "ssm_beta", hv), (alpha_proj, "ssm_alpha", hv)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
-        g_slot = cfg.gdn_layers.index(L)
+        g_slot, land = cfg.gdn_layers.index(L), self.land
         self._mark("gdn")
         for seg in segments:                # each prompt's convolution continues its own history
             state, x = seg.prompt.lane.conv[L], qkv.rows(seg.begin, seg.end)
             ops.gdn_conv(conv.rows(seg.begin, seg.end), x, state, w["ssm_conv1d"].data, seg.length, C, K)
             for c in seg.cuts:              # the conv state at each snapshot position, then at the end
                 ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.length, C, K)
-                self._to_host(seg.snapshot(c).conv[g_slot], ws.conv_snap)
+                land.conv(seg, g_slot, ws.conv_snap, at=c)
             ops.gdn_conv_history(state, state, x, seg.length, seg.length, C, K)
             if seg.last:
-                self._to_host(seg.result.conv[g_slot], state)
+                land.conv(seg, g_slot, state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, beta_proj, alpha_proj, w["ssm_a"].data, w["ssm_dt"].data, n, heads, C,
                          cfg.rms_eps)
@@ -366,16 +363,15 @@ class GPUEngine:
                         ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
                                           beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, heads, C)
                     if e in seg.cuts:
-                        self._to_host(seg.snapshot(e).ssm[g_slot], S)
+                        land.ssm(seg, g_slot, S, at=e)
             else:
                 c0, c1 = chunk_at[seg.begin], chunk_at.get(seg.end, len(chunk_at))
                 ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, heads, C)
                 for c in seg.cuts:          # the state entering the chunk that starts there
                     chunk = chunk_at.get(seg.begin + c)
-                    src = S if c == seg.length else ws.chunks.S0.rows(chunk, chunk + 1)
-                    self._to_host(seg.snapshot(c).ssm[g_slot], src)
+                    land.ssm(seg, g_slot, S if c == seg.length else ws.chunks.S0.rows(chunk, chunk + 1), at=c)
             if seg.last:
-                self._to_host(seg.result.ssm[g_slot], S)
+                land.ssm(seg, g_slot, S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
@@ -486,8 +482,3 @@ class GPUEngine:
             if len(keys):
                 lane.Kc[a].rows(0, len(keys)).upload(keys)
                 lane.Vc[a].rows(0, len(values)).upload(values)
-
-    def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
-        """An asynchronous copy into page-locked host memory, in order on the compute stream."""
-        assert dst.nbytes == src.nbytes, (dst.shape, src.shape)
-        self.device.memcpy_dtoh_async(dst, int(src), self.ops.stream)
