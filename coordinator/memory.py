@@ -1,5 +1,5 @@
 """How much of the host the coordinator plans for: how many positions a served
-sequence may hold (vLLM's max_model_len), and the snapshot arena's default size.
+sequence may hold (vLLM's max_model_len), and the snapshot arena's default size and slots.
 
 KV pages are allocated as a sequence grows, so the limit is what keeps the host's
 memory from running out: max_sequences sequences on every local worker, each at
