@@ -99,17 +99,17 @@ def build(result_chars: int = RESULT_CHARS, notes: bool = True) -> dict:
                                              {"content": "run the snapshot and serving tests", "status": "pending"}])]},
         {"results": ["Todos updated (3)."], "calls": [call("list_dir", path="coordinator")]},
         {"results": [listing], "calls": [call("grep", pattern="decode_slots", path=".", glob="*.py")]},
-        {"results": [grep_hits], "calls": [call("read_file", path="coordinator/daemon.py", offset=330, limit=40)]},
-        {"results": [read("coordinator/daemon.py", (ROOT / "coordinator/daemon.py").read_text().index(
+        {"results": [grep_hits], "calls": [call("read_file", path="coordinator/requests.py", offset=330, limit=40)]},
+        {"results": [read("coordinator/requests.py", (ROOT / "coordinator/requests.py").read_text().index(
             "def _adopt_decode_snapshot"), result_chars)],
          "calls": [call("read_file", path="coordinator/snapshots.py", offset=1, limit=45)]},
         {"results": [read("coordinator/snapshots.py", 0, result_chars)],
-         "calls": [call("edit_file", path="coordinator/daemon.py",
+         "calls": [call("edit_file", path="coordinator/requests.py",
                         old_string="        self.index.adopt(msg.slot, tokens[:msg.position])",
                         new_string="        if self.index.adopt(msg.slot, tokens[:msg.position]):\n"
                                    "            log.info(\"request %s: decode snapshot at %d in slot %d\", req.rid, "
                                    "msg.position, msg.slot)")]},
-        {"results": ["Edited coordinator/daemon.py: 1 replacement."],
+        {"results": ["Edited coordinator/requests.py: 1 replacement."],
          "calls": [call("run_shell", command="python3 -m pytest -q tests/test_snapshots.py tests/test_serving.py -k "
                                              "'decode or next_turn'", timeout_s=600)]},
         {"results": ["..........                                                               [100%]\n"

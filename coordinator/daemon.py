@@ -23,10 +23,10 @@ import signal
 import sys
 import time
 
-import numpy as np
 import zmq
 
 from shared import protocol as P
+from shared.chat import turn_marks
 from shared.vision.chat import plan, template_places_images
 from shared.vision.image import ImageLimits
 from shared.vision.prompt import IMAGE_PAD
@@ -36,13 +36,13 @@ from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
-from shared.state import kv_slot_nbytes, recurrent_nbytes, state_slot_nbytes
+from shared.state import recurrent_nbytes
 from shared.model import has_random_weights, random_weights_notice
 
-from .memory import host_footprint, resolve_max_model_len, snapshot_pools
+from .memory import host_footprint, resolve_max_model_len, snapshot_store
 from .gpu_prefill import GPUPrefills
 from .images import ImageDecoder
-from .requests import Phase, Request, TextStream, Unfinished, planned_refs, resume_refs
+from .requests import Phase, Request, SnapshotIntake, TextStream, Unfinished, planned_refs, resume_refs
 from .scheduler import WorkerView, pick_worker, update_rate
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
@@ -56,9 +56,6 @@ MAX_ATTEMPTS = 3
 # block boundary its max_tokens can cross and one for where it ends, at most DECODE_SLOTS;
 # each boundary snapshot adopted is replaced at once, so a long generation always has one ahead.
 DECODE_SLOTS = 4
-TURN_MARKS = 2
-TOOL_RESPONSE = b"<tool_response>"      # how a Qwen template opens a user turn that holds tool results
-ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
 UNAVAILABLE = "unavailable"     # the Error code of a request refused because no worker can run it
 NO_DECODER = ("no CPU worker is left to decode: each one failed to start or kept dying and was given up "
               "(see the coordinator log)")
@@ -82,7 +79,8 @@ class Coordinator:
             snapshot_bytes=opts.snapshot_mem, state_bytes=recurrent_nbytes(self.model.config))
         self.max_model_len = resolve_max_model_len(opts.max_model_len, self.model.config, opts.kv_cache_dtype,
                                                    weight_bytes, sequences)
-        self._pools = self._snapshot_pools()     # an impossible --snapshot-states fails before binding
+        self._store = snapshot_store(self.model.config, opts.block, opts.kv_cache_dtype, opts.snapshot_mem,
+                                     getattr(opts, "snapshot_states", None))   # an impossible one fails before binding
         self._bind_sockets()
         self.http = None
         if opts.http:                           # the HTTP front end: a client process of ours
@@ -96,6 +94,7 @@ class Coordinator:
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
         self.unfinished = Unfinished(self.index)
+        self.intake = SnapshotIntake(self.index, self.arena, opts.block, self.send_worker)
         self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker,
                                self.unfinished)
         self.supervisor = Supervisor(opts, self.worker_endpoint, self.experts.name if self.experts else None,
@@ -172,8 +171,7 @@ class Coordinator:
         # connection unanswered, so that cut lies well above it), or a snapshot that a worker
         # without the arena sends as a frame (a KV slot or a state slot)
         P.set_max_message_bytes(self.opts.max_request_size)
-        slot = max(kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype),
-                   state_slot_nbytes(self.model.config))
+        slot = max(self._store.kv_slot_bytes, self._store.state_slot_bytes)
         sock.setsockopt(zmq.MAXMSGSIZE, max(2 * self.opts.max_request_size, slot) + (1 << 20))
         if mandatory:           # sending to a vanished client raises, so its request is freed
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -183,26 +181,17 @@ class Coordinator:
             raise FermoeError(f"cannot bind {endpoint}: {e}") from None
         return sock
 
-    def _snapshot_pools(self) -> tuple[int, int, int, int]:
-        """(KV slot bytes, state slot bytes, KV slots, state slots) of the snapshot store."""
-        kv = kv_slot_nbytes(self.model.config, self.opts.block, self.opts.kv_cache_dtype)
-        state = state_slot_nbytes(self.model.config)
-        return (kv, state, *snapshot_pools(self.opts.snapshot_mem, kv, state,
-                                           getattr(self.opts, "snapshot_states", None)))
-
     def _make_snapshot_store(self) -> None:
         from shared.shm_arena import SnapshotArena
         for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
             log.warning("removed stale snapshot arena %s", name)
-        kv, state, n_kv, n_states = self._pools
-        self.index = SnapshotIndex(n_kv, self.opts.block, n_state_slots=n_states)
-        self.arena = (SnapshotArena.create(kv, n_kv, state_slot_bytes=state, n_state_slots=n_states)
-                      if n_kv else None)
+        store = self._store
+        self.index = SnapshotIndex(store.kv_slots, self.opts.block, n_state_slots=store.state_slots)
+        self.arena = (SnapshotArena.create(store.kv_slot_bytes, store.kv_slots, state_slot_bytes=store.state_slot_bytes,
+                                           n_state_slots=store.state_slots) if store.kv_slots else None)
         how = (f"default: {self.opts.snapshot_mem_default}" if self.opts.snapshot_mem_default
                else "--snapshot-mem")
-        log.info("snapshot store: %d KV slots of %.2f MiB (%d positions, block %d) and %d state slots of %.1f MiB: "
-                 "%.1f MiB of /dev/shm%s (%s)", n_kv, kv / 2**20, n_kv * self.opts.block, self.opts.block,
-                 n_states, state / 2**20, (n_kv * kv + n_states * state) / 2**20,
+        log.info("snapshot store: %s%s (%s)", store.describe(self.opts.block),
                  f" ({self.arena.name})" if self.arena else "", how)
 
     def _share_experts(self, why_not: str | None):
@@ -314,7 +303,7 @@ class Coordinator:
                 return
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
-                      grammar=grammar, marks=self._turn_marks(msg, tokens))
+                      grammar=grammar, marks=turn_marks(self.tokenizer, tokens) if msg.messages is not None else [])
         self.requests[req.rid] = req
         if chat is not None and chat.data:      # queued once its images are decoded (images_decoded)
             req.phase, req.chat = Phase.DECODING, chat
@@ -341,41 +330,6 @@ class Coordinator:
                           for im, s in zip(chat.images, chat.spans)]
             req.key, req.chat, req.phase = chat.cache_key(), None, Phase.QUEUED
             self.queue.append(req.rid)
-
-    def _turn_marks(self, msg: P.Generate, tokens: list[int]) -> list[int]:
-        """Where the turns of a chat prompt begin that its next turn may diverge right after,
-        after their role line (ChatML's <|im_start|>ROLE and a newline): the last TURN_MARKS
-        turns (the generation prompt and the last message), and the first answer after the
-        last user message. A template that drops the reasoning of earlier answers once a new
-        user message comes rewrites from that answer's first token, however many agent steps
-        later: naming it in every prompt until then keeps its snapshot (SnapshotIndex.plan)."""
-        opener = self.tokenizer.token_to_id.get("<|im_start|>")
-        if msg.messages is None or opener is None:
-            return []
-        starts = np.flatnonzero(np.asarray(tokens) == opener).tolist()     # a prompt may be 200k tokens
-        turns = [self._role_line(tokens, i) for i in starts]               # (role, where its text starts)
-        marks = {start for _, start in turns[-TURN_MARKS:]}
-        last_user = max((t for t, (role, _) in enumerate(turns) if role == "user"), default=None)
-        if last_user is not None and last_user + 1 < len(turns) and turns[last_user + 1][0] == "assistant":
-            marks.add(turns[last_user + 1][1])
-        return sorted(marks)
-
-    def _role_line(self, tokens: list[int], i: int) -> tuple[str, int]:
-        """The role of the turn whose <|im_start|> is tokens[i], and where its text begins
-        (after the role line's newline; i if no newline comes within ROLE_LINE_TOKENS).
-        A user turn that opens with <tool_response> is "tool": Qwen's templates render tool
-        results as user turns."""
-        piece = self.tokenizer.piece_bytes
-        line, j = b"", i + 1
-        while j < min(i + ROLE_LINE_TOKENS, len(tokens)) and b"\n" not in line:
-            line += piece(tokens[j])
-            j += 1
-        if b"\n" not in line:
-            return "", i
-        role, text = line.split(b"\n", 1)
-        text += b"".join(piece(t) for t in tokens[j:j + ROLE_LINE_TOKENS])
-        role = role.decode("utf-8", "replace").strip()
-        return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j
 
     def _prompt_tokens(self, msg: P.Generate):
         """(the prompt's token ids, its ChatPlan with the images or None)."""
@@ -516,53 +470,8 @@ class Coordinator:
 
     def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten, data: list = ()) -> None:
         req = self.requests.get(msg.request_id)
-        if req is None or req.worker != wid:
-            return
-        if (msg.slot, msg.state) in req.decode_slots:
-            self._adopt_decode_snapshot(wid, req, msg, data)
-            return
-        for planned in list(req.planned):
-            if (planned.slot, planned.state) != (msg.slot, msg.state):
-                continue
-            if not self._slots_from(wid, msg.slot, msg.state, data):
-                return
-            self.index.commit(planned)
-            req.planned.remove(planned)
-
-    def _adopt_decode_snapshot(self, wid: str, req: Request, msg: P.SnapshotWritten, data: list) -> None:
-        """A snapshot taken while decoding, at msg.position: cached under the tokens the
-        sequence holds there (every one of them came in a Sampled before this); a block
-        boundary's pair is replaced, for the next one."""
-        pair = (msg.slot, msg.state)
-        req.decode_slots.remove(pair)
-        tokens = list(req.cache_tokens) + req.generated
-        if not len(req.tokens) < msg.position <= len(tokens) or not self._slots_from(wid, *pair, data):
-            log.error("worker %s: decode snapshot at %d of request %s does not match its %d tokens",
-                      wid, msg.position, req.rid, len(tokens))
-            self.index.unreserve([pair])
-            return
-        self.index.adopt(pair, tokens[:msg.position])
-        if msg.position % self.opts.block == 0:
-            more = self.index.reserve(1, end=False)        # it holds the end's pair still
-            if more:
-                req.decode_slots += more
-                self.send_worker(wid, P.DecodeSlots(request_id=req.rid, slots=more))
-
-    def _slots_from(self, wid: str, slot: int, state: int, data: list) -> bool:
-        """A snapshot from a worker without the arena comes as frames: its KV slot's bytes
-        (if it has one), then its state slot's (if it has one)."""
-        if self.workers[wid].arena:
-            return True
-        sizes = [n for n, i in ((self.arena.slot_bytes, slot), (self.arena.state_slot_bytes, state)) if i >= 0]
-        if [len(d) for d in data] != sizes:
-            log.error("worker %s sent snapshot (KV slot %d, state slot %d) as frames of %s bytes, expected %s",
-                      wid, slot, state, [len(d) for d in data], sizes)
-            return False
-        if slot >= 0:
-            self.arena.slot(slot)[:] = data[0]
-        if state >= 0:
-            self.arena.state_slot(state)[:] = data[-1]
-        return True
+        if req is not None and req.worker == wid:
+            self.intake.written(req, wid, msg, data, attached=self.workers[wid].arena)
 
     def handle_finished(self, wid: str, msg: P.Finished, data=()) -> None:
         req = self.requests.get(msg.request_id)

@@ -1,5 +1,5 @@
 """How much of the host the coordinator plans for: how many positions a served
-sequence may hold (vLLM's max_model_len), and the snapshot arena's default size.
+sequence may hold (vLLM's max_model_len), and the snapshot arena's default size and slots.
 
 KV pages are allocated as a sequence grows, so the limit is what keeps the host's
 memory from running out: max_sequences sequences on every local worker, each at
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 from shared.config import ModelConfig
 from shared.errors import FermoeError
-from shared.state import DEFAULT_BLOCK, kv_bytes_per_position, recurrent_nbytes
+from shared.state import DEFAULT_BLOCK, kv_bytes_per_position, kv_slot_nbytes, recurrent_nbytes, state_slot_nbytes
 
 from .placement import GPU_QUEUE
 
@@ -91,6 +92,31 @@ def snapshot_pools(budget: int, kv_slot_bytes: int, state_slot_bytes: int,
         share = round(budget / SNAPSHOT_STATES_SHARE / state_slot_bytes)
         states = min(max(share, SNAPSHOT_STATES_MIN), room)
     return (budget - states * state_slot_bytes) // kv_slot_bytes, states
+
+
+@dataclass(frozen=True)
+class SnapshotStore:
+    """The snapshot store's slots: how many of each pool, and their sizes."""
+    kv_slot_bytes: int
+    state_slot_bytes: int
+    kv_slots: int
+    state_slots: int
+
+    def describe(self, block: int) -> str:
+        """In words, for the log: the slots, the positions of KV they hold, the /dev/shm they take."""
+        kv, state = self.kv_slot_bytes, self.state_slot_bytes
+        return (f"{self.kv_slots} KV slots of {kv / 2**20:.2f} MiB ({self.kv_slots * block} positions, block "
+                f"{block}) and {self.state_slots} state slots of {state / 2**20:.1f} MiB: "
+                f"{(self.kv_slots * kv + self.state_slots * state) / 2**20:.1f} MiB of /dev/shm")
+
+
+def snapshot_store(cfg: ModelConfig, block: int, kv_cache_dtype: str, budget: int,
+                   states: int | None = None) -> SnapshotStore:
+    """The store of a --snapshot-mem `budget` (--snapshot-states `states`): its slots' sizes
+    for this model, block and KV dtype, and their numbers (snapshot_pools)."""
+    kv = kv_slot_nbytes(cfg, block, kv_cache_dtype)
+    state = state_slot_nbytes(cfg)
+    return SnapshotStore(kv, state, *snapshot_pools(budget, kv, state, states))
 
 
 # What one GPU worker holds in host memory, in sequences: the state of the prompts it

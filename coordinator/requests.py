@@ -1,14 +1,18 @@
-"""One client request from arrival to Done: what the coordinator keeps about it,
-and the text side of streaming (detokenising, stop strings). No sockets here."""
+"""One client request from arrival to Done: what the coordinator keeps about it, the
+snapshots its workers write for it (SnapshotIntake), and the text side of streaming
+(detokenising, stop strings). No sockets here."""
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 
 from shared import protocol as P
 from shared.sampling import SamplingParams
 from shared.tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger("fermoe.coordinator")
 
 
 class Phase(enum.Enum):
@@ -144,6 +148,65 @@ class Unfinished:
     def worker_lost(self, wid: str) -> None:
         for rid in [r for r, (w, _, _) in self.held.items() if w == wid]:
             self.stopped(rid, wid)
+
+
+class SnapshotIntake:
+    """The snapshots a worker reports written (SnapshotWritten) into the index: a planned
+    one committed, a decode one adopted; from a worker without the arena, its bytes,
+    which come as the message's frames, copied into the slots first. `send(wid, msg)`
+    reaches a worker (the decode pairs that replace an adopted one)."""
+
+    def __init__(self, index, arena, block: int, send):
+        self.index, self.arena, self.block, self.send = index, arena, block, send
+
+    def written(self, req: Request, wid: str, msg: P.SnapshotWritten, data: list, attached: bool) -> None:
+        """Worker `wid`, which runs `req`, wrote a snapshot of it; `attached`: it has the arena."""
+        if (msg.slot, msg.state) in req.decode_slots:
+            self._adopt_decode_snapshot(wid, req, msg, data, attached)
+            return
+        for planned in list(req.planned):
+            if (planned.slot, planned.state) != (msg.slot, msg.state):
+                continue
+            if not self._slots_from(wid, msg.slot, msg.state, data, attached):
+                return
+            self.index.commit(planned)
+            req.planned.remove(planned)
+
+    def _adopt_decode_snapshot(self, wid: str, req: Request, msg: P.SnapshotWritten, data: list,
+                               attached: bool) -> None:
+        """A snapshot taken while decoding, at msg.position: cached under the tokens the
+        sequence holds there (every one of them came in a Sampled before this); a block
+        boundary's pair is replaced, for the next one."""
+        pair = (msg.slot, msg.state)
+        req.decode_slots.remove(pair)
+        tokens = list(req.cache_tokens) + req.generated
+        if not len(req.tokens) < msg.position <= len(tokens) or not self._slots_from(wid, *pair, data, attached):
+            log.error("worker %s: decode snapshot at %d of request %s does not match its %d tokens",
+                      wid, msg.position, req.rid, len(tokens))
+            self.index.unreserve([pair])
+            return
+        self.index.adopt(pair, tokens[:msg.position])
+        if msg.position % self.block == 0:
+            more = self.index.reserve(1, end=False)        # it holds the end's pair still
+            if more:
+                req.decode_slots += more
+                self.send(wid, P.DecodeSlots(request_id=req.rid, slots=more))
+
+    def _slots_from(self, wid: str, slot: int, state: int, data: list, attached: bool) -> bool:
+        """A snapshot from a worker without the arena comes as frames: its KV slot's bytes
+        (if it has one), then its state slot's (if it has one)."""
+        if attached:
+            return True
+        sizes = [n for n, i in ((self.arena.slot_bytes, slot), (self.arena.state_slot_bytes, state)) if i >= 0]
+        if [len(d) for d in data] != sizes:
+            log.error("worker %s sent snapshot (KV slot %d, state slot %d) as frames of %s bytes, expected %s",
+                      wid, slot, state, [len(d) for d in data], sizes)
+            return False
+        if slot >= 0:
+            self.arena.slot(slot)[:] = data[0]
+        if state >= 0:
+            self.arena.state_slot(state)[:] = data[-1]
+        return True
 
 
 class TextStream:

@@ -106,6 +106,18 @@ class Planned:
     state: int = -1
 
 
+@dataclass
+class _Wanted:
+    """A snapshot SnapshotIndex.plan considers: its key, position and parent (as Planned's),
+    whether it is a resume point (one that gets a state, evicting for it), and the KV slot
+    it gets (-1: none yet, or a cached entry that only takes a state)."""
+    key: bytes
+    position: int
+    parent: bytes | None
+    resume_point: bool = False
+    slot: int = -1
+
+
 @dataclass(frozen=True)
 class Resume:
     """Where a request can start: restore `entries` (chain blocks 1..k in order, then
@@ -318,63 +330,85 @@ class SnapshotIndex:
         if not 0 <= start <= n:
             raise ValueError(f"start {start} is outside the {n} tokens")
         keys = self._chain(data)
-        wanted = [(keys[i - 1], i * self.block, keys[i - 2] if i >= 2 else None)
-                  for i in range(start // self.block + 1, len(keys) + 1)]
         end = self._end(keys[-1] if keys else b"", data, len(keys) * self.block, n)
-        if n % self.block and n > start:
-            wanted.append((end, n, keys[-1] if keys else None))
-        resume_points = {n, len(keys) * self.block}
+        wanted = self._wanted(data, keys, end, start, marks)
         kept = self._keep_marks(data, keys, [m for m in marks if m <= start])
-        for m in sorted({int(m) for m in marks if start < m < n and m % self.block}):
-            base = m // self.block                 # the mark's own end entry, after `base` full blocks
-            wanted.append((self._end(keys[base - 1] if base else b"", data, base * self.block, m), m,
-                           keys[base - 1] if base else None))
-            resume_points.add(m)
-        wanted.sort(key=lambda w: w[1])            # in position order, the prompt's end last
-        state_only = [w for w in wanted if w[1] in resume_points and w[0] in self._entries
-                      and w[0] not in self._states and w[0] not in self._planned]
-        wanted = [w for w in wanted if w[0] not in self._entries and w[0] not in self._planned]
+        state_only = [w for w in wanted if w.resume_point and w.key in self._entries
+                      and w.key not in self._states and w.key not in self._planned]
+        wanted = [w for w in wanted if w.key not in self._entries and w.key not in self._planned]
         # This prompt's own cached snapshots must not be evicted to make room for its
-        # later ones (a gap would make those useless): hold them out of the LRU.
+        # later ones (a gap would make those useless): hold them out of the LRU, and the
+        # states of its kept turn starts out of the states' LRU.
         held = [k for k in keys + [end] + kept if k in self._lru]
+        held_states = [k for k in kept if k in self._state_lru]
         for k in held:
             self._lru.remove(k)
-        held_states = [k for k in kept if k in self._state_lru]     # nor the states of its kept turn starts
         for k in held_states:
             self._state_lru.remove(k)
-        kv = []
-        for key, position, parent in wanted:
-            slot = self._take_slot()
-            if slot is None:
-                self._counts["skipped"] += len(wanted) - len(kv)
-                break
-            kv.append((key, position, parent, slot))
-        # states: the resume points first (deepest first), evicting; then the other
-        # boundaries (deepest first) while one is free
-        order = sorted(kv + [(k, p, par, -1) for k, p, par in state_only],
-                       key=lambda w: (w[1] not in resume_points, -w[1]))
-        planned = []
-        for key, position, parent, slot in order:
-            state = self._take_state(evict=position in resume_points)
-            if state is None and (slot < 0 or position % self.block):
-                if slot >= 0:                       # an end entry is useless without its state
-                    self._free.append(slot)
-                    self._counts["skipped"] += 1
-                continue
-            planned.append(Planned(key, slot, position, parent, -1 if state is None else state))
-        planned.sort(key=lambda p: p.position)
-        for p in planned:
-            self._planned[p.key] = p
-            if p.slot >= 0:
-                self._planned_slots[p.slot] = p
-            else:
-                self._pin(p.key)                    # the cached KV it gives a state to stays
+        planned = self._with_states(self._with_slots(wanted) + state_only)
+        self._pending(planned)
         for k in reversed(held):
             if k in self._entries and k not in self._pins:
                 self._lru.add(k, self._tier(k))
         for k in held_states:
             self._state_lru.add(k, self._state_tier(k))
         return planned
+
+    def _wanted(self, data: bytes, keys: list[bytes], end: bytes, start: int, marks) -> list["_Wanted"]:
+        """The snapshots a prefill of the tokens of `data` (chain keys `keys`, end key `end`)
+        from `start` could take, in position order: the block boundaries after `start`, the
+        unaligned end, the unaligned marks in (start, n). The end, the marks and the last
+        block boundary are resume points."""
+        n = len(data) // 4
+        resume_points = {n, len(keys) * self.block}
+        wanted = [_Wanted(keys[i - 1], i * self.block, keys[i - 2] if i >= 2 else None)
+                  for i in range(start // self.block + 1, len(keys) + 1)]
+        if n % self.block and n > start:
+            wanted.append(_Wanted(end, n, keys[-1] if keys else None))
+        for m in sorted({int(m) for m in marks if start < m < n and m % self.block}):
+            base = m // self.block                 # the mark's own end entry, after `base` full blocks
+            wanted.append(_Wanted(self._end(keys[base - 1] if base else b"", data, base * self.block, m), m,
+                                  keys[base - 1] if base else None))
+            resume_points.add(m)
+        for w in wanted:
+            w.resume_point = w.position in resume_points
+        return sorted(wanted, key=lambda w: w.position)      # the prompt's end last
+
+    def _with_slots(self, wanted: list["_Wanted"]) -> list["_Wanted"]:
+        """A KV slot for each, in order, evicting; those left when none can be had are skipped."""
+        taken = []
+        for w in wanted:
+            slot = self._take_slot()
+            if slot is None:
+                self._counts["skipped"] += len(wanted) - len(taken)
+                break
+            w.slot = slot
+            taken.append(w)
+        return taken
+
+    def _with_states(self, wanted: list["_Wanted"]) -> list[Planned]:
+        """The plans, in position order: a state for each resume point first (deepest first),
+        evicting; then for the other block boundaries (deepest first) while one is free. An
+        end entry, or a state-only plan, that gets none is dropped (useless without it)."""
+        planned = []
+        for w in sorted(wanted, key=lambda w: (not w.resume_point, -w.position)):
+            state = self._take_state(evict=w.resume_point)
+            if state is None and (w.slot < 0 or w.position % self.block):
+                if w.slot >= 0:                     # an end entry is useless without its state
+                    self._free.append(w.slot)
+                    self._counts["skipped"] += 1
+                continue
+            planned.append(Planned(w.key, w.slot, w.position, w.parent, -1 if state is None else state))
+        return sorted(planned, key=lambda p: p.position)
+
+    def _pending(self, planned: list[Planned]) -> None:
+        """Plans handed out: pinned until commit() or abort()."""
+        for p in planned:
+            self._planned[p.key] = p
+            if p.slot >= 0:
+                self._planned_slots[p.slot] = p
+            else:
+                self._pin(p.key)                    # the cached KV it gives a state to stays
 
     def keep(self, tokens, marks) -> None:
         """Keep the cached snapshots at these turn starts of tokens as ones a client resumed

@@ -47,22 +47,22 @@ class Prompt:
 
 @dataclass
 class Segment:
-    """The rows [s, e) of a pass that belong to one prompt, the first at position p0."""
+    """The rows [begin, end) of a pass that belong to one prompt, the first at `position`."""
     prompt: Prompt
-    s: int
-    e: int
-    p0: int
-    cuts: list[int]             # snapshot positions inside, as row counts from s (1..e - s)
+    begin: int
+    end: int
+    position: int
+    cuts: list[int]             # snapshot positions inside, as row counts from begin (1..length)
     last: bool                  # the prompt ends here: its recurrent state is the result
 
     @property
-    def n(self) -> int:
-        return self.e - self.s
+    def length(self) -> int:
+        return self.end - self.begin
 
     def snapshot(self, c: int) -> SequenceState:
         """Where the recurrent state after c of these rows lands (c one of `cuts`): the
         snapshot at that position."""
-        return self.prompt.snaps[self.p0 + c]
+        return self.prompt.snaps[self.position + c]
 
     @property
     def result(self) -> SequenceState:
@@ -70,14 +70,14 @@ class Segment:
         return self.prompt.site.out
 
     def media(self):
-        """The part of its prompt's TokenMedia in these rows (rows numbered from s), or None."""
-        m, i = self.prompt.media, self.p0 - self.prompt.start
-        return m.slice(i, i + self.n) if m is not None else None
+        """The part of its prompt's TokenMedia in these rows (rows numbered from begin), or None."""
+        m, i = self.prompt.media, self.position - self.prompt.start
+        return m.slice(i, i + self.length) if m is not None else None
 
     def positions(self) -> np.ndarray:
-        """Its rows' (t, h, w) M-RoPE positions [n, 3]."""
+        """Its rows' (t, h, w) M-RoPE positions [length, 3]."""
         m = self.media()
-        return m.positions if m is not None else text_positions(self.p0, self.n)
+        return m.positions if m is not None else text_positions(self.position, self.length)
 
 
 class Lane:
@@ -110,10 +110,11 @@ class Lane:
 
 def segment_of(p: Prompt, a: int, b: int) -> Segment:
     """Prompt p's rows within the pass over the batch's rows [a, b)."""
-    s, e = max(p.offset, a), min(p.offset + len(p.tokens), b)
-    p0 = p.start + s - p.offset
-    return Segment(p, s - a, e - a, p0, [q - p0 for q in p.boundaries if p0 < q <= p0 + e - s],
-                   last=e == p.offset + len(p.tokens))
+    begin, end = max(p.offset, a), min(p.offset + len(p.tokens), b)
+    position = p.start + begin - p.offset
+    return Segment(p, begin - a, end - a, position,
+                   [q - position for q in p.boundaries if position < q <= position + end - begin],
+                   last=end == p.offset + len(p.tokens))
 
 
 def logit_rows(segments: list[Segment], all_logits: bool) -> dict[int, tuple[Prompt, int]]:
@@ -121,7 +122,8 @@ def logit_rows(segments: list[Segment], all_logits: bool) -> dict[int, tuple[Pro
     logits predict): a snapshot's, a prompt's last, or all of them."""
     rows = {}
     for g in segments:
-        wanted = range(g.n) if all_logits else sorted({c - 1 for c in g.cuts} | ({g.n - 1} if g.last else set()))
+        ends = {c - 1 for c in g.cuts} | ({g.length - 1} if g.last else set())
+        wanted = range(g.length) if all_logits else sorted(ends)
         for r in wanted:
-            rows[g.s + r] = (g.prompt, g.p0 + r + 1)
+            rows[g.begin + r] = (g.prompt, g.position + r + 1)
     return rows

@@ -30,7 +30,6 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 from shared.vision.prompt import media_for
 
 from .batch import Lane, PrefillJob, Prompt, Segment, logit_rows, segment_of
-from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
 from .kernels import KERNEL_TYPES
@@ -97,7 +96,8 @@ class GPUEngine:
         self._fit(n, [n])
         log.info("%s: %s", self.device.name, self.plan.describe())
         self.profile = None                     # a PhaseTimer, for bench prefill
-        self.land = Landing(self.device, self.cfg, model.fingerprint, kv_cache_dtype)   # the results, on the host
+        self.land = Landing(self.device, self.cfg, model.fingerprint, kv_cache_dtype,    # the results, on the host
+                            self.ops.stream)
 
     def set_kv_cache_dtype(self, name: str) -> None:
         """The KV element type of the states this engine hands over (a worker's snapshot
@@ -105,7 +105,7 @@ class GPUEngine:
         kv_dtype(name)
         self.kv_cache_dtype = name
         self.land.unregister()
-        self.land = Landing(self.device, self.cfg, self.model.fingerprint, name)
+        self.land = Landing(self.device, self.cfg, self.model.fingerprint, name, self.ops.stream)
 
     # ---- the Engine interface ------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -265,14 +265,14 @@ class GPUEngine:
         cfg, ws = self.cfg, self.ws
         half = cfg.rope_dim // 2
         if all(g.prompt.media is None for g in segments):
-            positions = np.concatenate([np.arange(g.p0, g.p0 + g.n) for g in segments])
+            positions = np.concatenate([np.arange(g.position, g.position + g.length) for g in segments])
             angle = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
         else:
             positions = np.concatenate([g.positions() for g in segments])
             angle = mrope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_sections)
         ws.rope_cos.rows(0, n).view((n, half)).upload(np.cos(angle))
         ws.rope_sin.rows(0, n).view((n, half)).upload(np.sin(angle))
-        starts, lengths = chunks_of(n, [g.s + c for g in segments for c in g.cuts] + [g.e for g in segments])
+        starts, lengths = chunks_of(n, [g.begin + c for g in segments for c in g.cuts] + [g.end for g in segments])
         ws.chunks.set_chunks(starts, lengths)
         return {e: i for i, e in enumerate(starts)}
 
@@ -292,7 +292,7 @@ class GPUEngine:
             m = g.media()
             if m is None or not len(m.rows):
                 continue
-            rows = (g.s + m.rows).tolist()
+            rows = (g.begin + m.rows).tolist()
             for j, k in _runs(rows):        # an image's tokens are consecutive: one copy each
                 # on the compute stream: after the gather, whatever the stream's flags
                 self.ws.h.rows(rows[j], rows[k - 1] + 1).upload(m.embeds[j:k], self.ops.stream)
@@ -309,23 +309,20 @@ class GPUEngine:
         a = cfg.attention_layers.index(L)
         self._mark("attention")
         for g in segments:                  # each prompt against its own keys
-            s, e, site = g.s, g.e, g.prompt.site
+            s, e = g.begin, g.end
             Kc, Vc = g.prompt.lane.Kc[a], g.prompt.lane.Vc[a]
             ops.attn_qk_norm_rope(q.rows(s, e), Kc, Vc, qg.rows(s, e), kk.rows(s, e), vv.rows(s, e),
                                   w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
-                                  ws.rope_sin.rows(s, e), g.p0, g.n, self.attn_heads, cfg.rms_eps,
+                                  ws.rope_sin.rows(s, e), g.position, g.length, self.attn_heads, cfg.rms_eps,
                                   self.kv_cache_dtype == "f16")
-            keys, values = site.kv[a]
-            rows = slice(g.p0 - site.start, g.p0 - site.start + g.n)
-            new = slice(g.p0, g.p0 + g.n)
+            new = (g.position, g.position + g.length)
             if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
-                for half, src, dst in ((ws.kv16_k, Kc, keys), (ws.kv16_v, Vc, values)):
-                    ops.to_f16(half.rows(s, e), src.rows(new.start, new.stop))
-                    self._to_host(dst[rows], half.rows(s, e))
+                ops.to_f16(ws.kv16_k.rows(s, e), Kc.rows(*new))
+                ops.to_f16(ws.kv16_v.rows(s, e), Vc.rows(*new))
+                self.land.kv(g, a, ws.kv16_k.rows(s, e), ws.kv16_v.rows(s, e))
             else:
-                self._to_host(keys[rows], Kc.rows(new.start, new.stop))
-                self._to_host(values[rows], Vc.rows(new.start, new.stop))
-            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.p0, g.n, self.attn_heads)
+                self.land.kv(g, a, Kc.rows(*new), Vc.rows(*new))
+            ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.position, g.length, self.attn_heads)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
 
@@ -339,17 +336,17 @@ class GPUEngine:
         self._mark("dense")
         for out, name, width in ((qkv, "attn_qkv", C), (z, "attn_gate", Di), (beta_proj, "ssm_beta", hv), (alpha_proj, "ssm_alpha", hv)):
             ops.gemm(out, ws.x, w[name].data, n, width, d, w[name].wtype)
-        g_slot = cfg.gdn_layers.index(L)
+        g_slot, land = cfg.gdn_layers.index(L), self.land
         self._mark("gdn")
         for seg in segments:                # each prompt's convolution continues its own history
-            state, x = seg.prompt.lane.conv[L], qkv.rows(seg.s, seg.e)
-            ops.gdn_conv(conv.rows(seg.s, seg.e), x, state, w["ssm_conv1d"].data, seg.n, C, K)
+            state, x = seg.prompt.lane.conv[L], qkv.rows(seg.begin, seg.end)
+            ops.gdn_conv(conv.rows(seg.begin, seg.end), x, state, w["ssm_conv1d"].data, seg.length, C, K)
             for c in seg.cuts:              # the conv state at each snapshot position, then at the end
-                ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.n, C, K)
-                self._to_host(seg.snapshot(c).conv[g_slot], ws.conv_snap)
-            ops.gdn_conv_history(state, state, x, seg.n, seg.n, C, K)
+                ops.gdn_conv_history(ws.conv_snap, state, x, c, seg.length, C, K)
+                land.conv(seg, g_slot, ws.conv_snap, at=c)
+            ops.gdn_conv_history(state, state, x, seg.length, seg.length, C, K)
             if seg.last:
-                self._to_host(seg.result.conv[g_slot], state)
+                land.conv(seg, g_slot, state)
         q, k, beta, g = ws.q.rows(0, n), ws.k.rows(0, n), ws.beta.rows(0, n), ws.g.rows(0, n)
         ops.gdn_qk_gates(q, k, beta, g, conv, beta_proj, alpha_proj, w["ssm_a"].data, w["ssm_dt"].data, n, heads, C,
                          cfg.rms_eps)
@@ -358,23 +355,23 @@ class GPUEngine:
         o = ws.o.rows(0, n)
         for seg in segments:                # each prompt's recurrence on its own state
             S = seg.prompt.lane.S[L]
-            if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.n < RECURRENT_BELOW):
-                for s, e in zip([0] + seg.cuts, seg.cuts + [seg.n]):
+            if self.gdn_mode == "recurrent" or (self.gdn_mode == "auto" and seg.length < RECURRENT_BELOW):
+                for s, e in zip([0] + seg.cuts, seg.cuts + [seg.length]):
                     if e > s:
-                        r0, r1 = seg.s + s, seg.s + e
+                        r0, r1 = seg.begin + s, seg.begin + e
                         v_se = conv.block(r0, r1 - r0, values, hv * dv)
                         ops.gdn_recurrent(o.rows(r0, r1), S, q.rows(r0, r1), k.rows(r0, r1), v_se,
                                           beta.rows(r0, r1), g.rows(r0, r1), r1 - r0, heads, C)
                     if e in seg.cuts:
-                        self._to_host(seg.snapshot(e).ssm[g_slot], S)
+                        land.ssm(seg, g_slot, S, at=e)
             else:
-                c0, c1 = chunk_at[seg.s], chunk_at.get(seg.e, len(chunk_at))
+                c0, c1 = chunk_at[seg.begin], chunk_at.get(seg.end, len(chunk_at))
                 ops.gdn_chunked(o, S, q, k, v, beta, g, ws.chunks.part(c0, c1), c1 - c0, heads, C)
                 for c in seg.cuts:          # the state entering the chunk that starts there
-                    src = S if c == seg.n else ws.chunks.S0.rows(chunk_at[seg.s + c], chunk_at[seg.s + c] + 1)
-                    self._to_host(seg.snapshot(c).ssm[g_slot], src)
+                    chunk = chunk_at.get(seg.begin + c)
+                    land.ssm(seg, g_slot, S if c == seg.length else ws.chunks.S0.rows(chunk, chunk + 1), at=c)
             if seg.last:
-                self._to_host(seg.result.ssm[g_slot], S)
+                land.ssm(seg, g_slot, S)
         ops.rmsnorm_gated(o, o, z, w["ssm_norm"].data, n * hv, dv, cfg.rms_eps)
         self._mark("dense")
         ops.gemm(ws.h, o, w["ssm_out"].data, n, d, Di, w["ssm_out"].wtype, accumulate=True)
@@ -485,8 +482,3 @@ class GPUEngine:
             if len(keys):
                 lane.Kc[a].rows(0, len(keys)).upload(keys)
                 lane.Vc[a].rows(0, len(values)).upload(values)
-
-    def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
-        """An asynchronous copy into page-locked host memory, in order on the compute stream."""
-        assert dst.nbytes == src.nbytes, (dst.shape, src.shape)
-        self.device.memcpy_dtoh_async(dst, int(src), self.ops.stream)

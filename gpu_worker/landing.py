@@ -1,7 +1,8 @@
 """Where a prefill's results land on the host: page-locked memory, so the GPU copies
 them while later layers still compute (each GDN layer's S and conv state after its last
 pass, each attention layer's new K and V after every pass), and the host only moves
-them into the state at the end.
+them into the state at the end. The engine's layers hand each result over as it is made
+(kv(), conv(), ssm()); where it goes is decided here.
 
 A state made by the engine's new_state() has a page-locked recurrent buffer: the copies
 land in it. Another state's (the CPU engine's) land in a staging state first. K and V
@@ -23,6 +24,9 @@ import numpy as np
 from shared.config import ModelConfig
 from shared.state import HeaderLayout, SequenceState, kv_dtype, recurrent_nbytes
 
+from .batch import Segment
+from .buffers import DeviceArray
+
 PAGE = 4096                 # host pages: what cuMemHostRegister locks
 
 
@@ -36,8 +40,9 @@ class Site:
 
 
 class Landing:
-    def __init__(self, device, cfg: ModelConfig, fingerprint: str, kv_cache_dtype: str):
-        self.device, self.cfg, self.fingerprint = device, cfg, fingerprint
+    def __init__(self, device, cfg: ModelConfig, fingerprint: str, kv_cache_dtype: str, stream):
+        """stream: the compute stream, which every copy of a layer's results goes on."""
+        self.device, self.cfg, self.fingerprint, self.stream = device, cfg, fingerprint, stream
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         self._pinned = weakref.WeakValueDictionary()   # id -> page-locked recurrent buffer made here
         self._staging: list[SequenceState] = []        # a page-locked recurrent state per lane
@@ -117,6 +122,37 @@ class Landing:
             sites.append(Site(out, [(k[row:row + T], v[row:row + T]) for k, v in self._kv], start))
             row += T
         return sites
+
+    # ---- what each layer produced ------------------------------------------------------
+    # The engine's layers hand over each result as its kernel makes it, and these copy it
+    # into its place (the snapshot, the final state, the K and V rows), on the compute
+    # stream, in order: the device buffers read (the conv snapshot scratch, the recurrent
+    # state between cuts, the fp16 rows) are reused by the next kernel or layer.
+    def kv(self, g: Segment, a: int, keys: DeviceArray, values: DeviceArray) -> None:
+        """Attention layer a's new K and V rows of segment g (in the state's KV dtype)."""
+        site = g.prompt.site
+        rows = slice(g.position - site.start, g.position - site.start + g.length)
+        to_keys, to_values = site.kv[a]
+        self._to_host(to_keys[rows], keys)
+        self._to_host(to_values[rows], values)
+
+    def conv(self, g: Segment, layer: int, src: DeviceArray, at: int | None = None) -> None:
+        """The conv state of GDN layer `layer` (its index among them) after `at` rows of
+        segment g, a cut: its snapshot's; None: after all of them, the prompt's last."""
+        self._to_host(self._recurrent(g, at).conv[layer], src)
+
+    def ssm(self, g: Segment, layer: int, src: DeviceArray, at: int | None = None) -> None:
+        """The recurrent state S of GDN layer `layer`, as conv()."""
+        self._to_host(self._recurrent(g, at).ssm[layer], src)
+
+    @staticmethod
+    def _recurrent(g: Segment, at: int | None) -> SequenceState:
+        return g.result if at is None else g.snapshot(at)
+
+    def _to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
+        """An asynchronous copy into page-locked host memory, in order on the compute stream."""
+        assert dst.nbytes == src.nbytes, (dst.shape, src.shape)
+        self.device.memcpy_dtoh_async(dst, int(src), self.stream)
 
     def finish(self, site: Site, state: SequenceState, T: int) -> None:
         """The copies have landed (the caller synchronised): into the state."""

@@ -96,51 +96,9 @@ class GPUWorker:
         minute). A Stop of a job, or a Shutdown, ends the batch between passes once every
         job in it is stopped. A bad job fails alone; a device error fails the batch, never
         the worker."""
-        t0, stopped, everything = time.perf_counter(), set(), threading.Event()
-        room = max(len(msg.tokens), min(BATCH_TOKENS, self.link.max_model_len or BATCH_TOKENS)) - len(msg.tokens)
-
-        def fits(m: P.Prefill) -> bool:
-            nonlocal room
-            room -= len(m.tokens)
-            return room >= 0
-        batch = [(msg, data)] + self.link.waiting(P.Prefill, fits)
-        ids = {m.request_id for m, _ in batch}
-
-        def urgent(m):
-            if isinstance(m, P.Stop) and m.request_id in ids:
-                stopped.add(m.request_id)
-            if isinstance(m, P.Shutdown) or stopped >= ids:
-                everything.set()
-        jobs, failed = [], {}
-        tower = (self._images.tokens, self._images.seconds) if self._images is not None else (0, 0.0)
-        try:
-            with self.link.keepalive(len(batch), urgent):      # the vision tower's passes take seconds too
-                for m, d in batch:
-                    try:
-                        jobs.append((m, *self.job(m, d)))
-                    except Exception as e:             # this prompt's own fault: the others run
-                        failed[m.request_id] = f"{type(e).__name__}: {e}"
-                if jobs:
-                    self.engine.prefill_batch([job for _, job, _ in jobs], everything.is_set)
-        except Exception as e:                 # report, never die silently
-            if not isinstance(e, PrefillStopped):
-                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _, _ in jobs))
-            failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _, _ in jobs)
-        tokens = sum(len(job.tokens) for _, job, _ in jobs)
-        vision_tokens, vision_ms = ((self._images.tokens - tower[0], 1000 * (self._images.seconds - tower[1]))
-                                    if self._images is not None else (0, 0.0))
-        for m, job, buffers in jobs:
-            if m.request_id not in failed:      # each snapshot's KV from the whole prompt's, its state landed
-                for ref in m.snapshots:
-                    self.link.write_snapshot(m.request_id, ref.slot, ref.state, job.state, ref.position,
-                                             buffers[ref.position])
-        ms = 1000 * (time.perf_counter() - t0)
-        for m, _ in batch:
-            error = failed.get(m.request_id)
-            self.link.send(P.Prefilled(request_id=m.request_id, prefill_ms=0.0 if error else ms, error=error,
-                                       batch_tokens=0 if error else tokens, batch_prompts=len(jobs),
-                                       vision_tokens=0 if error else vision_tokens,
-                                       vision_ms=0.0 if error else round(vision_ms, 3)))
+        batch = PrefillBatch(self.link, msg, data)
+        batch.run(self)
+        batch.report(self.link)
 
     def job(self, msg: P.Prefill, data: list[bytes]) -> tuple[PrefillJob, dict]:
         """A Prefill as the engine's job: its resumed state (or an empty one), the rest of
@@ -186,6 +144,72 @@ class GPUWorker:
             self.tower.close()
         self.engine.close()                 # before the link: it unregisters the arena the link unmaps
         self.link.close()
+
+
+class PrefillBatch:
+    """The Prefill jobs that run as one engine batch: collected (the first and those
+    waiting behind it that fit), run, then reported (their snapshots written, a
+    Prefilled each)."""
+
+    def __init__(self, link: WorkerLink, msg: P.Prefill, data: list[bytes]):
+        self.t0 = time.perf_counter()
+        self.room = max(len(msg.tokens), min(BATCH_TOKENS, link.max_model_len or BATCH_TOKENS)) - len(msg.tokens)
+        self.messages = [(msg, data)] + link.waiting(P.Prefill, self.fits)
+        self.ids = {m.request_id for m, _ in self.messages}
+        self.stopped, self.everything = set(), threading.Event()
+        self.jobs: list[tuple[P.Prefill, PrefillJob, dict]] = []    # (its message, its engine job, its buffers)
+        self.failed: dict[str, str] = {}                            # request id -> why
+        self.vision_tokens, self.vision_ms = 0, 0.0
+
+    def fits(self, m: P.Prefill) -> bool:
+        """Whether a waiting Prefill joins the batch: its tokens fit the room left."""
+        self.room -= len(m.tokens)
+        return self.room >= 0
+
+    def urgent(self, m) -> None:
+        """A message that came while the batch runs: a Stop of one of its jobs, or a
+        Shutdown; the batch ends once all of them are stopped."""
+        if isinstance(m, P.Stop) and m.request_id in self.ids:
+            self.stopped.add(m.request_id)
+        if isinstance(m, P.Shutdown) or self.stopped >= self.ids:
+            self.everything.set()
+
+    def run(self, worker: GPUWorker) -> None:
+        """The jobs through the worker's engine, heartbeating; a job's failure is kept by
+        its request id (every job's, for the batch's own)."""
+        images = worker._images
+        tower = (images.tokens, images.seconds) if images is not None else (0, 0.0)
+        try:
+            with worker.link.keepalive(len(self.messages), self.urgent):   # the vision tower's passes take seconds too
+                for m, d in self.messages:
+                    try:
+                        self.jobs.append((m, *worker.job(m, d)))
+                    except Exception as e:             # this prompt's own fault: the others run
+                        self.failed[m.request_id] = f"{type(e).__name__}: {e}"
+                if self.jobs:
+                    worker.engine.prefill_batch([job for _, job, _ in self.jobs], self.everything.is_set)
+        except Exception as e:                 # report, never die silently
+            if not isinstance(e, PrefillStopped):
+                log.exception("prefill of %s failed", ", ".join(m.request_id for m, _, _ in self.jobs))
+            self.failed.update((m.request_id, f"{type(e).__name__}: {e}") for m, _, _ in self.jobs)
+        if images is not None:
+            self.vision_tokens, self.vision_ms = images.tokens - tower[0], 1000 * (images.seconds - tower[1])
+
+    def report(self, link: WorkerLink) -> None:
+        """The snapshots of the jobs that ran written, then a Prefilled for every message."""
+        tokens = sum(len(job.tokens) for _, job, _ in self.jobs)
+        for m, job, buffers in self.jobs:
+            if m.request_id not in self.failed:      # each snapshot's KV from the whole prompt's, its state landed
+                for ref in m.snapshots:
+                    link.write_snapshot(m.request_id, ref.slot, ref.state, job.state, ref.position,
+                                        buffers[ref.position])
+        ms = 1000 * (time.perf_counter() - self.t0)
+        for m, _ in self.messages:
+            error = self.failed.get(m.request_id)
+            link.send(P.Prefilled(request_id=m.request_id, prefill_ms=0.0 if error else ms, error=error,
+                                  batch_tokens=0 if error else tokens, batch_prompts=len(self.jobs),
+                                  vision_tokens=0 if error else self.vision_tokens,
+                                  vision_ms=0.0 if error else round(self.vision_ms, 3)))
 
 
 def run_gpu_worker(args) -> int:

@@ -15,6 +15,9 @@ what chat templates read:
 - `chat_template_kwargs` become template variables (enable_thinking, preserve_thinking, ...).
 
 A message the template still refuses is a ChatTemplateError: the request's 400.
+
+And back: turn_marks() reads a rendered Qwen (ChatML) prompt's tokens for where its turns
+begin, the positions the coordinator keeps snapshots at for the next turn.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import logging
 from functools import lru_cache
 
 import msgspec
+import numpy as np
 
 from shared.errors import ChatTemplateError
 
@@ -156,3 +160,47 @@ def _opens_reasoning(tokenizer, kwargs_json: str) -> bool:
         log.warning("the chat template's generation prompt could not be probed for <think>: %s", e)
         return False
     return text.rfind("<think>") > text.rfind("</think>")
+
+
+# ---- reading a rendered Qwen (ChatML) prompt back --------------------------------------
+TURN_MARKS = 2
+TOOL_RESPONSE = b"<tool_response>"      # how a Qwen template opens a user turn that holds tool results
+ROLE_LINE_TOKENS = 8        # <|im_start|>, the role, its newline: where a turn's own text starts
+
+
+def turn_marks(tokenizer, tokens: list[int]) -> list[int]:
+    """Where the turns of a chat prompt begin that its next turn may diverge right after,
+    after their role line (ChatML's <|im_start|>ROLE and a newline): the last TURN_MARKS
+    turns (the generation prompt and the last message), and the first answer after the
+    last user message. A template that drops the reasoning of earlier answers once a new
+    user message comes rewrites from that answer's first token, however many agent steps
+    later: naming it in every prompt until then keeps its snapshot (the coordinator's
+    SnapshotIndex.plan). None for a template without <|im_start|>."""
+    opener = tokenizer.token_to_id.get("<|im_start|>")
+    if opener is None:
+        return []
+    starts = np.flatnonzero(np.asarray(tokens) == opener).tolist()     # a prompt may be 200k tokens
+    turns = [role_line(tokenizer, tokens, i) for i in starts]          # (role, where its text starts)
+    marks = {start for _, start in turns[-TURN_MARKS:]}
+    last_user = max((t for t, (role, _) in enumerate(turns) if role == "user"), default=None)
+    if last_user is not None and last_user + 1 < len(turns) and turns[last_user + 1][0] == "assistant":
+        marks.add(turns[last_user + 1][1])
+    return sorted(marks)
+
+
+def role_line(tokenizer, tokens: list[int], i: int) -> tuple[str, int]:
+    """The role of the turn whose <|im_start|> is tokens[i], and where its text begins
+    (after the role line's newline; i if no newline comes within ROLE_LINE_TOKENS).
+    A user turn that opens with <tool_response> is "tool": Qwen's templates render tool
+    results as user turns."""
+    piece = tokenizer.piece_bytes
+    line, j = b"", i + 1
+    while j < min(i + ROLE_LINE_TOKENS, len(tokens)) and b"\n" not in line:
+        line += piece(tokens[j])
+        j += 1
+    if b"\n" not in line:
+        return "", i
+    role, text = line.split(b"\n", 1)
+    text += b"".join(piece(t) for t in tokens[j:j + ROLE_LINE_TOKENS])
+    role = role.decode("utf-8", "replace").strip()
+    return ("tool" if role == "user" and text.startswith(TOOL_RESPONSE) else role), j
