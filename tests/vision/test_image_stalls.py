@@ -15,9 +15,9 @@ from shared import protocol as P
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.builtin import BUILTIN
-from modeltools.synth import synth
 from modeltools.vision.synth import preset_config, synth_mmproj
 from tests.support.big_png import blank_png
+from tests.support.vision_model import chat, vision_model
 from tests.support.serving_harness import Daemon, wait_until
 
 pytest.importorskip("PIL.Image")
@@ -26,17 +26,11 @@ MAX_GAP_S = 1.0
 REFUSED_WITHIN_S = 20.0     # a few seconds, on two busy cores; the decodes take ~1 s each
 
 
-def chat(*images: bytes, text: str = "What is in this picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "data": d} for d in images] + [{"type": "text",
-                                                                                          "text": text}]}]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("stalls")
-    cfg = synth(d / "m.gguf", "tiny", layers=2, out_type="q8_0", seed=0, progress=False)
-    synth_mmproj(d / "mmproj.gguf", preset_config("tiny", projection_dim=cfg.n_embd), "f32", seed=1)
-    return d / "m.gguf", d / "mmproj.gguf"
+    return vision_model(tmp_path_factory.mktemp("stalls"))
 
 
 class Stream:

@@ -19,16 +19,14 @@ from shared.errors import FermoeError
 from shared.generate import generate
 from shared.model import Model
 from shared.sampling import SamplingParams
-from modeltools.synth import synth
 from shared.vision.chat import chat_prompt
 from shared.vision.mmproj import Mmproj
 from shared.vision.prompt import ImageEncoder, media_of_images
-from modeltools.vision.synth import preset_config, synth_mmproj
 from tests.support.http_server import HttpDaemon
+from tests.support.vision_model import TEXT, chat, vision_model
 from tests.support.serving_harness import streamed_ids
 
 PIL = pytest.importorskip("PIL.Image")
-TEXT = "What is in this picture?"
 
 
 def png(seed: int, size=(96, 64)) -> bytes:
@@ -39,17 +37,11 @@ def png(seed: int, size=(96, 64)) -> bytes:
     return out.getvalue()
 
 
-def chat(*images: bytes, text: str = TEXT) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "data": d} for d in images] + [{"type": "text",
-                                                                                          "text": text}]}]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vision")
-    cfg = synth(d / "m.gguf", "tiny", layers=2, out_type="q8_0", seed=0, progress=False)
-    synth_mmproj(d / "mmproj.gguf", preset_config("tiny", projection_dim=cfg.n_embd), "f32", seed=1)
-    return d / "m.gguf", d / "mmproj.gguf"
+    return vision_model(tmp_path_factory.mktemp("vision"))
 
 
 @pytest.fixture(scope="module")
