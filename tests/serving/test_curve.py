@@ -238,7 +238,12 @@ PEER_CLIENT = textwrap.dedent("""
 def peer_client(peer, addr, key, wrong, expect) -> dict:
     proc = in_ns(peer, sys.executable, "-c", PEER_CLIENT, addr, key or "", wrong, expect, REFUSED_S,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=180)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the client in the peer namespace did not finish within 180 s: {out} {err}") from None
     assert proc.returncode == 0, err
     return json.loads(out)
 
