@@ -219,6 +219,7 @@ PEER_CLIENT = textwrap.dedent("""
                 return False
 
     out = {"no_key": answered(None), "wrong_key": answered(wrong)}
+    print("answered:", out, file=sys.stderr, flush=True)
     with Client(addr, timeout_s=120, curve_key=key) as c:
         deadline = time.monotonic() + 60
         while not any(w.worker_id == expect and w.alive for w in c.status().workers):
@@ -226,6 +227,7 @@ PEER_CLIENT = textwrap.dedent("""
             time.sleep(0.2)
         time.sleep(refused_s)
         out["workers"] = sorted(w.worker_id for w in c.status().workers)
+        print("workers:", out["workers"], file=sys.stderr, flush=True)
         rid = c.submit("Hello", max_tokens=16, temperature=0.0, ignore_eos=True)
         msgs = c.stream(rid)
         next(msgs)
