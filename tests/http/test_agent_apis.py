@@ -246,3 +246,43 @@ def test_forced_anthropic_choices_reach_chats_tool_choice():
     forced = openai_request.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
         "type": "any"}}).encode()), False))
     assert forced.grammar is not None and forced.grammar.kind == "lark"
+
+
+# ---- what Claude Code and Codex send (issue 38) ----------------------------------------------------
+def rendered(body) -> str:
+    from shared.chat import render_chat
+    from tests.support.qwen_template import qwen_style_tokenizer
+    g = openai_request.chat_generate(body)
+    return render_chat(qwen_style_tokenizer(), g.messages, g.tools, g.chat_template_kwargs)
+
+
+def test_a_system_message_inside_anthropic_messages_is_rendered_as_a_late_system_message():
+    """Claude Code (beta mid-conversation-system) sends messages[1] with role system."""
+    req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"system": [{"type": "text", "text": "You are Claude Code.",
+                                                                      "cache_control": {"type": "ephemeral"}}],
+                                                         "thinking": {"type": "adaptive"},
+                                                         "output_config": {"effort": "high"},
+                                                         "messages": [
+        {"role": "user", "content": "Show me a.py"},
+        {"role": "system", "content": "Available agent types for the Agent tool: general"},
+        {"role": "user", "content": [{"type": "text", "text": "Go."}]}]}).encode())
+    body = anthropic_chat(req, True)
+    assert [m.role for m in body.messages] == ["system", "user", "system", "user"]
+    text = rendered(body)
+    assert text.startswith("<|im_start|>system\n") and text.count("<|im_start|>system") == 1
+    assert "You are Claude Code." in text.split("<|im_end|>")[0]
+    assert ("<|im_start|>user\nShow me a.py<|im_end|>\n<|im_start|>user\nAvailable agent types for the Agent tool: "
+            "general<|im_end|>\n<|im_start|>user\nGo.<|im_end|>") in text
+    with pytest.raises(AnthropicError, match="unknown block type .image. in a system message"):
+        anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"messages": [
+            {"role": "user", "content": "x"}, {"role": "system", "content": [{"type": "image"}]}]}).encode()), False)
+
+
+def test_codexs_two_leading_developer_messages_are_one_system_turn():
+    req = ResponsesRequest.decode(json.dumps({"model": "m", "input": [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Base instructions."}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Show me a.py"}]}]}).encode())
+    text = rendered(responses_chat(req))
+    assert text.startswith("<|im_start|>system\nBase instructions.\n\nSkills.<|im_end|>\n<|im_start|>user\n"
+                           "Show me a.py<|im_end|>")
