@@ -286,3 +286,51 @@ def test_codexs_two_leading_developer_messages_are_one_system_turn():
     text = rendered(responses_chat(req))
     assert text.startswith("<|im_start|>system\nBase instructions.\n\nSkills.<|im_end|>\n<|im_start|>user\n"
                            "Show me a.py<|im_end|>")
+
+
+SPAWN = {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}
+CODEX = {"model": "m", "stream": True, "store": False, "include": ["reasoning.encrypted_content"],
+         "reasoning": {"effort": "medium", "summary": "auto"}, "tool_choice": "auto", "parallel_tool_calls": True,
+         "prompt_cache_key": "k", "client_metadata": {},
+         "tools": [{"type": "function", "name": "exec_command", "parameters": SCHEMA}, {"type": "web_search"},
+                   {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+                       {"type": "function", "name": "spawn_agent", "description": "Spawn one.", "strict": False,
+                        "parameters": SPAWN}]}],
+         "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Base."}]},
+                   {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Split it."}]},
+                   {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None,
+                    "content": [{"type": "reasoning_text", "text": "Two agents."}]},
+                   {"type": "function_call", "call_id": "call_1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+                    "arguments": '{"task": "a"}'},
+                   {"type": "function_call_output", "call_id": "call_1", "output": "spawned"}]}
+SPAWNING = ["Another", " one.", "\n</think>\n\n", "<tool_call>\n<function=multi_agent_v1__spawn_agent>\n",
+            "<parameter=task>\nb\n</parameter>\n</function>\n</tool_call>"]
+
+
+def test_codexs_namespace_tool_is_flattened_and_its_calls_named_back():
+    req = ResponsesRequest.decode(json.dumps(CODEX).encode())
+    body = responses_chat(req)
+    g = openai_request.chat_generate(body)
+    assert [t["function"]["name"] for t in g.tools] == ["exec_command", "multi_agent_v1__spawn_agent"]
+    assert [m.role for m in g.messages] == ["system", "system", "user", "assistant", "tool"]
+    a = g.messages[3]
+    assert a.reasoning_content == "Two agents." and a.tool_calls[0].function.name == "multi_agent_v1__spawn_agent"
+    text = rendered(body)
+    assert "<|im_start|>system\n" in text and text.count("<|im_start|>system") == 1 and "Base.\n\nSkills." in text
+    assert "<function=multi_agent_v1__spawn_agent>" in text
+    parser = openai_request.chat_parser(body, g, True, "deepseek")
+    raw = answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+                                             request=req), SPAWNING)
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, True))
+    with client.responses.stream(model="m", input="Split it.") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert (added[0].name, added[0].namespace) == ("spawn_agent", "multi_agent_v1")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.name == "spawn_agent"
+    call = final.output[-1]
+    assert (call.type, call.name, call.namespace, json.loads(call.arguments)) == (
+        "function_call", "spawn_agent", "multi_agent_v1", {"task": "b"})
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Another one."
