@@ -15,7 +15,10 @@ response.in_progress; per item output_item.added, then for reasoning and message
 content_part.added, reasoning_text.delta / output_text.delta ..., their .done and
 content_part.done, for calls function_call_arguments.delta ... and .done; output_item.done;
 then response.completed (or response.incomplete, or response.failed when the generation
-failed), carrying the whole response with its usage. Nothing is stored (`store` is
+failed), carrying the whole response with its usage. While a long prompt is prefilled,
+response.created and response.in_progress go out within a second and SSE comment lines
+(`: keep-alive`) every few seconds after (streaming.py); a refusal after them is
+response.failed with the refusal's code (context_length_exceeded...) and message. Nothing is stored (`store` is
 answered false).
 
 Usage: `input_tokens` counts the whole prompt, `input_tokens_details.cached_tokens` the part
@@ -143,6 +146,10 @@ class ResponsesResponse(BlockResponse):
             out = [self._event(name, **where, content_index=0, text=block.text, **extra),
                    self._event("response.content_part.done", **where, content_index=0, part=_part(block, block.text))]
         return out + [self._event("response.output_item.done", output_index=block.index, item=self.item(block))]
+
+    def stream_error(self, error) -> list[bytes]:
+        body = {"code": error.code or "server_error", "message": error.message}
+        return [self._event("response.failed", response=self.response("failed", None, body))]
 
     def closing(self, done: P.Done) -> list[bytes]:
         status = self._status(done)

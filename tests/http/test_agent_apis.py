@@ -334,3 +334,124 @@ def test_codexs_namespace_tool_is_flattened_and_its_calls_named_back():
     assert (call.type, call.name, call.namespace, json.loads(call.arguments)) == (
         "function_call", "spawn_agent", "multi_agent_v1", {"task": "b"})
     assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Another one."
+
+
+# ---- a long prefill: the opening event at once, keep-alives until the first token -----------------------
+def slowly(make, pieces, monkeypatch, after_s=0.5, refusal=None) -> tuple[list[tuple[float, dict]], bytes]:
+    """What make(stream) sends (with the time each message went) when the first reply comes
+    after `after_s`: `pieces` of model text and a Done, or the Error `refusal`. The headers wait
+    0.05 s at most, keep-alives come every 0.1 s (patched from seconds)."""
+    import asyncio
+    import time
+
+    from frontend import streaming
+    from frontend.upstream import RequestStream
+    from shared import protocol as P
+    monkeypatch.setattr(streaming, "HEADERS_AFTER_S", 0.05, raising=False)
+    monkeypatch.setattr(streaming, "KEEPALIVE_S", 0.1, raising=False)
+
+    async def go():
+        stream, sent, t0 = RequestStream("r"), [], time.perf_counter()
+        response = make(stream)
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append((time.perf_counter() - t0, message))
+        task = asyncio.create_task(response(None, receive, send))
+        await asyncio.sleep(after_s)
+        if refusal is not None:
+            stream.push(refusal)
+        for i, text in enumerate(pieces):
+            stream.push(P.Token(request_id="r", token=i, text=text))
+        if refusal is None:
+            stream.push(P.Done(request_id="r", finish_reason="stop", completion_tokens=len(pieces), prompt_tokens=9))
+        await asyncio.wait_for(task, 10)
+        return sent
+    sent = asyncio.run(go())
+    return sent, b"".join(m.get("body", b"") for _, m in sent[1:])
+
+
+def before(sent, after_s=0.5) -> bytes:
+    """The body sent before the first reply came."""
+    return b"".join(m.get("body", b"") for t, m in sent[1:] if t < after_s)
+
+
+TOO_LONG = dict(message="the prompt is 300000 tokens, over the context's 262144", code="context_length_exceeded",
+                n_prompt_tokens=300000, n_ctx=262144)
+
+
+def messages_response(streaming=True):
+    req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"stream": streaming}).encode())
+    body = anthropic_chat(req, streaming)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    return lambda s: MessagesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser)
+
+
+def test_a_slow_prefill_gets_message_start_at_once_then_pings(monkeypatch):
+    sent, raw = slowly(messages_response(), RECORDED, monkeypatch)
+    assert sent[0][1]["status"] == 200 and sent[0][0] < 0.3
+    early = before(sent)
+    assert early.startswith(b"event: message_start\n") and early.count(b"event: ping\ndata: {\"type\": \"ping\"}") >= 2
+    assert b"content_block_start" not in early
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, True, httpx2))
+    with client.messages.stream(**ANTHROPIC) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"] and final.stop_reason == "tool_use"
+
+
+def test_a_slow_prefill_gets_response_created_and_the_first_chat_chunk_at_once_then_comments(monkeypatch):
+    from frontend.streaming import GenerationResponse
+    req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": True}).encode())
+    body = responses_chat(req)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    sent, raw = slowly(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+                                                   request=req), RECORDED, monkeypatch)
+    early = before(sent)
+    assert early.startswith(b"event: response.created\n") and early.count(b": keep-alive\n\n") >= 2
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, True))
+    with client.responses.stream(model="m", input="x") as stream:
+        assert [i.type for i in stream.get_final_response().output] == ["reasoning", "message", "function_call"]
+
+    sent, raw = slowly(lambda s: GenerationResponse(NoUpstream(), s, ChatFormat(), "m", True, False, Metrics()),
+                       ["Hello", " there."], monkeypatch)
+    early = before(sent)
+    assert early.startswith(b"data: ") and b'"role":"assistant"' in early.split(b"\n\n")[0]
+    assert early.count(b": keep-alive\n\n") >= 2
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, True))
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there."
+
+
+def test_an_over_long_prompt_is_anthropics_prompt_is_too_long(monkeypatch):
+    from shared import protocol as P
+    wording = "prompt is too long: 300000 tokens > 262144 maximum"
+    sent, raw = slowly(messages_response(), [], monkeypatch, after_s=0, refusal=P.Error(request_id="r", **TOO_LONG))
+    assert sent[0][1]["status"] == 400                       # refused before the headers: its status
+    assert json.loads(raw) == {"type": "error", "error": {"type": "invalid_request_error", "message": wording}}
+    sent, raw = slowly(messages_response(), [], monkeypatch, refusal=P.Error(request_id="r", **TOO_LONG))
+    assert sent[0][1]["status"] == 200 and raw.startswith(b"event: message_start")    # after them: an error event
+    assert raw.endswith(b"event: error\ndata: " + json.dumps({"type": "error", "error": {
+        "type": "invalid_request_error", "message": wording}}).encode() + b"\n\n")
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, True, httpx2))
+    with pytest.raises(anthropic.APIStatusError, match="prompt is too long: 300000 tokens > 262144 maximum"):
+        with client.messages.stream(**ANTHROPIC) as stream:
+            list(stream)
+
+
+def test_a_refusal_after_the_headers_is_the_openai_streams_error(monkeypatch):
+    from frontend.streaming import GenerationResponse
+    from shared import protocol as P
+    sent, raw = slowly(lambda s: GenerationResponse(NoUpstream(), s, ChatFormat(), "m", True, False, Metrics()),
+                       [], monkeypatch, refusal=P.Error(request_id="r", **TOO_LONG))
+    error = json.loads(raw.split(b"\n\n")[-3].removeprefix(b"data: "))["error"]
+    assert error["code"] == "context_length_exceeded" and raw.endswith(b"data: [DONE]\n\n")
+    req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": True}).encode())
+    body = responses_chat(req)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    sent, raw = slowly(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+                                                   request=req), [], monkeypatch,
+                       refusal=P.Error(request_id="r", **TOO_LONG))
+    last = json.loads(raw.strip().split(b"\n\n")[-1].split(b"data: ", 1)[1])
+    assert last["type"] == "response.failed" and last["response"]["error"]["code"] == "context_length_exceeded"
