@@ -13,6 +13,12 @@ Usage is Anthropic's: `input_tokens` are the prompt tokens the prefix cache did 
 `cache_read_input_tokens` those it did. The prompt's size is known only at the end, so
 `message_start` carries zeros and `message_delta` the whole usage (the SDK takes it there).
 
+A streamed request whose prompt takes long to prefill gets its headers and `message_start`
+within a second, then `event: ping` every few seconds until the first token
+(streaming.py). A prompt longer than the context is refused in Anthropic's words, `prompt is
+too long: N tokens > M maximum` (what clients parse to compact their context): a 400, or,
+if it comes after the headers, an `event: error` with that message.
+
 Errors are Anthropic's JSON, {"type": "error", "error": {"type", "message"}}, for every
 refusal on these paths, the API key's included.
 """
@@ -85,6 +91,19 @@ def content_block(block: Block) -> dict:
 class MessagesResponse(BlockResponse):
     def error_body(self, error: APIError) -> dict:
         return as_anthropic(error).body()
+
+    def refusal(self, error: P.Error) -> APIError:
+        """An over-long prompt in Anthropic's words, which clients parse to compact their context."""
+        if error.code == "context_length_exceeded" and error.n_prompt_tokens is not None:
+            return AnthropicError(400, f"prompt is too long: {error.n_prompt_tokens} tokens > {error.n_ctx} maximum",
+                                  code=error.code)
+        return super().refusal(error)
+
+    def stream_error(self, error: APIError) -> list[bytes]:
+        return [_sse("error", self.error_body(error))]
+
+    def keepalive(self) -> bytes:
+        return _sse("ping", {"type": "ping"})
 
     def _message(self, content: list, reason=(None, None), usage_: dict | None = None) -> dict:
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": content,

@@ -1,7 +1,11 @@
 """An Anthropic Messages request -> the OpenAI chat request the chat path serves, and
 Anthropic's error JSON.
 
-- `system` (a string or text blocks) is the first message, role system.
+- `system` (a string or text blocks) is the first message, role system. A `system` message
+  inside `messages` (Claude Code's mid-conversation system message, beta
+  `mid-conversation-system-...`: a string or text blocks) is a system message in its place,
+  rendered as the chat path renders a late one (shared/chat.py: as a user message when the
+  template takes only a first system message).
 - A user message's `text` blocks are its text, its `image` blocks (a base64 source; a url
   source is refused: the server fetches nothing) its images, in place; each `tool_result`
   block is a `tool` message (its text; `is_error` changes nothing, the text says it), in the
@@ -38,7 +42,7 @@ log = logging.getLogger("fermoe.http")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error"}
-SERVED_BLOCKS = {"user": ("text", "image", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
+SERVED_BLOCKS = {"system": ("text",), "user": ("text", "image", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
 UNSERVED_BLOCKS = ("document", "search_result", "container_upload", "server_tool_use",
                    "web_search_tool_result")
 
@@ -61,7 +65,7 @@ def invalid(where: str, message: str) -> AnthropicError:
 
 
 class Message(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -158,7 +162,10 @@ def _messages(messages: list[Message]) -> list[dict]:
             if kind not in SERVED_BLOCKS[m.role]:
                 raise invalid(f"messages.{i}.content.{j}.type", f"unknown block type {kind!r} in a {m.role} message "
                                                                 f"(expected one of {', '.join(SERVED_BLOCKS[m.role])})")
-        out += _user(i, blocks) if m.role == "user" else [_assistant(i, blocks)]
+        if m.role == "system":
+            out.append({"role": "system", "content": _text_of(f"messages.{i}.content", blocks, "a system message")})
+        else:
+            out += _user(i, blocks) if m.role == "user" else [_assistant(i, blocks)]
     return out
 
 

@@ -81,8 +81,9 @@ class Blocks:
 
 
 class BlockResponse(GenerationResponse):
-    """One generation as blocks; subclasses say what the body and the events look like."""
-    content_type = b"text/event-stream; charset=utf-8"
+    """One generation as blocks; subclasses say what the body and the events look like (and
+    how an error after the headers is sent, stream_error(); keepalive(), an SSE comment line
+    unless they say)."""
 
     def __init__(self, upstream, stream, fmt, model: str, streaming: bool, metrics, parser: ToolCallParser,
                  fingerprint: str = ""):
@@ -113,11 +114,11 @@ class BlockResponse(GenerationResponse):
         self.blocks.finish()
         await send_json(send, 200, self.whole(msg), {"x-request-id": self.rid})
 
+    def opening_events(self) -> list[bytes]:
+        return self.opening()
+
     async def _stream_events(self, msg, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"),
-                                (b"x-request-id", self.rid.encode())]})
-        out = self.opening()
+        out, self.pending = self.pending, []
         while not isinstance(msg, P.Done):
             for e in self.blocks.feed(msg.text, token=msg.token >= 0):
                 out += self.event(e)

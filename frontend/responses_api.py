@@ -4,7 +4,10 @@ onto the chat path.
 The request becomes a chat request (responses_request.py) checked and rendered as chat's are;
 the model's text goes through the same tool-call parser, grouped into output items
 (blocks.py): `reasoning` (its text as `content` of type reasoning_text, no summary),
-`message` (one output_text part) and `function_call`. Status `completed`, or `incomplete`
+`message` (one output_text part) and `function_call` (a call of a namespace tool's function
+named as Codex reads it: `name` the function's own, `namespace` the namespace's; see
+responses_request.py). A reasoning item sent back in a later turn's `input` is the reasoning
+of the assistant turn it precedes. Status `completed`, or `incomplete`
 with reason max_output_tokens when the limit cut the turn.
 
 Streaming sends the API's events, each with its `sequence_number`: response.created and
@@ -12,7 +15,10 @@ response.in_progress; per item output_item.added, then for reasoning and message
 content_part.added, reasoning_text.delta / output_text.delta ..., their .done and
 content_part.done, for calls function_call_arguments.delta ... and .done; output_item.done;
 then response.completed (or response.incomplete, or response.failed when the generation
-failed), carrying the whole response with its usage. Nothing is stored (`store` is
+failed), carrying the whole response with its usage. While a long prompt is prefilled,
+response.created and response.in_progress go out within a second and SSE comment lines
+(`: keep-alive`) every few seconds after (streaming.py); a refusal after them is
+response.failed with the refusal's code (context_length_exceeded...) and message. Nothing is stored (`store` is
 answered false).
 
 Usage: `input_tokens` counts the whole prompt, `input_tokens_details.cached_tokens` the part
@@ -34,7 +40,7 @@ from shared import protocol as P
 from . import openai_request
 from .blocks import Block, BlockResponse
 from .core import read_body, submit
-from .responses_request import ResponsesRequest, chat_request
+from .responses_request import ResponsesRequest, chat_request, namespaced
 
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
@@ -55,6 +61,7 @@ class ResponsesResponse(BlockResponse):
     def __init__(self, *args, request: ResponsesRequest, **kw):
         super().__init__(*args, **kw)
         self.request = request
+        self.namespaced = namespaced(request.tools)
         self.seq = 0
         self.ids: dict[int, str] = {}
 
@@ -70,7 +77,14 @@ class ResponsesResponse(BlockResponse):
             return base | {"type": "reasoning", "summary": [], "content": [_part(block, text)] if text else []}
         if block.kind == "text":
             return base | {"type": "message", "role": "assistant", "content": [_part(block, text)] if text else []}
-        return base | {"type": "function_call", "call_id": block.id, "name": block.name, "arguments": text}
+        return base | {"type": "function_call", "call_id": block.id, "arguments": text, **self.call_name(block)}
+
+    def call_name(self, block: Block) -> dict:
+        """A call's `name`, and the `namespace` of a namespace tool's function."""
+        if block.name in self.namespaced:
+            namespace, name = self.namespaced[block.name]
+            return {"name": name, "namespace": namespace}
+        return {"name": block.name}
 
     def response(self, status: str, done: P.Done | None = None, error: dict | None = None) -> dict:
         r = self.request
@@ -124,7 +138,7 @@ class ResponsesResponse(BlockResponse):
             extra = {"logprobs": []} if block.kind == "text" else {}
             return [self._event(name, **where, content_index=0, delta=e[2], **extra)]
         if block.kind == "call":
-            out = [self._event("response.function_call_arguments.done", **where, name=block.name,
+            out = [self._event("response.function_call_arguments.done", **where, **self.call_name(block),
                                arguments=block.text)]
         else:
             name = "response.reasoning_text.done" if block.kind == "reasoning" else "response.output_text.done"
@@ -132,6 +146,10 @@ class ResponsesResponse(BlockResponse):
             out = [self._event(name, **where, content_index=0, text=block.text, **extra),
                    self._event("response.content_part.done", **where, content_index=0, part=_part(block, block.text))]
         return out + [self._event("response.output_item.done", output_index=block.index, item=self.item(block))]
+
+    def stream_error(self, error) -> list[bytes]:
+        body = {"code": error.code or "server_error", "message": error.message}
+        return [self._event("response.failed", response=self.response("failed", None, body))]
 
     def closing(self, done: P.Done) -> list[bytes]:
         status = self._status(done)

@@ -8,9 +8,15 @@
 - fermoe keeps no responses: `previous_response_id`, `conversation` and `item_reference`
   items are a 400 saying so (Codex sends the whole history with `store: false`); so is
   `background: true`.
-- `tools`: function tools need `parameters` (OpenAI's required key; null is taken); other
-  kinds (Codex's web_search, custom, local_shell, namespace...) are left out with a log line
-  by the chat path. `tool_choice`: auto, none, required, or {"type": "function", "name"}:
+- `tools`: function tools need `parameters` (OpenAI's required key; null is taken). A
+  `namespace` tool (Codex's sub-agent tools: {"type": "namespace", "name": NS, "tools":
+  [functions]}) becomes its functions, each named NS__NAME (flat_name): OpenAI's function-name
+  alphabet ([A-Za-z0-9_-], which every chat template and the tool-call grammar take; a dot is
+  not in it), the separator MCP clients use (mcp__server__tool). A call of one is answered as
+  Codex's schema has it, a function_call item with `name` NAME and `namespace` NS
+  (responses_api.py), and a function_call input item with a `namespace` is renamed NS__NAME
+  for the template. Other kinds (Codex's web_search, custom, local_shell...) are left out
+  with a log line by the chat path. `tool_choice`: auto, none, required, or {"type": "function", "name"}:
   mapped onto chat's, which honours or refuses it (forced choices need constrained decoding).
 - `text.format`: text, json_object or json_schema, onto chat's response_format (the same).
 - `reasoning.effort` is chat's reasoning_effort ("none": thinking off); `max_output_tokens`
@@ -98,7 +104,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     messages += _input([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
     if req.tools is not None:
-        body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+        body["tools"] = [f for i, t in enumerate(req.tools) for f in _tools(i, t)]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     for name, value in (("parallel_tool_calls", req.parallel_tool_calls), ("max_tokens", req.max_output_tokens),
@@ -189,8 +195,11 @@ def _input(items: list[dict]) -> list[dict]:
             else:
                 out.append({"role": role, "content": text})
         elif kind == "function_call":
+            name = _str(item, "name", param)
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = flat_name(item["namespace"], name)
             call = {"id": _str(item, "call_id", param), "type": "function",
-                    "function": {"name": _str(item, "name", param), "arguments": _arguments(item, param)}}
+                    "function": {"name": name, "arguments": _arguments(item, param)}}
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
@@ -226,15 +235,53 @@ def _arguments(item: dict, param: str) -> str:
     return args
 
 
-def _tool(i: int, tool: dict) -> dict:
+NAMESPACE_SEPARATOR = "__"
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The function name the model sees for function `name` of namespace tool `namespace`."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def namespaced(tools: list[dict] | None) -> dict[str, tuple[str, str]]:
+    """The flat names of the namespaces' functions -> (namespace, name)."""
+    out = {}
+    for tool in tools or ():
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for f in tool.get("tools") or ():
+                if isinstance(f, dict) and isinstance(f.get("name"), str):
+                    out[flat_name(tool["name"], f["name"])] = (tool["name"], f["name"])
+    return out
+
+
+def _tools(i: int, tool: dict) -> list[dict]:
+    """A tool as chat's: a function, a namespace's functions, or another kind (left out)."""
     if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
         raise invalid(f"tools[{i}]", "a tool is an object with a `type`")
+    if tool["type"] != "namespace":
+        return [_tool(f"tools[{i}]", tool)]
+    namespace = _str(tool, "name", f"tools[{i}]")
+    inner = tool.get("tools")
+    if not isinstance(inner, list):
+        raise invalid(f"tools[{i}].tools", "a namespace tool needs its `tools`, a list of functions")
+    out = []
+    for j, f in enumerate(inner):
+        where = f"tools[{i}].tools[{j}]"
+        if not isinstance(f, dict) or f.get("type", "function") != "function":
+            raise invalid(where, "a namespace holds function tools only")
+        function = _tool(where, {"type": "function", **f})
+        function["function"]["name"] = flat_name(namespace, function["function"]["name"])
+        out.append(function)
+    return out
+
+
+def _tool(where: str, tool: dict) -> dict:
     if tool["type"] != "function":
         return {"type": tool["type"]}            # the chat path leaves it out, with a log line
     if "parameters" not in tool:
-        raise invalid(f"tools[{i}].parameters", "Missing required parameter: a function tool needs its JSON "
-                                                "schema (null for none)", "missing_required_parameter")
-    function = {"name": _str(tool, "name", f"tools[{i}]"), "parameters": tool["parameters"] or {}}
+        raise invalid(f"{where}.parameters", "Missing required parameter: a function tool needs its JSON "
+                                             "schema (null for none)", "missing_required_parameter")
+    function = {"name": _str(tool, "name", where), "parameters": tool["parameters"] or {}}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]
     return {"type": "function", "function": function}

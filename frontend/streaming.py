@@ -6,6 +6,16 @@ than the context say, is then a 400, not an error inside a 200 stream), and it
 watches the connection the whole time: a client that goes away, whether before
 its first token or mid-stream, has its request cancelled in the coordinator.
 
+A streamed request waits for its first reply HEADERS_AFTER_S at most: a long prefill
+(minutes for a cold agent prompt on a loaded CPU) would otherwise send nothing, and
+agent clients give up on a silent connection (Claude Code after 300 s). Past that the
+headers and the API's opening event go out (chat's role chunk, Messages'
+message_start, Responses' response.created), then a keep-alive every KEEPALIVE_S
+until the first token: an SSE comment line (`: keep-alive`), Messages' `event: ping`.
+A refusal that comes after the headers is the API's error event inside the stream
+(stream_error()): chat's `data: {"error": ...}` then `[DONE]`, Messages' `event: error`,
+Responses' response.failed. A refusal within HEADERS_AFTER_S is its HTTP status.
+
 Streams are framed as OpenAI frames them: for chat a first chunk carrying the
 role, chunks of what each piece of text becomes (formats.py), one chunk with
 `finish_reason`, the usage chunk with empty `choices` when
@@ -31,6 +41,8 @@ from .formats import ChatFormat, TextFormat  # noqa: F401 (the formats a respons
 from .llama_server_request import Timings
 
 _json = msgspec.json.Encoder()
+HEADERS_AFTER_S = 1.0       # a streamed request's headers wait this long at most for the first reply
+KEEPALIVE_S = 5.0           # then a keep-alive this often until the first token
 
 
 def usage(done: P.Done) -> dict:
@@ -60,19 +72,27 @@ class GenerationResponse:
         self.timings = Timings()
         self.gone = False
         self.counted = False
+        self.started = False                        # the stream's headers are sent
+        self.pending: list[bytes] = []              # its opening events, not sent yet
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.create_task(self._watch(receive))
         try:
-            first = await self._next()
+            first = await self._first(send)
             if self.gone:
                 return
+            error = None
             if isinstance(first, P.Error):           # refused: bad input the coordinator names, or no worker
-                refusal = _refusal(first, self.fmt.prompt_param)
-                await send_json(send, refusal.status, self.error_body(refusal), refusal.headers)
+                error = self.refusal(first)
             elif isinstance(first, P.Done) and first.finish_reason == "error":    # _next() has counted it
-                await send_json(send, 500, self.error_body(_failure_error(first)))
+                error = _failure_error(first)
+            if error is not None and self.started:
+                await self._send_events(send, self.pending + self.stream_error(error), more=False)
+            elif error is not None:
+                await send_json(send, error.status, self.error_body(error), error.headers)
             elif self.streaming:
+                if not self.started:
+                    await self._start_stream(send)
                 await self._stream_events(first, send)
             else:
                 await self._whole(first, send)
@@ -80,9 +100,49 @@ class GenerationResponse:
             watcher.cancel()
             self.upstream.cancel(self.rid, self._aborted)     # nothing to do unless it is still open
 
+    async def _first(self, send):
+        """The first reply; a streamed request's headers, opening and keep-alives meanwhile."""
+        get = asyncio.ensure_future(self._next())
+        wait = HEADERS_AFTER_S if self.streaming else None
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=wait)
+                if done:
+                    return get.result()
+                if not self.started:
+                    await self._start_stream(send)
+                    events, self.pending = self.pending, []
+                else:
+                    events = [self.keepalive()]
+                await self._send_events(send, events)
+                wait = KEEPALIVE_S
+        finally:
+            get.cancel()                            # done already, unless this task is cancelled
+
+    def refusal(self, error: P.Error) -> APIError:
+        return _refusal(error, self.fmt.prompt_param)
+
     def error_body(self, error: APIError) -> dict:
         """An error's JSON in this API's shape (OpenAI's here; other APIs' responses override it)."""
         return error.body()
+
+    def stream_error(self, error: APIError) -> list[bytes]:
+        """An error after the stream's headers, as this API sends one (OpenAI's error object, as
+        vLLM sends a failure mid-stream)."""
+        return [b"data: " + _json.encode(self.error_body(error)) + b"\n\n", b"data: [DONE]\n\n"]
+
+    def keepalive(self) -> bytes:
+        return b": keep-alive\n\n"
+
+    def opening_events(self) -> list[bytes]:
+        return [self._chunk([choice]) for choice in self.fmt.opening()]
+
+    async def _start_stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                (b"x-request-id", self.rid.encode())]})
+        self.started = True
+        self.pending = self.opening_events()
 
     async def _watch(self, receive) -> None:
         """The request body has been read: what receive() gives now is the disconnect."""
@@ -144,10 +204,7 @@ class GenerationResponse:
 
     # ---- server-sent events -------------------------------------------------------
     async def _stream_events(self, msg, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                (b"x-request-id", self.rid.encode())]})
-        events = [self._chunk([choice]) for choice in self.fmt.opening()]
+        events, self.pending = self.pending, []
         while not isinstance(msg, P.Done):
             self._add_logprobs(msg)
             for choice in self.fmt.deltas(msg.text):

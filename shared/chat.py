@@ -7,9 +7,12 @@ what chat templates read:
 - `reasoning_content` (or `reasoning`, `thinking`) is passed on under every one of those names
   (tokenizer.render_chat_template), so the template decides where the reasoning goes;
 - role `developer` (OpenAI's newer name for system, sent by Codex, opencode, the SDKs) is
-  `system`, as llama-server maps it; a system message after the first non-system one, which the
-  Qwen templates refuse ("System message must be at the beginning."), is rendered as a user
-  message, in its place, when the template refuses it; a template that takes it keeps it;
+  `system`, as llama-server maps it. The Qwen templates take one system message, the first
+  ("System message must be at the beginning."); when the template refuses the messages, a
+  leading run of system messages (Codex sends two developer messages) is merged into one,
+  their texts joined by a blank line, and a system message after the first non-system one
+  (Claude Code's mid-conversation system message) is rendered as a user message, in its
+  place; a template that takes them keeps them as they are;
 - tools other than `{"type": "function"}` (Codex sends web_search, image_generation...) are
   left out with a warning, as llama-server and ik_llama.cpp leave them out;
 - `chat_template_kwargs` become template variables (enable_thinking, preserve_thinking, ...).
@@ -128,18 +131,30 @@ def render_chat(tokenizer, messages, tools=None, chat_template_kwargs: dict | No
     try:
         return tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
     except ChatTemplateError:
-        late = _late_system(msgs)
-        if not late:
+        fixed = system_first(msgs)
+        if fixed == msgs:
             raise
-    for i in late:
-        msgs[i] = {**msgs[i], "role": "user"}
-    return tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
+    return tokenizer.apply_chat_template(fixed, tools=tools, **kwargs)
 
 
-def _late_system(msgs: list[dict]) -> list[int]:
-    """Indices of system messages after the leading run of them."""
-    first_other = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
-    return [i for i, m in enumerate(msgs) if i > first_other and m.get("role") == "system"]
+def system_first(msgs: list[dict]) -> list[dict]:
+    """The messages with one system message at most, the first: the leading run of system
+    messages merged into one (texts joined by a blank line), later ones as user messages."""
+    lead = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
+    out = [{**msgs[0], "content": _joined([m.get("content", "") for m in msgs[:lead]])}] if lead > 1 else msgs[:lead]
+    return out + [{**m, "role": "user"} if m.get("role") == "system" else m for m in msgs[lead:]]
+
+
+def _joined(contents: list) -> str | list:
+    """Message contents as one: text joined by a blank line, or, with parts, the parts in order."""
+    if all(isinstance(c, str) for c in contents):
+        return "\n\n".join(c for c in contents if c)
+    parts: list = []
+    for c in contents:
+        if parts:
+            parts.append({"type": "text", "text": "\n\n"})
+        parts += [{"type": "text", "text": c}] if isinstance(c, str) else c
+    return parts
 
 
 def opens_reasoning(tokenizer, chat_template_kwargs: dict | None = None) -> bool:

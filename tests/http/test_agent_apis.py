@@ -246,3 +246,212 @@ def test_forced_anthropic_choices_reach_chats_tool_choice():
     forced = openai_request.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
         "type": "any"}}).encode()), False))
     assert forced.grammar is not None and forced.grammar.kind == "lark"
+
+
+# ---- what Claude Code and Codex send (issue 38) ----------------------------------------------------
+def rendered(body) -> str:
+    from shared.chat import render_chat
+    from tests.support.qwen_template import qwen_style_tokenizer
+    g = openai_request.chat_generate(body)
+    return render_chat(qwen_style_tokenizer(), g.messages, g.tools, g.chat_template_kwargs)
+
+
+def test_a_system_message_inside_anthropic_messages_is_rendered_as_a_late_system_message():
+    """Claude Code (beta mid-conversation-system) sends messages[1] with role system."""
+    req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"system": [{"type": "text", "text": "You are Claude Code.",
+                                                                      "cache_control": {"type": "ephemeral"}}],
+                                                         "thinking": {"type": "adaptive"},
+                                                         "output_config": {"effort": "high"},
+                                                         "messages": [
+        {"role": "user", "content": "Show me a.py"},
+        {"role": "system", "content": "Available agent types for the Agent tool: general"},
+        {"role": "user", "content": [{"type": "text", "text": "Go."}]}]}).encode())
+    body = anthropic_chat(req, True)
+    assert [m.role for m in body.messages] == ["system", "user", "system", "user"]
+    text = rendered(body)
+    assert text.startswith("<|im_start|>system\n") and text.count("<|im_start|>system") == 1
+    assert "You are Claude Code." in text.split("<|im_end|>")[0]
+    assert ("<|im_start|>user\nShow me a.py<|im_end|>\n<|im_start|>user\nAvailable agent types for the Agent tool: "
+            "general<|im_end|>\n<|im_start|>user\nGo.<|im_end|>") in text
+    with pytest.raises(AnthropicError, match="unknown block type .image. in a system message"):
+        anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"messages": [
+            {"role": "user", "content": "x"}, {"role": "system", "content": [{"type": "image"}]}]}).encode()), False)
+
+
+def test_codexs_two_leading_developer_messages_are_one_system_turn():
+    req = ResponsesRequest.decode(json.dumps({"model": "m", "input": [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Base instructions."}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Show me a.py"}]}]}).encode())
+    text = rendered(responses_chat(req))
+    assert text.startswith("<|im_start|>system\nBase instructions.\n\nSkills.<|im_end|>\n<|im_start|>user\n"
+                           "Show me a.py<|im_end|>")
+
+
+SPAWN = {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}
+CODEX = {"model": "m", "stream": True, "store": False, "include": ["reasoning.encrypted_content"],
+         "reasoning": {"effort": "medium", "summary": "auto"}, "tool_choice": "auto", "parallel_tool_calls": True,
+         "prompt_cache_key": "k", "client_metadata": {},
+         "tools": [{"type": "function", "name": "exec_command", "parameters": SCHEMA}, {"type": "web_search"},
+                   {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+                       {"type": "function", "name": "spawn_agent", "description": "Spawn one.", "strict": False,
+                        "parameters": SPAWN}]}],
+         "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Base."}]},
+                   {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Split it."}]},
+                   {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None,
+                    "content": [{"type": "reasoning_text", "text": "Two agents."}]},
+                   {"type": "function_call", "call_id": "call_1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+                    "arguments": '{"task": "a"}'},
+                   {"type": "function_call_output", "call_id": "call_1", "output": "spawned"}]}
+SPAWNING = ["Another", " one.", "\n</think>\n\n", "<tool_call>\n<function=multi_agent_v1__spawn_agent>\n",
+            "<parameter=task>\nb\n</parameter>\n</function>\n</tool_call>"]
+
+
+def test_codexs_namespace_tool_is_flattened_and_its_calls_named_back():
+    req = ResponsesRequest.decode(json.dumps(CODEX).encode())
+    body = responses_chat(req)
+    g = openai_request.chat_generate(body)
+    assert [t["function"]["name"] for t in g.tools] == ["exec_command", "multi_agent_v1__spawn_agent"]
+    assert [m.role for m in g.messages] == ["system", "system", "user", "assistant", "tool"]
+    a = g.messages[3]
+    assert a.reasoning_content == "Two agents." and a.tool_calls[0].function.name == "multi_agent_v1__spawn_agent"
+    text = rendered(body)
+    assert "<|im_start|>system\n" in text and text.count("<|im_start|>system") == 1 and "Base.\n\nSkills." in text
+    assert "<function=multi_agent_v1__spawn_agent>" in text
+    parser = openai_request.chat_parser(body, g, True, "deepseek")
+    raw = answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+                                             request=req), SPAWNING)
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, True))
+    with client.responses.stream(model="m", input="Split it.") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert (added[0].name, added[0].namespace) == ("spawn_agent", "multi_agent_v1")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.name == "spawn_agent"
+    call = final.output[-1]
+    assert (call.type, call.name, call.namespace, json.loads(call.arguments)) == (
+        "function_call", "spawn_agent", "multi_agent_v1", {"task": "b"})
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Another one."
+
+
+# ---- a long prefill: the opening event at once, keep-alives until the first token -----------------------
+def slowly(make, pieces, monkeypatch, after_s=0.5, refusal=None) -> tuple[list[tuple[float, dict]], bytes]:
+    """What make(stream) sends (with the time each message went) when the first reply comes
+    after `after_s`: `pieces` of model text and a Done, or the Error `refusal`. The headers wait
+    0.05 s at most, keep-alives come every 0.1 s (patched from seconds)."""
+    import asyncio
+    import time
+
+    from frontend import streaming
+    from frontend.upstream import RequestStream
+    from shared import protocol as P
+    monkeypatch.setattr(streaming, "HEADERS_AFTER_S", 0.05, raising=False)
+    monkeypatch.setattr(streaming, "KEEPALIVE_S", 0.1, raising=False)
+
+    async def go():
+        stream, sent, t0 = RequestStream("r"), [], time.perf_counter()
+        response = make(stream)
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append((time.perf_counter() - t0, message))
+        task = asyncio.create_task(response(None, receive, send))
+        await asyncio.sleep(after_s)
+        if refusal is not None:
+            stream.push(refusal)
+        for i, text in enumerate(pieces):
+            stream.push(P.Token(request_id="r", token=i, text=text))
+        if refusal is None:
+            stream.push(P.Done(request_id="r", finish_reason="stop", completion_tokens=len(pieces), prompt_tokens=9))
+        await asyncio.wait_for(task, 10)
+        return sent
+    sent = asyncio.run(go())
+    return sent, b"".join(m.get("body", b"") for _, m in sent[1:])
+
+
+def before(sent, after_s=0.5) -> bytes:
+    """The body sent before the first reply came."""
+    return b"".join(m.get("body", b"") for t, m in sent[1:] if t < after_s)
+
+
+TOO_LONG = dict(message="the prompt is 300000 tokens, over the context's 262144", code="context_length_exceeded",
+                n_prompt_tokens=300000, n_ctx=262144)
+
+
+def messages_response(streaming=True):
+    req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"stream": streaming}).encode())
+    body = anthropic_chat(req, streaming)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    return lambda s: MessagesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser)
+
+
+def test_a_slow_prefill_gets_message_start_at_once_then_pings(monkeypatch):
+    sent, raw = slowly(messages_response(), RECORDED, monkeypatch)
+    assert sent[0][1]["status"] == 200 and sent[0][0] < 0.3
+    early = before(sent)
+    assert early.startswith(b"event: message_start\n") and early.count(b"event: ping\ndata: {\"type\": \"ping\"}") >= 2
+    assert b"content_block_start" not in early
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, True, httpx2))
+    with client.messages.stream(**ANTHROPIC) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"] and final.stop_reason == "tool_use"
+
+
+def test_a_slow_prefill_gets_response_created_and_the_first_chat_chunk_at_once_then_comments(monkeypatch):
+    from frontend.streaming import GenerationResponse
+    req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": True}).encode())
+    body = responses_chat(req)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    sent, raw = slowly(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+                                                   request=req), RECORDED, monkeypatch)
+    early = before(sent)
+    assert early.startswith(b"event: response.created\n") and early.count(b": keep-alive\n\n") >= 2
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, True))
+    with client.responses.stream(model="m", input="x") as stream:
+        assert [i.type for i in stream.get_final_response().output] == ["reasoning", "message", "function_call"]
+
+    sent, raw = slowly(lambda s: GenerationResponse(NoUpstream(), s, ChatFormat(), "m", True, False, Metrics()),
+                       ["Hello", " there."], monkeypatch)
+    early = before(sent)
+    assert early.startswith(b"data: ") and b'"role":"assistant"' in early.split(b"\n\n")[0]
+    assert early.count(b": keep-alive\n\n") >= 2
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=transport(raw, True))
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there."
+
+
+def test_an_over_long_prompt_is_anthropics_prompt_is_too_long(monkeypatch):
+    from shared import protocol as P
+    wording = "prompt is too long: 300000 tokens > 262144 maximum"
+    sent, raw = slowly(messages_response(), [], monkeypatch, after_s=0, refusal=P.Error(request_id="r", **TOO_LONG))
+    assert sent[0][1]["status"] == 400                       # refused before the headers: its status
+    assert json.loads(raw) == {"type": "error", "error": {"type": "invalid_request_error", "message": wording}}
+    sent, raw = slowly(messages_response(), [], monkeypatch, refusal=P.Error(request_id="r", **TOO_LONG))
+    assert sent[0][1]["status"] == 200 and raw.startswith(b"event: message_start")    # after them: an error event
+    assert raw.endswith(b"event: error\ndata: " + json.dumps({"type": "error", "error": {
+        "type": "invalid_request_error", "message": wording}}).encode() + b"\n\n")
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=transport(raw, True, httpx2))
+    with pytest.raises(anthropic.APIStatusError, match="prompt is too long: 300000 tokens > 262144 maximum"):
+        with client.messages.stream(**ANTHROPIC) as stream:
+            list(stream)
+
+
+def test_a_refusal_after_the_headers_is_the_openai_streams_error(monkeypatch):
+    from frontend.streaming import GenerationResponse
+    from shared import protocol as P
+    sent, raw = slowly(lambda s: GenerationResponse(NoUpstream(), s, ChatFormat(), "m", True, False, Metrics()),
+                       [], monkeypatch, refusal=P.Error(request_id="r", **TOO_LONG))
+    error = json.loads(raw.split(b"\n\n")[-3].removeprefix(b"data: "))["error"]
+    assert error["code"] == "context_length_exceeded" and raw.endswith(b"data: [DONE]\n\n")
+    req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": True}).encode())
+    body = responses_chat(req)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    sent, raw = slowly(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+                                                   request=req), [], monkeypatch,
+                       refusal=P.Error(request_id="r", **TOO_LONG))
+    last = json.loads(raw.strip().split(b"\n\n")[-1].split(b"data: ", 1)[1])
+    assert last["type"] == "response.failed" and last["response"]["error"]["code"] == "context_length_exceeded"

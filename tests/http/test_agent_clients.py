@@ -144,3 +144,37 @@ def test_bad_input_is_400_in_each_apis_shape_and_the_daemon_serves_on(daemon, cl
     assert daemon.proc.poll() is None
     r = claude.messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "x"}])
     assert r.usage.output_tokens == 3
+
+
+def test_claude_codes_mid_conversation_system_message_and_codexs_request_are_served(daemon, claude, codex):
+    """What the CLIs send (issue 38): Claude Code's `?beta=true` request with a system message
+    inside `messages`; Codex's two developer messages, a namespace tool and a reasoning item."""
+    with claude.messages.stream(model="qwen3.6", max_tokens=4, system=[{"type": "text", "text": "Be terse.",
+                                                                       "cache_control": {"type": "ephemeral"}}],
+                                messages=[{"role": "user", "content": USER},
+                                          {"role": "system", "content": "Available agent types for the Agent tool."},
+                                          {"role": "user", "content": "Go."}],
+                                extra_query={"beta": "true"}, extra_body={"thinking": {"type": "adaptive"}, **GREEDY},
+                                extra_headers={"anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07"}) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and final.stop_reason == "max_tokens"
+    spawn = {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}
+    tools = [{"type": "function", "name": "exec_command", "parameters": SCHEMA}, {"type": "web_search"},
+             {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+              "tools": [{"type": "function", "name": "spawn_agent", "parameters": spawn}]}]
+    history = [{"role": "developer", "content": [{"type": "input_text", "text": "Base instructions. " * 200}]},
+               {"role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+               {"role": "user", "content": [{"type": "input_text", "text": USER}]},
+               {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                              "text": "Ask one."}]},
+               {"type": "function_call", "call_id": "call_1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+                "arguments": '{"task": "sky"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "Rayleigh scattering."}]
+    with codex.responses.stream(model="qwen3.6", input=history, tools=tools, store=False, temperature=0,
+                                max_output_tokens=4, reasoning={"effort": "medium", "summary": "auto"},
+                                include=["reasoning.encrypted_content"], prompt_cache_key="k") as s:
+        events = list(s)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert events[-1].response.usage.input_tokens > 400
