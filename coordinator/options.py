@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions a sequence may hold, prompt and output (default: the model's context "
-                        "length, or less if max-sequences such sequences per worker would not fit in memory)")
+                        "length, or less if max-sequences such sequences per worker would not fit in memory; more "
+                        "than the context length is taken with a warning: the answers past it are unreliable)")
     p.add_argument("--numa-interleave", action="store_true",
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")

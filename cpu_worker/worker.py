@@ -84,6 +84,7 @@ class CPUWorker:
 
     def _configure(self, kv_cache_dtype: str) -> None:
         self.engine.kv_cache_dtype = kv_cache_dtype     # the snapshot slots hold this KV
+        self.model.extend_context(self.link.max_model_len)   # --max-model-len above the file's context length
 
     # ---- messages ---------------------------------------------------------
     def send(self, msg) -> None:
