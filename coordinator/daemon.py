@@ -26,14 +26,14 @@ import time
 import zmq
 
 from shared import protocol as P
-from shared.chat import turn_marks
+from shared.chat import reasoning_kwargs, turn_marks
 from shared.vision.chat import plan, template_places_images
 from shared.vision.image import ImageLimits
 from shared.vision.prompt import IMAGE_PAD
 from shared.curve import CLIENTS, WORKERS, ClientKeys, HandshakeWatch
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
-from shared.grammar import compile_constraint
+from shared.grammar import compile_constraint, reasoning_open
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.model import Model
 from shared.state import recurrent_nbytes
@@ -276,6 +276,12 @@ class Coordinator:
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
+            if msg.reasoning_budget is not None and msg.reasoning_budget < -1:
+                raise FermoeError(f"reasoning_budget must be >= 0 (or -1: no limit, null: the server's), "
+                                  f"got {msg.reasoning_budget}")
+            if msg.messages is not None:        # the server's --reasoning default, where the request says nothing
+                msg.chat_template_kwargs = reasoning_kwargs(msg.chat_template_kwargs, self.opts.reasoning,
+                                                            self.opts.reasoning_budget)
             tokens, chat = self._prompt_tokens(msg)        # (msg.sampling was checked as it was decoded; images
                                                            # from their headers only)
             if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
@@ -304,6 +310,7 @@ class Coordinator:
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
         req = Request(client, msg, tokens, msg.sampling.replace(seed=seed), TextStream(self.tokenizer, msg.stop),
                       grammar=grammar, marks=turn_marks(self.tokenizer, tokens) if msg.messages is not None else [])
+        req.thinking = msg.messages is not None and reasoning_open(tokens, self.tokenizer)
         self.requests[req.rid] = req
         if chat is not None and chat.data:      # queued once its images are decoded (images_decoded)
             req.phase, req.chat = Phase.DECODING, chat
@@ -378,7 +385,8 @@ class Coordinator:
                                          fingerprint=self.model.fingerprint,
                                          max_request_size=P.max_message_bytes(), n_ctx=self.max_model_len,
                                          max_sequences=self.opts.max_sequences, vision=self.vision is not None,
-                                         unavailable=self.unavailable or ""))
+                                         unavailable=self.unavailable or "", reasoning=self.opts.reasoning,
+                                         reasoning_budget=self.opts.reasoning_budget))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:
@@ -461,6 +469,12 @@ class Coordinator:
         req.generated.append(msg.token)
         if msg.token in self.tokenizer.eos_ids and not req.msg.ignore_eos:
             return
+        if req.msg.messages is not None:        # usage's reasoning tokens: a <think> block's, its tags included
+            if not req.thinking and msg.token == self.tokenizer.token_to_id.get("<think>"):
+                req.thinking = True
+            if req.thinking:
+                req.reasoning_tokens += 1
+                req.thinking = msg.token != self.tokenizer.token_to_id.get("</think>")
         text = req.stream.feed(msg.token)
         req.sent += 1
         token = P.Token(request_id=req.rid, token=msg.token, text=text, logprob=msg.logprob,
@@ -541,7 +555,16 @@ class Coordinator:
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
             sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs,
-            grammar=req.grammar, images=req.images), data)
+            grammar=req.grammar, images=req.images, **self._reasoning_budget(req)), data)
+
+    def _reasoning_budget(self, req: Request) -> dict:
+        """Assign's reasoning_budget and reasoning_end: the request's budget, else the server's,
+        for a chat whose prompt leaves <think> open; the end forced is `</think>` and the blank
+        line the chat template writes after it (its enable_thinking=false prompt ends so)."""
+        budget = req.msg.reasoning_budget if req.msg.reasoning_budget is not None else self.opts.reasoning_budget
+        if req.msg.messages is None or budget < 0 or not reasoning_open(req.tokens, self.tokenizer):
+            return {}
+        return {"reasoning_budget": budget, "reasoning_end": self.tokenizer.encode("</think>\n\n")}
 
     def end(self, req: Request, reason: str, error: str | None = None, notify: bool = True,
             worker_done: bool = False, refuse: str | None = None) -> None:
@@ -572,7 +595,8 @@ class Coordinator:
             self.reply(req.client, P.Token(request_id=req.rid, token=-1, text=tail))
         self.reply(req.client, P.Done(request_id=req.rid, finish_reason=reason, error=error,
                                       prompt_tokens=len(req.tokens), cached_prompt_tokens=req.cached_tokens,
-                                      completion_tokens=req.sent, prefill_ms=round(prefill_ms, 3),
+                                      completion_tokens=req.sent, reasoning_tokens=req.reasoning_tokens,
+                                      prefill_ms=round(prefill_ms, 3),
                                       decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by,
                                       prefill_device=req.prefill_device,
                                       prefill_estimates_ms={k: round(v, 1) for k, v in req.estimates.items()},

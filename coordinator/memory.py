@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.config import ModelConfig
 from shared.errors import FermoeError
@@ -155,14 +155,21 @@ def fitted_max_model_len(cfg: ModelConfig, dtype: str, weight_bytes: int, sequen
 
 def resolve_max_model_len(asked: int | None, cfg: ModelConfig, dtype: str, weight_bytes: int,
                           sequences: int) -> int:
-    """--max-model-len as given (checked against the model), or fitted to the host."""
+    """--max-model-len as given, or fitted to the host. A value above the model's context
+    length is taken with a warning (llama.cpp's -c does the same): the workers then run
+    sequences that long (WorkerLink's Welcome carries it)."""
     memory = host_memory_bytes()
     fitted = fitted_max_model_len(cfg, dtype, weight_bytes, sequences, memory)
     gib = memory / (1 << 30)
     if asked is not None:
-        if not 1 <= asked <= cfg.n_ctx_train:
-            raise FermoeError(f"--max-model-len {asked}: must be in [1, {cfg.n_ctx_train}] "
-                              f"(the model's context length)")
+        if asked < 1:
+            raise FermoeError(f"--max-model-len {asked}: must be >= 1")
+        if asked > cfg.n_ctx_train:      # llama.cpp's -c above n_ctx_train: taken, with a warning
+            log.warning("--max-model-len %d: the model was trained on %d positions (its context length); "
+                        "its answers past them are unreliable (noise for the built-in model)",
+                        asked, cfg.n_ctx_train)
+        if asked > cfg.n_ctx_train:      # what fits when sequences may be longer than the model's own
+            fitted = fitted_max_model_len(replace(cfg, n_ctx_train=asked), dtype, weight_bytes, sequences, memory)
         if asked > fitted:
             log.warning("--max-model-len %d: %d sequences that long may not fit in this host's %.1f GiB "
                         "beside the weights (about %d would)", asked, sequences, gib, fitted)

@@ -5,6 +5,7 @@ import argparse
 import os
 
 from shared.errors import FermoeError
+from shared.chat import REASONING_MODES
 from shared.options import add_kv_cache_dtype, parse_size
 from shared.state import DEFAULT_BLOCK, KV_DTYPES
 
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions a sequence may hold, prompt and output (default: the model's context "
-                        "length, or less if max-sequences such sequences per worker would not fit in memory)")
+                        "length, or less if max-sequences such sequences per worker would not fit in memory; more "
+                        "than the context length is taken with a warning: the answers past it are unreliable)")
     p.add_argument("--numa-interleave", action="store_true",
                    help="interleave the weight pages over all NUMA nodes (the paper's setting)")
     p.add_argument("--engine", default="cpu", help="worker engine: cpu (default) or reference")
@@ -53,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default="auto",
                    help="where prompts are prefilled: auto (the GPU when its estimate is shorter, per request), "
                         "gpu (whenever a GPU worker is ready) or cpu (default auto)")
+    p.add_argument("--reasoning", default="auto", choices=REASONING_MODES,
+                   help="thinking for chat requests that do not say (llama-server's): on, off, or auto (the chat "
+                        "template's default: on for Qwen3.5/3.6) (default auto)")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="reasoning tokens a chat may write before its end of reasoning is forced, unless the "
+                        "request gives its own (llama-server's): -1 no limit, 0 thinking off (default -1)")
     add_kv_cache_dtype(p)
     from shared.http_options import add_http_options
     add_http_options(p)                          # --http, --api-key, --max-queue: the HTTP front end
@@ -70,6 +78,8 @@ def parse_options(argv=None):
          f"--threads-per-worker {opts.threads_per_worker}: more than the {os.cpu_count()} CPUs of this machine"),
         (opts.block >= 1, f"--block {opts.block}: must be >= 1"),
         (opts.max_sequences >= 1, f"--max-sequences {opts.max_sequences}: must be >= 1"),
+        (opts.reasoning_budget >= -1, f"--reasoning-budget {opts.reasoning_budget}: must be >= 0, or -1 for "
+                                      f"no limit"),
         (opts.engine in ("cpu", "reference"), f"--engine {opts.engine!r}: expected cpu or reference"),
         (opts.kv_cache_dtype in KV_DTYPES,
          f"--kv-cache-dtype {opts.kv_cache_dtype!r}: expected {' or '.join(KV_DTYPES)}"),

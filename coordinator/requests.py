@@ -40,6 +40,8 @@ class Request:
     planned: list = field(default_factory=list)    # snapshot slots being written for it
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
     sent: int = 0                    # tokens streamed to the client
+    thinking: bool = False           # a chat whose output is inside a <think> block (its prompt's, or its own)
+    reasoning_tokens: int = 0        # tokens streamed inside <think> blocks, the tags included
     generated: list = field(default_factory=list)  # every token sampled for it, end-of-generation ones too
     marks: list = field(default_factory=list)      # prompt positions where chat turns begin: snapshots there too
     decode_slots: list = field(default_factory=list)   # (KV, state) pairs reserved for its worker's decode snapshots

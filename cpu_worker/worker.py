@@ -84,6 +84,7 @@ class CPUWorker:
 
     def _configure(self, kv_cache_dtype: str) -> None:
         self.engine.kv_cache_dtype = kv_cache_dtype     # the snapshot slots hold this KV
+        self.model.extend_context(self.link.max_model_len)   # --max-model-len above the file's context length
 
     # ---- messages ---------------------------------------------------------
     def send(self, msg) -> None:
@@ -253,7 +254,8 @@ class CPUWorker:
         if first:
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
             seq.decoder = Decoder(self.engine, seq.state, seq.state.logits.copy(), seq.msg.tokens, seq.params,
-                                  seq.msg.max_tokens, stop_ids, logprobs=seq.msg.logprobs, mask=self.mask(seq.msg))
+                                  seq.msg.max_tokens, stop_ids, logprobs=seq.msg.logprobs, mask=self.mask(seq.msg),
+                                  reasoning_budget=seq.msg.reasoning_budget, reasoning_end=seq.msg.reasoning_end)
         if seq.decoder.finish_reason is None:
             token = seq.decoder.sample()
             logprob, top = seq.decoder.last_logprobs or (None, None)

@@ -18,8 +18,10 @@ Anthropic's error JSON.
   own) are left out with a log line, as the chat path leaves out non-function tools.
 - `tool_choice`: auto -> auto, any -> required, tool -> the named function, none -> none;
   forced choices are the chat path's to honour or refuse (constrained decoding).
-- `thinking: {"type": "disabled"}` is `enable_thinking: false`; otherwise the template's
-  default (on for Qwen3.5/3.6), as a budget is not enforced.
+- `thinking`: `{"type": "enabled", "budget_tokens": N}` is `enable_thinking: true` with its
+  reasoning ended (`</think>` forced) after N tokens; `adaptive` (Claude Code's) is on with the
+  server's --reasoning-budget; `disabled` is `enable_thinking: false`; without it, the server's
+  --reasoning decides. `output_config.effort` changes nothing here.
 - `stop_sequences` are `stop`; `metadata`, `service_tier` and `cache_control` on any block
   change nothing here; other top-level fields clients add are logged and ignored, as agent
   clients send fields of newer API versions.
@@ -117,8 +119,13 @@ def chat_request(req: CountTokensRequest, stream: bool) -> ChatCompletionRequest
         kind = req.thinking.get("type")
         if kind not in ("enabled", "disabled", "adaptive"):
             raise invalid("thinking.type", f"expected 'enabled', 'disabled' or 'adaptive', got {kind!r}")
-        if kind == "disabled":
-            body["chat_template_kwargs"] = {"enable_thinking": False}
+        body["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        if kind == "enabled":
+            budget = req.thinking.get("budget_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise invalid("thinking.budget_tokens", f"thinking.budget_tokens: expected an integer >= 0, "
+                                                        f"got {budget!r}")
+            body["reasoning_budget"] = budget
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
         for name in ("temperature", "top_p", "top_k"):

@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import Request
 
 from shared import protocol as P
-from shared.chat import opens_reasoning
+from shared.chat import opens_reasoning, reasoning_kwargs
 from shared.errors import FermoeError, ProtocolError
 
 from .errors import RETRY_AFTER_S, APIError
@@ -47,6 +47,7 @@ class Server:
         self.name: str | None = None
         self.system_fingerprint = ""
         self.coordinator_limit = P.MAX_MESSAGE_BYTES
+        self.reasoning_default = ("auto", -1)      # the coordinator's --reasoning, --reasoning-budget
         self.started = int(time.time())
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
@@ -61,6 +62,7 @@ class Server:
         self.name = self.settings.alias or st.name or st.model
         self.system_fingerprint = system_fingerprint(st.fingerprint)
         self.coordinator_limit = st.max_request_size
+        self.reasoning_default = (st.reasoning, st.reasoning_budget)
         return st
 
     async def model_id(self) -> str:
@@ -76,7 +78,7 @@ class Server:
             tok = await self.tokenizer()
         except APIError:
             return False
-        return opens_reasoning(tok, chat_template_kwargs)
+        return opens_reasoning(tok, reasoning_kwargs(chat_template_kwargs, *self.reasoning_default))
 
     async def tokenizer(self):
         async with self._tokenizer_lock:

@@ -28,7 +28,12 @@ onto the Generate's fields; each defect is a 400 naming its field.
   `auto` the answer is that JSON or tool calls. A schema llguidance cannot compile is a 400
   here; the whole grammar is compiled again by the coordinator (with the vocabulary) before the
   request is queued. response_format with a forced tool_choice is refused (they contradict).
-- `reasoning_effort: "none"` is `enable_thinking: false`, unless chat_template_kwargs says.
+- `reasoning_effort`: "none" and "minimal" are `enable_thinking: false` (vLLM maps "none" so; a
+  "minimal" reasoning is none here), any other level (low, medium, high, xhigh) is `enable_thinking:
+  true`, with the server's --reasoning-budget (no budget per level), unless chat_template_kwargs
+  says. Without either, the server's --reasoning decides (the coordinator applies it).
+- `reasoning_budget` (fermoe's own): reasoning tokens before the end of the reasoning is forced;
+  -1 no limit, null the server's --reasoning-budget.
 """
 from __future__ import annotations
 
@@ -147,6 +152,7 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages, tools=chat_tools,
                      chat_template_kwargs=template_kwargs(body), grammar=constraint,
+                     reasoning_budget=body.reasoning_budget,
                      logprobs=logprobs.requested(body, True))
 
 
@@ -297,14 +303,17 @@ def _lark(build) -> str:
         raise _invalid("tools", f"the tools cannot be forced: {e}") from None
 
 
+REASONING_OFF = ("none", "minimal")     # reasoning_effort levels that turn thinking off
+
+
 def template_kwargs(body) -> dict | None:
     kwargs = dict(body.chat_template_kwargs or {})
     taken = sorted(RESERVED_KWARGS & set(kwargs))
     if taken:
         raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)} "
                                                "(the request's own fields)")
-    if body.reasoning_effort == "none":
-        kwargs.setdefault("enable_thinking", False)
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", body.reasoning_effort not in REASONING_OFF)
     return kwargs or None
 
 

@@ -103,7 +103,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None         # "none": thinking off; other levels change nothing here
+    reasoning_effort: str | None = None         # "none", "minimal": thinking off; low... xhigh: on
+    # fermoe's own: reasoning tokens before their end is forced (-1 no limit; null: the server's
+    # --reasoning-budget); Anthropic's thinking.budget_tokens arrives here
+    reasoning_budget: Annotated[int, Meta(ge=-1)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

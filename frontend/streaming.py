@@ -48,7 +48,8 @@ KEEPALIVE_S = 5.0           # then a keep-alive this often until the first token
 def usage(done: P.Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens},
+            "completion_tokens_details": {"reasoning_tokens": done.reasoning_tokens}}
 
 
 async def send_json(send, status: int, body: dict, headers: dict | None = None) -> None:

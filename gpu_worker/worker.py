@@ -68,7 +68,7 @@ class GPUWorker:
         else:
             self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device, shared_experts=experts)
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
-        self.link = WorkerLink(connect, worker_id, self.engine.set_kv_cache_dtype, shared_memory, curve_key)
+        self.link = WorkerLink(connect, worker_id, self._configure, shared_memory, curve_key)
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
         self._registered = None             # the arena page-locked for the engine's copies
         self._images = None
@@ -76,6 +76,10 @@ class GPUWorker:
             from .vision import image_encoder
             self._images = image_encoder(self.tower, self.vision)
         self.running = True
+
+    def _configure(self, kv_cache_dtype: str) -> None:
+        self.engine.set_kv_cache_dtype(kv_cache_dtype)
+        self.model.extend_context(self.link.max_model_len)   # --max-model-len above the file's context length
 
     def prefill_rate(self) -> tuple[float, float, int]:
         return measure_prefill_rate(self.engine, self.model.config, self.probe_tokens, PROBE_BUDGET_S)

@@ -157,6 +157,21 @@ def _joined(contents: list) -> str | list:
     return parts
 
 
+REASONING_MODES = ("on", "off", "auto")      # --reasoning, as llama-server's
+
+
+def reasoning_kwargs(chat_template_kwargs: dict | None, mode: str = "auto", budget: int = -1) -> dict | None:
+    """A chat's template variables with the server's reasoning default applied (--reasoning,
+    --reasoning-budget): a request's own enable_thinking wins; otherwise off (or a budget of 0)
+    sets enable_thinking false, on sets it true, auto leaves the template's default. The
+    coordinator renders with these and the front end reads the same, so both agree on whether
+    the output starts as reasoning."""
+    kwargs = chat_template_kwargs or {}
+    if "enable_thinking" in kwargs or (mode == "auto" and budget != 0):
+        return chat_template_kwargs
+    return {**kwargs, "enable_thinking": mode == "on" and budget != 0}
+
+
 def opens_reasoning(tokenizer, chat_template_kwargs: dict | None = None) -> bool:
     """Whether the template's generation prompt leaves a <think> block open, so that what the
     model writes starts as reasoning (Qwen3.5/3.6 with thinking on: it ends `<think>\\n`)."""

@@ -16,13 +16,22 @@ class Decoder:
     history is the prompt (the repeat penalty looks back over it). Finished after
     max_tokens tokens (None: no limit), a token in stop_ids, or a token the model's
     context has no room left to run (that token is still returned). With a `mask`
-    (shared/token_mask.TokenMask) only the tokens its grammar allows are sampled."""
+    (shared/token_mask.TokenMask) only the tokens its grammar allows are sampled.
+
+    A reasoning budget (the prompt left <think> open): after `reasoning_budget` tokens of
+    reasoning with no `reasoning_end[0]` (</think>) among them, the tokens of `reasoning_end`
+    come next instead of sampled ones, so the reasoning ends as the model ends it itself and
+    the answer (a grammar's constrained part) follows."""
 
     def __init__(self, engine, state, logits: np.ndarray, history, params: SamplingParams, max_tokens: int | None,
-                 stop_ids=frozenset(), logprobs: int | None = None, mask=None):
+                 stop_ids=frozenset(), logprobs: int | None = None, mask=None, reasoning_budget: int | None = None,
+                 reasoning_end=()):
         """logprobs: None, or how many most likely tokens to report beside each sampled
         one's log-probability (`last_logprobs` after each sample())."""
         self.engine, self.state, self.logits, self.mask = engine, state, logits, mask
+        self.thinking = reasoning_budget is not None and bool(reasoning_end)
+        self.budget, self.reasoning_end = reasoning_budget, list(reasoning_end)
+        self.forced: list[int] = list(reasoning_end) if self.thinking and reasoning_budget <= 0 else []
         self.logprobs, self.last_logprobs = logprobs, None
         self.history = list(history)
         self.sampler = Sampler(params)
@@ -39,8 +48,18 @@ class Decoder:
     def sample(self) -> int:
         """The next token, without running it: unless that finished the sequence, its
         logits must come next (step() runs it alone; a worker runs several in one pass)."""
-        logits = self.logits if self.mask is None else self.mask.apply(self.logits)
-        token = self.sampler.sample(logits, self.history)
+        if self.forced:                          # the reasoning's budget is spent: its end, not a sample
+            token = self.forced.pop(0)
+        else:
+            logits = self.logits if self.mask is None else self.mask.apply(self.logits)
+            token = self.sampler.sample(logits, self.history)
+        if self.thinking:
+            if token == self.reasoning_end[0]:
+                self.thinking = False
+            else:
+                self.budget -= 1
+                if self.budget <= 0:
+                    self.forced = list(self.reasoning_end)
         if self.mask is not None:
             self.mask.consume(token)
         if self.logprobs is not None:

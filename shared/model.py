@@ -6,7 +6,7 @@ converted once at load, to Q8_0 (matrices) or F32 (vectors).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -152,6 +152,13 @@ class Model:
     @property
     def fingerprint(self) -> str:
         return self.file.fingerprint
+
+    def extend_context(self, positions: int) -> None:
+        """Let sequences reach `positions` when that is more than the file's context length
+        (the coordinator's --max-model-len above it: llama.cpp's -c beyond n_ctx_train). The
+        RoPE is not rescaled: past the trained length the model's output is unreliable."""
+        if positions > self.config.n_ctx_train:
+            self.config = replace(self.config, n_ctx_train=positions)
 
     @property
     def tokenizer(self):

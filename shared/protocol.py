@@ -102,6 +102,11 @@ class Generate(_Msg, tag="generate"):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     grammar: Constraint | None = None   # None: unconstrained
+    # with messages whose prompt leaves a <think> block open: after this many reasoning tokens
+    # the model's end of reasoning (</think> and the blank line after it) is forced, so that the
+    # answer (or a grammar's constrained part) follows; None: the coordinator's
+    # --reasoning-budget; -1: no limit
+    reasoning_budget: int | None = None
     # refuse it (Error code "queue_full") when this client has this many requests waiting for
     # their first token already: checked after the request is validated, so that a bad request
     # gets its own error however full the queue (the HTTP front end's --max-queue)
@@ -144,6 +149,7 @@ class Done(_Msg, tag="done"):
     prefill_ms: float = 0.0             # the prompt's forward passes (0: resumed whole from a snapshot)
     decode_tok_s: float = 0.0           # tokens after the first one, per second
     stop_reason: str | None = None      # as vLLM's: the stop string matched (None: end of generation or other)
+    reasoning_tokens: int = 0           # of a chat's completion_tokens, those of its <think> block, the tags included
     prefill_device: str | None = None   # where the uncached part of the prompt ran: gpu or cpu (None: no prefill)
     prefill_estimates_ms: dict[str, float] = {}     # what the choice was made on, by device
     prefill_batch: int = 0              # prompts prefilled in one batch with it on a GPU worker, itself included
@@ -189,6 +195,8 @@ class StatusReply(_Msg, tag="status_reply"):
     max_sequences: int = 0          # per worker (--max-sequences); 0: not said
     vision: bool = False            # a vision tower is loaded (--mmproj): chat messages may hold images
     unavailable: str = ""           # why every request is refused now (no worker can run it); "": served
+    reasoning: str = "auto"         # --reasoning: on, off or auto (the template's default)
+    reasoning_budget: int = -1      # --reasoning-budget: -1 no limit, 0 thinking off
 
 
 # ---- coordinator <-> worker ---------------------------------------------------
@@ -278,6 +286,11 @@ class Assign(_Msg, tag="assign"):
     # the prompt's images, in order: the worker runs the vision tower for those its resumed
     # snapshots do not cover, and gives every token its M-RoPE position
     images: list[ImageInput] = []
+    # the prompt leaves <think> open: after reasoning_budget sampled reasoning tokens (none of
+    # them </think>) the worker emits reasoning_end (</think> and the blank line after it)
+    # instead of sampling; None: no limit
+    reasoning_budget: int | None = None
+    reasoning_end: list[int] = []
 
 
 class Stop(_Msg, tag="stop"):

@@ -196,8 +196,8 @@ class WorkerLink:
         except FermoeError as e:
             self.report(str(e))
             return
+        self.block, self.max_model_len = msg.block, msg.max_model_len     # before configure: it may read them
         self.configure(msg.kv_cache_dtype)
-        self.block, self.max_model_len = msg.block, msg.max_model_len
         self.slot_bytes, self.state_slot_bytes = msg.slot_bytes, msg.state_slot_bytes
         if self.arena is None and msg.n_slots and self.shared_memory:
             try:

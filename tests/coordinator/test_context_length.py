@@ -180,8 +180,27 @@ def test_a_coordinator_caps_its_sequences_at_max_model_len(tiny_q4_path):
         assert d.stop() == 0
 
 
+def test_a_max_model_len_above_the_context_length_is_served_with_a_warning(short_path, short):
+    """llama.cpp's -c above n_ctx_train: taken, with one warning that the model was trained on
+    fewer positions; a prompt longer than the file's context length is then served (the
+    workers learn the length from the Welcome)."""
+    from coordinator.client import Client
+    from tests.support.serving_harness import Daemon
+    d = Daemon(short_path, "--max-model-len", "64")
+    try:
+        prompt = list(range(3, 3 + N_CTX + 10))                     # 50 tokens: past the file's 40
+        with Client(d.addr, timeout_s=120) as c:
+            assert c.status().n_ctx == 64
+            done = list(c.generate(tokens=prompt, max_tokens=100, ignore_eos=True, seed=1))[-1]
+        assert done.finish_reason == "length" and not done.error and done.completion_tokens == 64 - 50 + 1
+    finally:
+        assert d.stop() == 0
+    warned = [l for l in d.log if "--max-model-len 64: the model was trained on 40 positions" in l]
+    assert len(warned) == 1 and "WARNING" in warned[0] and "unreliable" in warned[0], "".join(d.log)
+
+
 @pytest.mark.parametrize("args, memory, problem", [
-    (["--max-model-len", "262145"], None, "--max-model-len 262145: must be in [1, 262144]"),
+    (["--max-model-len", "0"], None, "--max-model-len 0: must be >= 1"),
     ([], str(1 << 20), "state does not fit in this host's 0.0 GiB beside the weights: lower --max-sequences"),
 ])
 def test_impossible_context_options_are_refused(tiny_q4_path, tmp_path, args, memory, problem):
