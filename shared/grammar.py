@@ -22,18 +22,26 @@ teaches it and shared/tool_parser.py reads it:
 
     <tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
-A parameter whose schema type is string (shared.tool_parser.param_kind) is raw text up to the first
-`\\n</parameter>\\n` (its enum/const as alternatives, minLength/maxLength as bounds); any other
-is JSON of its own schema (`%json`). Parameters come in the schema's order: required ones
-always, optional ones may be left out. Parallel calls are joined by a newline.
+A parameter whose schema type is string (shared.tool_parser.param_kind) is raw text between
+the format's newlines, `\\n</parameter>\\n` after it (its enum/const as alternatives,
+minLength/maxLength as bounds); any other is JSON of its own schema (`%json`). Where a string
+value ends is the parser's rule, shared.tool_parser.VALUE_END, not a second one: the value is
+one greedy lexeme that may hold no VALUE_END (llguidance's `& ~`), so it may contain
+`</parameter>` followed by other text, and it ends only at the `\\n</parameter>\\n` that the
+next `<parameter=` or `</function>` follows, where the parser ends it too. A value the parser
+would read as null (`null`, any case) is refused unless the schema allows null. Parameters
+come in the schema's order (the order the template renders them back in, the arguments'
+order): required ones always, optional ones may be left out. Parallel calls are joined by a
+newline, as the template joins them.
 """
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 from .errors import GrammarError
-from .tool_parser import param_kind
+from .tool_parser import VALUE_END, param_kind
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # before the answer: the blank lines a model writes after </think>, bounded, so that a weak
@@ -62,23 +70,36 @@ def json_schema_text(schema) -> str:
 
 
 # ---- forced tool calls ------------------------------------------------------------------------
-def _string_value(rule: str, schema: dict) -> list[str]:
-    """Rules of a raw-text value: `rule` matches the value, its newlines and </parameter>."""
-    end = "\n</parameter>\n"
+def _nullable(schema: dict) -> bool:
+    t = schema.get("type")
+    return t == "null" or isinstance(t, list) and "null" in t
+
+
+def _choices(schema: dict) -> list[str] | None:
+    """A string parameter's enum/const as the strings the format can hold (None: free text)."""
     choices = schema.get("enum") if isinstance(schema.get("enum"), list) else None
     if "const" in schema:
         choices = [schema["const"]]
-    if choices is not None:
-        strings = [c for c in choices if isinstance(c, str)]
-        if not strings:
-            raise GrammarError(f"a string parameter's enum has no string ({choices!r})")
-        return [f"{rule}: \"\\n\" ({' | '.join(_lit(c) for c in strings)}) {_lit(end)}"]
+    if choices is None:
+        return None
+    strings = [c for c in choices if isinstance(c, str) and not re.search(f"(?:{VALUE_END})(?s:.+)", f"\n{c}\n</parameter>\n")
+               and (c.lower() != "null" or _nullable(schema))]
+    if not strings:
+        raise GrammarError(f"a string parameter's enum has no string the tool-call format can hold ({choices!r})")
+    return strings
+
+
+def _free_string(rule: str, schema: dict) -> str:
+    """A lexeme of a free string value: its newlines and the `</parameter>` that ends it,
+    holding no VALUE_END but that last one, so that llguidance (which ends a greedy lexeme
+    where it cannot go on) ends it there: where the parser ends it."""
     lo, hi = schema.get("minLength"), schema.get("maxLength")
     bounds = "*"
     if isinstance(lo, int) or isinstance(hi, int):
         bounds = "{%d,%s}" % (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else "")
-    # lazy: the value ends at the first "\n</parameter>\n", which is matched with it
-    return [f"{rule}[lazy]: /\\n(?s:.{bounds})\\n<\\/parameter>\\n/"]
+    end = VALUE_END.replace("/", "\\/")
+    null = "" if _nullable(schema) else " & ~/\\n(?i:null)\\n<\\/parameter>\\n/"
+    return f"{rule}: /\\n(?s:.{bounds})\\n<\\/parameter>\\n/ & ~/(?s:.*)(?:{end})(?s:.+)/{null}"
 
 
 def _function_rules(i: int, fn: dict) -> tuple[str, list[str]]:
@@ -93,12 +114,16 @@ def _function_rules(i: int, fn: dict) -> tuple[str, list[str]]:
             raise GrammarError(f"function {fn.get('name')!r}: parameter name {name!r} cannot be written in the "
                                "model's tool-call format")
         schema = props.get(name, {})
+        schema = schema if isinstance(schema, dict) else {}
         value = f"f{i}_v{j}"
-        if param_kind(schema, name in props) == "string":
-            rules += _string_value(value, schema if isinstance(schema, dict) else {})
+        strings = _choices(schema) if param_kind(schema, name in props) == "string" else None
+        if param_kind(schema, name in props) == "string" and strings is None:
+            value = value.upper()                   # a lexeme
+            rules.append(_free_string(value, schema))
         else:
-            rules.append(f"{value}: \"\\n\" %json {json.dumps(_schema(schema, defs), ensure_ascii=False)} "
-                         f"{_lit(chr(10) + '</parameter>' + chr(10))}")
+            what = (f"({' | '.join(_lit(c) for c in strings)})" if strings is not None
+                    else f"%json {json.dumps(_schema(schema, defs), ensure_ascii=False)}")
+            rules.append(f"{value}: \"\\n\" {what} {_lit(chr(10) + '</parameter>' + chr(10))}")
         rules.append(f"f{i}_p{j}: {_lit(f'<parameter={name}>')} {value}")
         body.append(f"f{i}_p{j}" + ("" if name in required else "?"))
     head = _lit(f"<function={fn['name']}>\n")

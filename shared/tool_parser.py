@@ -21,11 +21,15 @@ Tool calls, in the Qwen3-Coder XML format the templates teach:
 - A call starts at `<tool_call>` followed by `<function=NAME>` with NAME one of the tools;
   anything else (`<tool_call>` in prose, an unknown function) stays text of its channel.
 - Values are raw text: one newline after `<parameter=ARG>` and one before `</parameter>` are
-  the format's; a value may span lines and contain `<`, `<tool_call>`, even `</parameter>`:
-  a `</parameter>` ends the value only when what follows is another `<parameter=` of the
-  function (a schema name, when the schema lists them), `</function>`, `</tool_call>` or the
-  end of the output (as vLLM's qwen3_coder tells them apart). A missing newline before
-  `</parameter>` is taken (llama.cpp #26763).
+  the format's; a value may span lines and contain `<`, `<tool_call>`, even `</parameter>`.
+  Where a value ends is one rule, VALUE_END below (shared/grammar.py forbids it inside a
+  forced string value, so that what the grammar lets the model write parses back as the
+  grammar read it): a `</parameter>` between newlines (the format's) ends the value, and
+  elsewhere only when what follows, after blanks, is
+  `<parameter=`, `</function>` or `</tool_call>`, or the end of the output (as
+  vLLM's qwen3_coder tells them apart); so does a `</function>` so followed (the
+  `</parameter>` left out), and any `</tool_call>`. A missing newline before `</parameter>`
+  is taken (llama.cpp #26763).
 - Values are typed by the tool's JSON schema, as vLLM converts them: strings stay raw text and
   stream as they come, JSON-escaped; integers, numbers, booleans, objects and arrays are
   parsed (`True`/`None` as Qwen3.5's template writes them back too) and sent whole when the
@@ -50,6 +54,16 @@ NAME_MAX = 256
 _FUNCTION_RE = re.compile(r"\s*<function=([^<>\n]{1,%d})>" % NAME_MAX)
 _PARAMETER_RE = re.compile(r"<parameter=([^<>\n]{1,%d})>" % NAME_MAX)
 _NAME_CHARS_RE = re.compile(r"[^<>\n]{0,%d}" % NAME_MAX)
+# The rule of where a raw value ends, written once: the parser reads values by it, and the
+# forced-call grammar (shared/grammar.py) keeps it out of a string value. `VALUE_END` is the
+# regex (Python's and llguidance's syntax alike) of a closing tag that ends the value before
+# it: `</parameter>` or `</function>` followed, after blanks, by a tag that goes on with the
+# call, or `</tool_call>` (as text or its token). The end of the output after the first two
+# ends a value too (the parser's `final`); a grammar's value is never last.
+BLANKS = r"[ \t\r\n]*"
+_FOLLOW = r"(?:</function>|</tool_call>|<parameter=)"
+VALUE_END = r"\n</parameter>\n|(?:</parameter>|</function>)%s%s|</tool_call>" % (BLANKS, _FOLLOW)
+_FOLLOW_RE = re.compile(BLANKS + _FOLLOW)
 REASONING_FORMATS = ("deepseek", "none")
 
 
@@ -247,6 +261,7 @@ class ToolCallParser:
             self.value_start = False
             if self.buf.startswith("\n"):
                 self.buf = self.buf[1:]
+                self.after_newline = True
                 return True
         at = self.buf.find("<")
         if at < 0:
@@ -256,7 +271,8 @@ class ToolCallParser:
         self._value_text(self.buf[:at])
         self.buf = rest = self.buf[at:]
         if rest.startswith(END_PARAMETER):
-            closes = self._closes(rest[len(END_PARAMETER):], final)
+            after = rest[len(END_PARAMETER):]
+            closes = True if self.after_newline and after.startswith("\n") else self._closes(after, final)
             if closes is None:
                 return False
             if closes:
@@ -288,17 +304,12 @@ class ToolCallParser:
         return True
 
     def _closes(self, after: str, final: bool) -> bool | None:
-        """Whether a closing tag followed by `after` really closes the value (None: not known yet)."""
-        lead = after.lstrip()
-        if lead.startswith(END_FUNCTION) or lead.startswith(END_TOOL_CALL):
+        """Whether a closing tag followed by `after` really closes the value (VALUE_END; None:
+        not known yet)."""
+        if _FOLLOW_RE.match(after):
             return True
-        m = _PARAMETER_RE.match(lead)
-        if m:       # a name the schema lacks counts when the tag had the format's newline before it
-            names = self.schemas.get(self.fn)
-            return names is None or m.group(1).strip() in names or self.value.endswith("\n")
-        undecided = (not lead or _is_prefix(lead, END_FUNCTION, END_TOOL_CALL, PARAMETER) or
-                     (lead.startswith(PARAMETER) and _NAME_CHARS_RE.fullmatch(lead[len(PARAMETER):])))
-        if undecided:
+        lead = after.lstrip(" \t\r\n")
+        if not lead or _is_prefix(lead, END_FUNCTION, END_TOOL_CALL, PARAMETER):
             return True if final else None
         return False
 
@@ -308,11 +319,13 @@ class ToolCallParser:
         self._args((", " if self.n_params else "") + json.dumps(name, ensure_ascii=False) + ": ")
         self.n_params += 1
         self.param, self.value, self.value_sent, self.value_start = (name, kind), "", False, True
+        self.after_newline = False                  # the raw text before a closing tag ends with a newline
         self.state = "value"
 
     def _value_text(self, text: str) -> None:
         if not text:
             return
+        self.after_newline = text.endswith("\n")
         self.value += text
         if self.param[1] != "string":
             return

@@ -161,3 +161,53 @@ def test_a_matcher_in_error_raises_instead_of_sampling_nothing(tok):
         mask.consume(tok.encode("x")[0])         # JSON cannot start with x
     with pytest.raises(GrammarError):
         mask.apply(np.zeros(tok.n_vocab, np.float32))
+
+
+def _rendered(name: str, args: dict) -> str:
+    """A call as the Qwen-style template renders it back (shared/chat_template.py)."""
+    body = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                   for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+TEXT = {"type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}},
+        "required": ["text", "n"]}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grammar_and_parser_read_a_rendered_call_alike(tok, seed):
+    """Issue 38 part 3: one rule (shared.tool_parser.VALUE_END) ends a value for both. The
+    template's rendering of a valid call is accepted and parses back to the same call; a value
+    holding `</parameter>` followed by other text is one value to both; one the grammar refuses
+    (where the parser would end the value early) is never forced."""
+    rng = np.random.default_rng(seed)
+    pieces = ["a", " ", "\n", "<", "</parameter>", "</parameter> x", "<b>", "é", "</function", "\n\n"]
+    text = "".join(rng.choice(pieces) for _ in range(int(rng.integers(0, 8))))
+    args = {"text": text, "n": int(rng.integers(1, 8))}
+    tools = [{"type": "function", "function": {"name": "note", "parameters": TEXT}}]
+    grammar = full_grammar("lark", tool_call_lark(tools, parallel=False), False)
+    parser = ToolCallParser(tools)
+    events = parser.feed(_rendered("note", args)) + parser.finish()
+    parsed = json.loads("".join(e[2] for e in events if e[0] == "args"))
+    ok = accepts(tok, grammar, _rendered("note", args))
+    assert ok == (parsed == args), (text, parsed, ok)
+
+
+@pytest.mark.parametrize("value, same", [
+    ("a </parameter>\nnot the end\n</parameter> still not", True),
+    ("x</parameter>y", True),
+    ("", True),
+    ("</parameter>\n</function>", False),        # the parser ends the value there: never forced
+    ("a\n</parameter>\nb", False),
+])
+def test_a_value_with_a_closing_tag_inside(tok, value, same):
+    tools = [{"type": "function", "function": {"name": "note", "parameters": TEXT}}]
+    grammar = full_grammar("lark", tool_call_lark(tools, parallel=False), False)
+    text = _rendered("note", {"text": value, "n": 3})
+    parser = ToolCallParser(tools)
+    events = parser.feed(text) + parser.finish()
+    parsed = json.loads("".join(e[2] for e in events if e[0] == "args"))
+    assert accepts(tok, grammar, text) == same
+    assert (parsed == {"text": value, "n": 3}) == same
+
