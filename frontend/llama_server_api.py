@@ -148,10 +148,11 @@ class CompletionResponse(GenerationResponse):
         ids = [t.token for t in tokens if t.token >= 0] if self.return_tokens else []
         await send_json(send, 200, self.final(msg, "".join(t.text for t in tokens), ids))
 
+    def opening_events(self) -> list[bytes]:
+        return []                                   # llama-server's stream opens with its first token
+
     async def _stream_events(self, msg, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
-        out, tokens = [], []
+        out, tokens = [], []                        # (the headers went out in _start_stream)
         while not isinstance(msg, P.Done):
             if msg.token >= 0:
                 tokens.append(msg.token)

@@ -45,7 +45,9 @@ def test_tools_history_and_template_settings_reach_the_generate():
     explicit = openai_request.chat_generate(body(reasoning_effort="none",
                                                  chat_template_kwargs={"enable_thinking": True}))
     assert explicit.chat_template_kwargs == {"enable_thinking": True}      # the template kwargs say
-    assert openai_request.chat_generate(body(reasoning_effort="high")).chat_template_kwargs is None
+    # an effort above none asks for reasoning, over a server's --reasoning off
+    assert openai_request.chat_generate(body(reasoning_effort="high")).chat_template_kwargs == {"enable_thinking": True}
+    assert openai_request.chat_generate(body()).chat_template_kwargs is None
 
 
 @pytest.mark.parametrize("fields, param, word", [
