@@ -99,7 +99,10 @@ def _free_string(rule: str, schema: dict) -> str:
         bounds = "{%d,%s}" % (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else "")
     end = VALUE_END.replace("/", "\\/")
     null = "" if _nullable(schema) else " & ~/\\n(?i:null)\\n<\\/parameter>\\n/"
-    return f"{rule}: /\\n(?s:.{bounds})\\n<\\/parameter>\\n/ & ~/(?s:.*)(?:{end})(?s:.+)/{null}"
+    # an empty value may also come as `\n</parameter>` (one newline: the parser reads it as "",
+    # and models write it so), not only as the template's `\n\n</parameter>`
+    empty = "|\\n<\\/parameter>\\n" if not isinstance(lo, int) or lo <= 0 else ""
+    return f"{rule}: /\\n(?s:.{bounds})\\n<\\/parameter>\\n{empty}/ & ~/(?s:.*)(?:{end})(?s:.+)/{null}"
 
 
 def _function_rules(i: int, fn: dict) -> tuple[str, list[str]]:

@@ -96,3 +96,44 @@ def test_thinking_off_and_tool_choice_none(client):
     none = client.chat.completions.create(model="tiny", messages=ask(kind, name), tools=[TOOL], tool_choice="none",
                                           max_tokens=128, temperature=0).choices[0]
     assert none.finish_reason == "stop" and not none.message.tool_calls    # what it wrote stays text
+
+
+ISSUE_QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_a_forced_call_the_model_would_not_make_is_still_a_valid_one(client, daemon, choice):
+    """Issue's reproducer, the fault guarded: forced to get_weather on a pydoc question, the
+    model writes an empty city as `<parameter=city>\\n</parameter>` and wants to close the
+    call. The grammar ended a string value only at `\\n</parameter>\\n` after its own
+    newline, so the city ran on over the next parameters, and the reply was `{"city": ""}`
+    with `days` missing and the rest of the call in the content. Grammar and parser now end
+    a value by one rule, the short empty form included: the call validates."""
+    r = client.chat.completions.create(model="m", messages=ISSUE_QUESTION, temperature=0,
+                                       max_tokens=200, tools=[TOOL, WEATHER_TOOL], tool_choice=choice)
+    choice_ = r.choices[0]
+    assert choice_.finish_reason == "tool_calls" and not choice_.message.content, choice_
+    call = choice_.message.tool_calls[0].function
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (TOOL, WEATHER_TOOL)}[call.name]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    if not isinstance(choice, str):
+        assert call.name == "get_weather"
+    responses = daemon_responses(daemon, choice)
+    assert responses["status"] == "completed", responses
+    call = next(item for item in responses["output"] if item["type"] == "function_call")
+    jsonschema.validate(json.loads(call["arguments"]), schema if call["name"] != "pydoc" else TOOL["function"]["parameters"])
+
+
+def daemon_responses(daemon, choice) -> dict:
+    """The same request on /v1/responses."""
+    import httpx
+    tool_choice = {"type": "function", "name": "get_weather"} if not isinstance(choice, str) else choice
+    tools = [{"type": "function", **t["function"]} for t in (TOOL, WEATHER_TOOL)]
+    r = httpx.post(f"{daemon.url}/v1/responses", timeout=120, json={
+        "model": "m", "input": ISSUE_QUESTION[0]["content"], "tools": tools, "tool_choice": tool_choice,
+        "temperature": 0, "max_output_tokens": 200})
+    assert r.status_code == 200, r.text
+    return r.json()

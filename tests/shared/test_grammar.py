@@ -211,3 +211,17 @@ def test_a_value_with_a_closing_tag_inside(tok, value, same):
     assert accepts(tok, grammar, text) == same
     assert (parsed == {"text": value, "n": 3}) == same
 
+
+
+def test_an_empty_value_in_its_short_form_is_taken_and_read_as_empty(tok):
+    """Models write an empty string value as `<parameter=ARG>\\n</parameter>` (one newline, not
+    the template's two): the grammar takes that form and the parser reads "" from it, so a
+    forced call whose model wanted an empty city goes on to the next required parameter
+    (fault guarded: the city ran on over the next parameters until the token limit)."""
+    tools = [{"type": "function", "function": {"name": "note", "parameters": TEXT}}]
+    grammar = full_grammar("lark", tool_call_lark(tools, parallel=False), False)
+    text = _rendered("note", {"text": "", "n": 3}).replace("<parameter=text>\n\n</parameter>", "<parameter=text>\n</parameter>")
+    assert "<parameter=text>\n</parameter>" in text and accepts(tok, grammar, text)
+    parser = ToolCallParser(tools)
+    events = parser.feed(text) + parser.finish()
+    assert json.loads("".join(e[2] for e in events if e[0] == "args")) == {"text": "", "n": 3}
