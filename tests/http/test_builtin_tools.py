@@ -137,3 +137,26 @@ def daemon_responses(daemon, choice) -> dict:
         "temperature": 0, "max_output_tokens": 200})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_the_turn_after_a_forced_call_resumes_after_it(client, choice):
+    """The tokens a forced call is made of are the ones the template renders for it, so the
+    next turn (the call and its result appended) finds the previous prompt and the whole
+    answer cached, as it does after a call the model made by itself (less a few tokens
+    where a re-encoding may split its text otherwise)."""
+    first = client.chat.completions.create(model="m", messages=ISSUE_QUESTION, temperature=0, max_tokens=200,
+                                           tools=[TOOL], tool_choice=choice,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = first.choices[0].message
+    assert message.tool_calls, message
+    call = message.tool_calls[0]
+    turn = ISSUE_QUESTION + [
+        {"role": "assistant", "content": message.content or "", "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": lookup(json.loads(call.function.arguments)["name"])}]
+    second = client.chat.completions.create(model="m", messages=turn, temperature=0, max_tokens=8, tools=[TOOL],
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 4, (first.usage, second.usage)
