@@ -22,7 +22,7 @@ from coordinator.client import Client
 from coordinator.options import parse_options
 from shared.curve import write_keys
 from shared.errors import FermoeError
-from tests.support.serving_harness import Daemon, free_port, run, unpinned, wait_until
+from tests.support.serving_harness import Daemon, free_port, unpinned, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSED_S = 2.0          # a refused client or worker hears nothing: this long is long enough to tell

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import zmq
-
 from shared.worker_link import WorkerLink
 from tests.support.serving_harness import free_port
 

@@ -82,7 +82,7 @@ def test_the_requests_pixel_budget(tokenizer, no_decoding):
 def test_bad_headers_are_refused_before_decoding(tokenizer, no_decoding):
     with pytest.raises(ImageError, match=r"^image 2: corrupt or truncated PNG image \(16 bytes\)"):
         plan(tokenizer, chat(png(1), png(2)[:16]), vision=CFG)
-    with pytest.raises(ImageError, match=f"^image 1: the image is 20000x20000 = 400000000 pixels, over the limit"):
+    with pytest.raises(ImageError, match="^image 1: the image is 20000x20000 = 400000000 pixels, over the limit"):
         plan(tokenizer, chat(blank_png(20000, 20000)), vision=CFG)
     with pytest.raises(ImageError, match="^image 1: the image is 500x2: its aspect ratio 250 is over 200"):
         plan(tokenizer, chat(png(1, (500, 2))), vision=CFG)
