@@ -84,6 +84,8 @@ class Client:
         """Token messages as they come, then the Done (raises on an Error reply)."""
         while True:
             msg = self._next(request_id, self.timeout_s)
+            if isinstance(msg, P.Started):      # the prompt's size; its Done says it again
+                continue
             if isinstance(msg, P.Error):
                 raise FermoeError(f"request {request_id} refused: {msg.message}")
             yield msg

@@ -506,7 +506,7 @@ class Coordinator:
             if placed == "wait":
                 return
             if placed == "gpu":
-                self.queue.pop(0)
+                self.announce(self.requests[self.queue.pop(0)])
                 continue
             wid = pick_worker(self.workers, self.opts.max_sequences)
             if wid is None:
@@ -514,9 +514,17 @@ class Coordinator:
             req = self.requests[self.queue.pop(0)]
             try:
                 self.assign(req, wid)
+                self.announce(req)
             except Exception as e:         # a bug met by one request ends that request only
                 log.exception("assigning request %s to worker %s failed", req.rid, wid)
                 self.end(req, "error", error=f"internal error: {type(e).__name__}: {e}")
+
+    def announce(self, req: Request) -> None:
+        """The prompt's size and cached part, once, as soon as its first lookup is made."""
+        if not req.started:
+            req.started = True
+            self.reply(req.client, P.Started(request_id=req.rid, prompt_tokens=len(req.tokens),
+                                             cached_prompt_tokens=req.cached_tokens))
 
     def handle_prefilled(self, wid: str, msg: P.Prefilled, data=()) -> None:
         req = self.gpu.prefilled(wid, msg)

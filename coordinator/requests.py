@@ -39,6 +39,7 @@ class Request:
     resume: object = None            # pinned SnapshotIndex lookup, released when the request ends
     planned: list = field(default_factory=list)    # snapshot slots being written for it
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
+    started: bool = False            # its client was told the prompt's size (P.Started)
     sent: int = 0                    # tokens streamed to the client
     thinking: bool = False           # a chat whose output is inside a <think> block (its prompt's, or its own)
     reasoning_tokens: int = 0        # tokens streamed inside <think> blocks, the tags included

@@ -10,8 +10,9 @@ the model called a tool, else `stop_sequence` (with `stop_sequence` set) when on
 `stop_sequences` ended it, else `end_turn`.
 
 Usage is Anthropic's: `input_tokens` are the prompt tokens the prefix cache did not hold,
-`cache_read_input_tokens` those it did. The prompt's size is known only at the end, so
-`message_start` carries zeros and `message_delta` the whole usage (the SDK takes it there).
+`cache_read_input_tokens` those it did. `message_start` carries them as soon as the request
+is on a worker (the coordinator's Started; zeros if it still waits in the queue when the
+stream opens), and `message_delta` the whole usage again at the end.
 
 A streamed request whose prompt takes long to prefill gets its headers and `message_start`
 within a second, then `event: ping` every few seconds until the first token
@@ -115,7 +116,11 @@ class MessagesResponse(BlockResponse):
                              stop_reason(done, bool(self.blocks.calls)), usage(done))
 
     def opening(self) -> list[bytes]:
-        return [_sse("message_start", {"type": "message_start", "message": self._message([])})]
+        started = self.stream.started
+        usage_ = None if started is None else {
+            "input_tokens": started.prompt_tokens - started.cached_prompt_tokens, "output_tokens": 0,
+            "cache_read_input_tokens": started.cached_prompt_tokens, "cache_creation_input_tokens": 0}
+        return [_sse("message_start", {"type": "message_start", "message": self._message([], usage_=usage_)})]
 
     def event(self, e: tuple) -> list[bytes]:
         kind, block = e[0], e[1]

@@ -47,6 +47,7 @@ class RequestStream:
         self.failure: str | None = None     # set when the request ends without a Done of its own
         self.answered = False               # a first reply came (it no longer waits)
         self.done: P.Done | None = None     # the coordinator's Done, once it came
+        self.started: P.Started | None = None   # the prompt's size, once it went to a worker
 
     def push(self, msg) -> bool:
         """From the reader; False when the queue is full (the client is not reading)."""
@@ -163,6 +164,9 @@ class Upstream:
             if isinstance(msg, (P.Done, P.Error)) and (on_done := self.draining.pop(msg.request_id, None)):
                 if isinstance(msg, P.Done):
                     on_done(msg)
+            return
+        if isinstance(msg, P.Started):      # read by the opening event, not a reply of its own
+            stream.started = msg
             return
         if isinstance(msg, (P.Done, P.Error)):
             self.streams.pop(msg.request_id, None)              # closed: nothing to cancel any more

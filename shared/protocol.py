@@ -138,6 +138,15 @@ class Token(_Msg, tag="token"):
     top_logprobs: list[TokenLogprob] | None = None
 
 
+class Started(_Msg, tag="started"):
+    """coordinator -> client, once, when the request first goes to a worker (before its first
+    Token): the prompt's tokens and how many of them were found cached, as its Done will
+    report them. A streamed API's opening event can then carry the prompt's size."""
+    request_id: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+
+
 class Done(_Msg, tag="done"):
     """coordinator -> client: the request is over. Timings in milliseconds and tokens/s."""
     request_id: str
@@ -380,7 +389,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
-CLIENT_REPLIES = Union[Token, Done, Error, StatusReply]
+CLIENT_REPLIES = Union[Started, Token, Done, Error, StatusReply]
 TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots]
 FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
 

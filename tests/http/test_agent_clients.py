@@ -60,9 +60,14 @@ def test_messages_tool_round_trip_streamed_and_not(claude):
     counted = claude.messages.count_tokens(model="claude-x", tools=tools, system="Use tools.", messages=history)
     with claude.messages.stream(model="claude-x", max_tokens=8, tools=tools, system="Use tools.",
                                 messages=history, extra_body=GREEDY) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         second = stream.get_final_message()
+    kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    # message_start already carries the prompt's size (Claude Code reads its context use there)
+    opening = events[0].message.usage
+    assert (opening.input_tokens, opening.cache_read_input_tokens) == (second.usage.input_tokens,
+                                                                      second.usage.cache_read_input_tokens)
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == counted.input_tokens > prompt
     assert second.usage.cache_read_input_tokens >= prompt - 32        # the first turn's prompt, to a block
     assert second.stop_reason == "max_tokens" and second.usage.output_tokens == 8
