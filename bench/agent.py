@@ -9,6 +9,12 @@ agent sends them (`reasoning_content`), followed by the recorded calls and their
 So from the second turn on the prompt is the previous prompt, the previous generation, and
 what the agent appended: a server that keeps its state across turns prefills only that.
 
+`--session FILE` replays a session recorded from a real client instead (a JSON line a
+request, as bench/agent_session.py's recorder writes them: `fermoe bench agent --record FILE
+--upstream URL` puts the recorder in front of a server, and the client is pointed at it):
+each request is sent again as the client sent it, in order, and the keys are then those of
+SESSION_KEYS below.
+
 Per turn: prompt tokens, cached tokens (`usage.prompt_tokens_details.cached_tokens`, or
 llama-server's `timings.cache_n`), the tokens appended since the previous generation, and
 the time to first token. `--llama-server URL` replays the same episode against a running
@@ -34,6 +40,19 @@ JSON keys ("<server>": fermoe, and llama_server with --llama-server):
   <server>.summary.reprefilled_beyond_appended  from the second turn on, a list: the prompt
                           tokens prefilled beyond what was appended (0: only the new part was)
   <server>.summary.ttft_s_total  s: the turns' times to first token, summed
+
+SESSION_KEYS, with --session FILE:
+  model                   the GGUF path or built-in name given
+  session                 the session file's name
+  <server>.requests[]     one object a recorded request, in order
+  <server>.requests[].path  its route (/v1/messages, /v1/responses, /v1/chat/completions)
+  <server>.requests[].status  the HTTP status
+  <server>.requests[].usage  {prompt_tokens, cached_tokens, completion_tokens} (null: none said)
+  <server>.requests[].errors  the error events of its stream
+  <server>.requests[].ttft_s  s: to the first generated token (streamed), or to the whole answer
+  <server>.requests[].recorded  the usage and time to first token when it was recorded
+  <server>.summary        requests, prompt_tokens, cached_tokens and ttft_s_total summed, and
+                          `failed`: the indexes of the requests answered with an error
 """
 from __future__ import annotations
 
@@ -147,18 +166,74 @@ def run(model: str, max_tokens: int = 32, llama_server: str | None = None, extra
     return out
 
 
+def run_session(model: str, session: Path, llama_server: str | None = None, extra: list[str] = ()) -> dict:
+    from coordinator.launcher import stop_coordinator
+
+    from .agent_session import load, replay as replay_session, session_summary
+    from .http import start_http_coordinator
+    records = [r for r in load(session) if r.get("method") == "POST" and r.get("body") is not None]
+    out = {"model": model, "session": Path(session).name}
+
+    def replayed(url: str) -> dict:
+        rows = replay_session(url, records)
+        for row, rec in zip(rows, records):
+            row["recorded"] = {"usage": rec.get("usage"), "ttft_s": rec.get("ttft_s")}
+        return {"requests": rows, "summary": session_summary(rows)}
+    with tempfile.TemporaryFile("w+") as log:
+        daemon, _, url = start_http_coordinator(model, list(extra), log)
+        try:
+            out["fermoe"] = replayed(url)
+        finally:
+            stop_coordinator(daemon)
+    if llama_server:
+        out["llama_server"] = {"url": llama_server, **replayed(llama_server.rstrip("/"))}
+    return out
+
+
+def record(upstream: str, path: Path, port: int) -> int:
+    """The recorder in front of `upstream` until interrupted; a line on stderr says where."""
+    from .agent_session import Recorder
+    with Recorder(upstream, path, port) as recorder:
+        print(f"recording requests to {upstream} into {path}: point the client at {recorder.url} "
+              f"(Ctrl-C stops)", file=sys.stderr)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    print(json.dumps({"session": str(path), "requests": len(recorder.records)}))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fermoe bench agent")
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="the GGUF path or built-in name to serve (not with --record)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated a turn (default 32)")
     p.add_argument("--llama-server", default=None, metavar="URL",
                    help="also replay the episode against this running llama-server (the same model file)")
     p.add_argument("--episode", default=str(EPISODE), metavar="FILE",
                    help="the episode (default: the recorded one; bench/make_agent_episode.py --small writes one "
                         "that fits a 4k context)")
+    p.add_argument("--session", default=None, metavar="FILE",
+                   help="replay a session recorded from a real client (--record) instead of the episode")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="record a client's session: a proxy in front of --upstream, appending to FILE")
+    p.add_argument("--upstream", default=None, metavar="URL", help="with --record: the server the proxy forwards to")
+    p.add_argument("--port", type=int, default=0, help="with --record: the proxy's port on 127.0.0.1 (default: free)")
     args, daemon_options = p.parse_known_args(argv)      # the rest goes to the coordinator
     if args.tokens < 1:
         p.error("--tokens must be at least 1")
+    if args.record:
+        if not args.upstream:
+            p.error("--record needs --upstream URL (the server to record)")
+        return record(args.upstream, Path(args.record), args.port)
+    if args.model is None:
+        p.error("the model to serve is missing")
+    if args.session:
+        if not Path(args.session).is_file():
+            p.error(f"--session {args.session}: no such file")
+        print(json.dumps(run_session(args.model, Path(args.session), args.llama_server, daemon_options), indent=2))
+        return 0
     print(json.dumps(run(args.model, args.tokens, args.llama_server, daemon_options, args.episode), indent=2))
     return 0
 

@@ -185,6 +185,8 @@ def _input(items: list[dict]) -> list[dict]:
                 raise invalid(f"{param}.role", f"expected user, system, developer or assistant, got {role!r}")
             if "content" not in item:
                 raise invalid(f"{param}.content", "Missing required parameter", "missing_required_parameter")
+            if reasoning and role != "assistant":   # a turn that was all reasoning (Codex sends it back so)
+                assistant()["content"] = ""
             if role == "user":
                 out.append({"role": role, "content": _user_content(f"{param}.content", item["content"])})
                 continue
