@@ -92,7 +92,7 @@ class ClaudeCode(Client):
 
     def command(self, prompt, follow_up):
         return ["-p", prompt, "--output-format", "stream-json", "--verbose", "--model", "tiny",
-                "--system-prompt", SYSTEM, "--tools", "Read", *(["--continue"] if follow_up else [])]
+                "--system-prompt", SYSTEM, "--tools", "Read,Agent", *(["--continue"] if follow_up else [])]
 
 
 class Codex(Client):

@@ -40,15 +40,21 @@ def test_claude_code_requests(tokenizer):
     first, *later = generations(FIXTURES["claude"])
     assert first["query"] == "beta=true" and "mid-conversation-system" in first["headers"]["anthropic-beta"]
     msg = generate_of(first)
-    # its system blocks (a billing line, the SDK's line, ours) are one system message, first
-    assert [m.role for m in msg.messages] == ["system", "user"] and SYSTEM in msg.messages[0].content
-    assert [t["function"]["name"] for t in msg.tools] == ["Read"]
+    # its system blocks (a billing line, the SDK's line, ours) are one system message, first; with
+    # its Agent tool it sends a system message after the user's (the agent types), rendered as
+    # the chat path renders a late system message: a user turn of its own
+    assert [m.role for m in msg.messages] == ["system", "user", "system"] and SYSTEM in msg.messages[0].content
+    late = msg.messages[2].content
+    assert late.startswith("Available agent types") and f"<|im_start|>user\n{late}" in rendered(first, tokenizer)
+    assert [t["function"]["name"] for t in msg.tools] == ["Agent", "Read"]
     assert first["body"]["thinking"] == {"type": "adaptive"} and msg.chat_template_kwargs == {"enable_thinking": True}
     assert msg.max_tokens == first["body"]["max_tokens"]
-    # --continue: the first run's answer is the assistant turn before the follow-up
-    follow = generate_of(later[0])
-    assert [m.role for m in follow.messages] == ["system", "user", "assistant", "user"]
-    assert rendered(later[0], tokenizer).startswith(rendered(first, tokenizer).removesuffix("<think>\n"))
+    # --continue: the first run's answer is the assistant turn before the follow-up (the first
+    # run may have asked again after an answer that was all reasoning, as Claude Code does)
+    i, follow = next((i, r) for i, r in enumerate(later) if any(m["role"] == "assistant" for m in r["body"]["messages"]))
+    assert [m.role for m in generate_of(follow).messages] == ["system", "user", "system", "assistant", "user"]
+    before = later[i - 1] if i else first
+    assert rendered(follow, tokenizer).startswith(rendered(before, tokenizer).removesuffix("<think>\n"))
 
 
 def test_codex_requests(tokenizer):
