@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 
+import msgspec
 import zmq
 
 from shared import protocol as P
@@ -34,7 +35,7 @@ from shared.curve import CLIENTS, WORKERS, ClientKeys, HandshakeWatch
 from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint, reasoning_open
-from shared.sampling import MAX_TOP_LOGPROBS
+from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams, with_defaults
 from shared.model import Model
 from shared.state import recurrent_nbytes
 from shared.model import has_random_weights, random_weights_notice
@@ -274,8 +275,19 @@ class Coordinator:
             self.reply(client, P.Error(message=f"internal error: {type(e).__name__}: {e}",
                                        request_id=getattr(msg, "request_id", None)))
 
+    def sampling_defaults(self) -> SamplingParams:
+        """What a request that sets no sampling field gets (llama-server's --temp, ...)."""
+        return SamplingParams(**self.opts.sampling_defaults)
+
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
         try:
+            if msg.unset:                       # the server's defaults, where the client left a field out
+                unknown = sorted(set(msg.unset) - set(SamplingParams.names()) - {"max_tokens"})
+                if unknown:
+                    raise FermoeError(f"unset names {', '.join(unknown)}: not sampling fields (or max_tokens)")
+                msg.sampling = with_defaults(msg.sampling, msg.unset, self.opts.sampling_defaults)
+                if "max_tokens" in msg.unset and self.opts.n_predict is not None:
+                    msg.max_tokens = self.opts.n_predict
             if msg.reasoning_budget is not None and msg.reasoning_budget < -1:
                 raise FermoeError(f"reasoning_budget must be >= 0 (or -1: no limit, null: the server's), "
                                   f"got {msg.reasoning_budget}")
@@ -386,7 +398,9 @@ class Coordinator:
                                          max_request_size=P.max_message_bytes(), n_ctx=self.max_model_len,
                                          max_sequences=self.opts.max_sequences, vision=self.vision is not None,
                                          unavailable=self.unavailable or "", reasoning=self.opts.reasoning,
-                                         reasoning_budget=self.opts.reasoning_budget))
+                                         reasoning_budget=self.opts.reasoning_budget,
+                                         sampling_defaults=msgspec.to_builtins(self.sampling_defaults()),
+                                         n_predict=self.opts.n_predict or -1))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:

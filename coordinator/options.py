@@ -2,18 +2,25 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 
 from shared.errors import FermoeError
 from shared.chat import REASONING_MODES
 from shared.options import add_kv_cache_dtype, parse_size
 from shared.state import DEFAULT_BLOCK, KV_DTYPES
 
+from . import llama_server_flags
+
+log = logging.getLogger("fermoe.coordinator")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description="The fermoe daemon: loads a model, starts its CPU "
                                 "workers, keeps the prefix snapshot cache and serves clients (`fermoe submit`, "
                                 "ZeroMQ; the OpenAI-compatible HTTP API with --http) until SIGTERM or Ctrl-C.")
-    p.add_argument("--model", required=True, help="GGUF path or built-in model name (tiny)")
+    p.add_argument("-m", "--model", required=True, help="GGUF path or built-in model name (tiny)")
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the model's vision tower (an mmproj GGUF, llama.cpp's): chat messages may then hold images")
     p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="client endpoint (default: tcp://127.0.0.1:5557)")
@@ -28,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "submit work, or join as a worker and read every prompt")
     p.add_argument("--cpu-workers-per-socket", type=int, default=1,
                    help="CPU worker processes on each NUMA node (default 1)")
-    p.add_argument("--threads-per-worker", type=int, default=None,
+    p.add_argument("--threads-per-worker", "-t", "--threads", type=int, default=None,
                    help="default: the node's physical cores divided among its workers")
     p.add_argument("--snapshot-mem", default=None,
                    help="shared memory (/dev/shm) for prefix snapshots, e.g. 2GiB; 0 = no cache (default: an "
@@ -38,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "rest the KV of the prompts' blocks (default: about a quarter of it, at least 4)")
     p.add_argument("--block", type=int, default=DEFAULT_BLOCK,
                    help=f"snapshot every this many prompt tokens (default {DEFAULT_BLOCK})")
-    p.add_argument("--max-sequences", type=int, default=8, help="sequences one worker interleaves (default 8)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="positions a sequence may hold, prompt and output (default: the model's context "
+    p.add_argument("--max-sequences", "-np", "--parallel", type=int, default=8,
+                   help="sequences one worker interleaves (default 8)")
+    p.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None,
+                   help="positions a sequence may hold, prompt and output (0 or default: the model's context "
                         "length, or less if max-sequences such sequences per worker would not fit in memory; more "
                         "than the context length is taken with a warning: the answers past it are unreliable)")
     p.add_argument("--numa-interleave", action="store_true",
@@ -64,11 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_cache_dtype(p)
     from shared.http_options import add_http_options
     add_http_options(p)                          # --http, --api-key, --max-queue: the HTTP front end
+    llama_server_flags.add_options(p)
     return p
 
 
 def parse_options(argv=None):
+    argv, notes = llama_server_flags.strip(sys.argv[1:] if argv is None else list(argv))
     opts = build_parser().parse_args(argv)
+    for note in notes:
+        log.info("%s", note)
+    llama_server_flags.apply(opts)
     from shared.builtin import resolve_model
     checks = [
         (opts.cpu_workers_per_socket >= 1, f"--cpu-workers-per-socket {opts.cpu_workers_per_socket}: must be >= 1"),

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from shared import protocol as P
 from shared.chat import opens_reasoning, reasoning_kwargs
 from shared.errors import FermoeError, ProtocolError
+from shared.sampling import with_defaults
 
 from .errors import RETRY_AFTER_S, APIError
 from .metrics import Metrics
@@ -48,6 +49,8 @@ class Server:
         self.system_fingerprint = ""
         self.coordinator_limit = P.MAX_MESSAGE_BYTES
         self.reasoning_default = ("auto", -1)      # the coordinator's --reasoning, --reasoning-budget
+        self.sampling_defaults: dict = {}           # its --temp, ... (SamplingParams fields), and -n
+        self.n_predict = -1
         self.started = int(time.time())
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
@@ -63,7 +66,17 @@ class Server:
         self.system_fingerprint = system_fingerprint(st.fingerprint)
         self.coordinator_limit = st.max_request_size
         self.reasoning_default = (st.reasoning, st.reasoning_budget)
+        self.sampling_defaults, self.n_predict = st.sampling_defaults, st.n_predict
         return st
+
+    def effective(self, msg: P.Generate) -> P.Generate:
+        """`msg` as the coordinator runs it: the server's defaults in the fields it left unset
+        (what llama-server's generation_settings show)."""
+        sampling = with_defaults(msg.sampling, msg.unset, self.sampling_defaults)
+        max_tokens = msg.max_tokens
+        if "max_tokens" in msg.unset and self.n_predict != -1:
+            max_tokens = self.n_predict
+        return msgspec.structs.replace(msg, sampling=sampling, max_tokens=max_tokens, unset=[])
 
     async def model_id(self) -> str:
         if self.name is None:

@@ -120,7 +120,8 @@ async def completion(request: Request):
     text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
     model, upstream, stream = await submit(server, msg)
     return CompletionResponse(upstream, stream, TextFormat(), model, body.stream, False, server.metrics,
-                              server.system_fingerprint, bool(body.timings_per_token), prompt=text, msg=msg,
+                              server.system_fingerprint, bool(body.timings_per_token), prompt=text,
+                              msg=server.effective(msg),
                               return_tokens=bool(body.return_tokens))
 
 
@@ -179,15 +180,21 @@ def _data(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def generation_settings(msg: P.Generate | None) -> dict:
-    sampling = msgspec.to_builtins(msg.sampling if msg else SamplingParams())
-    return sampling | {"n_predict": msg.max_tokens if msg and msg.max_tokens is not None else -1,
-                       "stop": msg.stop if msg else [], "ignore_eos": msg.ignore_eos if msg else False}
+def generation_settings(msg: P.Generate) -> dict:
+    """A request's sampling as it runs (Server.effective: the server's defaults filled in)."""
+    return msgspec.to_builtins(msg.sampling) | {"n_predict": -1 if msg.max_tokens is None else msg.max_tokens,
+                                                "stop": msg.stop, "ignore_eos": msg.ignore_eos}
 
 
-def _slot(i: int, n_ctx: int, processing: bool) -> dict:
+def _defaults(server) -> dict:
+    """What a request that sets nothing gets: the server's --temp, ..., -n."""
+    blank = P.Generate(request_id="", prompt="", unset=[*SamplingParams.names(), "max_tokens"])
+    return generation_settings(server.effective(blank))
+
+
+def _slot(i: int, n_ctx: int, processing: bool, params: dict) -> dict:
     return {"id": i, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": processing,
-            "params": generation_settings(None), "prompt": "",
+            "params": params, "prompt": "",
             "next_token": {"has_next_token": processing, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
                            "stopping_word": ""}}
 
@@ -200,7 +207,7 @@ async def props(request: Request):
     def piece(token_id: int | None) -> str:
         return tok.piece_bytes(token_id).decode("utf-8", errors="replace") if tok and token_id is not None else ""
     return JSONResponse({
-        "default_generation_settings": _slot(0, st.n_ctx, False), "total_slots": _total_slots(st),
+        "default_generation_settings": _slot(0, st.n_ctx, False, _defaults(server)), "total_slots": _total_slots(st),
         "model_alias": server.name, "model_path": st.model, "modalities": {"vision": st.vision, "audio": False},
         "chat_template": (tok.chat_template or "") if tok else "", "bos_token": piece(tok.bos_id if tok else None),
         "eos_token": piece(tok.eos_id if tok else None), "build_info": _build_info(), "webui": False,
@@ -212,11 +219,12 @@ def _total_slots(st: P.StatusReply) -> int:
 
 
 async def slots(request: Request):
-    st = await request.app.state.server.status()
+    server = request.app.state.server
+    st = await server.status()
     total = _total_slots(st)
     if request.query_params.get("fail_on_no_slot") and st.running >= total:
         raise APIError(503, "no slot available", code="unavailable")
-    return JSONResponse([_slot(i, st.n_ctx, i < st.running) for i in range(total)])
+    return JSONResponse([_slot(i, st.n_ctx, i < st.running, _defaults(server)) for i in range(total)])
 
 
 async def apply_template(request: Request):

@@ -78,7 +78,14 @@ def _generate(request_id: str, body, max_tokens: int | None, **prompt) -> P.Gene
         sampling, rest = SamplingParams.split(fields)
     except InvalidSampling as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
-    return P.Generate(request_id=request_id, sampling=sampling, **rest, **prompt)
+    return P.Generate(request_id=request_id, sampling=sampling, unset=_unset(body, fields), **rest, **prompt)
+
+
+def _unset(body, fields: dict) -> list[str]:
+    """The fields the request leaves to the server's defaults (--temp, -n, ...)."""
+    unset = [name for name in SamplingParams.names() if name not in fields]
+    given = (body.max_tokens, getattr(body, "max_completion_tokens", None), body.n_predict)
+    return unset + (["max_tokens"] if all(v is None for v in given) else [])
 
 
 def _fields(body, max_tokens: int | None) -> dict:

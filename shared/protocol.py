@@ -111,6 +111,9 @@ class Generate(_Msg, tag="generate"):
     # their first token already: checked after the request is validated, so that a bad request
     # gets its own error however full the queue (the HTTP front end's --max-queue)
     max_queue: int | None = None
+    # the sampling fields (and max_tokens) the client left to the server's defaults (llama-server's
+    # --temp, -n, ...: the coordinator's); those it does not name are the client's own
+    unset: list[str] = []
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -206,6 +209,10 @@ class StatusReply(_Msg, tag="status_reply"):
     unavailable: str = ""           # why every request is refused now (no worker can run it); "": served
     reasoning: str = "auto"         # --reasoning: on, off or auto (the template's default)
     reasoning_budget: int = -1      # --reasoning-budget: -1 no limit, 0 thinking off
+    # the sampling a request gets for the fields it leaves unset (--temp, ...: SamplingParams's
+    # fields, llama.cpp's defaults where the server sets none) and its max_tokens (-n; -1: none)
+    sampling_defaults: dict[str, Any] = {}
+    n_predict: int = -1
 
 
 # ---- coordinator <-> worker ---------------------------------------------------

@@ -68,6 +68,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return cls.__struct_fields__
 
 
+def with_defaults(sampling: SamplingParams, unset, defaults: dict) -> SamplingParams:
+    """`sampling` with the fields named in `unset` (those its client left out) taken from
+    `defaults` (the server's --temp, ...), where it has one."""
+    chosen = {k: v for k, v in defaults.items() if k in unset}
+    return sampling.replace(**chosen) if chosen else sampling
+
+
 SAMPLE_STRIDE = 64      # top_k's threshold comes from every 64th logit
 
 

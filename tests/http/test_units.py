@@ -309,7 +309,10 @@ def test_llama_server_fields_without_effect_are_accepted_and_logged(caplog):
                     reasoning_format="none", min_keep=0)
     with caplog.at_level("INFO", logger="fermoe.http"):
         g = chat(**web_page)
-    assert msgspec.structs.replace(g, request_id="") == msgspec.structs.replace(chat(), request_id="")
+    # the same request as one without them; but repeat_last_n it gave, so the server's default is not its
+    assert msgspec.structs.replace(g, request_id="", unset=[]) == msgspec.structs.replace(chat(), request_id="",
+                                                                                          unset=[])
+    assert set(chat().unset) - set(g.unset) == {"repeat_last_n"}
     lines = [r.getMessage() for r in caplog.records if "ignored llama-server fields" in r.getMessage()]
     assert len(lines) == 1 and "cache_prompt" in lines[0] and "id_slot" in lines[0] and "mirostat" in lines[0]
     assert "timings_per_token" not in lines[0]                              # honoured, not ignored
