@@ -69,6 +69,8 @@ class Coordinator:
         if has_random_weights(self.model.file.metadata):
             log.warning("%s", random_weights_notice(opts.model))
         self.tokenizer = self.model.tokenizer
+        if opts.chat_template is not None:          # --chat-template, --chat-template-file
+            self.tokenizer.chat_template = opts.chat_template
         self.vision = self._vision_config(opts)     # the tower's shapes (--mmproj), for images' token counts
         self.image_limits = ImageLimits()
         self.images = ImageDecoder() if self.vision is not None else None     # its pool starts with the first image
@@ -291,9 +293,11 @@ class Coordinator:
             if msg.reasoning_budget is not None and msg.reasoning_budget < -1:
                 raise FermoeError(f"reasoning_budget must be >= 0 (or -1: no limit, null: the server's), "
                                   f"got {msg.reasoning_budget}")
-            if msg.messages is not None:        # the server's --reasoning default, where the request says nothing
-                msg.chat_template_kwargs = reasoning_kwargs(msg.chat_template_kwargs, self.opts.reasoning,
-                                                            self.opts.reasoning_budget)
+            if msg.messages is not None:        # --chat-template-kwargs under the request's own, then the
+                                                # server's --reasoning default where neither says
+                msg.chat_template_kwargs = reasoning_kwargs(
+                    {**self.opts.chat_template_kwargs, **(msg.chat_template_kwargs or {})}, self.opts.reasoning,
+                    self.opts.reasoning_budget)
             tokens, chat = self._prompt_tokens(msg)        # (msg.sampling was checked as it was decoded; images
                                                            # from their headers only)
             if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
@@ -400,7 +404,9 @@ class Coordinator:
                                          unavailable=self.unavailable or "", reasoning=self.opts.reasoning,
                                          reasoning_budget=self.opts.reasoning_budget,
                                          sampling_defaults=msgspec.to_builtins(self.sampling_defaults()),
-                                         n_predict=self.opts.n_predict or -1))
+                                         n_predict=self.opts.n_predict or -1,
+                                         chat_template=self.opts.chat_template or "",
+                                         chat_template_kwargs=self.opts.chat_template_kwargs))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:

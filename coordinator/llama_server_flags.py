@@ -55,7 +55,6 @@ NO_EFFECT: dict[tuple[str, ...], tuple[object, str]] = {
 # flag spellings -> what it would have changed (not implemented, so refused)
 REFUSED: dict[tuple[str, ...], str] = {
     ("--no-jinja",): "the chat template's rendering (fermoe renders the model's Jinja template)",
-    ("--chat-template", "--chat-template-file", "--chat-template-kwargs"): "the chat template",
     ("--lora", "--lora-scaled", "--lora-init-without-apply", "--control-vector", "--control-vector-scaled",
      "--control-vector-layer-range"): "the weights (adapters)",
     ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx",
@@ -121,6 +120,13 @@ SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), (
                   ("--repeat-last-n", "repeat_last_n", int), ("--presence-penalty", "presence_penalty", float),
                   ("--frequency-penalty", "frequency_penalty", float))
 CONTEXT = 2**31 - 1         # --repeat-last-n -1: the whole context, as llama-server reads it
+# --chat-template NAME: the templates known by name (llama.cpp knows more; a Jinja text or
+# --chat-template-file gives any other)
+NAMED_TEMPLATES = {
+    "chatml": "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+              "+ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+              "{%- endif %}",
+}
 
 
 def add_options(p) -> None:
@@ -135,6 +141,13 @@ def add_options(p) -> None:
                        help=f"the {field} of a request that does not give one")
     g.add_argument("-s", "--seed", dest="default_seed", type=int, default=None, metavar="N",
                    help="the seed of a request that does not give one (-1: a random one each; default -1)")
+    g.add_argument("--chat-template", default=None, metavar="NAME-or-JINJA",
+                   help=f"render chats with this template instead of the model's: a Jinja template, or one of "
+                        f"{', '.join(NAMED_TEMPLATES)}")
+    g.add_argument("--chat-template-file", default=None, metavar="FILE", help="the same, from a file")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='the template\'s variables for every chat, under a request\'s own (e.g. '
+                        '\'{"enable_thinking": false}\')')
     g.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE", help="as --kv-cache-dtype (both halves)")
     g.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="as --kv-cache-dtype (both halves)")
 
@@ -176,3 +189,45 @@ def apply(opts) -> None:
     if opts.n_predict is not None and (opts.n_predict == 0 or opts.n_predict < -1):
         raise FermoeError(f"-n {opts.n_predict}: must be >= 1, or -1 for no limit")
     opts.n_predict = None if opts.n_predict in (None, -1) else opts.n_predict
+    opts.chat_template = _chat_template(opts)
+    opts.chat_template_kwargs = _template_kwargs(opts.chat_template_kwargs)
+
+
+def _chat_template(opts) -> str | None:
+    """The template text --chat-template or --chat-template-file gives, checked to parse."""
+    if opts.chat_template is not None and opts.chat_template_file is not None:
+        raise FermoeError("--chat-template and --chat-template-file: give one")
+    flag, text = "--chat-template", opts.chat_template
+    if opts.chat_template_file is not None:
+        flag = "--chat-template-file"
+        try:
+            with open(opts.chat_template_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise FermoeError(f"--chat-template-file {opts.chat_template_file}: cannot read it: {e}") from None
+    elif text is not None and "{{" not in text and "{%" not in text:
+        if text not in NAMED_TEMPLATES:
+            raise FermoeError(f"--chat-template {text!r}: not a Jinja template, nor a name fermoe knows "
+                              f"({', '.join(NAMED_TEMPLATES)}); give the template itself or --chat-template-file")
+        text = NAMED_TEMPLATES[text]
+    if text is None:
+        return None
+    from shared.tokenizer import check_chat_template
+    try:
+        check_chat_template(text)
+    except FermoeError as e:
+        raise FermoeError(f"{flag}: {e}") from None
+    return text
+
+
+def _template_kwargs(text: str | None) -> dict:
+    if text is None:
+        return {}
+    import json
+    try:
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise FermoeError(f"--chat-template-kwargs: not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise FermoeError(f"--chat-template-kwargs: expected a JSON object, got {type(kwargs).__name__}")
+    return kwargs

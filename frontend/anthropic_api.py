@@ -176,7 +176,7 @@ async def count_tokens(request: Request):
         msg = openai_request.chat_generate(chat_request(req, stream=False))
         tok = await server.tokenizer()
         try:
-            text = render_chat(tok, msg.messages, msg.tools, msg.chat_template_kwargs)
+            text = render_chat(tok, msg.messages, msg.tools, server.template_kwargs(msg.chat_template_kwargs))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template refused the messages: {e}") from None
         return JSONResponse({"input_tokens": len(tok.encode(text))})

@@ -51,6 +51,8 @@ class Server:
         self.reasoning_default = ("auto", -1)      # the coordinator's --reasoning, --reasoning-budget
         self.sampling_defaults: dict = {}           # its --temp, ... (SamplingParams fields), and -n
         self.n_predict = -1
+        self.chat_template: str | None = None       # its --chat-template; None: the model's
+        self.template_defaults: dict = {}           # its --chat-template-kwargs
         self.started = int(time.time())
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
@@ -67,6 +69,7 @@ class Server:
         self.coordinator_limit = st.max_request_size
         self.reasoning_default = (st.reasoning, st.reasoning_budget)
         self.sampling_defaults, self.n_predict = st.sampling_defaults, st.n_predict
+        self.chat_template, self.template_defaults = st.chat_template or None, st.chat_template_kwargs
         return st
 
     def effective(self, msg: P.Generate) -> P.Generate:
@@ -91,13 +94,21 @@ class Server:
             tok = await self.tokenizer()
         except APIError:
             return False
-        return opens_reasoning(tok, reasoning_kwargs(chat_template_kwargs, *self.reasoning_default))
+        return opens_reasoning(tok, self.template_kwargs(chat_template_kwargs))
+
+    def template_kwargs(self, chat_template_kwargs: dict | None) -> dict | None:
+        """A chat's template variables as the coordinator renders it: the server's
+        --chat-template-kwargs under the request's own, then its --reasoning default."""
+        return reasoning_kwargs({**self.template_defaults, **(chat_template_kwargs or {})}, *self.reasoning_default)
 
     async def tokenizer(self):
+        """The model's tokenizer, with the coordinator's --chat-template if it has one."""
         async with self._tokenizer_lock:
             if self._tokenizer is None:
                 await self.model_id()
                 self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.model_path)
+                if self.chat_template is not None:
+                    self._tokenizer.chat_template = self.chat_template
         return self._tokenizer
 
 

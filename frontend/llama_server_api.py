@@ -233,7 +233,8 @@ async def apply_template(request: Request):
     msg = openai_request.chat_generate(body)
     tok = await server.tokenizer()
     try:
-        return JSONResponse({"prompt": render_chat(tok, msg.messages, msg.tools, msg.chat_template_kwargs)})
+        return JSONResponse({"prompt": render_chat(tok, msg.messages, msg.tools,
+                                                    server.template_kwargs(msg.chat_template_kwargs))})
     except ChatTemplateError as e:
         raise APIError(400, f"the chat template refused the messages: {e}") from None
 

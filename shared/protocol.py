@@ -213,6 +213,8 @@ class StatusReply(_Msg, tag="status_reply"):
     # fields, llama.cpp's defaults where the server sets none) and its max_tokens (-n; -1: none)
     sampling_defaults: dict[str, Any] = {}
     n_predict: int = -1
+    chat_template: str = ""         # --chat-template(-file): the template chats are rendered with; "": the model's
+    chat_template_kwargs: dict[str, Any] = {}   # --chat-template-kwargs: under each request's own
 
 
 # ---- coordinator <-> worker ---------------------------------------------------

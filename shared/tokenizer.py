@@ -291,6 +291,16 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
         raise ChatTemplateError(f"the chat template rejected the messages: {e}") from e
 
 
+def check_chat_template(template: str) -> None:
+    """A ModelError naming the problem when `template` does not parse (checked at start for a
+    template given on the command line)."""
+    import jinja2
+    try:
+        _compile_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelError(f"the chat template does not parse: {e} (line {e.lineno})") from e
+
+
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 

@@ -66,7 +66,7 @@ def test_the_servers_defaults_are_a_requests_unless_it_sets_its_own(card_daemon)
     assert chat["choices"][0]["text"] == plain["content"] and chat["usage"]["completion_tokens"] == 24
 
 
-@pytest.mark.parametrize("flag, named", [("--lora x.gguf", "--lora"), ("--chat-template chatml", "--chat-template"),
+@pytest.mark.parametrize("flag, named", [("--lora x.gguf", "--lora"), ("--no-jinja", "--no-jinja"),
                                          ("--rope-scaling yarn", "--rope-scaling"), ("--grammar-file g", "--grammar-file"),
                                          ("-hf Qwen/Qwen3.6", "-hf"), ("--samplers=top_k", "--samplers")])
 def test_a_flag_that_would_change_the_output_is_refused_at_start(flag, named):
@@ -100,3 +100,62 @@ def test_strip_takes_each_flags_value_as_llama_server_does():
     assert [n.split(":")[0] for n in notes] == ["-fa", "-ngl 99", "--flash-attn=on", "-fa off", "-b 512"]
     with pytest.raises(FermoeError, match="-ngl: expected a value"):
         strip(["-ngl"])
+
+
+# ChatML with a variable of its own, to see whose chat_template_kwargs the render took
+GREETING_TEMPLATE = ("{{ '<|im_start|>system\\n' + greeting + '<|im_end|>\\n' }}{%- for m in messages %}"
+                     "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+                     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def template_daemon(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "greeting.jinja"
+    path.write_text(GREETING_TEMPLATE)
+    port = free_port()
+    d = Process([sys.executable, "-m", "coordinator.daemon", "-m", "tiny", "--port", str(port),
+                 "--chat-template-file", str(path), "--chat-template-kwargs", '{"greeting": "Hello from the server"}',
+                 "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem", "32MiB", "--threads-per-worker", "1"])
+    d.url = f"http://127.0.0.1:{port}"
+    d.wait_http(d.url)
+    yield d
+    assert d.stop() == 0
+
+
+def test_the_chat_template_and_its_kwargs_from_the_command_line(template_daemon):
+    """Guards: the model's own template used despite --chat-template-file, or the server's kwargs
+    over a request's own (or not at all)."""
+    url = template_daemon.url
+    assert httpx.get(f"{url}/props", timeout=30).json()["chat_template"] == GREETING_TEMPLATE
+    hi = [{"role": "user", "content": "Hi"}]
+    rendered = httpx.post(f"{url}/apply-template", json={"messages": hi}, timeout=30).json()["prompt"]
+    assert rendered == ("<|im_start|>system\nHello from the server<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    own = httpx.post(f"{url}/apply-template", json={"messages": hi, "chat_template_kwargs": {"greeting": "Bye"}},
+                     timeout=30).json()["prompt"]
+    assert own.startswith("<|im_start|>system\nBye<|im_end|>")
+    # the coordinator renders the same prompt: its token count is the rendered text's
+    n = len(httpx.post(f"{url}/tokenize", json={"content": rendered}, timeout=30).json()["tokens"])
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": hi, "max_tokens": 1}, timeout=60).json()
+    assert chat["usage"]["prompt_tokens"] == n
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--chat-template", "nosuch"], "--chat-template 'nosuch': not a Jinja template, nor a name fermoe knows (chatml)"),
+    (["--chat-template", "{% if %}"], "--chat-template: the chat template does not parse"),
+    (["--chat-template-file", "/nonexistent.jinja"], "--chat-template-file /nonexistent.jinja: cannot read it"),
+    (["--chat-template", "chatml", "--chat-template-file", "f"], "--chat-template and --chat-template-file: give one"),
+    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs: expected a JSON object, got list"),
+    (["--chat-template-kwargs", "{x"], "--chat-template-kwargs: not JSON")])
+def test_a_bad_chat_template_flag_is_named_at_start(argv, problem):
+    with pytest.raises(FermoeError, match=re.escape(problem)):
+        parse_options(["-m", "tiny", *argv])
+
+
+def test_chatml_by_name():
+    from coordinator.llama_server_flags import NAMED_TEMPLATES
+    opts = parse_options(["-m", "tiny", "--chat-template", "chatml"])
+    assert opts.chat_template == NAMED_TEMPLATES["chatml"]
+    from shared.tokenizer import render_chat_template
+    assert render_chat_template(opts.chat_template, [{"role": "user", "content": "Hi"}]) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
