@@ -24,7 +24,7 @@ from frontend.responses_api import ResponsesResponse
 from frontend.responses_request import ResponsesRequest
 from frontend.responses_request import chat_request as responses_chat
 from tests.support import recorded_response as recorded
-from tests.support.recorded_response import RECORDED, NoUpstream
+from tests.support.recorded_response import RECORDED, TYPED_ARGUMENTS, TYPED_CALL, TYPED_SCHEMA, NoUpstream
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}
 
@@ -89,8 +89,8 @@ def sse(raw: bytes) -> list[tuple[str, dict]]:
     return out
 
 
-def anthropic_raw(pieces, streaming: bool, **done) -> bytes:
-    req = MessagesRequest.decode(json.dumps(ANTHROPIC | {"stream": streaming}).encode())
+def anthropic_raw(pieces, streaming: bool, request=ANTHROPIC, **done) -> bytes:
+    req = MessagesRequest.decode(json.dumps(request | {"stream": streaming}).encode())
     body = anthropic_chat(req, streaming)
     parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
     return answer(lambda s: MessagesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser),
@@ -213,7 +213,7 @@ def test_responses_output_items():
     assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
     assert r.output[0].content[0].text == "The user wants a.py." and r.output_text == "Reading it."
     call = r.output[2]
-    assert call.name == "read_file" and json.loads(call.arguments) == {"path": "src/ünï.py", "limit": 20}
+    assert call.name == "read_file" and call.arguments == '{"path": "src/ünï.py", "limit": 20}'
     assert call.call_id.startswith("call_") and r.status == "completed"
     assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) == (50, 30)
     assert r.usage.output_tokens_details.reasoning_tokens == RECORDED.index("</think>") + 1    # its tag too
@@ -232,15 +232,15 @@ def test_responses_stream_is_accumulated_by_the_sdk():
         assert kind in kinds, kind
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
     assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
-    assert final.output_text == "Reading it." and json.loads(final.output[2].arguments)["limit"] == 20
+    assert final.output_text == "Reading it." and final.output[2].arguments == '{"path": "src/ünï.py", "limit": 20}'
     assert final.usage.output_tokens_details.reasoning_tokens == RECORDED.index("</think>") + 1
 
 
-def responses_raw(pieces, **done) -> bytes:
-    req = ResponsesRequest.decode(json.dumps(RESPONSES | {"stream": True}).encode())
+def responses_raw(pieces, streaming=True, request=RESPONSES, **done) -> bytes:
+    req = ResponsesRequest.decode(json.dumps(request | {"stream": streaming}).encode())
     body = responses_chat(req)
     parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
-    return answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", True, Metrics(), parser,
+    return answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser,
                                               request=req), pieces, **done)
 
 
@@ -358,6 +358,30 @@ def test_forced_anthropic_choices_reach_chats_tool_choice():
     forced = openai_request.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
         "type": "any"}}).encode()), False))
     assert forced.grammar is not None and forced.grammar.kind == "lark"
+
+
+# ---- a call's values keep their JSON types ------------------------------------------------------
+def test_tool_arguments_keep_their_json_types_on_the_responses_and_messages_wires():
+    """The arguments compared as the bytes sent, never after json.loads (where 3 == 3.0). Fault
+    guarded: an integer value re-encoded as a float (`3.0`) on its way out, by the parser or
+    by the Messages API's parse of the arguments into `input`."""
+    responses = RESPONSES | {"tools": [{"type": "function", "name": "configure", "parameters": TYPED_SCHEMA}]}
+    whole = json.loads(responses_raw(TYPED_CALL, streaming=False, request=responses))
+    assert [(i["type"], i.get("arguments")) for i in whole["output"]] == [("reasoning", None),
+                                                                          ("function_call", TYPED_ARGUMENTS)]
+    events = sse(responses_raw(TYPED_CALL, request=responses))
+    assert "".join(d["delta"] for n, d in events if n == "response.function_call_arguments.delta") == TYPED_ARGUMENTS
+    assert [d["arguments"] for n, d in events if n == "response.function_call_arguments.done"] == [TYPED_ARGUMENTS]
+    assert events[-1][1]["response"]["output"][-1]["arguments"] == TYPED_ARGUMENTS
+
+    messages = ANTHROPIC | {"tools": [{"name": "configure", "input_schema": TYPED_SCHEMA}]}
+    raw = anthropic_raw(TYPED_CALL, False, request=messages)
+    assert raw.endswith(b'"input":{"n":3,"ratio":2.5,"whole":4,"on":true,"tags":[1,2.0],"note":null}}],'   # compact
+                        b'"stop_reason":"tool_use","stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":4,'
+                        b'"cache_read_input_tokens":30,"cache_creation_input_tokens":0}}'), raw
+    events = sse(anthropic_raw(TYPED_CALL, True, request=messages))
+    assert "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"
+                   and d["delta"]["type"] == "input_json_delta") == TYPED_ARGUMENTS
 
 
 # ---- what Claude Code and Codex send (issue 38) ----------------------------------------------------

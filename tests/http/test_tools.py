@@ -16,12 +16,14 @@ from frontend.metrics import Metrics
 from frontend.schemas import APIError, ChatCompletionRequest, decode_body
 from frontend.streaming import GenerationResponse
 from shared import protocol as P
-from tests.support.recorded_response import RECORDED, NoUpstream, answer
+from tests.support.recorded_response import RECORDED, TYPED_ARGUMENTS, TYPED_CALL, TYPED_SCHEMA, NoUpstream, answer
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}},
     {"type": "web_search"}]
 USER = [{"role": "user", "content": "Show me a.py"}]
+# RECORDED's call's arguments as sent: compared as text, where `20.0` would not pass for `20`
+ARGUMENTS = '{"path": "src/ünï.py", "limit": 20}'
 
 
 def body(**fields) -> ChatCompletionRequest:
@@ -139,8 +141,7 @@ def test_a_call_comes_back_whole_as_openai_returns_it():
     assert choice.message.model_extra["reasoning_content"] == "The user wants a.py."
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and len(call.id) == 29 and call.type == "function"
-    assert (call.function.name, json.loads(call.function.arguments)) == ("read_file", {"path": "src/ünï.py",
-                                                                                      "limit": 20})
+    assert (call.function.name, call.function.arguments) == ("read_file", ARGUMENTS)
 
 
 def test_a_call_streams_as_openai_streams_it():
@@ -154,7 +155,7 @@ def test_a_call_streams_as_openai_streams_it():
     assert calls[0].id.startswith("call_") and calls[0].function.name == "read_file" and calls[0].type == "function"
     assert all(tc.index == 0 and tc.id is None and tc.function.name is None for tc in calls[1:])
     args = "".join(tc.function.arguments or "" for tc in calls)
-    assert json.loads(args) == {"path": "src/ünï.py", "limit": 20}
+    assert args == ARGUMENTS
     assert any(tc.function.arguments == '"path": "src/ü' for tc in calls)     # the string before it closed
     assert [c.choices[0].finish_reason for c in got] == [None] * (len(got) - 1) + ["tool_calls"]
 
@@ -162,7 +163,21 @@ def test_a_call_streams_as_openai_streams_it():
 def test_a_turn_cut_by_the_limit_is_length_and_its_call_still_parses():
     r = ChatCompletion.model_validate_json(respond(RECORDED[:13], streaming=False, finish="length"))
     assert r.choices[0].finish_reason == "length"
-    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"path": "src/ü"}
+    assert r.choices[0].message.tool_calls[0].function.arguments == '{"path": "src/ü"}'
+
+
+TYPED = [{"type": "function", "function": {"name": "configure", "parameters": TYPED_SCHEMA}}]
+
+
+def test_tool_arguments_keep_their_json_types_on_the_wire():
+    """The `arguments` text compared as sent. Fault guarded: an integer converted as a float
+    went out as `3.0`, which json.loads(...) == {"n": 3} passes (3 == 3.0) and a typed
+    client (Go, Rust, a JSON schema with "type": "integer") refuses."""
+    whole = ChatCompletion.model_validate_json(respond(TYPED_CALL, streaming=False, tools=TYPED))
+    assert whole.choices[0].message.tool_calls[0].function.arguments == TYPED_ARGUMENTS
+    calls = [tc for c in chunks(respond(TYPED_CALL, streaming=True, tools=TYPED)) for tc in c.choices[0].delta.tool_calls
+             or []]
+    assert "".join(tc.function.arguments or "" for tc in calls) == TYPED_ARGUMENTS
 
 
 def test_reasoning_formats():
