@@ -12,7 +12,6 @@ import json
 import math
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 
 from frontend import openai_request
@@ -291,3 +290,34 @@ def vision(tmp_path_factory):
 def _chat(*images: bytes) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "data": d} for d in images] + [{"type": "text",
                                                                                           "text": "What?"}]}]
+
+
+# ---- the context length: the coordinator's check, through the front end ------------------------------
+MAX_MODEL_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_q4_path):
+    from tests.support.http_server import HttpDaemon
+    d = HttpDaemon(tiny_q4_path, "--max-model-len", str(MAX_MODEL_LEN), "--max-sequences", "1")
+    yield d
+    assert d.stop() == 0
+
+
+def test_a_prompt_of_the_whole_context_is_served_one_token_more_is_refused(daemon):
+    """A prompt of max_model_len tokens is taken (and gets the one token the context has left),
+    one token more is OpenAI's context_length_exceeded, with llama-server's sizes and the
+    prompt named. Fault guarded: `>=` for `>` in the coordinator's length check, or the last
+    position not run."""
+    import httpx
+    prompt = list(range(3, 3 + MAX_MODEL_LEN))
+    r = httpx.post(f"{daemon.url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "seed": 1,
+                                                         "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert (r.json()["usage"]["prompt_tokens"], r.json()["usage"]["completion_tokens"]) == (MAX_MODEL_LEN, 1)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{daemon.url}/v1/completions", json={"prompt": prompt + [3], "max_tokens": 5}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": f"the prompt is {MAX_MODEL_LEN + 1} tokens, longer than --max-model-len {MAX_MODEL_LEN}",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded",
+        "n_prompt_tokens": MAX_MODEL_LEN + 1, "n_ctx": MAX_MODEL_LEN}, r.text

@@ -175,8 +175,8 @@ def test_tool_arguments_keep_their_json_types_on_the_wire():
     client (Go, Rust, a JSON schema with "type": "integer") refuses."""
     whole = ChatCompletion.model_validate_json(respond(TYPED_CALL, streaming=False, tools=TYPED))
     assert whole.choices[0].message.tool_calls[0].function.arguments == TYPED_ARGUMENTS
-    calls = [tc for c in chunks(respond(TYPED_CALL, streaming=True, tools=TYPED)) for tc in c.choices[0].delta.tool_calls
-             or []]
+    streamed = chunks(respond(TYPED_CALL, streaming=True, tools=TYPED))
+    calls = [tc for c in streamed for tc in c.choices[0].delta.tool_calls or []]
     assert "".join(tc.function.arguments or "" for tc in calls) == TYPED_ARGUMENTS
 
 
