@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from frontend import openai_request
-from frontend.anthropic_api import MessagesResponse
+from frontend.anthropic_api import MessagesResponse, signature
 from frontend.anthropic_request import AnthropicError, MessagesRequest
 from frontend.anthropic_request import chat_request as anthropic_chat
 from frontend.errors import APIError
@@ -24,7 +24,7 @@ from frontend.responses_api import ResponsesResponse
 from frontend.responses_request import ResponsesRequest
 from frontend.responses_request import chat_request as responses_chat
 from tests.support import recorded_response as recorded
-from tests.support.recorded_response import RECORDED, NoUpstream
+from tests.support.recorded_response import RECORDED, TYPED_ARGUMENTS, TYPED_CALL, TYPED_SCHEMA, NoUpstream
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}
 
@@ -80,12 +80,71 @@ def test_anthropic_stream_is_accumulated_by_the_sdk():
     assert final.usage.output_tokens == len(RECORDED) and final.usage.cache_read_input_tokens == 30
 
 
-@pytest.mark.parametrize("done, reason, sequence", [
-    (dict(finish="length"), "max_tokens", None), (dict(finish="stop", stop_reason="it."), "stop_sequence", "it."),
-    (dict(finish="stop"), "end_turn", None)])
-def test_anthropic_stop_reasons(done, reason, sequence):
-    m = anthropic_response(False, RECORDED[:7], **done).messages.create(**ANTHROPIC)
+def sse(raw: bytes) -> list[tuple[str, dict]]:
+    """A stream's events as sent: (the `event:` line's name, its data)."""
+    out = []
+    for e in raw.decode().strip().split("\n\n"):
+        name, data = e.split("\n", 1)
+        out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+def anthropic_raw(pieces, streaming: bool, request=ANTHROPIC, **done) -> bytes:
+    req = MessagesRequest.decode(json.dumps(request | {"stream": streaming}).encode())
+    body = anthropic_chat(req, streaming)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    return answer(lambda s: MessagesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser),
+                  pieces, **done)
+
+
+CUT_IN_THE_CALL = RECORDED[:13]         # the limit fell inside the call's `path` value
+
+
+@pytest.mark.parametrize("pieces, done, reason, sequence", [
+    (CUT_IN_THE_CALL, dict(finish="length"), "max_tokens", None),
+    (RECORDED, dict(finish="length"), "max_tokens", None),
+    (RECORDED[:7], dict(finish="length"), "max_tokens", None),
+    (RECORDED, dict(finish="stop"), "tool_use", None),
+    (RECORDED, dict(finish="stop", stop_reason="</tool_call>"), "tool_use", None),
+    (RECORDED[:7], dict(finish="stop", stop_reason="it."), "stop_sequence", "it."),
+    (RECORDED[:7], dict(finish="stop"), "end_turn", None)])
+def test_anthropic_stop_reasons(pieces, done, reason, sequence):
+    """Each stop_reason, in the whole message and in the stream's message_delta. Fault guarded:
+    the tool_use test before the length one called a turn the limit cut inside its call
+    `tool_use`: the client then runs a call whose arguments were cut short."""
+    m = anthropic_response(False, pieces, **done).messages.create(**ANTHROPIC)
     assert (m.stop_reason, m.stop_sequence) == (reason, sequence)
+    assert [b.type for b in m.content][-1] == ("tool_use" if len(pieces) > 7 else "text")
+    events = sse(anthropic_raw(pieces, True, **done))
+    assert events[-2] == ("message_delta", {"type": "message_delta", "delta": {
+        "stop_reason": reason, "stop_sequence": sequence}, "usage": {
+        "input_tokens": 20, "output_tokens": len(pieces), "cache_read_input_tokens": 30,
+        "cache_creation_input_tokens": 0}})
+    assert events[-1] == ("message_stop", {"type": "message_stop"})
+
+
+def test_anthropic_stream_events_in_their_exact_order():
+    """Fault guarded: a block's content_block_stop sent before its signature_delta (or a
+    message_delta before the last block's stop) passed tests that only counted the kinds."""
+    events = sse(anthropic_raw(RECORDED, True))
+    shape = []
+    for name, data in events:
+        assert data["type"] == name
+        delta = data.get("delta", {}).get("type") if name == "content_block_delta" else None
+        block = data.get("content_block", {}).get("type")
+        shape.append((name, data.get("index"), delta or block))
+    assert shape == [
+        ("message_start", None, None),
+        ("content_block_start", 0, "thinking"), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, "text"), ("content_block_delta", 1, "text_delta"),
+        ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use")] + [("content_block_delta", 2, "input_json_delta")] * 4 + [
+        ("content_block_stop", 2, None), ("message_delta", None, None), ("message_stop", None, None)]
+    assert events[4][1]["delta"]["signature"] == signature("The user wants a.py.")
+    assert "".join(d["delta"]["partial_json"] for n, d in events if d.get("index") == 2 and n ==
+                   "content_block_delta") == '{"path": "src/ünï.py", "limit": 20}'
 
 
 def test_anthropic_history_becomes_the_chat_history():
@@ -154,7 +213,7 @@ def test_responses_output_items():
     assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
     assert r.output[0].content[0].text == "The user wants a.py." and r.output_text == "Reading it."
     call = r.output[2]
-    assert call.name == "read_file" and json.loads(call.arguments) == {"path": "src/ünï.py", "limit": 20}
+    assert call.name == "read_file" and call.arguments == '{"path": "src/ünï.py", "limit": 20}'
     assert call.call_id.startswith("call_") and r.status == "completed"
     assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) == (50, 30)
     assert r.usage.output_tokens_details.reasoning_tokens == RECORDED.index("</think>") + 1    # its tag too
@@ -173,8 +232,61 @@ def test_responses_stream_is_accumulated_by_the_sdk():
         assert kind in kinds, kind
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
     assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
-    assert final.output_text == "Reading it." and json.loads(final.output[2].arguments)["limit"] == 20
+    assert final.output_text == "Reading it." and final.output[2].arguments == '{"path": "src/ünï.py", "limit": 20}'
     assert final.usage.output_tokens_details.reasoning_tokens == RECORDED.index("</think>") + 1
+
+
+def responses_raw(pieces, streaming=True, request=RESPONSES, **done) -> bytes:
+    req = ResponsesRequest.decode(json.dumps(request | {"stream": streaming}).encode())
+    body = responses_chat(req)
+    parser = openai_request.chat_parser(body, openai_request.chat_generate(body), True, "deepseek")
+    return answer(lambda s: ResponsesResponse(NoUpstream(), s, ChatFormat(), "m", streaming, Metrics(), parser,
+                                              request=req), pieces, **done)
+
+
+def _item_events(kind: str, n_deltas: int) -> list[str]:
+    """The events of one output item, in the order OpenAI sends them."""
+    if kind == "function_call":
+        return (["response.output_item.added"] + ["response.function_call_arguments.delta"] * n_deltas
+                + ["response.function_call_arguments.done", "response.output_item.done"])
+    text = "reasoning_text" if kind == "reasoning" else "output_text"
+    return (["response.output_item.added", "response.content_part.added"] + [f"response.{text}.delta"] * n_deltas
+            + [f"response.{text}.done", "response.content_part.done", "response.output_item.done"])
+
+
+def test_responses_stream_events_in_their_exact_order():
+    """Fault guarded: the closing events of an item in another order (content_part.done
+    before output_text.done, output_item.done before content_part.done, the same for a
+    reasoning item) passed tests that only checked which kinds came and how many; Codex
+    reads the text at output_text.done and the item at output_item.done."""
+    events = sse(responses_raw(RECORDED))
+    assert [d["type"] for _, d in events] == [name for name, _ in events]
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert [name for name, _ in events] == (
+        ["response.created", "response.in_progress"] + _item_events("reasoning", 2) + _item_events("message", 2)
+        + _item_events("function_call", 4) + ["response.completed"])
+    items = [d for name, d in events if name == "response.output_item.done"]
+    assert [(d["output_index"], d["item"]["type"]) for d in items] == [(0, "reasoning"), (1, "message"),
+                                                                       (2, "function_call")]
+    for name, d in events[2:-1]:            # every event of an item names it
+        i = d["output_index"]
+        assert d.get("item_id", d.get("item", {}).get("id")) == items[i]["item"]["id"], name
+    done = {name: d for name, d in events}
+    assert done["response.reasoning_text.done"]["text"] == "The user wants a.py."
+    assert done["response.content_part.done"]["part"]["text"] == "Reading it."       # the message's, the last
+    assert done["response.output_text.done"]["text"] == "Reading it."
+    assert done["response.function_call_arguments.done"]["arguments"] == '{"path": "src/ünï.py", "limit": 20}'
+
+
+def test_responses_stream_cut_inside_a_call_closes_it_then_is_incomplete():
+    """Fault guarded: a turn cut inside a call must still close the call's item (its
+    arguments valid JSON) before response.incomplete, not end with the item open."""
+    events = sse(responses_raw(CUT_IN_THE_CALL, finish="length"))
+    assert [name for name, _ in events][-3:] == ["response.function_call_arguments.done",
+                                                 "response.output_item.done", "response.incomplete"]
+    assert events[-2][1]["item"]["arguments"] == '{"path": "src/ü"}'
+    final = events[-1][1]["response"]
+    assert (final["status"], final["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
 
 
 def test_responses_cut_by_the_limit_is_incomplete():
@@ -246,6 +358,30 @@ def test_forced_anthropic_choices_reach_chats_tool_choice():
     forced = openai_request.chat_generate(anthropic_chat(MessagesRequest.decode(json.dumps(ANTHROPIC | {"tool_choice": {
         "type": "any"}}).encode()), False))
     assert forced.grammar is not None and forced.grammar.kind == "lark"
+
+
+# ---- a call's values keep their JSON types ------------------------------------------------------
+def test_tool_arguments_keep_their_json_types_on_the_responses_and_messages_wires():
+    """The arguments compared as the bytes sent, never after json.loads (where 3 == 3.0). Fault
+    guarded: an integer value re-encoded as a float (`3.0`) on its way out, by the parser or
+    by the Messages API's parse of the arguments into `input`."""
+    responses = RESPONSES | {"tools": [{"type": "function", "name": "configure", "parameters": TYPED_SCHEMA}]}
+    whole = json.loads(responses_raw(TYPED_CALL, streaming=False, request=responses))
+    assert [(i["type"], i.get("arguments")) for i in whole["output"]] == [("reasoning", None),
+                                                                          ("function_call", TYPED_ARGUMENTS)]
+    events = sse(responses_raw(TYPED_CALL, request=responses))
+    assert "".join(d["delta"] for n, d in events if n == "response.function_call_arguments.delta") == TYPED_ARGUMENTS
+    assert [d["arguments"] for n, d in events if n == "response.function_call_arguments.done"] == [TYPED_ARGUMENTS]
+    assert events[-1][1]["response"]["output"][-1]["arguments"] == TYPED_ARGUMENTS
+
+    messages = ANTHROPIC | {"tools": [{"name": "configure", "input_schema": TYPED_SCHEMA}]}
+    raw = anthropic_raw(TYPED_CALL, False, request=messages)
+    assert raw.endswith(b'"input":{"n":3,"ratio":2.5,"whole":4,"on":true,"tags":[1,2.0],"note":null}}],'   # compact
+                        b'"stop_reason":"tool_use","stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":4,'
+                        b'"cache_read_input_tokens":30,"cache_creation_input_tokens":0}}'), raw
+    events = sse(anthropic_raw(TYPED_CALL, True, request=messages))
+    assert "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"
+                   and d["delta"]["type"] == "input_json_delta") == TYPED_ARGUMENTS
 
 
 # ---- what Claude Code and Codex send (issue 38) ----------------------------------------------------

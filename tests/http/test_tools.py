@@ -16,12 +16,14 @@ from frontend.metrics import Metrics
 from frontend.schemas import APIError, ChatCompletionRequest, decode_body
 from frontend.streaming import GenerationResponse
 from shared import protocol as P
-from tests.support.recorded_response import RECORDED, NoUpstream, answer
+from tests.support.recorded_response import RECORDED, TYPED_ARGUMENTS, TYPED_CALL, TYPED_SCHEMA, NoUpstream, answer
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}},
     {"type": "web_search"}]
 USER = [{"role": "user", "content": "Show me a.py"}]
+# RECORDED's call's arguments as sent: compared as text, where `20.0` would not pass for `20`
+ARGUMENTS = '{"path": "src/ünï.py", "limit": 20}'
 
 
 def body(**fields) -> ChatCompletionRequest:
@@ -139,8 +141,7 @@ def test_a_call_comes_back_whole_as_openai_returns_it():
     assert choice.message.model_extra["reasoning_content"] == "The user wants a.py."
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and len(call.id) == 29 and call.type == "function"
-    assert (call.function.name, json.loads(call.function.arguments)) == ("read_file", {"path": "src/ünï.py",
-                                                                                      "limit": 20})
+    assert (call.function.name, call.function.arguments) == ("read_file", ARGUMENTS)
 
 
 def test_a_call_streams_as_openai_streams_it():
@@ -154,7 +155,7 @@ def test_a_call_streams_as_openai_streams_it():
     assert calls[0].id.startswith("call_") and calls[0].function.name == "read_file" and calls[0].type == "function"
     assert all(tc.index == 0 and tc.id is None and tc.function.name is None for tc in calls[1:])
     args = "".join(tc.function.arguments or "" for tc in calls)
-    assert json.loads(args) == {"path": "src/ünï.py", "limit": 20}
+    assert args == ARGUMENTS
     assert any(tc.function.arguments == '"path": "src/ü' for tc in calls)     # the string before it closed
     assert [c.choices[0].finish_reason for c in got] == [None] * (len(got) - 1) + ["tool_calls"]
 
@@ -162,7 +163,21 @@ def test_a_call_streams_as_openai_streams_it():
 def test_a_turn_cut_by_the_limit_is_length_and_its_call_still_parses():
     r = ChatCompletion.model_validate_json(respond(RECORDED[:13], streaming=False, finish="length"))
     assert r.choices[0].finish_reason == "length"
-    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"path": "src/ü"}
+    assert r.choices[0].message.tool_calls[0].function.arguments == '{"path": "src/ü"}'
+
+
+TYPED = [{"type": "function", "function": {"name": "configure", "parameters": TYPED_SCHEMA}}]
+
+
+def test_tool_arguments_keep_their_json_types_on_the_wire():
+    """The `arguments` text compared as sent. Fault guarded: an integer converted as a float
+    went out as `3.0`, which json.loads(...) == {"n": 3} passes (3 == 3.0) and a typed
+    client (Go, Rust, a JSON schema with "type": "integer") refuses."""
+    whole = ChatCompletion.model_validate_json(respond(TYPED_CALL, streaming=False, tools=TYPED))
+    assert whole.choices[0].message.tool_calls[0].function.arguments == TYPED_ARGUMENTS
+    streamed = chunks(respond(TYPED_CALL, streaming=True, tools=TYPED))
+    calls = [tc for c in streamed for tc in c.choices[0].delta.tool_calls or []]
+    assert "".join(tc.function.arguments or "" for tc in calls) == TYPED_ARGUMENTS
 
 
 def test_reasoning_formats():
@@ -181,35 +196,58 @@ def test_without_tools_a_call_is_content_and_the_reason_stop():
 
 
 # ---- the API key on every route ---------------------------------------------------------------
-def test_every_route_but_the_open_ones_refuses_a_request_without_the_key():
+# Every route the app serves, written out here (not read from the app): (path, method, open without
+# the key). The chat page and its icon are static (the page asks for the key), health is for probes.
+ROUTES = [
+    ("/", "GET", True), ("/favicon.ico", "GET", True), ("/health", "GET", True), ("/v1/health", "GET", True),
+    ("/metrics", "GET", False), ("/tokenize", "POST", False), ("/detokenize", "POST", False),
+    ("/v1/models", "GET", False), ("/v1/models/{model:path}", "GET", False), ("/models", "GET", False),
+    ("/models/{model:path}", "GET", False), ("/v1/chat/completions", "POST", False),
+    ("/chat/completions", "POST", False), ("/v1/completions", "POST", False), ("/completions", "POST", False),
+    ("/v1/responses", "POST", False), ("/v1/messages", "POST", False), ("/v1/messages/count_tokens", "POST", False),
+    ("/completion", "POST", False), ("/props", "GET", False), ("/apply-template", "POST", False),
+    ("/slots", "GET", False)]
+
+
+def test_every_route_is_listed_here_and_only_the_open_ones_answer_without_the_key(monkeypatch):
+    """Faults guarded: a route added to the app, or a path added to its open list, passed a
+    test that took both from the app itself; here a route the list lacks (or lists and the
+    app lacks) fails, and each route's need of the key is the list's, not the app's."""
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from frontend.app import OPEN_PATHS, build_app
+    from frontend.app import build_app
     from frontend.core import Settings
+    from frontend.upstream import Upstream
+    status = Upstream.status            # no coordinator there: its silence known in 0.2 s, not 5
+    monkeypatch.setattr(Upstream, "status", lambda self, timeout_s=0.2: status(self, timeout_s))
     app = build_app(Settings(connect="tcp://127.0.0.1:9", api_key="sekrit"))
-    routes = [r for r in app.routes if isinstance(r, Route)]
-    assert len(routes) >= 15
+    served = sorted((r.path, m) for r in app.routes if isinstance(r, Route) for m in r.methods - {"HEAD"})
+    assert served == sorted((path, method) for path, method, _ in ROUTES)
+    assert len(app.routes) == len(ROUTES)                   # nothing but these (no mount, no other kind of route)
     with TestClient(app) as http:
-        for route in routes:
-            path = route.path.replace("{model:path}", "some/model")
-            for method in sorted(route.methods - {"HEAD"}):
-                r = http.request(method, path, json={})
-                if route.path in OPEN_PATHS:
-                    assert r.status_code != 401, (method, path)
-                else:
-                    assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (method, path)
-                    if path.startswith("/v1/messages"):         # Anthropic's error shape on its paths
-                        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
-                    else:
-                        assert r.json()["error"]["code"] == "missing_api_key", (method, path)
-                    for wrong in ({"Authorization": "Bearer nope"}, {"x-api-key": "nope"}):
-                        assert http.request(method, path, json={}, headers=wrong).status_code == 401, (method, path)
-                    if path in ("/v1/messages", "/v1/models"):    # past the key (to a coordinator not there)
-                        right = http.request(method, path, json={}, headers={"x-api-key": "sekrit"})
-                        assert right.status_code not in (401, 404, 405), (method, path, right.text)
-    assert {"/", "/health"} <= OPEN_PATHS and "/v1/chat/completions" not in OPEN_PATHS
-    assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"} <= {r.path for r in routes}
+        for route, method, open_ in ROUTES:
+            path = route.replace("{model:path}", "some/model")
+            r = http.request(method, path, json={})
+            if open_:
+                assert r.status_code != 401, (method, path)
+                if path in ("/", "/favicon.ico"):
+                    assert r.status_code == 200, (method, path)
+                continue
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (method, path)
+            if path.startswith("/v1/messages"):         # Anthropic's error shape on its paths
+                assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": (
+                    "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                    "(Authorization: Bearer YOUR_KEY) or in x-api-key.")}}, (method, path)
+            else:
+                assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("missing_api_key", None)
+            for wrong in ({"Authorization": "Bearer nope"}, {"x-api-key": "nope"}, {"Authorization": "Basic sekrit"}):
+                assert http.request(method, path, json={}, headers=wrong).status_code == 401, (method, path, wrong)
+            for right in ({"Authorization": "Bearer sekrit"}, {"x-api-key": "sekrit"}):
+                if path in ("/v1/messages", "/v1/models", "/metrics"):  # past the key (to a coordinator not there)
+                    got = http.request(method, path, json={}, headers=right)
+                    assert got.status_code not in (401, 404, 405), (method, path, got.text)
+        assert http.get("/no/such/route").status_code == 401      # the key first: unknown paths tell nothing
 
 
 # ---- the same over ZeroMQ ---------------------------------------------------------------------

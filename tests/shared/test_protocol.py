@@ -21,9 +21,17 @@ def test_a_whole_context_of_token_ids_fits_in_an_assign():
 
 
 def test_the_message_limit_names_the_option_that_raises_it():
+    """A message of exactly the limit is decoded, one byte less of limit refuses it. Fault
+    guarded: `>=` for `>` refused a request of exactly --max-request-size bytes."""
     data = P.encode(P.Generate(request_id="r", prompt="x" * 5000))
-    P.set_max_message_bytes(4096)
     try:
+        P.set_max_message_bytes(len(data))
+        assert P.decode(data, P.CLIENT_MESSAGES).prompt == "x" * 5000
+        P.set_max_message_bytes(len(data) - 1)
+        with pytest.raises(FermoeError, match=rf"^the message is {len(data)} bytes, over the limit of {len(data) - 1} "
+                                              r"bytes \(the coordinator's --max-request-size raises it\)$"):
+            P.decode(data, P.CLIENT_MESSAGES)
+        P.set_max_message_bytes(4096)
         with pytest.raises(FermoeError, match=r"the message is \d+ bytes, over the limit of 4096 bytes .*"
                                               r"--max-request-size"):
             P.decode(data, P.CLIENT_MESSAGES)

@@ -110,6 +110,20 @@ def test_values_are_typed_by_the_schema():
     assert r["calls"][0]["arguments"] == {"n": "many", "ratio": "1e400", "extra": "7"}
 
 
+def test_typed_values_are_written_as_their_json_type():
+    """The arguments text itself, whatever the split. Fault guarded: an integer or a number
+    written without a point sent as `42.0`, which the dict comparisons above pass (42 == 42.0)."""
+    text = "x</think>" + call("configure", n="42", ratio="0.5", on="True", tags="[1, 2.0]", maybe="7", note="null")
+    expected = '{"n": 42, "ratio": 0.5, "on": true, "tags": [1, 2.0], "maybe": 7, "note": null}'
+    for pieces in ([text], list(text)):
+        events, p = run(pieces)
+        assert p.calls[0]["arguments"] == "".join(e[2] for e in events if e[0] == "args") == expected
+    numbers = {"3": "3", "3.0": "3.0", "-2": "-2", "1e3": "1000.0", "2.50": "2.5"}   # a number as it was written
+    for raw, sent in numbers.items():
+        events, p = run(["x</think>" + call("configure", ratio=raw)])
+        assert p.calls[0]["arguments"] == '{"ratio": %s}' % sent, raw
+
+
 def test_strings_stay_raw_across_lines_with_tags_and_unicode_inside():
     code = ('def f(a, b):\n    """Return a < b, ünïcödé 🎉."""\n    s = "<tool_call>\\n<function=x>"\n'
             '    return "</parameter>" if a < b else \'</parameter>\'\n\n    # </function> too\n')

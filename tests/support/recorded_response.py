@@ -13,6 +13,17 @@ RECORDED = ["The user", " wants a.py.", "\n", "</think>", "\n\n", "Reading", " i
             "function=read", "_file>\n<parameter=", "path>\nsrc/ü", "nï.py\n</parameter>\n<parameter=limit>\n",
             "20\n</parameter>\n</function>\n", "</tool_call>"]
 
+# A call whose values have each JSON type (the schema's), and its arguments as every API must send
+# them: an integer stays `3`, a number written `4` stays `4` (vLLM's rule), `True` is true.
+TYPED_SCHEMA = {"type": "object", "properties": {
+    "n": {"type": "integer"}, "ratio": {"type": "number"}, "whole": {"type": "number"}, "on": {"type": "boolean"},
+    "tags": {"type": "array"}, "note": {"type": ["string", "null"]}}}
+TYPED_CALL = ["x\n</think>\n\n<tool_call>\n<function=configure>\n<parameter=n>\n3\n</parameter>\n",
+              "<parameter=ratio>\n2.50\n</parameter>\n<parameter=whole>\n4\n</parameter>\n<parameter=on>\nTrue",
+              "\n</parameter>\n<parameter=tags>\n[1, 2.0]\n</parameter>\n<parameter=note>\nnull\n</parameter>\n",
+              "</function>\n</tool_call>"]
+TYPED_ARGUMENTS = '{"n": 3, "ratio": 2.5, "whole": 4, "on": true, "tags": [1, 2.0], "note": null}'
+
 
 class NoUpstream:
     """The upstream a response cancels through when its client leaves: nothing is open."""
