@@ -59,6 +59,7 @@ class Metrics:
                                      ["endpoint", "status"], registry=r)
         Gauge("fermoe:http_requests_waiting", "Requests of this HTTP server without a first reply yet "
               "(what --max-queue counts)", registry=r).set_function(waiting)
+        self.llama = LlamaServerMetrics(r)
         self.status = StatusCollector()
         r.register(self.status)
 
@@ -71,6 +72,7 @@ class Metrics:
         self.prefix_cache_hits.inc(done.cached_prompt_tokens)
         self.request_success.labels(finished_reason=reason).inc()
         self.e2e.observe(e2e_s)
+        self.llama.finished(done)
         device = done.prefill_device or "none"
         self.prefills.labels(device=device).inc()
         if device in done.prefill_estimates_ms:
@@ -79,6 +81,42 @@ class Metrics:
     def render(self, status: P.StatusReply | None) -> bytes:
         self.status.latest = status
         return generate_latest(self.registry)
+
+
+class LlamaServerMetrics:
+    """llama-server's `llamacpp:` metrics, so that dashboards made for it work: the prompt
+    tokens evaluated (not found cached) and the time it took, the tokens generated and the
+    time they took, and their averages."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.prompt = [0, 0.0]                  # tokens, seconds
+        self.predicted = [0, 0.0]
+        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r)
+        self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt process time", registry=r)
+        self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed.",
+                                        registry=r)
+        self.predicted_seconds = Counter("llamacpp:tokens_predicted_seconds", "Predict process time", registry=r)
+        Gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+              registry=r).set_function(lambda: _rate(self.prompt))
+        Gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+              registry=r).set_function(lambda: _rate(self.predicted))
+
+    def finished(self, done: P.Done) -> None:
+        evaluated, prompt_s = done.prompt_tokens - done.cached_prompt_tokens, done.prefill_ms / 1000
+        # the first token comes with the prefill; the rest at decode_tok_s
+        decoded = max(done.completion_tokens - 1, 0)
+        predicted_s = decoded / done.decode_tok_s if done.decode_tok_s > 0 else 0.0
+        for total, n, s in ((self.prompt, evaluated, prompt_s), (self.predicted, done.completion_tokens, predicted_s)):
+            total[0] += n
+            total[1] += s
+        self.prompt_tokens.inc(evaluated)
+        self.prompt_seconds.inc(prompt_s)
+        self.tokens_predicted.inc(done.completion_tokens)
+        self.predicted_seconds.inc(predicted_s)
+
+
+def _rate(total: list) -> float:
+    return total[0] / total[1] if total[1] > 0 else 0.0
 
 
 class StatusCollector:
@@ -101,6 +139,7 @@ class StatusCollector:
         yield _gauge("fermoe:num_requests_waiting", "Requests queued in the coordinator", st.queued)
         yield from _snapshot_metrics(st.snapshots)
         yield from _worker_metrics(st.workers)
+        yield from _llama_server_status(st)
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
@@ -136,3 +175,14 @@ def _worker_metrics(workers: list[P.WorkerInfo]):
         rate.add_metric([w.worker_id, w.kind], w.prefill_tok_s)
     yield from (_gauge("fermoe:num_workers", "Workers known to the coordinator", len(workers)), alive, running,
                 threads, rate)
+
+
+def _llama_server_status(st: P.StatusReply):
+    """llama-server's gauges of its slots and KV cache, from the coordinator's state."""
+    slots, free = st.snapshots.get("slots", 0), st.snapshots.get("free_slots", 0)
+    yield _gauge("llamacpp:requests_processing", "Number of requests processing.", st.running)
+    yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", st.queued)
+    yield _gauge("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                 (slots - free) / slots if slots else 0.0)
+    yield _gauge("llamacpp:kv_cache_tokens", "KV-cache tokens.", (slots - free) * st.snapshots.get("block", 0))
+    yield _gauge("llamacpp:n_tokens_max", "Largest context a request may use.", st.n_ctx)

@@ -46,7 +46,7 @@ def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> No
                         "); whatever name a request gives, the one model served answers it")
     g.add_argument("--cors-origins", metavar="ORIGINS", default=None,
                    help=f"origins whose web pages may call the API: a comma-separated list "
-                        f"(e.g. http://localhost:3000), or * for any (default {DEFAULT_CORS}, as llama-server and "
+                        f"(e.g. http://localhost:3000; localhost: any loopback origin), or * for any (default {DEFAULT_CORS}, as llama-server and "
                         f"vLLM); an empty value ('') turns CORS off")
     g.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="deepseek",
                    help="where a chat's reasoning goes: deepseek (default; `auto` is the same), as llama-server: "
@@ -90,12 +90,13 @@ def parse_request_size(text: str) -> int:
 
 
 def parse_origins(text: str) -> tuple[str, ...]:
-    """--cors-origins: () off, ("*",) any, else the origins as browsers send them (no trailing /)."""
+    """--cors-origins: () off, ("*",) any, else the origins as browsers send them (no trailing /);
+    `localhost` among them stands for every loopback origin, any port (llama-server's)."""
     origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
     if "*" in origins and len(origins) > 1:
         raise FermoeError(f"--cors-origins {text!r}: * stands alone")
     for o in origins:
-        if o != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", o):
+        if o not in ("*", "localhost") and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", o):
             raise FermoeError(f"--cors-origins {text!r}: {o!r} is not an origin (scheme://host[:port])")
     return origins
 

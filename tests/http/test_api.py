@@ -99,11 +99,16 @@ def test_cors_lets_any_page_call_by_default(daemon):
     origin = {"Origin": "http://page.example:3000"}
     pre = httpx.options(f"{daemon.url}/v1/chat/completions", headers=origin | {
         "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"})
-    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "*"
-    assert "POST" in pre.headers["access-control-allow-methods"]
+    # as llama-server answers: 200, the origin reflected with credentials allowed, DELETE among the methods
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://page.example:3000"
+    assert pre.headers["access-control-allow-credentials"] == "true"
+    assert pre.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
     assert pre.headers["access-control-allow-headers"] == "authorization, content-type"
+    bare = httpx.options(f"{daemon.url}/v1/chat/completions", headers=origin | {"Access-Control-Request-Method": "POST"})
+    assert bare.status_code == 200 and bare.headers["access-control-allow-headers"] == "*"
     r = httpx.get(f"{daemon.url}/v1/models", headers=origin)
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://page.example:3000"
+    assert r.headers["access-control-allow-credentials"] == "true"
     assert "access-control-allow-origin" not in httpx.get(f"{daemon.url}/v1/models").headers   # not a page
 
 
@@ -264,6 +269,10 @@ def test_repeated_prompt_is_cached_and_counted(daemon, client):
     assert grew("fermoe:e2e_request_latency_seconds_count") == 1
     assert grew('fermoe:request_success_total{finished_reason="%s"}' % again.choices[0].finish_reason) == 1
     assert grew("fermoe:snapshot_hits_total") == 1
+    # llama-server's names: only the tokens evaluated count as prompt processed (none: all cached)
+    assert grew("llamacpp:prompt_tokens_total") == u.prompt_tokens - u.prompt_tokens_details.cached_tokens == 0
+    assert grew("llamacpp:tokens_predicted_total") == u.completion_tokens
+    assert after["llamacpp:requests_processing"] == after["llamacpp:requests_deferred"] == 0
     assert after["fermoe:num_requests_running"] == after["fermoe:num_requests_waiting"] == 0
     assert after['fermoe:worker_alive{worker_id="cpu0.0"}'] == 1 and after["fermoe:coordinator_up"] == 1
     assert 0 < after["fermoe:snapshot_usage_perc"] <= 1

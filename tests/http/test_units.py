@@ -17,7 +17,7 @@ from frontend.schemas import (APIError, ChatCompletionRequest, CompletionRequest
 from frontend.upstream import Upstream
 from shared import protocol as P
 from shared.errors import FermoeError
-from shared.http_options import parse_listen
+from shared.http_options import parse_listen, parse_origins
 from shared.sampling import SamplingParams
 from tests.support import frame_fuzz
 
@@ -418,7 +418,7 @@ def test_cors_origins(text, expected):
     assert parse_origins(text) == expected
 
 
-@pytest.mark.parametrize("text", ["*,http://a", "localhost", "http://a/path"])
+@pytest.mark.parametrize("text", ["*,http://a", "page.example", "http://a/path"])
 def test_bad_cors_origins_are_named(text):
     from shared.http_options import parse_origins
     with pytest.raises(FermoeError, match="--cors-origins"):
@@ -540,3 +540,47 @@ def test_system_fingerprint_is_one_per_model():
     a = system_fingerprint("df81f6403566e03a")
     assert a == system_fingerprint("df81f6403566e03a") != system_fingerprint("0123456789abcdef")
     assert a.startswith("fp_") and len(a) == 13
+
+
+def test_llama_servers_metrics_from_what_requests_did():
+    """Guards: the cached part counted as processed, the first token's time in the generation's,
+    or a rate of the wrong totals (llama-server's dashboards read these names)."""
+    from frontend.metrics import Metrics
+    metrics = Metrics()
+    metrics.finished(P.Done(request_id="a", finish_reason="stop", prompt_tokens=100, cached_prompt_tokens=40,
+                            completion_tokens=11, prefill_ms=300.0, decode_tok_s=50.0), 1.0)
+    metrics.finished(P.Done(request_id="b", finish_reason="stop", prompt_tokens=20, cached_prompt_tokens=20,
+                            completion_tokens=1, prefill_ms=0.0, decode_tok_s=0.0), 1.0)
+    st = P.StatusReply(model="m", workers=[], queued=3, running=2, n_ctx=4096,
+                       snapshots={"slots": 100, "free_slots": 75, "block": 8})
+    text = metrics.render(st).decode()
+    get = metrics.registry.get_sample_value
+    assert (get("llamacpp:prompt_tokens_total"), get("llamacpp:prompt_seconds_total")) == (60, 0.3)
+    assert (get("llamacpp:tokens_predicted_total"), get("llamacpp:tokens_predicted_seconds_total")) == (12, 0.2)
+    assert (get("llamacpp:prompt_tokens_seconds"), get("llamacpp:predicted_tokens_seconds")) == (200.0, 60.0)
+    for line in ("llamacpp:requests_processing 2.0", "llamacpp:requests_deferred 3.0",
+                 "llamacpp:kv_cache_usage_ratio 0.25", "llamacpp:kv_cache_tokens 200.0", "llamacpp:n_tokens_max 4096.0"):
+        assert f"\n{line}\n" in text, line
+
+
+@pytest.mark.parametrize("origin, loopback", [
+    (b"http://localhost", True), (b"http://localhost:5173", True), (b"https://127.0.0.1:8443", True),
+    (b"http://127.1.2.3:80", True), (b"http://[::1]:3000", True), (b"http://[::1]", True),
+    (b"http://localhost.example.com", False), (b"http://127.0.0.1.example.com", False),
+    (b"ftp://localhost", False), (b"localhost", False), (b"http://10.0.0.1:3000", False)])
+def test_cors_origins_localhost_means_any_loopback_origin(origin, loopback):
+    """Guards: `localhost` read as the literal origin only, or a host that merely starts like one let in."""
+    from frontend.cors import CORS
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [(b"origin", origin)]}
+    asyncio.run(CORS(app, parse_origins("localhost,http://page.example"))(scope, None, send))
+    headers = dict(sent[0]["headers"])
+    assert (headers.get(b"access-control-allow-origin") == origin) is loopback
