@@ -366,7 +366,8 @@ class Coordinator:
             tokens = self.tokenizer.encode(msg.prompt)
         else:
             chat = plan(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs, self.vision,
-                        self.image_limits, max_image_bytes=P.MAX_IMAGE_BYTES)
+                        self.image_limits, max_image_bytes=P.MAX_IMAGE_BYTES,
+                        continue_final=msg.continue_final_message, add_generation_prompt=msg.add_generation_prompt)
             tokens = chat.tokens
         n_vocab = self.model.config.n_vocab
         if not tokens:

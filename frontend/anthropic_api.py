@@ -158,7 +158,7 @@ async def messages(request: Request):
         req = MessagesRequest.decode(await read_body(request))
         body = chat_request(req, stream=req.stream)
         msg = openai_request.chat_generate(body)
-        thinking = await server.opens_reasoning(msg.chat_template_kwargs)
+        thinking = await server.opens_reasoning(msg)
         parser = openai_request.chat_parser(body, msg, thinking, "deepseek")
         parser.call_id = lambda: f"toolu_{uuid.uuid4().hex[:24]}"
         msg = msgspec.structs.replace(msg, request_id=f"msg_{uuid.uuid4().hex[:24]}")
@@ -176,7 +176,8 @@ async def count_tokens(request: Request):
         msg = openai_request.chat_generate(chat_request(req, stream=False))
         tok = await server.tokenizer()
         try:
-            text = render_chat(tok, msg.messages, msg.tools, server.template_kwargs(msg.chat_template_kwargs))
+            text = render_chat(tok, msg.messages, msg.tools, server.template_kwargs(msg.chat_template_kwargs),
+                               msg.continue_final_message, msg.add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template refused the messages: {e}") from None
         return JSONResponse({"input_tokens": len(tok.encode(text))})

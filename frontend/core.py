@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import Request
 
 from shared import protocol as P
-from shared.chat import opens_reasoning, reasoning_kwargs
+from shared.chat import opens_reasoning, reasoning_kwargs, render_chat
 from shared.errors import FermoeError, ProtocolError
 from shared.sampling import with_defaults
 
@@ -86,15 +86,23 @@ class Server:
             await self.status()
         return self.name
 
-    async def opens_reasoning(self, chat_template_kwargs: dict | None) -> bool:
-        """Whether the chat template's generation prompt leaves <think> open, so that the output
-        starts as reasoning; read from the model's template, which needs the model file on this
-        host (a front end without it splits out only a <think> block the model opens itself)."""
+    async def opens_reasoning(self, msg: P.Generate) -> bool:
+        """Whether a chat's output starts as reasoning: the chat template's generation prompt
+        leaves <think> open, or the continued final message is inside an open <think>; read from
+        the model's template, which needs the model file on this host (a front end without it
+        splits out only a <think> block the model opens itself)."""
         try:
             tok = await self.tokenizer()
         except APIError:
             return False
-        return opens_reasoning(tok, self.template_kwargs(chat_template_kwargs))
+        kwargs = self.template_kwargs(msg.chat_template_kwargs)
+        if not msg.continue_final_message:
+            return opens_reasoning(tok, kwargs)
+        try:
+            text = render_chat(tok, msg.messages, msg.tools, kwargs, continue_final=True)
+        except FermoeError:             # the coordinator refuses it in its own words
+            return False
+        return text.rfind("<think>") > text.rfind("</think>")
 
     def template_kwargs(self, chat_template_kwargs: dict | None) -> dict | None:
         """A chat's template variables as the coordinator renders it: the server's

@@ -234,7 +234,8 @@ async def apply_template(request: Request):
     tok = await server.tokenizer()
     try:
         return JSONResponse({"prompt": render_chat(tok, msg.messages, msg.tools,
-                                                    server.template_kwargs(msg.chat_template_kwargs))})
+                                                    server.template_kwargs(msg.chat_template_kwargs),
+                                                    msg.continue_final_message, msg.add_generation_prompt)})
     except ChatTemplateError as e:
         raise APIError(400, f"the chat template refused the messages: {e}") from None
 

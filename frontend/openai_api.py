@@ -20,7 +20,7 @@ async def chat_completions(request: Request):
     body = decode_body(await read_body(request), ChatCompletionRequest)
     msg = openai_request.chat_generate(body)
     fmt = openai_request.reasoning_format(body, server.settings.reasoning_format)
-    thinking = await server.opens_reasoning(msg.chat_template_kwargs)
+    thinking = await server.opens_reasoning(msg)
     return await _generate(server, body, msg, ChatFormat(openai_request.chat_parser(body, msg, thinking, fmt), fmt))
 
 

@@ -160,7 +160,26 @@ def chat_generate(body: ChatCompletionRequest) -> P.Generate:
     return _generate(f"chatcmpl-{uuid.uuid4().hex}", body, max_tokens, messages=messages, tools=chat_tools,
                      chat_template_kwargs=template_kwargs(body), grammar=constraint,
                      reasoning_budget=body.reasoning_budget,
-                     logprobs=logprobs.requested(body, True))
+                     logprobs=logprobs.requested(body, True), **prefill(body))
+
+
+def prefill(body) -> dict:
+    """Whether a final assistant message is continued (an assistant prefill): by default, as
+    llama-server continues one; `add_generation_prompt: true` alone starts a new turn after it
+    instead (vLLM's default); `continue_final_message: true` asks for it, and with
+    `add_generation_prompt: true` too is refused, as vLLM refuses it."""
+    final = body.messages[-1].role == "assistant"
+    if body.continue_final_message and body.add_generation_prompt:
+        raise _invalid("continue_final_message", "continue_final_message and add_generation_prompt may not both be "
+                                                 "true: a final message is either continued or followed by a new turn")
+    if body.continue_final_message and not final:
+        raise _invalid("continue_final_message", f"continue_final_message needs a final assistant message, and the "
+                                                 f"last one is {body.messages[-1].role!r}")
+    if final and body.messages[-1].tool_calls:
+        return {}                   # a call's turn is closed: its results, or a new turn, come next
+    if body.continue_final_message or (final and body.add_generation_prompt is not True):
+        return {"continue_final_message": True, "add_generation_prompt": False}
+    return {"add_generation_prompt": body.add_generation_prompt is not False}
 
 
 def chat_parser(body: ChatCompletionRequest, msg: P.Generate, reasoning: bool, reasoning_format: str):

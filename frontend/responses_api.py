@@ -164,7 +164,7 @@ async def responses(request: Request):
     req = ResponsesRequest.decode(await read_body(request))
     body = chat_request(req)
     msg = openai_request.chat_generate(body)
-    thinking = await server.opens_reasoning(msg.chat_template_kwargs)
+    thinking = await server.opens_reasoning(msg)
     parser = openai_request.chat_parser(body, msg, thinking, "deepseek")
     msg = msgspec.structs.replace(msg, request_id=f"resp_{uuid.uuid4().hex}")
     model, upstream, stream = await submit(server, msg)

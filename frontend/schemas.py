@@ -107,6 +107,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # fermoe's own: reasoning tokens before their end is forced (-1 no limit; null: the server's
     # --reasoning-budget); Anthropic's thinking.budget_tokens arrives here
     reasoning_budget: Annotated[int, Meta(ge=-1)] | None = None
+    # vLLM's: a final assistant message is continued (llama-server's default for one) or a new
+    # turn starts after it
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -122,19 +122,43 @@ def check_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
-def render_chat(tokenizer, messages, tools=None, chat_template_kwargs: dict | None = None) -> str:
+def render_chat(tokenizer, messages, tools=None, chat_template_kwargs: dict | None = None,
+                continue_final: bool = False, add_generation_prompt: bool = True) -> str:
     """The prompt text of a chat: `messages` (protocol ChatMessages or dicts), `tools` (OpenAI's
-    tool objects), `chat_template_kwargs` (template variables); ends with the generation prompt."""
+    tool objects), `chat_template_kwargs` (template variables); ends with the generation prompt,
+    or (continue_final) with the final message's text, its end of turn left off, so that the
+    model continues it (an assistant prefill)."""
     kwargs = check_kwargs(chat_template_kwargs)
     msgs = template_messages(messages)
     tools = function_tools(tools) or None
+    if continue_final:
+        msgs[-1] = {**msgs[-1], "content": _with_mark(msgs[-1]["content"])}
+        add_generation_prompt = False
     try:
-        return tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt, tools=tools, **kwargs)
     except ChatTemplateError:
         fixed = system_first(msgs)
         if fixed == msgs:
             raise
-    return tokenizer.apply_chat_template(fixed, tools=tools, **kwargs)
+        text = tokenizer.apply_chat_template(fixed, add_generation_prompt, tools=tools, **kwargs)
+    if not continue_final:
+        return text
+    end = text.rfind(CONTINUE_MARK)
+    if end < 0:
+        raise ChatTemplateError("the chat template does not render the final message's text as given, so it "
+                                "cannot be continued")
+    return text[:end]
+
+
+# the end of a continued message's text, found in the rendered prompt and cut there: the
+# template may trim or rewrite around the text, never inside it
+CONTINUE_MARK = "\u2063fermoe-continue\u2063"
+
+
+def _with_mark(content):
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": CONTINUE_MARK}]
+    return (content or "") + CONTINUE_MARK
 
 
 def system_first(msgs: list[dict]) -> list[dict]:

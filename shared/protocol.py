@@ -107,6 +107,10 @@ class Generate(_Msg, tag="generate"):
     # answer (or a grammar's constrained part) follows; None: the coordinator's
     # --reasoning-budget; -1: no limit
     reasoning_budget: int | None = None
+    # with messages: continue the final (assistant) message, its end-of-turn left off, instead of
+    # starting a new turn (an assistant prefill); add_generation_prompt false: no new turn either
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
     # refuse it (Error code "queue_full") when this client has this many requests waiting for
     # their first token already: checked after the request is validated, so that a bad request
     # gets its own error however full the queue (the HTTP front end's --max-queue)

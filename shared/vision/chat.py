@@ -89,14 +89,15 @@ class ChatPlan:
 
 
 def plan(tokenizer, messages, tools=None, chat_template_kwargs=None, vision: VisionConfig | None = None,
-         limits: ImageLimits = ImageLimits(), max_image_bytes: int | None = None) -> ChatPlan:
+         limits: ImageLimits = ImageLimits(), max_image_bytes: int | None = None, **turn) -> ChatPlan:
     """The token ids of a chat, each image's placeholder expanded to its merged tokens, from the
-    images' headers: every check that needs no decoded pixel, cheapest first."""
+    images' headers: every check that needs no decoded pixel, cheapest first. `turn`: how it
+    ends (render_chat's continue_final, add_generation_prompt)."""
     data = chat_images(messages)
     if data and vision is None:
         raise FermoeError(f"the messages hold {len(data)} image(s), but no vision tower is loaded "
                           "(start with --mmproj FILE, the model's mmproj GGUF)")
-    ids = tokenizer.encode(render_chat(tokenizer, messages, tools, chat_template_kwargs))
+    ids = tokenizer.encode(render_chat(tokenizer, messages, tools, chat_template_kwargs, **turn))
     if not data:
         return ChatPlan(ids, [], [], [])
     pad = tokenizer.token_to_id.get(IMAGE_PAD)
