@@ -441,6 +441,10 @@ class Coordinator:
             log.exception("worker %s: handling its %s failed", wid, type(msg).__name__)
 
     def handle_hello(self, wid: str, msg: P.Hello) -> None:
+        if wid in self.workers:                 # a new process under a known id: the old one is gone, and
+            log.warning("worker %s said hello again (a new process): its predecessor's requests are replayed", wid)
+            self.drop_worker(wid)               # what it ran with it (the new one never heard of it)
+            self.last_seen[wid] = time.monotonic()
         if msg.fingerprint != self.model.fingerprint:
             log.error("worker %s runs another model (%s); sending it away", wid, msg.fingerprint)
             self.send_worker(wid, P.Shutdown())

@@ -248,6 +248,37 @@ def test_a_request_whose_workers_keep_dying_fails_after_max_attempts(tiny_q4_pat
         late.close()
 
 
+def test_a_worker_back_under_its_id_gets_its_old_requests_again(tiny_q4_path):
+    """Fault guarded: a worker process that comes back under the same id before the
+    heartbeat timeout (restarted by hand or by its host: `cpu_worker --worker-id`) replaced
+    the old one's view, and the request the old process ran stayed the daemon's, on a
+    worker that never heard of it: nothing ended it, and its client waited for ever. The
+    new process's Hello drops the old one first: the request is replayed, here on it, and
+    streams each token once."""
+    with running_coordinator(tiny_q4_path) as coord, Client(coord.addr, timeout_s=30) as client:
+        old = FakeWorker(coord, "w")
+        rid = client.submit("The old GPU said", max_tokens=3, seed=5, ignore_eos=True)
+        first = old.recv()
+        assert isinstance(first, P.Assign) and first.request_id == rid
+        old.send_heard(P.Sampled(request_id=rid, token=40))
+        old.close()                              # gone without a Goodbye
+        time.sleep(0.5)                          # the daemon's socket lets the id go with the connection
+        new = FakeWorker(coord, "w")
+        try:
+            replay = new.recv()
+            assert isinstance(replay, P.Assign) and replay.request_id == rid
+            assert (replay.tokens, replay.sampling, replay.max_tokens) == (first.tokens, first.sampling, 3)
+            for token in (40, 41, 42):               # the replay samples the sent token again, then new ones
+                new.send(P.Sampled(request_id=rid, token=token))
+            new.send(P.Finished(request_id=rid, finish_reason="length", prefill_ms=1.0, decode_ms=1.0,
+                                completion_tokens=3))
+            msgs = list(client.stream(rid))
+        finally:
+            new.close()
+    assert [m.token for m in msgs[:-1] if m.token >= 0] == [40, 41, 42]
+    assert (msgs[-1].finish_reason, msgs[-1].completion_tokens) == ("length", 3)
+
+
 def test_requests_are_refused_at_once_when_every_worker_was_given_up(tiny_q4_path, tmp_path, monkeypatch, caplog):
     """Real worker processes that cannot start (their model is gone): the supervisor
     restarts each MAX_RESTARTS times, then gives up; the queued request, and any that

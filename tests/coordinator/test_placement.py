@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from coordinator.placement import place_prefill
+from coordinator.placement import GPU_QUEUE, place_prefill
 from coordinator.scheduler import WorkerView
 from shared import engine as engine_module
 from shared.engine import measure_prefill_rate
@@ -45,6 +45,28 @@ def test_a_busy_gpu_queues_what_it_still_does_faster_and_a_full_one_makes_gpu_wa
     assert place_prefill("auto", 0, [GPU], CPU_TOK_S).device == "cpu"          # nothing to prefill
     faster = WorkerView("gpu1", ready=True, kind="gpu", prefill_tok_s=6000.0, prefill_fixed_ms=280.0)
     assert place_prefill("gpu", 947, [GPU, faster], CPU_TOK_S).worker == "gpu1"
+
+
+def test_a_full_faster_gpu_leaves_the_prompt_to_a_free_slower_one():
+    """Fault guarded: the fastest GPU worker picked among all of them, its queue full or
+    not: a prompt sent to a full one waits behind all it holds, or is never taken, while
+    another GPU worker is free. gpu0 (6000 tok/s) holding 7 prompts still wins, 947 tokens
+    behind its 1000 queued take 2 x 280 + 1947 / 6 = 884.5 ms against gpu1's (1000 tok/s)
+    280 + 947 = 1227; holding GPU_QUEUE prompts of as many tokens it is full, and gpu1
+    takes the prompt."""
+    assert GPU_QUEUE == 8
+
+    def fast(n):
+        return WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=6000.0, prefill_fixed_ms=280.0,
+                          requests={f"r{i}" for i in range(n)})
+    slow = WorkerView("gpu1", ready=True, kind="gpu", prefill_tok_s=1000.0, prefill_fixed_ms=280.0)
+    for mode in ("auto", "gpu"):
+        busy = place_prefill(mode, 947, [fast(7), slow], CPU_TOK_S, {"gpu0": 1000})
+        assert (busy.device, busy.worker) == ("gpu", "gpu0")
+        assert busy.estimates == pytest.approx({"gpu": 884.5, "cpu": 7891.67}, abs=0.01)
+        full = place_prefill(mode, 947, [fast(8), slow], CPU_TOK_S, {"gpu0": 1000})
+        assert (full.device, full.worker) == ("gpu", "gpu1")
+        assert full.estimates == pytest.approx({"gpu": 1227.0, "cpu": 7891.67}, abs=0.01)
 
 
 def test_images_count_at_each_kinds_tower_rate_once_both_are_known():

@@ -860,3 +860,62 @@ def test_the_first_answers_start_outlives_many_agent_steps_when_marked_again(kee
         assert idx.cached(rewritten) == first_answer
     else:
         assert idx.cached(rewritten) < first_answer
+
+
+
+def _served_turn(idx: SnapshotIndex, prompt: list[int], marks: list[int], answer: list[int]) -> int:
+    """A prompt served as the coordinator and a CPU worker serve it (coordinator/daemon.py
+    assign, cpu_worker/worker.py): lookup, keep the marks passed, reserve the decode pairs,
+    plan and write the prompt's snapshots; then the answer's, into the pairs (a block
+    boundary into a second pair with a state, else a link; the end into one with a
+    state). The position the prompt resumed from."""
+    block = idx.block
+    res = idx.lookup(prompt)
+    idx.keep(prompt, marks)
+    pairs = idx.reserve(min(4, (len(answer) - len(prompt)) // block + 2))
+    idx.commit(idx.plan(prompt, res.position if res else 0, marks))
+    for n in range(len(prompt) + 1, len(answer) + 1):
+        with_state, links = [p for p in pairs if p[1] >= 0], [p for p in pairs if p[1] < 0]
+        pair = None
+        if n % block == 0:
+            pair = with_state[0] if len(with_state) >= 2 else links[0] if links and with_state else None
+            if pair is None:
+                break                                   # a gap: nothing after it could be resumed
+        elif n == len(answer) and with_state:
+            pair = with_state[0]
+        if pair is not None:
+            pairs.remove(pair)
+            idx.adopt(pair, answer[:n])
+    idx.unreserve(pairs)
+    idx.release(res)
+    idx.check_invariants()
+    return res.position if res else 0
+
+
+def test_a_kept_turn_start_keeps_its_state_in_a_small_state_pool():
+    """Faults guarded: the state of a turn start that later prompts mark again evicted
+    by a prompt's own snapshots (plan not holding it out of the states' LRU), or by its
+    decode pairs (not kept before they are reserved), or left among the states no client
+    resumed from (evicted first there, as the oldest), or not kept at all. Four state
+    slots; an agent's twelve steps after one user message, each resumed from the last
+    answer's end (never from the turn start), each wanting states for its end, its last
+    block boundary and its answer's end; then four one-off prompts of other clients taking
+    two states each. The prompt rewritten after the first answer's start resumes there."""
+    idx, block, rng = SnapshotIndex(256, block=4, n_state_slots=4), 4, random.Random(3)
+    prompt = [rng.randrange(1000) for _ in range(2 * block + 3)]       # system and user message
+    first_answer, resumed = len(prompt), []
+    for _ in range(12):
+        answer = prompt + [rng.randrange(1000) for _ in range(block + 2)]
+        resumed.append(_served_turn(idx, prompt, [first_answer, len(prompt)], answer))
+        prompt = answer + [rng.randrange(1000) for _ in range(block)]    # the tool's result
+    assert resumed == [0] + [17 + 10 * i for i in range(11)]             # each at the last answer's end
+    evictions = idx.stats()["state_evictions"]
+    for i in range(4):
+        cache(idx, [2000 + 10 * i + j for j in range(6)])               # a block boundary and an end
+        idx.check_invariants()
+    assert idx.stats()["state_evictions"] - evictions == 8 and idx.stats()["free_state_slots"] == 0
+    res = idx.lookup(prompt[:first_answer] + [7777, 7778])
+    assert res is not None, "the kept turn start's state was evicted"
+    assert (res.position, res.end.position, first_answer) == (11, 11, 11)
+    assert res.state == idx._states[idx.end_key(prompt[:11])]
+    idx.release(res)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,8 +16,14 @@ import pytest
 from coordinator.client import Client
 from coordinator.supervisor import MAX_RESTARTS
 from tests.support.bench_keys import assert_keys_documented
-from tests.support.serving_harness import Daemon, free_port, local_ids, shm_names, streamed_ids, wait_until
+from tests.support.serving_harness import (Daemon, free_port, local_ids, replies_within, requests_lost, shm_names,
+                                          streamed_ids, wait_until)
 
+# A request's wait for its next reply once a GPU worker has failed or died: its prompt runs
+# on a CPU worker in seconds; a fault that leaves it waiting fails the test after this, not
+# after the client's timeout.
+FAILED_OVER_S = 60
+DROPPED_S = 10              # for the daemon to drop a worker whose process it saw die
 NEAR_TIE = 0.1             # logits: above what rounding the activations moves them by on the tiny model
 PROMPT = "A long enough prompt, prefilled on the graphics card and then decoded on the CPU."
 
@@ -29,10 +36,14 @@ def emulated_gpu(monkeypatch):
 def gpu_ready(daemon) -> dict:
     """The daemon's workers by id, once its GPU worker has joined (it compiles the
     emulation and times a prompt first)."""
+    def joined():
+        if any("worker gpu0 died" in line for line in daemon.log):   # restarted, or given up: never in time
+            raise AssertionError("the GPU worker died while starting")
+        return {w.worker_id: w for w in c.status().workers if w.alive}.get("gpu0") and \
+            {w.worker_id: w for w in c.status().workers}
     with Client(daemon.addr) as c:
         try:
-            return wait_until(lambda: {w.worker_id: w for w in c.status().workers if w.alive}.get("gpu0")
-                              and {w.worker_id: w for w in c.status().workers}, 300, "the GPU worker never joined")
+            return wait_until(joined, 300, "the GPU worker never joined")
         except AssertionError as e:
             raise AssertionError(f"{e}; the daemon's log:\n{''.join(daemon.log)}") from None
 
@@ -185,24 +196,39 @@ def test_impossible_gpu_options_are_refused(tiny_q4_path, monkeypatch):
 def test_a_prefill_the_gpu_cannot_hold_fails_over_to_a_cpu_worker(tiny_q4_path):
     """--gpu-mem just enough for the GPU worker's first plan: a longer prompt does not fit
     there (as an out-of-memory would fail), is prefilled on a CPU worker instead with the
-    reason logged, and samples exactly the CPU-only tokens; a short one still goes to the GPU."""
+    reason logged, and samples exactly the CPU-only tokens; a short one still goes to the GPU.
+    Fault guarded: the request placed on the GPU worker again after it failed there, and
+    again after each failure; the test fails at the second failure, not after the client's
+    timeout."""
     budget = smallest_gpu_mem(tiny_q4_path)
+
+    def failures(rid):
+        return sum(f"request {rid}: its prefill on gpu0 failed" in line for line in daemon.log)
     daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu", "--gpu-mem", str(budget))
     try:
         gpu_ready(daemon)
         long = [3 + i % 500 for i in range(200)]
         with Client(daemon.addr, timeout_s=300) as c:
-            msgs = list(c.generate(tokens=long, max_tokens=6, temperature=0.0))
+            rid = c.submit(tokens=long, max_tokens=6, temperature=0.0)
+            # a prompt placed on the GPU worker again after it failed there would fail for ever
+            msgs = replies_within(c, rid, FAILED_OVER_S, lambda: f"its prefill failed on gpu0 {failures(rid)} "
+                                  "time(s): not re-run on a CPU worker", daemon.log,
+                                  stuck=lambda: f"sent back to gpu0 after it failed there ({failures(rid)} failures)"
+                                  if failures(rid) > 1 else None)
             short = list(c.generate(tokens=long[:20], max_tokens=2, temperature=0.0))[-1]
         assert msgs[-1].prefill_device == "cpu" and msgs[-1].finish_reason == "length"
         assert streamed_ids(msgs) == local_ids(tiny_q4_path, long, 6, temperature=0.0)
         assert any("its prefill on gpu0 failed" in line and "too small" in line for line in daemon.log)
-        assert short.prefill_device == "gpu"
+        assert failures(rid) == 1 and short.prefill_device == "gpu"
     finally:
         assert daemon.stop() == 0
 
 
 def test_a_gpu_worker_killed_mid_prefill_is_restarted_and_its_request_completes(tiny_q4_path):
+    """Its request is prefilled on a CPU worker and samples the CPU-only tokens; the GPU
+    worker comes back. Faults that leave the request waiting for ever (the dead worker not
+    dropped, its request left on it or on its restarted successor) fail the test in
+    seconds, naming which, not after the client's timeout."""
     daemon = Daemon(tiny_q4_path, "--gpu", "auto", "--prefill", "gpu")
     try:
         old = gpu_ready(daemon)["gpu0"].pid
@@ -212,7 +238,16 @@ def test_a_gpu_worker_killed_mid_prefill_is_restarted_and_its_request_completes(
             wait_until(lambda: any(w.worker_id == "gpu0" and w.running for w in c.status().workers), 60,
                        "the prompt never reached the GPU worker")
             os.kill(old, signal.SIGKILL)
-            msgs = list(c.stream(rid))
+            killed, lost = time.monotonic(), requests_lost(c)
+
+            def still_listed():         # the daemon reaps its children at once: a while is a fault
+                if time.monotonic() - killed > DROPPED_S and any(w.pid == old for w in c.status().workers):
+                    return f"gpu0 (pid {old}) was killed {DROPPED_S} s ago and the daemon still lists it"
+                return None
+            msgs = replies_within(c, rid, FAILED_OVER_S, lambda: "gpu0 was killed while prefilling it and it was "
+                                  "not re-run on a CPU worker (listed now, with the requests each runs: "
+                                  f"{[(w.worker_id, w.pid, w.running) for w in c.status().workers]})", daemon.log,
+                                  stuck=lambda: still_listed() or lost())
             assert msgs[-1].finish_reason == "length" and msgs[-1].prefill_device == "cpu"
             assert streamed_ids(msgs) == local_ids(tiny_q4_path, prompt, 4, temperature=0.0)
             assert any(f"request {rid} was prefilling on gpu0" in line for line in daemon.log), "".join(daemon.log)

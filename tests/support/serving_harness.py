@@ -18,6 +18,7 @@ from coordinator.client import Client
 from shared.topology import allowed_cpus
 from cpu_worker.worker import CPUWorker
 from shared import protocol as P
+from shared.errors import FermoeError
 from fermoe.engines import load_engine
 from shared.generate import generate
 from shared.model import Model
@@ -41,6 +42,60 @@ def wait_until(condition, timeout_s: float, what: str):
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         time.sleep(0.05)
     return value
+
+
+def replies_within(client, rid: str, within_s: float, waiting_for, log=None, stuck=None) -> list:
+    """Request rid's replies up to its Done, each within within_s of the one before: a
+    request a fault leaves waiting for ever (on a dead worker, or sent back again and again
+    to one that fails it) fails the test after within_s, not after the client's long
+    timeout, with `waiting_for` (a string, or a function of nothing giving one) saying
+    what the test waited for and so what the hang means, and the daemon's `log` (its
+    lines) if given. stuck(): checked every second while no reply comes, a reason to
+    fail at once (the wait is known to be hopeless), or None."""
+    out, timeout = [], client.timeout_s
+    deadline = time.monotonic() + within_s
+    client.timeout_s = 1.0
+    try:
+        while True:
+            try:
+                for msg in client.stream(rid):
+                    out.append(msg)
+                    deadline = time.monotonic() + within_s
+                return out
+            except FermoeError as e:
+                if "no answer from the coordinator" not in str(e):
+                    raise
+            why = stuck() if stuck is not None else None
+            if why is None and time.monotonic() < deadline:
+                continue
+            if why is None:
+                why = waiting_for() if callable(waiting_for) else waiting_for
+                why = f"nothing more from it within {within_s:.0f} s: {why}"
+            tail = f"; the daemon's log ends:\n{''.join(log[-30:])}" if log is not None else ""
+            raise AssertionError(f"request {rid}, after {len(out)} replies: {why}{tail}")
+    finally:
+        client.timeout_s = timeout
+
+
+def requests_lost(client, for_s: float = 3.0):
+    """A stuck() for replies_within: the daemon counts more requests running than its
+    workers hold, for for_s on end (a request left on a worker that is gone or was
+    replaced, which nothing will ever end)."""
+    since = None
+
+    def check():
+        nonlocal since
+        status = client.status()
+        held = sum(w.running for w in status.workers)
+        if status.running <= held:
+            since = None
+            return None
+        since = since or time.monotonic()
+        if time.monotonic() - since < for_s:
+            return None
+        return (f"the daemon counts {status.running} request(s) running, its workers hold {held}: a request is "
+                f"left on a worker that is gone ({[(w.worker_id, w.pid, w.running) for w in status.workers]})")
+    return check
 
 
 def shm_names(pid: int | None = None) -> set[str]:

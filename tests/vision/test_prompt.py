@@ -202,3 +202,31 @@ def test_cache_keys_follow_the_pixels():
     assert a == a2 and a[:2] == b[:2] == [1, 2] and a[-1] == b[-1] == 3
     assert all(x != y for x, y in zip(a[2:8], b[2:8])) and len(set(a[2:8])) == 6
     assert min(a[2:8]) >= 1 << 30 and max(a[2:8]) < 1 << 31
+
+
+def test_a_second_image_keys_its_own_tokens_and_every_later_key():
+    """Fault guarded: the image part of the key drawn for the first image only (one
+    generator seeded from the first image's hash, the loop cut to the first span, or the
+    second span's slice misplaced), so that two prompts sharing the first image and
+    differing in the second got one key past the second and the second resumed from the
+    first's snapshots, the wrong image in its state. The two keys agree up to the second
+    image's start and differ at each of its tokens; the index resumes the second prompt at
+    the last block boundary before it (12 of 23), never further."""
+    from coordinator.snapshots import SnapshotIndex
+    from shared.vision.chat import ChatPrompt, PromptImage
+    from shared.vision.prompt import ImageSpan
+    spans = [ImageSpan(3, 2, 3), ImageSpan(14, 2, 3)]              # tokens [3, 9) and [14, 20)
+    tokens = [1, 2, 3] + [9] * 6 + [4, 5, 6, 7, 8] + [9] * 6 + [10, 11, 12]
+
+    def key(*digests):
+        return ChatPrompt(tokens, spans, [PromptImage(b"", (4, 6), d) for d in digests]).cache_key()
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    ab, ac, ba = key(a, b), key(a, c), key(b, a)
+    assert ab[:14] == ac[:14] and ab[20:] == ac[20:] == [10, 11, 12]
+    assert all(x != y for x, y in zip(ab[14:20], ac[14:20]))
+    assert min(ab[14:20] + ac[14:20]) >= 1 << 30                  # no image token keyed as its placeholder
+    assert ab[:3] == ba[:3] and all(x != y for x, y in zip(ab[3:9], ba[3:9]))
+    idx = SnapshotIndex(64, block=4)
+    idx.commit(idx.plan(ab, 0))                                   # every block boundary with a state
+    assert idx.cached(ab + [13]) == 23
+    assert idx.cached(ac) == 12 and idx.cached(ba) == 0

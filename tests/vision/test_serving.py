@@ -223,20 +223,35 @@ def test_an_image_prompt_is_prefilled_on_the_gpu_worker(files, monkeypatch):
     """--prefill gpu (the host emulation): the GPU worker runs the tower and the prefill, a
     CPU worker decodes from its snapshot; each streamed token's log-probability is the one a
     CPU-only run gives it, within what the GPU's fp32 activations (the CPU's are 8-bit)
-    move it by. The same image again resumes whole; another one is prefilled on the GPU."""
-    from tests.support.serving_harness import Daemon
+    move it by. The same image again resumes whole; another one is prefilled on the GPU.
+    Fault guarded: the CPU worker handed the prompt not resumed at its end (the hand-over's
+    lookup missing the GPU's snapshot: made with the prompt's tokens, not its image-keyed
+    cache key), so that it prefilled the prompt again and ran its own tower, the output
+    still right: the CPU worker here, in a thread of the test (picked first, by its id),
+    shows it is told to resume at the prompt's end, prefills nothing and encodes no image."""
+    from tests.support.serving_harness import Daemon, ThreadWorker, wait_until
     from tests.serving.test_gpu import gpu_ready
     monkeypatch.setenv("FERMOE_GPU", "emulate")
     daemon = Daemon(files[0], "--mmproj", files[1], "--gpu", "auto", "--prefill", "gpu")
     params = dict(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=0)
+    cpu = None
     try:
         gpu_ready(daemon)
+        cpu = ThreadWorker(daemon.worker_endpoint, files[0], "a-cpu", mmproj=str(files[1]))
+        with Client(daemon.addr) as c:
+            wait_until(lambda: any(w.worker_id == "a-cpu" and w.alive for w in c.status().workers), 120,
+                       "the test's CPU worker never became ready")
         for image in (png(1, WIDE), png(2, WIDE)):
             with Client(daemon.addr, timeout_s=300) as c:
                 msgs = list(c.generate(messages=chat(image), **params))
             done = msgs[-1]
             assert isinstance(done, P.Done) and done.finish_reason == "length", done
             assert done.prefill_device == "gpu" and done.cached_prompt_tokens < done.prompt_tokens
+            assign = [m for m, _ in cpu.assigns if m.request_id == done.request_id]
+            assert len(assign) == 1 and done.request_id in cpu.decoded, "not decoded by the test's CPU worker"
+            assert assign[0].resume and assign[0].resume[-1].position == done.prompt_tokens
+            assert cpu.prefilled(done.request_id) == [], "the CPU worker prefilled what the GPU worker had"
+            assert cpu.worker._images is None or cpu.worker._images.tokens == 0, "the CPU worker ran its tower"
             tokens = [m for m in msgs if isinstance(m, P.Token) and m.token >= 0]
             want = _cpu_only_logprobs(files, chat(image), [m.token for m in tokens])
             err = np.abs(np.array([m.logprob for m in tokens]) - want).max()
@@ -246,6 +261,8 @@ def test_an_image_prompt_is_prefilled_on_the_gpu_worker(files, monkeypatch):
         assert again[-1].prefill_device is None and again[-1].cached_prompt_tokens == again[-1].prompt_tokens
         assert streamed_ids(again) == streamed_ids(msgs)
     finally:
+        if cpu is not None:
+            cpu.stop()
         assert daemon.stop() == 0
 
 
