@@ -82,29 +82,9 @@ async def _prompt(server, prompt) -> str | list[int]:
     return ids
 
 
-def _constraint(data: dict) -> P.Constraint | None:
-    """llama-server's `json_schema` (an object) or `grammar` (GBNF) as a Constraint; the
-    coordinator compiles it before queueing (a bad one is a 400, code invalid_grammar)."""
-    schema, grammar = data.get("json_schema"), data.get("grammar")
-    if schema not in (None, "", {}) and grammar not in (None, ""):
-        raise APIError(400, "give json_schema or grammar, not both", param="grammar", code="invalid_value")
-    if schema not in (None, "", {}):
-        if not isinstance(schema, (dict, bool)):
-            raise APIError(400, "json_schema must be a JSON schema object", param="json_schema", code="invalid_type")
-        return P.Constraint(kind="json_schema", text=json.dumps(schema))
-    if grammar not in (None, ""):
-        if not isinstance(grammar, str):
-            raise APIError(400, "grammar must be a string (GBNF)", param="grammar", code="invalid_type")
-        return P.Constraint(kind="gbnf", text=grammar)
-    return None
-
-
 async def completion(request: Request):
     server = request.app.state.server
     data = decode_object(await read_body(request))
-    constraint = _constraint(data)
-    # taken above, not llama_server_request.apply's to refuse
-    data.pop("grammar", None), data.pop("json_schema", None)
     if "prompt" not in data:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
                        code="missing_required_parameter")
@@ -114,8 +94,6 @@ async def completion(request: Request):
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     msg = openai_request.completion_generate(body)
-    if constraint is not None:                  # the same constrained path as chat's response_format
-        msg = msgspec.structs.replace(msg, grammar=constraint)
     tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
     text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
     model, upstream, stream = await submit(server, msg)

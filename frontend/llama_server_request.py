@@ -24,9 +24,12 @@ fields), as the prompt's token count is known only at the end here.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
+
+from shared import protocol as P
 
 from .errors import APIError
 from .fields import Body, Int, NPredict
@@ -86,7 +89,7 @@ class LlamaServerFields(Body):
     n_indent: Int | None = None
     n_cmpl: Int | None = None
     t_max_predict_ms: Int | None = None
-    grammar: str | None = None
+    grammar: Any = None
     json_schema: Any = None
     lora: list[Any] | None = None
     # honoured on chat
@@ -101,6 +104,22 @@ HONOURED = ("n_predict", "timings_per_token", "samplers", "repeat_last_n", "chat
 
 def _refuse(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def constraint(b: LlamaServerFields) -> P.Constraint | None:
+    """llama-server's `json_schema` (an object) or `grammar` (GBNF) as a Constraint, on any
+    route; the coordinator compiles it before queueing (a bad one is a 400, invalid_grammar)."""
+    schema = None if b.json_schema in ("", {}) else b.json_schema
+    grammar = b.grammar or None
+    if schema is not None and grammar is not None:
+        raise APIError(400, "give json_schema or grammar, not both", param="grammar", code="invalid_value")
+    if schema is not None:
+        if not isinstance(schema, (dict, bool)):
+            raise APIError(400, "json_schema must be a JSON schema object", param="json_schema", code="invalid_type")
+        return P.Constraint(kind="json_schema", text=json.dumps(schema))
+    if grammar is not None and not isinstance(grammar, str):
+        raise APIError(400, "grammar must be a string (GBNF)", param="grammar", code="invalid_type")
+    return None if grammar is None else P.Constraint(kind="gbnf", text=grammar)
 
 
 def _switched_on(b: LlamaServerFields) -> list[tuple[str, str]]:
@@ -128,10 +147,6 @@ def _switched_on(b: LlamaServerFields) -> list[tuple[str, str]]:
         on.append(("n_cmpl", f"{b.n_cmpl} completions (only one choice per request is supported)"))
     if b.t_max_predict_ms:
         on.append(("t_max_predict_ms", "a time limit on generation"))
-    if b.grammar:
-        on.append(("grammar", "grammar-constrained sampling"))
-    if b.json_schema is not None:
-        on.append(("json_schema", "schema-constrained sampling"))
     if b.lora:
         on.append(("lora", "LoRA adapters"))
     return on

@@ -199,7 +199,7 @@ def completion_generate(body: CompletionRequest) -> P.Generate:
     prompt = _prompt(body.prompt)
     kind = "prompt" if isinstance(prompt, str) else "tokens"
     return _generate(f"cmpl-{uuid.uuid4().hex}", body, body.max_tokens, logprobs=logprobs.requested(body, False),
-                     **{kind: prompt})
+                     grammar=llama_server_request.constraint(body), **{kind: prompt})
 
 
 def _prompt(prompt) -> str | list[int]:
@@ -268,8 +268,10 @@ def response_format(body):
     kind = fmt.get("type") if fmt else "text"
     if kind == "text":
         return None
-    if kind == "json_object":
-        schema = {"type": "object"}
+    if kind == "json_object":                   # llama-server takes a schema here too
+        schema = fmt.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise _invalid("response_format.schema", "response_format.schema must be a JSON schema object")
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -285,7 +287,7 @@ def response_format(body):
     else:
         raise _invalid("response_format", f"response_format {kind!r}: expected 'text', 'json_object' or "
                                           "'json_schema'")
-    _check_schema("response_format.json_schema.schema", schema)
+    _check_schema("response_format.schema" if kind == "json_object" else "response_format.json_schema.schema", schema)
     return schema
 
 
@@ -297,9 +299,19 @@ def _check_schema(param: str, schema) -> None:
 
 
 def grammar(body, function_tools: list[dict] | None) -> P.Constraint | None:
-    """The constraint of the answer: the forced tool call, the response_format, or none."""
+    """The constraint of the answer: the forced tool call, the response_format, llama-server's
+    grammar or json_schema, or none."""
     choice = tool_choice(body, function_tools)
     schema = response_format(body)
+    own = llama_server_request.constraint(body)
+    if own is not None:
+        field = "grammar" if own.kind == "gbnf" else "json_schema"
+        if schema is not None:
+            raise _invalid(field, f"{field} and response_format: give one")
+        if function_tools and choice != "none":
+            raise _invalid(field, f"{field} with tools: the answer would have to be both a call and the grammar's "
+                                  f"text (tool_choice 'none' leaves the tools out)")
+        return own
     parallel = body.parallel_tool_calls is not False
     if choice in ("auto", "none"):
         if schema is None:
