@@ -134,6 +134,8 @@ def add_options(p) -> None:
     g.add_argument("--host", default=None, help="with --port: serve the HTTP API there (llama-server's; default "
                                                 "127.0.0.1), the same as --http HOST:PORT")
     g.add_argument("--port", type=int, default=None, help="with --host: the HTTP API's port (default 8080)")
+    g.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
+                   help="as --max-model-len (0: the model's context length)")
     g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None, metavar="N",
                    help="tokens a request generates when it does not say (-1: until its end; default -1)")
     for flag, field, kind in SAMPLING_FLAGS:
@@ -162,10 +164,12 @@ def apply(opts) -> None:
             raise FermoeError("--host/--port and --http: give one (--http HOST:PORT)")
         host = opts.host or "127.0.0.1"
         opts.http = f"[{host}]:{opts.port or 8080}" if ":" in host else f"{host}:{opts.port or 8080}"
-    if opts.max_model_len is not None:
-        if opts.max_model_len < 0:
-            raise FermoeError(f"--max-model-len (-c) {opts.max_model_len}: must be >= 0 (0: the model's own)")
-        opts.max_model_len = opts.max_model_len or None
+    if opts.ctx_size is not None:
+        if opts.max_model_len is not None:
+            raise FermoeError("-c/--ctx-size and --max-model-len: give one")
+        if opts.ctx_size < 0:
+            raise FermoeError(f"-c {opts.ctx_size}: must be >= 0 (0: the model's context length)")
+        opts.max_model_len = opts.ctx_size or None
     halves = {t for t in (opts.cache_type_k, opts.cache_type_v) if t is not None}
     if len(halves) > 1:
         raise FermoeError(f"-ctk {opts.cache_type_k} -ctv {opts.cache_type_v}: fermoe keeps K and V in one type")

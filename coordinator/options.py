@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"snapshot every this many prompt tokens (default {DEFAULT_BLOCK})")
     p.add_argument("--max-sequences", "-np", "--parallel", type=int, default=8,
                    help="sequences one worker interleaves (default 8)")
-    p.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None,
-                   help="positions a sequence may hold, prompt and output (0 or default: the model's context "
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="positions a sequence may hold, prompt and output (default: the model's context "
                         "length, or less if max-sequences such sequences per worker would not fit in memory; more "
                         "than the context length is taken with a warning: the answers past it are unreliable)")
     p.add_argument("--numa-interleave", action="store_true",

@@ -85,7 +85,8 @@ def test_llama_servers_spellings_and_values():
     assert parse_options(["-m", "tiny", "--host", "0.0.0.0", "--api-key", "k"]).http == "0.0.0.0:8080"
     for argv, problem in ((["--temp", "-1"], "--temp: temperature must be >= 0"),
                           (["--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
-                          (["-n", "0"], "-n 0: must be >= 1, or -1"), (["-c", "-5"], "must be >= 0"),
+                          (["-n", "0"], "-n 0: must be >= 1, or -1"), (["-c", "-5"], "-c -5: must be >= 0"),
+                          (["-c", "8", "--max-model-len", "8"], "-c/--ctx-size and --max-model-len: give one"),
                           (["-ctk", "f16", "-ctv", "f32"], "fermoe keeps K and V in one type"),
                           (["-ctk", "q4_0"], "-ctk/-ctv q4_0: fermoe's KV cache types are"),
                           (["--port", "8090", "--http", "127.0.0.1:8091"], "--host/--port and --http: give one")):
