@@ -16,7 +16,7 @@ import sys
 
 import zmq
 
-from shared.http_options import API_KEY_ENV, bind_listener, listen_url
+from shared.http_options import API_KEY_ENV, bind_listeners, listen_url
 
 from .supervisor import RESTART_WINDOW_S, RestartBudget
 
@@ -33,27 +33,34 @@ class FrontEnd:
     def __init__(self, opts, connect: str, curve_key=None):
         """curve_key: with --curve-keys, the client pair it connects with."""
         self.opts, self.connect, self.curve_key = opts, connect, curve_key
-        self.listener = bind_listener(opts.http, bool(opts.api_key))
+        self.listeners = bind_listeners(opts.http, bool(opts.api_key))
         self.proc: subprocess.Popen | None = None
         self.restarts = RestartBudget()      # as the workers': past it, it is failing to start
         self.given_up = False
 
     def start(self) -> None:
-        fd = self.listener.fileno()
-        cmd = [sys.executable, "-m", "frontend", "--connect", self.connect, "--listen-fd", str(fd)]
+        fds = [s.fileno() for s in self.listeners]
+        cmd = [sys.executable, "-m", "frontend", "--connect", self.connect, "--listen-fd", ",".join(map(str, fds))]
         if self.opts.max_queue is not None:
             cmd += ["--max-queue", str(self.opts.max_queue)]
         cmd += ["--cors-origins", ",".join(self.opts.cors_origins), "--max-request-size",
                 str(self.opts.max_request_size), "--reasoning-format", self.opts.reasoning_format]
         if self.curve_key:
             cmd += ["--curve-key", str(self.curve_key)]
+        if self.opts.alias:
+            cmd += ["--alias", self.opts.alias]
+        if self.opts.tags:
+            cmd += ["--tags", ",".join(self.opts.tags)]
+        if not self.opts.slots:
+            cmd += ["--no-slots"]
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         if self.opts.api_key:
             env[API_KEY_ENV] = self.opts.api_key
         # own session, as the workers: a Ctrl-C for the coordinator stops it in order
-        self.proc = subprocess.Popen(cmd, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.info("started the HTTP front end (pid %d) on %s", self.proc.pid, listen_url(self.listener))
+        self.proc = subprocess.Popen(cmd, pass_fds=fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.info("started the HTTP front end (pid %d) on %s", self.proc.pid,
+                 ", ".join(listen_url(s) for s in self.listeners))
 
     def poll(self) -> None:
         if self.proc is None or self.proc.poll() is None or self.given_up:
@@ -74,4 +81,5 @@ class FrontEnd:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.listener.close()
+        for s in self.listeners:
+            s.close()

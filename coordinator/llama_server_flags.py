@@ -70,7 +70,7 @@ REFUSED: dict[tuple[str, ...], str] = {
         "where the model comes from (fermoe downloads nothing: give -m FILE)"),
     ("-md", "--model-draft", "-hfd", "--hf-repo-draft", "--draft", "--draft-max", "--draft-min",
      "--spec-replace"): "the decoding (no speculative decoding here)",
-    ("--slots", "--no-slots", "--slot-save-path", "--sleep-idle-seconds", "--tags", "--props", "--api-key-file",
+    ("--slot-save-path", "--sleep-idle-seconds", "--props", "--api-key-file",
      "--ssl-key-file", "--ssl-cert-file"): "what the server exposes (not implemented yet)",
 }
 
@@ -131,8 +131,8 @@ NAMED_TEMPLATES = {
 
 def add_options(p) -> None:
     g = p.add_argument_group("llama-server's flags (the defaults of every request that does not set its own)")
-    g.add_argument("--host", default=None, help="with --port: serve the HTTP API there (llama-server's; default "
-                                                "127.0.0.1), the same as --http HOST:PORT")
+    g.add_argument("--host", default=None, help="with --port: serve the HTTP API there (llama-server's; a comma "
+                                                "list for several; default 127.0.0.1), the same as --http HOST:PORT")
     g.add_argument("--port", type=int, default=None, help="with --host: the HTTP API's port (default 8080)")
     g.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
                    help="as --max-model-len (0: the model's context length)")
@@ -162,8 +162,9 @@ def apply(opts) -> None:
     if opts.host is not None or opts.port is not None:
         if opts.http is not None:
             raise FermoeError("--host/--port and --http: give one (--http HOST:PORT)")
-        host = opts.host or "127.0.0.1"
-        opts.http = f"[{host}]:{opts.port or 8080}" if ":" in host else f"{host}:{opts.port or 8080}"
+        port = 8080 if opts.port is None else opts.port
+        opts.http = ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
+                             for h in (opts.host or "127.0.0.1").split(",") if h.strip())
     if opts.ctx_size is not None:
         if opts.max_model_len is not None:
             raise FermoeError("-c/--ctx-size and --max-model-len: give one")

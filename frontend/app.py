@@ -70,15 +70,22 @@ async def metrics(request: Request):
 
 
 async def list_models(request: Request):
-    return JSONResponse({"object": "list", "data": [await _model_card(request.app.state.server)]})
+    """One card per name the model goes by (--alias a,b), each naming the others and --tags."""
+    server = request.app.state.server
+    await server.model_id()
+    return JSONResponse({"object": "list", "data": [_model_card(server, name) for name in server.names]})
 
 
 async def get_model(request: Request):
-    return JSONResponse(await _model_card(request.app.state.server))
+    server = request.app.state.server
+    await server.model_id()
+    asked = request.path_params["model"]
+    return JSONResponse(_model_card(server, asked if asked in server.names else server.name))
 
 
-async def _model_card(server: Server) -> dict:
-    return {"id": await server.model_id(), "object": "model", "created": server.started, "owned_by": "fermoe"}
+def _model_card(server: Server, name: str) -> dict:
+    return {"id": name, "object": "model", "created": server.started, "owned_by": "fermoe", "aliases": server.names,
+            "tags": list(server.settings.tags)}
 
 
 async def tokenize(request: Request):

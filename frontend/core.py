@@ -30,11 +30,13 @@ class Settings:
     connect: str
     api_key: str | None = None
     max_queue: int | None = None
-    alias: str | None = None                     # the model's name; None: the coordinator's
+    alias: str | None = None                     # the model's names, a comma list; None: the coordinator's
     cors_origins: tuple[str, ...] = ("*",)
     max_request_size: int = P.MAX_MESSAGE_BYTES  # bytes of a request body
     reasoning_format: str = "deepseek"
     curve_key: str | None = None                 # the client pair, for a coordinator requiring CURVE keys
+    tags: tuple[str, ...] = ()                   # --tags: listed with the model
+    slots: bool = True                           # --no-slots: GET /slots answers 501
 
 
 class Server:
@@ -45,7 +47,8 @@ class Server:
         self.upstream: Upstream | None = None
         self.metrics: Metrics | None = None
         self.model_path: str | None = None
-        self.name: str | None = None
+        self.name: str | None = None               # what replies carry: the first of `names`
+        self.names: list[str] = []
         self.system_fingerprint = ""
         self.coordinator_limit = P.MAX_MESSAGE_BYTES
         self.reasoning_default = ("auto", -1)      # the coordinator's --reasoning, --reasoning-budget
@@ -64,7 +67,8 @@ class Server:
             raise APIError(503, f"the coordinator at {self.settings.connect} does not answer"
                                 f"{': ' + str(e) if str(e) else ''}", headers={"Retry-After": RETRY_AFTER_S}) from None
         self.model_path = st.model
-        self.name = self.settings.alias or st.name or st.model
+        self.names = (self.settings.alias or st.name or st.model).split(",")
+        self.name = self.names[0]
         self.system_fingerprint = system_fingerprint(st.fingerprint)
         self.coordinator_limit = st.max_request_size
         self.reasoning_default = (st.reasoning, st.reasoning_budget)

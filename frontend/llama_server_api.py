@@ -198,6 +198,9 @@ def _total_slots(st: P.StatusReply) -> int:
 
 async def slots(request: Request):
     server = request.app.state.server
+    if not server.settings.slots:                   # llama-server's words for it
+        raise APIError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                       code="not_supported_error")
     st = await server.status()
     total = _total_slots(st)
     if request.query_params.get("fail_on_no_slot") and st.running >= total:

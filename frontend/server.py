@@ -13,7 +13,7 @@ import zmq
 
 from shared.curve import client_keys
 from shared.errors import FermoeError
-from shared.http_options import add_http_options, bind_listener, check_http_options, listen_url
+from shared.http_options import add_http_options, bind_listeners, check_http_options, listen_url
 
 log = logging.getLogger("fermoe.http")
 
@@ -21,7 +21,7 @@ log = logging.getLogger("fermoe.http")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fermoe serve", description="OpenAI-compatible HTTP API for a coordinator")
     add_http_options(p, standalone=True)
-    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)   # from coordinator --http
+    p.add_argument("--listen-fd", default=None, help=argparse.SUPPRESS)   # from coordinator --http: fds, comma list
     return p
 
 
@@ -66,15 +66,17 @@ def run(opts) -> int:
     check_http_options(opts)
     _check_endpoint(opts.connect)
     client_keys(opts.curve_key)         # a bad key file: one error at start
-    fd = getattr(opts, "listen_fd", None)
-    sock = socket.socket(fileno=fd) if fd is not None else bind_listener(opts.http, bool(opts.api_key))
+    fds = getattr(opts, "listen_fd", None)
+    socks = [socket.socket(fileno=int(fd)) for fd in fds.split(",")] if fds is not None else \
+        bind_listeners(opts.http, bool(opts.api_key))
     app = build_app(Settings(connect=opts.connect, api_key=opts.api_key, max_queue=opts.max_queue, alias=opts.alias,
                              cors_origins=opts.cors_origins, max_request_size=opts.max_request_size,
-                             reasoning_format=opts.reasoning_format, curve_key=opts.curve_key))
+                             reasoning_format=opts.reasoning_format, curve_key=opts.curve_key, tags=tuple(opts.tags),
+                             slots=opts.slots))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
-    log.info("HTTP API on %s for the coordinator at %s%s", listen_url(sock), opts.connect,
+    log.info("HTTP API on %s for the coordinator at %s%s", ", ".join(listen_url(s) for s in socks), opts.connect,
              ", API key required" if opts.api_key else "")
-    _quiet_server(config).run(sockets=[sock])
+    _quiet_server(config).run(sockets=socks)
     return 0
 
 

@@ -33,7 +33,8 @@ def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> No
                        help="a client key file (clients/NAME.key_secret of `fermoe keys`), for a coordinator "
                             "started with --curve-keys")
     g.add_argument("--http", metavar="HOST:PORT", default=DEFAULT_HTTP if standalone else None,
-                   help=f"serve the OpenAI-compatible HTTP API here (loopback unless told otherwise"
+                   help=f"serve the OpenAI-compatible HTTP API here, or at each of a comma list of them (loopback "
+                        f"unless told otherwise"
                         f"{'; default ' + DEFAULT_HTTP if standalone else ', e.g. ' + DEFAULT_HTTP})")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health, the chat page and "
@@ -41,9 +42,16 @@ def add_http_options(p: argparse.ArgumentParser, standalone: bool = False) -> No
     g.add_argument("--max-queue", type=int, default=None,
                    help="answer 503 with Retry-After while this many requests wait for their first token")
     g.add_argument("-a", "--alias", default=None,
-                   help="the model's name in the API, as llama-server's --alias (default: "
+                   help="the model's name in the API, as llama-server's --alias: one, or a comma-separated list "
+                        "(each listed in /v1/models; the first is the name replies carry) (default: "
                         + ("the coordinator's" if standalone else "--model as given") +
                         "); whatever name a request gives, the one model served answers it")
+    g.add_argument("--tags", default=None, metavar="LIST",
+                   help="comma-separated tags listed with the model in /v1/models (llama-server's)")
+    g.add_argument("--slots", dest="slots", action="store_true", default=True,
+                   help="serve GET /slots (the default, as llama-server's)")
+    g.add_argument("--no-slots", dest="slots", action="store_false",
+                   help="answer GET /slots with 501, as llama-server started with --no-slots")
     g.add_argument("--cors-origins", metavar="ORIGINS", default=None,
                    help=f"origins whose web pages may call the API: a comma-separated list "
                         f"(e.g. http://localhost:3000; localhost: any loopback origin), or * for any (default {DEFAULT_CORS}, as llama-server and "
@@ -74,8 +82,25 @@ def check_http_options(opts) -> None:
     if opts.alias is not None and not opts.alias.strip():
         raise FermoeError("--alias: empty")
     opts.max_request_size = parse_request_size(opts.max_request_size or DEFAULT_MAX_REQUEST)
+    if opts.alias is not None:
+        opts.alias = ",".join(name.strip() for name in opts.alias.split(",") if name.strip())
+    opts.tags = [t.strip() for t in (opts.tags or "").split(",") if t.strip()]
     if opts.http is not None:
-        parse_listen(opts.http)
+        for address in opts.http.split(","):
+            parse_listen(address)
+
+
+def bind_listeners(text: str, has_key: bool = False) -> list[socket.socket]:
+    """One listening socket for each HOST:PORT of a comma list (llama-server's several --host)."""
+    socks: list[socket.socket] = []
+    try:
+        for address in text.split(","):
+            socks.append(bind_listener(address, has_key))
+    except FermoeError:
+        for s in socks:
+            s.close()
+        raise
+    return socks
 
 
 def parse_request_size(text: str) -> int:
@@ -120,6 +145,8 @@ def bind_listener(text: str, has_key: bool = False) -> socket.socket:
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:           # [::] beside 0.0.0.0 on one port, as two listeners
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(addr)
         sock.listen(2048)
     except OSError as e:

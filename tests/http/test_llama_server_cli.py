@@ -83,6 +83,7 @@ def test_llama_servers_spellings_and_values():
     assert opts.sampling_defaults == {"repeat_last_n": CONTEXT} and opts.n_predict is None
     assert opts.kv_cache_dtype == "f32"
     assert parse_options(["-m", "tiny", "--host", "0.0.0.0", "--api-key", "k"]).http == "0.0.0.0:8080"
+    assert parse_options(["-m", "tiny", "--host", "127.0.0.1,::1", "--port", "9"]).http == "127.0.0.1:9,[::1]:9"
     for argv, problem in ((["--temp", "-1"], "--temp: temperature must be >= 0"),
                           (["--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
                           (["-n", "0"], "-n 0: must be >= 1, or -1"), (["-c", "-5"], "-c -5: must be >= 0"),
@@ -160,3 +161,30 @@ def test_chatml_by_name():
     from shared.tokenizer import render_chat_template
     assert render_chat_template(opts.chat_template, [{"role": "user", "content": "Hi"}]) == \
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def serving_daemon():
+    port = free_port()
+    d = Process([sys.executable, "-m", "coordinator.daemon", "-m", "tiny", "--host", "127.0.0.1,::1", "--port", str(port),
+                 "-a", "qwen3.6,qwen", "--tags", "coding,local", "--no-slots",
+                 "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem", "32MiB", "--threads-per-worker", "1"])
+    d.urls = [f"http://127.0.0.1:{port}", f"http://[::1]:{port}"]
+    d.wait_http(d.urls[0])
+    yield d
+    assert d.stop() == 0
+
+
+def test_serving_flags_several_hosts_aliases_tags_and_no_slots(serving_daemon):
+    """Guards: only the first --host served, aliases beyond the first dropped, --no-slots ignored."""
+    for url in serving_daemon.urls:
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200, url
+    url = serving_daemon.urls[1]
+    cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    assert [(c["id"], c["aliases"], c["tags"]) for c in cards] == [
+        ("qwen3.6", ["qwen3.6", "qwen"], ["coding", "local"]), ("qwen", ["qwen3.6", "qwen"], ["coding", "local"])]
+    assert httpx.get(f"{url}/v1/models/qwen", timeout=30).json()["id"] == "qwen"
+    r = httpx.post(f"{url}/v1/completions", json={"model": "qwen", "prompt": "x", "max_tokens": 1}, timeout=60)
+    assert r.json()["model"] == "qwen3.6"                  # replies carry the first name
+    slots = httpx.get(f"{url}/slots", timeout=30)
+    assert slots.status_code == 501 and "does not support slots endpoint" in slots.json()["error"]["message"]
