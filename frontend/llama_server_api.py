@@ -13,7 +13,10 @@ and the answer:
   tokens_cached, timings}; `stop_type` is eos, word (`stopping_word` set), limit or none (the
   request was cancelled). Streamed: one `data:` line per piece of text, {content, tokens,
   stop: false, ...}, then the whole answer with empty content and stop: true; no [DONE].
-  `tokens` lists the token ids only with `return_tokens`, as llama-server does.
+  A chunk's `tokens` lists its token ids; the whole answer's only with `return_tokens`, as
+  llama-server does. `n_probs` (1-20) adds `completion_probabilities` (logprobs.py), to the
+  answer or to each chunk for its tokens; `timings` numbers are never null (0.0 where nothing
+  was measured, as for the rate of a one-token answer).
 
 /slots has no per-slot state to show here: the coordinator schedules requests over its
 workers' decode capacity (--max-sequences each), so it lists that many slots, as many of
@@ -32,12 +35,13 @@ from starlette.responses import JSONResponse
 from shared import protocol as P
 from shared.chat import render_chat
 from shared.errors import ChatTemplateError
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 from . import openai_request
 from .core import read_body, submit
 from .errors import APIError
 from .formats import TextFormat
+from .logprobs import Logprobs
 from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body, decode_object
 from .streaming import GenerationResponse, _failure_error, send_json
 
@@ -82,9 +86,23 @@ async def _prompt(server, prompt) -> str | list[int]:
     return ids
 
 
+def _n_probs(n, post_sampling) -> int | None:
+    """llama-server's n_probs: the most likely tokens listed with each one (0: none)."""
+    if n is None or n == 0:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"n_probs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}", param="n_probs",
+                       code="invalid_value")
+    if post_sampling:
+        raise APIError(400, "post_sampling_probs is not supported: n_probs gives the model's own probabilities, "
+                            "before the samplers", param="post_sampling_probs", code="unsupported_parameter")
+    return n
+
+
 async def completion(request: Request):
     server = request.app.state.server
     data = decode_object(await read_body(request))
+    n_probs = _n_probs(data.pop("n_probs", None), data.get("post_sampling_probs"))
     if "prompt" not in data:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
                        code="missing_required_parameter")
@@ -94,11 +112,14 @@ async def completion(request: Request):
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     msg = openai_request.completion_generate(body)
+    if n_probs:
+        msg = msgspec.structs.replace(msg, logprobs=n_probs)
     tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
     text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
+    probs = Logprobs(await server.tokenizer(), chat=False, llama=True) if n_probs else None
     model, upstream, stream = await submit(server, msg)
     return CompletionResponse(upstream, stream, TextFormat(), model, body.stream, False, server.metrics,
-                              server.system_fingerprint, bool(body.timings_per_token), prompt=text,
+                              server.system_fingerprint, bool(body.timings_per_token), logprobs=probs, prompt=text,
                               msg=server.effective(msg),
                               return_tokens=bool(body.return_tokens))
 
@@ -125,7 +146,13 @@ class CompletionResponse(GenerationResponse):
             return
         tokens, msg = read
         ids = [t.token for t in tokens if t.token >= 0] if self.return_tokens else []
-        await send_json(send, 200, self.final(msg, "".join(t.text for t in tokens), ids))
+        await send_json(send, 200, self._probs(self.final(msg, "".join(t.text for t in tokens), ids)))
+
+    def _probs(self, body: dict) -> dict:
+        """With n_probs, the tokens' probabilities since the last body that carried them."""
+        if self.logprobs is not None:
+            body["completion_probabilities"] = self.logprobs.take() or []
+        return body
 
     def opening_events(self) -> list[bytes]:
         return []                                   # llama-server's stream opens with its first token
@@ -133,12 +160,13 @@ class CompletionResponse(GenerationResponse):
     async def _stream_events(self, msg, send) -> None:
         out, tokens = [], []                        # (the headers went out in _start_stream)
         while not isinstance(msg, P.Done):
+            self._add_logprobs(msg)
             if msg.token >= 0:
                 tokens.append(msg.token)
                 self.n += 1
-            if msg.text:
-                chunk = {"index": 0, "content": msg.text, "tokens": tokens if self.return_tokens else [],
-                         "stop": False, "id_slot": 0, "tokens_predicted": self.n, "tokens_evaluated": 0}
+            if msg.text:                            # its tokens' ids, as llama-server streams them
+                chunk = self._probs({"index": 0, "content": msg.text, "tokens": tokens, "stop": False, "id_slot": 0,
+                                     "tokens_predicted": self.n, "tokens_evaluated": 0})
                 if self.timings_per_token:
                     chunk["timings"] = self.timings.partial()
                 out.append(_data(chunk))
@@ -150,7 +178,7 @@ class CompletionResponse(GenerationResponse):
             if self.gone:
                 return
         last = self.error_body(_failure_error(msg)) if msg.finish_reason == "error" else \
-            self.final(msg, "", tokens if self.return_tokens else [])
+            self._probs(self.final(msg, "", tokens))
         await self._send_events(send, out + [_data(last)], more=False)
 
 

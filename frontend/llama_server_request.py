@@ -139,8 +139,8 @@ def _switched_on(b: LlamaServerFields) -> list[tuple[str, str]]:
         on.append(("top_n_sigma", "the top-n-sigma sampler"))
     if b.min_keep is not None and b.min_keep > 1:
         on.append(("min_keep", "a minimum of tokens every sampler keeps"))
-    if b.n_probs:
-        on.append(("n_probs", "token probabilities"))
+    if b.n_probs:                   # /completion takes it before this; the OpenAI routes have logprobs
+        on.append(("n_probs", "token probabilities (give logprobs and top_logprobs here)"))
     if b.n_indent:
         on.append(("n_indent", "a minimum line indentation"))
     if b.n_cmpl is not None and b.n_cmpl != 1:
@@ -240,9 +240,9 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-def _per(ms: float, n: int) -> float | None:
-    return round(ms / n, 3) if n else None
+def _per(ms: float, n: int) -> float:
+    return round(ms / n, 3) if n else 0.0
 
 
-def _rate(n: int, ms: float) -> float | None:
-    return round(n / ms * 1000, 3) if ms > 0 else None
+def _rate(n: int, ms: float) -> float:
+    return round(n / ms * 1000, 3) if ms > 0 else 0.0

@@ -6,7 +6,9 @@ Chat (`logprobs: true`, `top_logprobs: 0..20`): `{"content": [{token, logprob, b
 top_logprobs: [{token, logprob, bytes}]}], "refusal": null}`, the token's text with its
 UTF-8 bytes (a token may hold part of a character: its text then shows U+FFFD, its bytes
 are exact). Completions (`logprobs: 0..20`): the legacy `{tokens, token_logprobs,
-top_logprobs: [{text: logprob}], text_offset}`. Every generated token is listed, the
+top_logprobs: [{text: logprob}], text_offset}`. llama-server's /completion (`n_probs: 1..20`):
+`completion_probabilities: [{id, token, bytes, logprob, top_logprobs: [{id, token, bytes,
+logprob}]}]`. Every generated token is listed, the
 reasoning and tool-call markup's too, in the order generated; a stream attaches to each
 chunk the tokens that came since the last one, so the chunks' lists concatenate to the
 whole response's.
@@ -48,8 +50,8 @@ class Logprobs:
     """The logprobs of one response, collected token by token; take() gives what came since
     the last take() in the endpoint's shape (None if nothing did)."""
 
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer, chat: bool, llama: bool = False):
+        self.tokenizer, self.chat, self.llama = tokenizer, chat, llama
         self.pending: list[P.Token] = []
         self.offset = 0                     # completions' text_offset: characters so far
 
@@ -61,6 +63,8 @@ class Logprobs:
         if not self.pending:
             return None
         tokens, self.pending = self.pending, []
+        if self.llama:
+            return self._llama(tokens)
         return self._chat(tokens) if self.chat else self._text(tokens)
 
     def _piece(self, token: int) -> tuple[str, bytes]:
@@ -74,6 +78,15 @@ class Logprobs:
         return {"content": [entry(m.token, m.logprob) | {"top_logprobs": [entry(t.token, t.logprob)
                                                                           for t in m.top_logprobs or []]}
                             for m in tokens], "refusal": None}
+
+    def _llama(self, tokens: list[P.Token]) -> list[dict]:
+        """llama-server's completion_probabilities (n_probs): each token's id, text, bytes and
+        log-probability, and the n most likely tokens' the same."""
+        def entry(token: int, logprob: float) -> dict:
+            text, raw = self._piece(token)
+            return {"id": token, "token": text, "bytes": list(raw), "logprob": logprob}
+        return [entry(m.token, m.logprob) | {"top_logprobs": [entry(t.token, t.logprob) for t in m.top_logprobs or []]}
+                for m in tokens]
 
     def _text(self, tokens: list[P.Token]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
