@@ -16,7 +16,9 @@ and the answer:
   A chunk's `tokens` lists its token ids; the whole answer's only with `return_tokens`, as
   llama-server does. `n_probs` (1-20) adds `completion_probabilities` (logprobs.py), to the
   answer or to each chunk for its tokens; `timings` numbers are never null (0.0 where nothing
-  was measured, as for the rate of a one-token answer).
+  was measured, as for the rate of a one-token answer). `response_fields` keeps only the fields
+  it lists in the answer (the last chunk of a stream), `generation_settings/n_predict` brought
+  to the top as `n_predict`.
 
 /slots has no per-slot state to show here: the coordinator schedules requests over its
 workers' decode capacity (--max-sequences each), so it lists that many slots, as many of
@@ -120,14 +122,15 @@ async def completion(request: Request):
     model, upstream, stream = await submit(server, msg)
     return CompletionResponse(upstream, stream, TextFormat(), model, body.stream, False, server.metrics,
                               server.system_fingerprint, bool(body.timings_per_token), logprobs=probs, prompt=text,
-                              msg=server.effective(msg),
+                              msg=server.effective(msg), fields=body.response_fields,
                               return_tokens=bool(body.return_tokens))
 
 
 class CompletionResponse(GenerationResponse):
-    def __init__(self, *args, prompt: str, msg: P.Generate, return_tokens: bool, **kw):
+    def __init__(self, *args, prompt: str, msg: P.Generate, return_tokens: bool, fields: list[str] | None = None,
+                 **kw):
         super().__init__(*args, **kw)
-        self.prompt, self.msg, self.return_tokens = prompt, msg, return_tokens
+        self.prompt, self.msg, self.return_tokens, self.fields = prompt, msg, return_tokens, fields
         self.n = 0
 
     def final(self, done: P.Done, content: str, tokens: list[int]) -> dict:
@@ -146,7 +149,8 @@ class CompletionResponse(GenerationResponse):
             return
         tokens, msg = read
         ids = [t.token for t in tokens if t.token >= 0] if self.return_tokens else []
-        await send_json(send, 200, self._probs(self.final(msg, "".join(t.text for t in tokens), ids)))
+        answer = self._probs(self.final(msg, "".join(t.text for t in tokens), ids))
+        await send_json(send, 200, answer if self.fields is None else only(answer, self.fields))
 
     def _probs(self, body: dict) -> dict:
         """With n_probs, the tokens' probabilities since the last body that carried them."""
@@ -179,7 +183,25 @@ class CompletionResponse(GenerationResponse):
                 return
         last = self.error_body(_failure_error(msg)) if msg.finish_reason == "error" else \
             self._probs(self.final(msg, "", tokens))
+        if self.fields is not None and msg.finish_reason != "error":
+            last = only(last, self.fields)
         await self._send_events(send, out + [_data(last)], more=False)
+
+
+def only(answer: dict, fields: list[str]) -> dict:
+    """llama-server's response_fields: just those fields, in their order; `a/b` brings b out of
+    a to the top level under the name b; a field the answer lacks is left out."""
+    out = {}
+    for path in fields:
+        value, found = answer, True
+        for part in path.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                found = False
+                break
+            value = value[part]
+        if found:
+            out[path.rsplit("/", 1)[-1]] = value
+    return out
 
 
 def _data(obj: dict) -> bytes:

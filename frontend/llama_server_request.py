@@ -99,7 +99,8 @@ class LlamaServerFields(Body):
 
 FIELDS = LlamaServerFields.__struct_fields__
 # read here, or by the chat endpoint (chat_template_kwargs, reasoning_format)
-HONOURED = ("n_predict", "timings_per_token", "samplers", "repeat_last_n", "chat_template_kwargs", "reasoning_format")
+HONOURED = ("n_predict", "timings_per_token", "samplers", "repeat_last_n", "chat_template_kwargs", "reasoning_format",
+            "response_fields")
 
 
 def _refuse(param: str, message: str) -> APIError:

@@ -53,3 +53,15 @@ def test_timings_are_numbers_even_for_one_token(daemon):
     timings = httpx.post(f"{daemon.url}/completion", json={**PROMPT, "n_predict": 1}, timeout=60).json()["timings"]
     assert all(isinstance(v, (int, float)) for v in timings.values()), timings
     assert timings["predicted_n"] == 1
+
+
+def test_response_fields_keep_only_those_listed(daemon):
+    """Guards: the whole answer sent anyway, or a nested field left nested (llama-server brings it up)."""
+    fields = ["content", "generation_settings/n_predict", "timings/predicted_n", "no_such_field"]
+    whole = httpx.post(f"{daemon.url}/completion", json=PROMPT, timeout=60).json()
+    body = httpx.post(f"{daemon.url}/completion", json={**PROMPT, "response_fields": fields}, timeout=60).json()
+    assert body == {"content": whole["content"], "n_predict": 5, "predicted_n": 5}
+    with httpx.stream("POST", f"{daemon.url}/completion", json={**PROMPT, "response_fields": fields, "stream": True},
+                      timeout=60) as r:
+        last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+    assert last == {"content": "", "n_predict": 5, "predicted_n": 5}
