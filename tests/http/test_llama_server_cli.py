@@ -26,8 +26,13 @@ CARD = "-m tiny --jinja -c 8192 --temp 0.6 --top-p 0.95 --top-k 20 --min-p 0 --p
 
 @pytest.fixture(scope="module")
 def card_daemon():
+    yield from started(*CARD.split())
+
+
+def started(*flags: str):
+    """`coordinator FLAGS --port P` (P free), until the module's tests are done; `.url` its API."""
     port = free_port()
-    d = Process([sys.executable, "-m", "coordinator.daemon", *CARD.split(), "--port", str(port),
+    d = Process([sys.executable, "-m", "coordinator.daemon", *flags, "--port", str(port),
                  "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem", "32MiB", "--threads-per-worker", "1"])
     d.url = f"http://127.0.0.1:{port}"
     d.wait_http(d.url)
@@ -114,14 +119,8 @@ GREETING_TEMPLATE = ("{{ '<|im_start|>system\\n' + greeting + '<|im_end|>\\n' }}
 def template_daemon(tmp_path_factory):
     path = tmp_path_factory.mktemp("template") / "greeting.jinja"
     path.write_text(GREETING_TEMPLATE)
-    port = free_port()
-    d = Process([sys.executable, "-m", "coordinator.daemon", "-m", "tiny", "--port", str(port),
-                 "--chat-template-file", str(path), "--chat-template-kwargs", '{"greeting": "Hello from the server"}',
-                 "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem", "32MiB", "--threads-per-worker", "1"])
-    d.url = f"http://127.0.0.1:{port}"
-    d.wait_http(d.url)
-    yield d
-    assert d.stop() == 0
+    yield from started("-m", "tiny", "--chat-template-file", str(path),
+                       "--chat-template-kwargs", '{"greeting": "Hello from the server"}')
 
 
 def test_the_chat_template_and_its_kwargs_from_the_command_line(template_daemon):
@@ -165,14 +164,10 @@ def test_chatml_by_name():
 
 @pytest.fixture(scope="module")
 def serving_daemon():
-    port = free_port()
-    d = Process([sys.executable, "-m", "coordinator.daemon", "-m", "tiny", "--host", "127.0.0.1,::1", "--port", str(port),
-                 "-a", "qwen3.6,qwen", "--tags", "coding,local", "--no-slots",
-                 "--bind", f"tcp://127.0.0.1:{free_port()}", "--snapshot-mem", "32MiB", "--threads-per-worker", "1"])
-    d.urls = [f"http://127.0.0.1:{port}", f"http://[::1]:{port}"]
-    d.wait_http(d.urls[0])
-    yield d
-    assert d.stop() == 0
+    for d in started("-m", "tiny", "--host", "127.0.0.1,::1", "-a", "qwen3.6,qwen", "--tags", "coding,local",
+                     "--no-slots"):
+        d.urls = [d.url, d.url.replace("127.0.0.1", "[::1]")]
+        yield d
 
 
 def test_serving_flags_several_hosts_aliases_tags_and_no_slots(serving_daemon):
