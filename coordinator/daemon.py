@@ -300,6 +300,9 @@ class Coordinator:
                     self.opts.reasoning_budget)
             tokens, chat = self._prompt_tokens(msg)        # (msg.sampling was checked as it was decoded; images
                                                            # from their headers only)
+            outside = [t for t, _ in msg.sampling.logit_bias if t >= self.model.config.n_vocab]
+            if outside:
+                raise FermoeError(f"logit_bias: token ids must be in [0, {self.model.config.n_vocab}), got {outside[:8]}")
             if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
                 raise FermoeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or null: none), got {msg.logprobs}")
             if msg.max_tokens is not None and msg.max_tokens < 0:

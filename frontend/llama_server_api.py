@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 from typing import Any
 
 import msgspec
@@ -37,7 +38,7 @@ from starlette.responses import JSONResponse
 from shared import protocol as P
 from shared.chat import render_chat
 from shared.errors import ChatTemplateError
-from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, InvalidSampling, SamplingParams
 
 from . import openai_request
 from .core import read_body, submit
@@ -88,6 +89,37 @@ async def _prompt(server, prompt) -> str | list[int]:
     return ids
 
 
+async def _logit_bias(server, value) -> tuple[tuple[int, float], ...]:
+    """llama-server's logit_bias: [[token id, bias]], [["text", bias]] (each of the text's
+    tokens), or OpenAI's {"token id": bias}; a bias of false bans the token."""
+    if value is None or value == [] or value == {}:
+        return ()
+    if isinstance(value, dict):
+        value = [[k, v] for k, v in value.items()]
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise APIError(400, 'logit_bias: expected [[token id or "text", bias], ...] or {"token id": bias}',
+                       param="logit_bias", code="invalid_value")
+    pairs = []
+    for key, bias in value:
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise APIError(400, f"logit_bias: the bias of {key!r} must be a number or false, got {bias!r}",
+                           param="logit_bias", code="invalid_value")
+        if isinstance(key, str) and not key.isdigit():
+            ids = (await server.tokenizer()).encode(key)
+        elif isinstance(key, (int, str)) and not isinstance(key, bool):
+            ids = [int(key)]
+        else:
+            raise APIError(400, f"logit_bias: expected a token id or a text, got {key!r}", param="logit_bias",
+                           code="invalid_value")
+        pairs += [(i, float(bias)) for i in ids]
+    try:
+        return SamplingParams(logit_bias=tuple(sorted(pairs))).logit_bias
+    except InvalidSampling as e:
+        raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
+
+
 def _n_probs(n, post_sampling) -> int | None:
     """llama-server's n_probs: the most likely tokens listed with each one (0: none)."""
     if n is None or n == 0:
@@ -105,6 +137,7 @@ async def completion(request: Request):
     server = request.app.state.server
     data = decode_object(await read_body(request))
     n_probs = _n_probs(data.pop("n_probs", None), data.get("post_sampling_probs"))
+    bias = await _logit_bias(server, data.pop("logit_bias", None))
     if "prompt" not in data:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
                        code="missing_required_parameter")
@@ -116,6 +149,9 @@ async def completion(request: Request):
     msg = openai_request.completion_generate(body)
     if n_probs:
         msg = msgspec.structs.replace(msg, logprobs=n_probs)
+    if bias:
+        msg = msgspec.structs.replace(msg, sampling=msg.sampling.replace(logit_bias=bias),
+                                      unset=[f for f in msg.unset if f != "logit_bias"])
     tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
     text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
     probs = Logprobs(await server.tokenizer(), chat=False, llama=True) if n_probs else None
@@ -209,9 +245,12 @@ def _data(obj: dict) -> bytes:
 
 
 def generation_settings(msg: P.Generate) -> dict:
-    """A request's sampling as it runs (Server.effective: the server's defaults filled in)."""
-    return msgspec.to_builtins(msg.sampling) | {"n_predict": -1 if msg.max_tokens is None else msg.max_tokens,
-                                                "stop": msg.stop, "ignore_eos": msg.ignore_eos}
+    """A request's sampling as it runs (Server.effective: the server's defaults filled in); a
+    banned token's bias shows as false, as llama-server shows it."""
+    sampling = msgspec.to_builtins(msg.sampling)
+    sampling["logit_bias"] = [[t, b if math.isfinite(b) else False] for t, b in msg.sampling.logit_bias]
+    return sampling | {"n_predict": -1 if msg.max_tokens is None else msg.max_tokens, "stop": msg.stop,
+                       "ignore_eos": msg.ignore_eos}
 
 
 def _defaults(server) -> dict:

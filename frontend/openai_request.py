@@ -63,8 +63,6 @@ def _refuse(param: str, message: str) -> APIError:
 def _check_common(body) -> None:
     if body.n not in (None, 1):
         raise _refuse("n", f"n = {body.n}: only one choice per request is supported")
-    if body.logit_bias:
-        raise _refuse("logit_bias", "logit_bias is not supported")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                        param="stream_options", code="invalid_value")
@@ -96,9 +94,25 @@ def _fields(body, max_tokens: int | None) -> dict:
         raise APIError(400, f"Invalid 'seed': Expected `int` <= {UINT64_MAX}", param="seed", code="invalid_value")
     if body.seed is not None and body.seed != -1:
         fields["seed"] = body.seed
+    if body.logit_bias:
+        fields["logit_bias"] = object_bias(body.logit_bias)
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     return llama_server_request.apply(body, dict(max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos,
                                                  **fields))
+
+
+def object_bias(bias) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias}: (id, bias) pairs, in id order."""
+    if not isinstance(bias, dict):
+        raise _invalid("logit_bias", 'logit_bias must be an object: {"token id": bias}')
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise _invalid("logit_bias", f"logit_bias keys are token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _invalid("logit_bias", f"logit_bias[{key!r}]: expected a number, got {value!r}")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _message_content(i: int, message) -> str | list:

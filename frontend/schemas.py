@@ -87,7 +87,7 @@ class _Sampling(LlamaServerFields, kw_only=True):
     n: Int | None = None
     logprobs: Any = None
     top_logprobs: Int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Any = None                 # OpenAI's object; /completion takes llama-server's lists too
     ignore_eos: bool = False
     user: str | None = None
     # accepted and without effect here: nothing is stored

@@ -19,6 +19,9 @@ class InvalidSampling(FermoeError, ValueError):
         self.field = field
 
 
+MAX_BIAS = 100.0                # OpenAI's bound on a logit bias
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How tokens are drawn, as one value: nested in the Generate a client sends and the
     Assign a worker gets, built from the command line by `fermoe generate`. Checked where
@@ -36,6 +39,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None      # None: the coordinator draws one when the request arrives
+    # (token id, bias) added to the logits before every other sampler, as llama.cpp's logit
+    # bias: a bias in [-100, 100], or -inf to ban the token
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +58,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for ok, problem in checks:
             if not ok:
                 raise InvalidSampling(problem.split()[0], problem)
+        for token, bias in self.logit_bias:
+            if token < 0 or not (-MAX_BIAS <= bias <= MAX_BIAS or bias == -math.inf):
+                raise InvalidSampling("logit_bias", f"logit_bias: token {token}: expected an id >= 0 and a bias in "
+                                                    f"[-{MAX_BIAS:g}, {MAX_BIAS:g}] (or a ban), got {bias}")
 
     def replace(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
@@ -124,6 +134,11 @@ class Sampler:
         # exactly from the logits as given (a float64 copy of a 248k vocabulary would
         # cost more than the rest of the sampling)
         logits = np.asarray(logits)
+        if p.logit_bias:                            # first, as llama.cpp's chain applies it
+            logits = logits.astype(np.float64)
+            for token, bias in p.logit_bias:
+                if token < len(logits):
+                    logits[token] += bias
         if (p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) and p.repeat_last_n and len(history):
             logits = logits.astype(np.float64)
             recent, counts = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64), return_counts=True)
