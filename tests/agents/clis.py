@@ -130,8 +130,8 @@ class OpenCode(Client):
                   "provider": {"fermoe": {"npm": "@ai-sdk/openai-compatible", "name": "fermoe",
                                           "options": {"baseURL": f"{self.url}/v1", "apiKey": "unused"},
                                           "models": {"tiny": {"name": "tiny"}}}},
-                  # greedy, so that the model calls its tool in every run; no title request
-                  "agent": {"build": {"prompt": SYSTEM, "temperature": 0}, "title": {"disable": True}},
+                  # our system prompt; no title request
+                  "agent": {"build": {"prompt": SYSTEM}, "title": {"disable": True}},
                   "tools": {name: False for name in self.TOOLS_OFF}}
         (self.workdir / "opencode.json").write_text(json.dumps(config, indent=1))
         tools = self.workdir / ".opencode" / "tool"

@@ -47,13 +47,26 @@ def installed():
     pytest.skip(why)
 
 
-@pytest.fixture(scope="module")
-def daemon():
+def served(*extra: str):
     # past the built-in model's 4096 positions (a warning in the log: its answers there are noise),
     # as the agents' prompts need; room in the store for every turn's snapshots
-    d = HttpDaemon(BUILTIN["tiny"], "--max-model-len", "16384", "--snapshot-mem", "512MiB")
+    d = HttpDaemon(BUILTIN["tiny"], "--max-model-len", "16384", "--snapshot-mem", "512MiB", *extra)
     yield d
     assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    yield from served()
+
+
+@pytest.fixture(scope="module")
+def greedy_daemon():
+    """Greedy unless a request says otherwise (opencode sends no temperature): the built-in model
+    then calls its tool whatever the run's paths and date in opencode's system prompt, where a
+    random draw sometimes answers without it. (Claude Code, whose max_tokens is 32000, would
+    decode a greedy loop to the end of the context.)"""
+    yield from served("--temp", "0")
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +153,8 @@ def test_codex(daemon, tmp_path, tokenizer):
     assert rows[-1]["cached"] > 0
 
 
-def test_opencode_runs_its_pydoc_tool(daemon, tmp_path, tokenizer):
-    runs, records, log = session(daemon, tmp_path, "opencode")
+def test_opencode_runs_its_pydoc_tool(greedy_daemon, tmp_path, tokenizer):
+    runs, records, log = session(greedy_daemon, tmp_path, "opencode")
     events = runs[0].json_lines()
     calls = [e["part"] for e in events if e.get("type") == "tool_use"]
     assert calls and calls[0]["tool"] == "pydoc" and calls[0]["state"]["status"] == "completed", events
