@@ -179,7 +179,7 @@ async def count_tokens(request: Request):
             text = render_chat(tok, msg.messages, msg.tools, server.template_kwargs(msg.chat_template_kwargs),
                                msg.continue_final_message, msg.add_generation_prompt)
         except ChatTemplateError as e:
-            raise APIError(400, f"the chat template refused the messages: {e}") from None
+            raise APIError(400, str(e)) from None         # its message says whose refusal it is
         return JSONResponse({"input_tokens": len(tok.encode(text))})
     except APIError as e:
         raise as_anthropic(e) from None

@@ -307,7 +307,7 @@ async def apply_template(request: Request):
                                                     server.template_kwargs(msg.chat_template_kwargs),
                                                     msg.continue_final_message, msg.add_generation_prompt)})
     except ChatTemplateError as e:
-        raise APIError(400, f"the chat template refused the messages: {e}") from None
+        raise APIError(400, str(e)) from None         # its message says whose refusal it is
 
 
 ROUTES: list[tuple[str, Any, list[str]]] = [("/completion", completion, ["POST"]), ("/props", props, ["GET"]),

@@ -20,31 +20,7 @@ from shared.errors import FermoeError
 from shared.http_options import parse_listen, parse_origins
 from shared.sampling import SamplingParams
 from tests.support import frame_fuzz
-
-RECV_TIMEOUT_MS = 5000      # one loopback hop; generous for a loaded machine
-
-
-class FakeCoordinator:
-    """A ROUTER bound on loopback that answers as the test says."""
-
-    def __init__(self):
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind("tcp://127.0.0.1:*")
-        self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.peer = None
-
-    def recv(self):
-        assert self.sock.poll(RECV_TIMEOUT_MS)
-        self.peer, data = self.sock.recv_multipart()
-        return P.decode(data, P.CLIENT_MESSAGES)
-
-    def send(self, msg):
-        self.sock.send_multipart([self.peer, P.encode(msg)])
-
-    def close(self):
-        self.sock.close()
-
+from tests.support.inprocess_frontend import FakeCoordinator
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
