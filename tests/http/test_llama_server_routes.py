@@ -16,11 +16,11 @@ from tests.support.inprocess_frontend import (MODEL_PATH, InProcessFrontend, dat
                                               token)
 
 NAMES = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
-         "presence_penalty", "seed"]
+         "presence_penalty", "seed", "logit_bias"]
 # llama.cpp's defaults (SamplingParams'), as generation_settings lists them
 DEFAULT_SETTINGS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
                     "repeat_last_n": 64, "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": None,
-                    "n_predict": -1, "stop": [], "ignore_eos": False}
+                    "logit_bias": [], "n_predict": -1, "stop": [], "ignore_eos": False}
 BUILD_INFO = f"fermoe {importlib.metadata.version('fermoe')}"
 SYSTEM_HI = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
 
@@ -87,7 +87,7 @@ def test_completion_stream_is_chunks_of_text_then_the_whole_answer():
     assert data_lines(r.text) == [
         chunk | {"content": "or", "tokens": [312], "tokens_predicted": 1},
         chunk | {"content": "ld", "tokens": [5, 3118], "tokens_predicted": 3},
-        chunk | {"content": "!", "tokens": [], "tokens_predicted": 3},
+        chunk | {"content": "!", "tokens": [], "tokens_predicted": 3},                 # token -1: no id
         {"index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True, "model": "tiny",
          "tokens_predicted": 3, "tokens_evaluated": 2, "generation_settings": DEFAULT_SETTINGS,
          "prompt": "Hello w", "has_new_line": False, "truncated": False, "stop_type": "limit", "stopping_word": "",
@@ -97,14 +97,15 @@ def test_completion_stream_is_chunks_of_text_then_the_whole_answer():
                      "predicted_per_token_ms": 10.0, "predicted_per_second": 100.0}}]
 
 
-def test_completion_stream_without_return_tokens_lists_none_and_carries_timings_per_token(front):
-    """Guards: token ids sent without return_tokens, or timings_per_token not honoured on the chunks."""
+def test_completion_stream_lists_each_chunks_tokens_and_carries_timings_per_token(front):
+    """Guards: a chunk's token ids left out (llama-server streams them whatever return_tokens
+    says), or timings_per_token not honoured on the chunks."""
     front.coordinator.script(started(2), token(312, "or"), token(3118, "ld"), done("stop", prompt_tokens=2,
                                                                                    completion_tokens=2))
     events = data_lines(front.post("/completion", json={"prompt": "Hi", "stream": True,
                                                         "timings_per_token": True}).text)
     assert [(e["content"], e["tokens"], e["timings"]["predicted_n"]) for e in events] == [
-        ("or", [], 1), ("ld", [], 2), ("", [], 2)]
+        ("or", [312], 1), ("ld", [3118], 2), ("", [], 2)]
     assert set(events[0]["timings"]) == {"prompt_ms", "predicted_n", "predicted_ms", "predicted_per_token_ms",
                                          "predicted_per_second"}
 
@@ -117,7 +118,7 @@ def test_a_completion_that_fails_is_a_500_whole_and_an_error_event_streamed(fron
     assert (r.status_code, r.json()) == (500, error_body("the worker died", "server_error"))
     front.coordinator.script(started(2), token(1785, "Hello"), done("error", error="the worker died"))
     events = data_lines(front.post("/completion", json={"prompt": "Hi", "stream": True}).text)
-    assert events == [{"index": 0, "content": "Hello", "tokens": [], "stop": False, "id_slot": 0,
+    assert events == [{"index": 0, "content": "Hello", "tokens": [1785], "stop": False, "id_slot": 0,
                        "tokens_predicted": 1, "tokens_evaluated": 0}, error_body("the worker died", "server_error")]
 
 

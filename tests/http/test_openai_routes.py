@@ -16,7 +16,7 @@ from shared.sampling import SamplingParams
 from tests.support.inprocess_frontend import InProcessFrontend, data_lines, done, error, started, token
 
 NAMES = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
-         "presence_penalty", "seed"]
+         "presence_penalty", "seed", "logit_bias"]
 # OpenAI's system_fingerprint: one per fermoe version and model file (the StatusReply's fingerprint)
 FINGERPRINT = "fp_" + hashlib.sha256(f"fermoe {importlib.metadata.version('fermoe')} 0123456789abcdef".encode()
                                      ).hexdigest()[:10]
@@ -66,7 +66,7 @@ def test_models_list_the_one_model_under_its_name(settings, name):
         card = listed["data"][0]
         assert before <= card["created"] <= time.time()
         assert listed == {"object": "list", "data": [{"id": name, "object": "model", "created": card["created"],
-                                                      "owned_by": "fermoe"}]}
+                                                      "owned_by": "fermoe", "aliases": [name], "tags": []}]}
         assert fe.get("/v1/models/anything/at-all").json() == card
         assert fe.get("/models").json() == listed
 
@@ -94,7 +94,7 @@ def test_completion_body_usage_timings_and_the_generate_sent():
     assert (generate.prompt, generate.max_tokens, generate.stop, generate.max_queue) == ("Hi", 3, ["END"], 3)
     assert generate.sampling == SamplingParams(temperature=0.5, seed=7, top_k=0)     # top_k -1: off
     assert generate.unset == ["top_p", "min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
-                              "presence_penalty"]
+                              "presence_penalty", "logit_bias"]
     assert (generate.logprobs, generate.grammar, generate.messages) == (None, None, None)
 
 
@@ -361,8 +361,8 @@ def test_chat_constraints_and_stops_reach_the_coordinator(front, fields, constra
                                                  code="invalid_type")),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, error_body("top_logprobs must be in [0, 20], got 21",
                                                                        param="top_logprobs", code="invalid_value")),
-    ({"messages": HI, "logit_bias": {"1": 5}}, error_body("logit_bias is not supported", param="logit_bias",
-                                                          code="unsupported_parameter")),
+    ({"messages": HI, "logit_bias": {"one": 5}}, error_body("logit_bias keys are token ids, got 'one'",
+                                                            param="logit_bias", code="invalid_value")),
     ({"messages": HI, "reasoning_format": "raw"}, error_body(
         "reasoning_format 'raw': expected one of deepseek, auto, none, both", param="reasoning_format",
         code="invalid_value")),
