@@ -5,6 +5,7 @@ by hand from the replies the coordinator was scripted to send."""
 from __future__ import annotations
 
 import importlib.metadata
+import math
 
 import msgspec
 import pytest
@@ -307,3 +308,75 @@ def test_detokenize_and_its_refusals(front):
     r = front.post("/tokenize", json={"content": 5})
     assert (r.status_code, r.json()) == (400, error_body("Invalid 'content': Expected `str`, got `int`",
                                                          param="content", code="invalid_value"))
+
+
+# ---- logit_bias, n_probs, response_fields ---------------------------------------------------------
+@pytest.mark.parametrize("bias, pairs", [
+    ([[1785, 2.5]], ((1785, 2.5),)),
+    ([[" dumps", -1]], ((82, -1.0), (361, -1.0), (469, -1.0))),        # each of the text's tokens, in id order
+    ([[324, False], ["12", 3]], ((12, 3.0), (324, -math.inf))),         # false bans; a digit string is an id
+    ({"7": 1.5}, ((7, 1.5),)),                                           # OpenAI's object form
+    ([], ())])
+def test_completion_logit_bias_forms_reach_the_sampler(front, bias, pairs):
+    """Guards: a form misread (text not split into its tokens, false not a ban, the object form
+    dropped), or logit_bias left among the fields the server's defaults fill."""
+    front.coordinator.script(started(2), token(1785, "Hello"), done("stop", prompt_tokens=2, completion_tokens=1))
+    r = front.post("/completion", json={"prompt": "Hi", "logit_bias": bias})
+    generate = front.coordinator.generates[-1]
+    assert r.status_code == 200 and generate.sampling.logit_bias == pairs
+    assert ("logit_bias" in generate.unset) is (not pairs)
+    shown = r.json()["generation_settings"]["logit_bias"]
+    assert shown == [[t, b if math.isfinite(b) else False] for t, b in pairs]
+
+
+@pytest.mark.parametrize("bias, message", [
+    ([[5, "x"]], "logit_bias: the bias of 5 must be a number or false, got 'x'"),
+    ([[5, True]], "logit_bias: the bias of 5 must be a number or false, got True"),
+    ([5, 1], 'logit_bias: expected [[token id or "text", bias], ...] or {"token id": bias}'),
+    ([[5, 1, 2]], 'logit_bias: expected [[token id or "text", bias], ...] or {"token id": bias}'),
+    ([[None, 1]], "logit_bias: expected a token id or a text, got None"),
+    ([[5, 100.5]], "logit_bias: token 5: expected an id >= 0 and a bias in [-100, 100] (or a ban), got 100.5"),
+    ("no", 'logit_bias: expected [[token id or "text", bias], ...] or {"token id": bias}')])
+def test_bad_completion_logit_bias_is_refused_before_the_coordinator(front, bias, message):
+    r = front.post("/completion", json={"prompt": "Hi", "logit_bias": bias})
+    assert (r.status_code, r.json()) == (400, error_body(message, param="logit_bias", code="invalid_value"))
+    assert front.coordinator.generates == []
+
+
+def test_completion_n_probs_whole_and_streamed(front):
+    """Guards: probabilities missing, given for the wrong tokens, or (streamed) repeated in
+    every chunk instead of each chunk's own."""
+    first = token(1785, "Hello", -0.25, [(1785, -0.25), (312, -1.5)])
+    second = token(324, " w", -0.75, [(312, -0.5), (324, -0.75)])
+    front.coordinator.script(started(2), first, second, done("length", prompt_tokens=2, completion_tokens=2))
+    body = front.post("/completion", json={"prompt": "Hi", "n_probs": 2}).json()
+    assert front.coordinator.generates[-1].logprobs == 2
+
+    def entry(i, piece, lp):
+        return {"id": i, "token": piece, "bytes": list(piece.encode()), "logprob": lp}
+    want = [entry(1785, "Hello", -0.25) | {"top_logprobs": [entry(1785, "Hello", -0.25), entry(312, "or", -1.5)]},
+            entry(324, " w", -0.75) | {"top_logprobs": [entry(312, "or", -0.5), entry(324, " w", -0.75)]}]
+    assert body["completion_probabilities"] == want
+    front.coordinator.script(started(2), first, second, done("length", prompt_tokens=2, completion_tokens=2))
+    events = data_lines(front.post("/completion", json={"prompt": "Hi", "n_probs": 2, "stream": True}).text)
+    assert [e["completion_probabilities"] for e in events] == [[want[0]], [want[1]], []]
+
+
+@pytest.mark.parametrize("n_probs, extra, param", [(21, {}, "n_probs"), (-1, {}, "n_probs"), (True, {}, "n_probs"),
+                                                   (2, {"post_sampling_probs": True}, "post_sampling_probs")])
+def test_completion_n_probs_refusals(front, n_probs, extra, param):
+    r = front.post("/completion", json={"prompt": "Hi", "n_probs": n_probs, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert front.coordinator.generates == []
+
+
+def test_completion_response_fields(front):
+    """Guards: fields not listed kept, a nested field left nested or under its path, its order lost."""
+    for stream in (False, True):
+        front.coordinator.script(started(2), token(1785, "Hello"), done("length", prompt_tokens=2, completion_tokens=1))
+        r = front.post("/completion", json={"prompt": "Hi", "n_predict": 1, "stream": stream,
+                                            "response_fields": ["stop_type", "generation_settings/n_predict",
+                                                                "timings/predicted_n", "nothing/here", "content"]})
+        last = data_lines(r.text)[-1] if stream else r.json()
+        assert list(last.items()) == [("stop_type", "limit"), ("n_predict", 1), ("predicted_n", 1),
+                                      ("content", "" if stream else "Hello")]
