@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from coordinator.placement import GPU_QUEUE, place_prefill
+from coordinator.placement import GPU_QUEUE, Placement, place_prefill
 from coordinator.scheduler import WorkerView
 from shared import engine as engine_module
 from shared.engine import measure_prefill_rate
@@ -84,6 +84,64 @@ def test_images_count_at_each_kinds_tower_rate_once_both_are_known():
     assert unknown_cpu.estimates == unknown_gpu.estimates == text_only.estimates
     fast_cpu_tower = place_prefill("auto", 30, [gpu], CPU_TOK_S, image_tokens=256, cpu_vision_tok_s=1e6)
     assert fast_cpu_tower.device == "cpu"
+
+
+def test_what_goes_to_the_cpu_carries_the_cpus_estimate_alone():
+    """Fault guarded: a prompt kept on the CPU (told so, nothing to prefill, no GPU worker,
+    or every GPU worker full) reported without its CPU estimate, under another name, or
+    with a null one when the CPU's rate is unknown. 960 tokens at 120 tok/s: 8000 ms."""
+    full = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, requests={f"r{i}" for i in range(8)})
+    for placed in (place_prefill("cpu", 960, [GPU], CPU_TOK_S), place_prefill("auto", 960, [], CPU_TOK_S),
+                   place_prefill("auto", 960, [full], CPU_TOK_S)):
+        assert placed == Placement("cpu", None, {"cpu": 8000.0})
+    assert place_prefill("auto", 0, [GPU], CPU_TOK_S) == Placement("cpu", None, {"cpu": 0.0})
+    assert place_prefill("cpu", 960, [GPU], 0.0) == Placement("cpu", None, {})
+    assert place_prefill("auto", 960, [full], 0.0) == Placement("cpu", None, {})
+
+
+def test_a_one_token_prompt_is_prefilled_where_it_is_told():
+    """Fault guarded: one token to prefill taken for nothing to prefill: --prefill gpu
+    kept it on the CPU. On the GPU: 280 + 1 / 3 ms."""
+    assert place_prefill("gpu", 1, [GPU], CPU_TOK_S) == Placement("gpu", "gpu0", {"gpu": 280.0 + 1 / 3,
+                                                                                   "cpu": 1000 / 120})
+
+
+def test_a_gpu_worker_of_unknown_rate_is_passed_over():
+    """Fault guarded: the choice among GPU workers crashing on one whose rate is not
+    measured yet (no estimate), or preferring it: gpu1, known, takes the prompt, 280 + 300."""
+    unknown = WorkerView("gpu0", ready=True, kind="gpu", prefill_fixed_ms=280.0)
+    known = WorkerView("gpu1", ready=True, kind="gpu", prefill_tok_s=3000.0, prefill_fixed_ms=280.0)
+    assert place_prefill("gpu", 900, [unknown, known], CPU_TOK_S) == Placement("gpu", "gpu1", {"gpu": 580.0,
+                                                                                               "cpu": 7500.0})
+
+
+def test_a_tie_stays_on_the_cpu():
+    """Fault guarded: a prompt sent to the GPU worker when it is no faster, paying the
+    hand-off for nothing: 200 tokens take 100 + 200 / 2 = 200 ms on a GPU of 2000 tok/s and
+    200 ms on a CPU of 1000."""
+    gpu = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=2000.0, prefill_fixed_ms=100.0)
+    assert place_prefill("auto", 200, [gpu], 1000.0) == Placement("cpu", None, {"gpu": 200.0, "cpu": 200.0})
+
+
+def test_rates_below_a_token_a_second_are_still_rates():
+    """Fault guarded: a rate at or under 1 tok/s (a slow CPU worker, a slow tower) taken
+    as unknown: the estimate dropped or the image left out. 3 tokens on a CPU of 0.5
+    tok/s: 6 s; one image token at 0.5 tok/s on the GPU's tower, 0.25 on the CPU's: 2 s
+    and 4 s; the GPU then takes it (280 + 1 + 2000 against 6000 + 4000)."""
+    gpu = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, prefill_fixed_ms=280.0, vision_tok_s=0.5)
+    assert place_prefill("auto", 3, [gpu], 0.5) == Placement("gpu", "gpu0", {"gpu": 281.0, "cpu": 6000.0})
+    assert place_prefill("auto", 3, [gpu], 0.5, image_tokens=1, cpu_vision_tok_s=0.25) == \
+        Placement("gpu", "gpu0", {"gpu": 2281.0, "cpu": 10000.0})
+
+
+def test_images_are_counted_only_when_given_with_both_rates():
+    """Fault guarded: the defaults counting an image that is not there (a text prompt
+    once both towers have rates) or a CPU tower rate not measured: the estimates stay
+    the text's, 290 ms on the GPU and 250 on the CPU for 30 tokens."""
+    gpu = WorkerView("gpu0", ready=True, kind="gpu", prefill_tok_s=3000.0, prefill_fixed_ms=280.0, vision_tok_s=2000.0)
+    text = Placement("cpu", None, {"gpu": 290.0, "cpu": 250.0})
+    assert place_prefill("auto", 30, [gpu], CPU_TOK_S, cpu_vision_tok_s=100.0) == text
+    assert place_prefill("auto", 30, [gpu], CPU_TOK_S, image_tokens=256) == text
 
 
 class _Clock:
