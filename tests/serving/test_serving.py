@@ -309,8 +309,12 @@ def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
         assert sock.poll(30000)
         replies.append(msgpack.unpackb(sock.recv()))
     sock.close()
-    assert {r["type"] for r in replies} <= {"token", "done"} and replies[-1]["request_id"] == "plain"
-    done, tokens = replies[-1], [r["token"] for r in replies[:-1] if r["token"] >= 0]
+    assert replies[0]["type"] == "started" and {r["type"] for r in replies[1:-1]} == {"token"}
+    assert {r["request_id"] for r in replies} == {"plain"}
+    started, done, tokens = replies[0], replies[-1], [r["token"] for r in replies[1:-1] if r["token"] >= 0]
+    assert set(started) == {"type", "request_id", "prompt_tokens", "cached_prompt_tokens"}
+    assert (started["prompt_tokens"], started["cached_prompt_tokens"]) == (done["prompt_tokens"],
+                                                                           done["cached_prompt_tokens"])
     assert set(done) == {"type", "request_id", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens",
                          "completion_tokens", "prefill_ms", "decode_tok_s", "stop_reason", "prefill_device",
                          "prefill_estimates_ms", "prefill_batch", "reasoning_tokens"}
