@@ -50,6 +50,7 @@ from shared.sampling import InvalidSampling, SamplingParams
 from shared.tool_parser import ToolCallParser, param_kind
 
 from . import llama_server_request, logprobs
+from .choices import MAX_CHOICES
 from .fields import UINT64_MAX
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -61,8 +62,8 @@ def _refuse(param: str, message: str) -> APIError:
 
 
 def _check_common(body) -> None:
-    if body.n not in (None, 1):
-        raise _refuse("n", f"n = {body.n}: only one choice per request is supported")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise _invalid("n", f"n must be in [1, {MAX_CHOICES}], got {body.n}")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                        param="stream_options", code="invalid_value")

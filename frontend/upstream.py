@@ -48,12 +48,15 @@ class RequestStream:
         self.answered = False               # a first reply came (it no longer waits)
         self.done: P.Done | None = None     # the coordinator's Done, once it came
         self.started: P.Started | None = None   # the prompt's size, once it went to a worker
+        self.error: P.Error | None = None       # the coordinator's refusal, if it refused it
 
     def push(self, msg) -> bool:
         """From the reader; False when the queue is full (the client is not reading)."""
         self.answered = True
         if isinstance(msg, P.Done):
             self.done = msg
+        elif isinstance(msg, P.Error):
+            self.error = msg
         try:
             self.queue.put_nowait(msg)
             return True

@@ -74,12 +74,20 @@ def test_responses_take_no_top_logprobs_yet():
     assert (e.value.status, e.value.param) == (400, "top_logprobs") and "not supported" in e.value.message
 
 
-@pytest.mark.parametrize("make, field", [(chat, "n"), (completion, "n"), (completion, "best_of")])
-def test_one_choice_is_taken_two_refused(make, field):
-    assert make(**{field: 1}).request_id
-    e = refused(make, **{field: 2})
-    assert (e.param, e.code, e.message) == (field, "unsupported_parameter", f"{field} = 2: only one choice per "
-                                                                            f"request is supported")
+@pytest.mark.parametrize("make", [chat, completion])
+def test_n_is_taken_from_1_to_16(make):
+    for n in (1, 16):
+        assert make(n=n).request_id
+    for n in (0, 17):
+        e = refused(make, n=n)
+        assert (e.param, e.code, e.message) == ("n", "invalid_value", f"n must be in [1, 16], got {n}")
+
+
+def test_best_of_one_is_taken_two_refused():
+    assert completion(best_of=1).request_id
+    e = refused(completion, best_of=2)
+    assert (e.param, e.code, e.message) == ("best_of", "unsupported_parameter", "best_of = 2: only one choice per "
+                                                                                "request is supported")
 
 
 def test_llama_servers_n_probs_is_taken_off_only():

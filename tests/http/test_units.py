@@ -185,7 +185,7 @@ def test_openai_fields_map_onto_generate():
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(n=2), "n"), (dict(logprobs=True), "logprobs"), (dict(logit_bias={"a": 5}), "logit_bias"),
+    (dict(n=17), "n"), (dict(logprobs=True), "logprobs"), (dict(logit_bias={"a": 5}), "logit_bias"),
     (dict(stream_options={"include_usage": True}), "stream_options"), (dict(prompt=["a", "b"]), "prompt"),
     (dict(prompt=[True]), "prompt"), (dict(prompt=[2**63]), "prompt"), (dict(echo=True), "echo"),
     (dict(best_of=2), "best_of"), (dict(suffix="s"), "suffix"),
