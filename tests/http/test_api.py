@@ -298,7 +298,7 @@ ERRORS = [   # (path, body, status, param or None, a word of the message)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "int"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content[0]", "image_url"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", "one choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 17}, 400, "n", "n must be in [1, 16]"),
     ("/v1/chat/completions", {"messages": CHAT, "frobnicate": 1}, 400, "frobnicate", "Unrecognized"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, "temperature", "str"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, 400, "temperature", "2.0"),
@@ -373,7 +373,7 @@ def _fuzzed(rng: random.Random) -> tuple[str, bytes]:
     elif kind == 1:                             # an unknown field
         body["".join(rng.choices("abcdefghij_", k=rng.randint(1, 12))) + "_zz"] = rng.choice(junk)
     elif kind == 2:                             # a sampling field out of its range
-        body.update(rng.choice([{"temperature": -0.1}, {"top_p": 1.5}, {"n": 3}, {"max_tokens": -5},
+        body.update(rng.choice([{"temperature": -0.1}, {"top_p": 1.5}, {"n": 17}, {"max_tokens": -5},
                                 {"presence_penalty": 9}, {"seed": -7}, {"stop": 5}, {"stream": "yes"},
                                 {"seed": 2**64 + rng.randrange(2**80)}, {"max_tokens": 2**63},
                                 {"top_k": rng.choice([2**64, -(2**70)])}, {"n_predict": 2**70},
