@@ -21,6 +21,7 @@ import pytest
 
 from bench.agent_session import Recorder
 from shared.builtin import BUILTIN
+from shared.chat import turn_marks
 from shared.model import Model
 from tests.agents import clis
 from tests.agents.prompts import common_prefix, generations, prompt_ids
@@ -99,19 +100,22 @@ def check_served(records: list[dict], log: list[str]) -> None:
 
 
 def check_cache(records: list[dict], tokenizer) -> list[dict]:
-    """Each request after the first finds cached what its prompt shares with an earlier
-    request's, less a block; a request that continues a tool loop (its last message the
-    call's result) finds the previous prompt and its generation too. Returns per request the
-    prompt, cached and shared token counts."""
+    """Each request after the first resumes from the last point it shares with an earlier
+    request where the store keeps a state: an earlier prompt's end, or a turn start the
+    coordinator keeps (turn_marks), less a block; a request that continues a tool loop (its
+    last message the call's result) finds the previous prompt and its generation too. Returns
+    per request the prompt, cached, shared and resumable token counts."""
     rows, seen = [], []
     for i, r in enumerate(generations(records)):
         ids = prompt_ids(r, tokenizer)
         usage = r["usage"]
         assert usage and usage["prompt_tokens"] == len(ids), (usage, len(ids))  # rendered here as the daemon did
         shared = max((common_prefix(ids, earlier) for earlier in seen), default=0)
-        row = {"prompt": len(ids), "cached": usage["cached_tokens"], "shared": shared}
+        ends = [len(e) for e in seen if len(e) <= shared and ids[:len(e)] == e]
+        resumable = max([m for m in turn_marks(tokenizer, ids) if m <= shared] + ends + [0])
+        row = {"prompt": len(ids), "cached": usage["cached_tokens"], "shared": shared, "resumable": resumable}
         if seen:
-            assert usage["cached_tokens"] >= shared - SLACK, (i, row)
+            assert usage["cached_tokens"] >= resumable - SLACK, (i, row)
         if i and continues_tool_loop(r):
             before = generations(records)[i - 1]["usage"]
             assert usage["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - SLACK, (i, row)
