@@ -80,8 +80,9 @@ class Client:
                              sampling=sampling or named, **params))
         return rid
 
-    def stream(self, request_id: str) -> Iterator[P.Token | P.Done]:
-        """Token messages as they come, then the Done (raises on an Error reply)."""
+    def stream(self, request_id: str) -> Iterator[P.Progress | P.Token | P.Done]:
+        """Token messages as they come, then the Done (raises on an Error reply); with
+        return_progress=True, a Progress after each pass over the prompt before them."""
         while True:
             msg = self._next(request_id, self.timeout_s)
             if isinstance(msg, P.Started):      # the prompt's size; its Done says it again

@@ -108,7 +108,8 @@ class Coordinator:
         self.worker_handlers = {
             P.Attached: self.handle_attached, P.Heartbeat: self.handle_heartbeat, P.Error: self.handle_error,
             P.Sampled: self.handle_sampled, P.SnapshotWritten: self.handle_snapshotwritten,
-            P.Finished: self.handle_finished, P.Prefilled: self.handle_prefilled, P.Goodbye: self.handle_goodbye}
+            P.Finished: self.handle_finished, P.Prefilled: self.handle_prefilled, P.Goodbye: self.handle_goodbye,
+            P.Progress: self.handle_progress}
         self.stopping = False
         self.unavailable: str | None = None     # why no request can be served (no CPU worker left), else None
 
@@ -510,6 +511,17 @@ class Coordinator:
         if self.reply(req.client, token) and req.stream.stopped:
             self.end(req, "stop")
 
+    def handle_progress(self, wid: str, msg: P.Progress, data=()) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is not None and req.worker == wid:
+            self.progress(req, msg.processed, msg.time_ms)
+
+    def progress(self, req: Request, processed: int, time_ms: float) -> None:
+        """Forwarded while it grows: a replay after a worker's death repeats passes already told."""
+        if req.msg.return_progress and processed > req.progress:
+            req.progress = processed
+            self.reply(req.client, P.Progress(request_id=req.rid, processed=processed, time_ms=round(time_ms, 3)))
+
     def handle_snapshotwritten(self, wid: str, msg: P.SnapshotWritten, data: list = ()) -> None:
         req = self.requests.get(msg.request_id)
         if req is not None and req.worker == wid:
@@ -553,11 +565,16 @@ class Coordinator:
             req.started = True
             self.reply(req.client, P.Started(request_id=req.rid, prompt_tokens=len(req.tokens),
                                              cached_prompt_tokens=req.cached_tokens))
+            if req.msg.return_progress:         # llama-server's first report: the cached part, processed
+                req.progress = req.cached_tokens
+                self.reply(req.client, P.Progress(request_id=req.rid, processed=req.cached_tokens, time_ms=0.0))
 
     def handle_prefilled(self, wid: str, msg: P.Prefilled, data=()) -> None:
         req = self.gpu.prefilled(wid, msg)
         if req is not None:                             # to a CPU worker next, before anything queued after it
             self.queue.insert(0, req.rid)
+            if req.handoff is not None:                 # the GPU's one pass over the prompt
+                self.progress(req, req.handoff.position, msg.prefill_ms)
 
     def assign(self, req: Request, wid: str) -> None:
         cache = self.arena is not None
@@ -591,7 +608,7 @@ class Coordinator:
             # every position up to max_model_len is run; the last token is sampled from the last one
             max_tokens=min(until_context_end if m.max_tokens is None else m.max_tokens, until_context_end),
             sampling=req.sampling, ignore_eos=m.ignore_eos, decode_slots=req.decode_slots, logprobs=m.logprobs,
-            grammar=req.grammar, images=req.images, **self._reasoning_budget(req)), data)
+            grammar=req.grammar, images=req.images, progress=m.return_progress, **self._reasoning_budget(req)), data)
 
     def _reasoning_budget(self, req: Request) -> dict:
         """Assign's reasoning_budget and reasoning_end: the request's budget, else the server's,

@@ -40,6 +40,7 @@ class Request:
     planned: list = field(default_factory=list)    # snapshot slots being written for it
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
     started: bool = False            # its client was told the prompt's size (P.Started)
+    progress: int = 0                # the prompt's tokens its client was told are processed (P.Progress)
     sent: int = 0                    # tokens streamed to the client
     thinking: bool = False           # a chat whose output is inside a <think> block (its prompt's, or its own)
     reasoning_tokens: int = 0        # tokens streamed inside <think> blocks, the tags included

@@ -197,6 +197,8 @@ class CPUWorker:
                     self.guarded(rid, seq, self.write_boundary_snapshot)
             else:
                 seq.prefill_ms += 1000 * elapsed
+                if seq.msg.progress:
+                    self.send(P.Progress(request_id=rid, processed=seq.state.position, time_ms=seq.prefill_ms))
                 self.guarded(rid, seq, self.write_snapshots)
 
     @staticmethod

@@ -39,6 +39,11 @@ class ChatFormat:
     def deltas(self, text: str) -> list[dict]:
         return [_choice(d) for d in self._deltas(self.parser.feed(text))] if text else []
 
+    @staticmethod
+    def progress() -> dict:
+        """The choice of a chunk that carries llama-server's prompt_progress (its own form)."""
+        return _choice({"role": "assistant", "content": None})
+
     def closing(self, done: P.Done) -> list[dict]:
         """The last deltas, then the choice with the finish reason."""
         final = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self._reason(done)}
@@ -90,6 +95,9 @@ class TextFormat:
 
     def deltas(self, text: str) -> list[dict]:
         return [self._text(text)] if text else []
+
+    def progress(self) -> dict:
+        return self._text("")
 
     def closing(self, done: P.Done) -> list[dict]:
         return [self._text("") | {"finish_reason": reason(done)}]

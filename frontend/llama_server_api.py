@@ -5,7 +5,9 @@ its field names and shapes: POST /completion, GET /props, POST /apply-template, 
 fields, llama_server_request.py's extensions, the same Generate); what differs is the prompt forms
 and the answer:
 - `prompt`: a string, token ids, or a mix of both (strings tokenized here, BOS only before a
-  leading string, as llama-server's tokenize_mixed); a list of several prompts is refused.
+  leading string, as llama-server's tokenize_mixed); or a list of several of those (no token id
+  among its items), each its own request: the answer is then an array of theirs, in order,
+  each with its `index`, and a stream interleaves their chunks (prompt_batch.py).
 - `grammar` (GBNF) / `json_schema` become the Generate's Constraint, compiled by the coordinator
   as chat's response_format is.
 - The answer: {content, tokens, id_slot, stop, model, tokens_predicted, tokens_evaluated,
@@ -18,7 +20,7 @@ and the answer:
   answer or to each chunk for its tokens; `timings` numbers are never null (0.0 where nothing
   was measured, as for the rate of a one-token answer). `response_fields` keeps only the fields
   it lists in the answer (the last chunk of a stream), `generation_settings/n_predict` brought
-  to the top as `n_predict`.
+  to the top under that name.
 
 /slots has no per-slot state to show here: the coordinator schedules requests over its
 workers' decode capacity (--max-sequences each), so it lists that many slots, as many of
@@ -46,6 +48,7 @@ from .errors import APIError
 from .formats import TextFormat
 from .logprobs import Logprobs
 from .schemas import ChatCompletionRequest, CompletionRequest, _validation_error, decode_body, decode_object
+from .prompt_batch import MAX_PROMPTS, PromptBatch
 from .streaming import GenerationResponse, _failure_error, send_json
 
 STOP_TYPES = {"stop": "eos", "length": "limit", "cancelled": "none"}
@@ -65,8 +68,19 @@ async def _tokenizer_or_none(server):
         return None
 
 
+def _prompts(prompt) -> list:
+    """llama-server's `prompt`: one prompt, or a list of several (strings, token-id lists, or
+    mixed lists), each answered on its own."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"a list of {len(prompt)} prompts: at most {MAX_PROMPTS} in one request",
+                           param="prompt", code="invalid_value")
+        return prompt
+    return [prompt]
+
+
 async def _prompt(server, prompt) -> str | list[int]:
-    """llama-server's prompt forms -> a string or token ids."""
+    """One of llama-server's prompt forms -> a string or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -74,9 +88,6 @@ async def _prompt(server, prompt) -> str | list[int]:
     if not isinstance(prompt, list) or not prompt:
         raise APIError(400, "prompt: expected a string, token ids, or a list of both", param="prompt",
                        code="invalid_value")
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, f"a list of {len(prompt)} prompts: only one prompt per request is supported",
-                       param="prompt", code="unsupported_parameter")
     if not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool)) for p in prompt):
         raise APIError(400, "prompt: a mixed prompt holds strings and token ids only", param="prompt",
                        code="invalid_value")
@@ -141,6 +152,26 @@ async def completion(request: Request):
     if "prompt" not in data:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt",
                        code="missing_required_parameter")
+    built = [await _generate(server, data | {"prompt": prompt}, n_probs, bias) for prompt in _prompts(data["prompt"])]
+    responses = []
+    try:
+        for i, (body, msg, text) in enumerate(built):
+            probs = Logprobs(await server.tokenizer(), chat=False, llama=True) if n_probs else None
+            model, upstream, stream = await submit(server, msg)
+            responses.append(CompletionResponse(upstream, stream, TextFormat(), model, body.stream, False,
+                                                server.metrics, server.system_fingerprint,
+                                                bool(body.timings_per_token), logprobs=probs, prompt=text,
+                                                msg=server.effective(msg), fields=body.response_fields,
+                                                return_tokens=bool(body.return_tokens), index=i))
+    except BaseException:
+        for response in responses:                  # the prompts sent before one that could not be
+            response.upstream.cancel(response.rid)
+        raise
+    return responses[0] if len(responses) == 1 else PromptBatch(responses, built[0][0].stream)
+
+
+async def _generate(server, data: dict, n_probs: int | None, bias) -> tuple[CompletionRequest, P.Generate, str]:
+    """One prompt's request: its body, its Generate, and its prompt as text (the answer's `prompt`)."""
     data["prompt"] = await _prompt(server, data["prompt"])
     try:
         body = msgspec.convert(data, CompletionRequest)
@@ -153,26 +184,26 @@ async def completion(request: Request):
         msg = msgspec.structs.replace(msg, sampling=msg.sampling.replace(logit_bias=bias),
                                       unset=[f for f in msg.unset if f != "logit_bias"])
     tok = await _tokenizer_or_none(server) if not isinstance(data["prompt"], str) else None
+    if tok is not None and (bad := next((t for t in data["prompt"] if not 0 <= t < tok.n_vocab), None)) is not None:
+        raise APIError(400, f"prompt: token id {bad} is outside the vocabulary of {tok.n_vocab}", param="prompt",
+                       code="invalid_value")
     text = data["prompt"] if isinstance(data["prompt"], str) else tok.decode(data["prompt"]) if tok else ""
-    probs = Logprobs(await server.tokenizer(), chat=False, llama=True) if n_probs else None
-    model, upstream, stream = await submit(server, msg)
-    return CompletionResponse(upstream, stream, TextFormat(), model, body.stream, False, server.metrics,
-                              server.system_fingerprint, bool(body.timings_per_token), logprobs=probs, prompt=text,
-                              msg=server.effective(msg), fields=body.response_fields,
-                              return_tokens=bool(body.return_tokens))
+    return body, msg, text
 
 
 class CompletionResponse(GenerationResponse):
     def __init__(self, *args, prompt: str, msg: P.Generate, return_tokens: bool, fields: list[str] | None = None,
-                 **kw):
+                 index: int = 0, **kw):
         super().__init__(*args, **kw)
         self.prompt, self.msg, self.return_tokens, self.fields = prompt, msg, return_tokens, fields
+        self.index = index                          # of its prompt, in a request of several
         self.n = 0
 
     def final(self, done: P.Done, content: str, tokens: list[int]) -> dict:
         stop_type = "word" if done.finish_reason == "stop" and done.stop_reason else \
             STOP_TYPES.get(done.finish_reason, "none")
-        return {"index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True, "model": self.model,
+        return {"index": self.index, "content": content, "tokens": tokens, "id_slot": 0, "stop": True,
+                "model": self.model,
                 "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
                 "generation_settings": generation_settings(self.msg), "prompt": self.prompt,
                 "has_new_line": "\n" in content, "truncated": False, "stop_type": stop_type,
@@ -200,17 +231,12 @@ class CompletionResponse(GenerationResponse):
     async def _stream_events(self, msg, send) -> None:
         out, tokens = [], []                        # (the headers went out in _start_stream)
         while not isinstance(msg, P.Done):
-            self._add_logprobs(msg)
-            if msg.token >= 0:
-                tokens.append(msg.token)
-                self.n += 1
-            if msg.text:                            # its tokens' ids, as llama-server streams them
-                chunk = self._probs({"index": 0, "content": msg.text, "tokens": tokens, "stop": False, "id_slot": 0,
-                                     "tokens_predicted": self.n, "tokens_evaluated": 0})
-                if self.timings_per_token:
-                    chunk["timings"] = self.timings.partial()
-                out.append(_data(chunk))
-                tokens = []
+            if isinstance(msg, P.Progress):
+                out.append(_data({"index": self.index, "content": "", "tokens": [], "stop": False, "id_slot": 0,
+                                  "tokens_predicted": 0, "tokens_evaluated": self.stream.started.prompt_tokens,
+                                  "prompt_progress": self.prompt_progress(msg)}))
+            else:
+                tokens = self._text_event(msg, out, tokens)
             if self.stream.queue.empty() and out:
                 await self._send_events(send, out)
                 out = []
@@ -223,10 +249,25 @@ class CompletionResponse(GenerationResponse):
             last = only(last, self.fields)
         await self._send_events(send, out + [_data(last)], more=False)
 
+    def _text_event(self, msg: P.Token, out: list[bytes], tokens: list[int]) -> list[int]:
+        """A token: its id is listed by the next chunk of text (llama-server's `tokens`); the
+        ids not sent yet are returned."""
+        self._add_logprobs(msg)
+        if msg.token >= 0:
+            tokens.append(msg.token)
+            self.n += 1
+        if not msg.text:
+            return tokens
+        chunk = self._probs({"index": self.index, "content": msg.text, "tokens": tokens, "stop": False, "id_slot": 0,
+                             "tokens_predicted": self.n, "tokens_evaluated": 0})
+        if self.timings_per_token:
+            chunk["timings"] = self.timings.partial()
+        out.append(_data(chunk))
+        return []
 
 def only(answer: dict, fields: list[str]) -> dict:
     """llama-server's response_fields: just those fields, in their order; `a/b` brings b out of
-    a to the top level under the name b; a field the answer lacks is left out."""
+    a to the top level, named `a/b` there; a field the answer lacks is left out."""
     out = {}
     for path in fields:
         value, found = answer, True
@@ -236,7 +277,7 @@ def only(answer: dict, fields: list[str]) -> dict:
                 break
             value = value[part]
         if found:
-            out[path.rsplit("/", 1)[-1]] = value
+            out[path] = value
     return out
 
 

@@ -4,7 +4,9 @@ llama-server takes them (its web page and many clients send them on every reques
 Each is one of three kinds:
 
 - honoured: `n_predict` (max_tokens; -1 until the end), `timings_per_token` (a
-  `timings` object in every stream chunk), `samplers` (a sampler we have that the
+  `timings` object in every stream chunk), `return_progress` (streamed: a chunk with
+  `prompt_progress` {total, cache, processed, time_ms} when the prompt is looked up in the
+  cache, then after each forward pass over it), `samplers` (a sampler we have that the
   list leaves out is not used, as llama-server leaves it out), and on chat
   `chat_template_kwargs` (the template's variables) and `reasoning_format`
   (--reasoning-format for one request);
@@ -55,13 +57,13 @@ class LlamaServerFields(Body):
     n_predict: NPredict | None = None
     timings_per_token: bool | None = None
     samplers: list[str] | str | None = None
+    return_progress: bool | None = None
     # no effect here
     cache_prompt: bool | None = None
     id_slot: Int | None = None
     n_keep: Int | None = None
     n_discard: Int | None = None
     n_cache_reuse: Int | None = None
-    return_progress: bool | None = None
     return_tokens: bool | None = None
     verbose: bool | None = None
     post_sampling_probs: bool | None = None
@@ -100,7 +102,7 @@ class LlamaServerFields(Body):
 FIELDS = LlamaServerFields.__struct_fields__
 # read here, or by the chat endpoint (chat_template_kwargs, reasoning_format)
 HONOURED = ("n_predict", "timings_per_token", "samplers", "repeat_last_n", "chat_template_kwargs", "reasoning_format",
-            "response_fields")
+            "response_fields", "return_progress")
 
 
 def _refuse(param: str, message: str) -> APIError:
@@ -172,6 +174,8 @@ def apply(body, sampling: dict) -> dict:
         sampling["max_tokens"] = None if body.n_predict == -1 else body.n_predict
     if body.samplers is not None:
         _apply_samplers(body.samplers, sampling)
+    if body.return_progress and getattr(body, "stream", False):    # progress is streamed only, as llama-server's
+        sampling["return_progress"] = True
     ignored = [f for f in FIELDS if f not in HONOURED and getattr(body, f) is not None]
     if ignored:
         log.info("ignored llama-server fields: %s", ", ".join(ignored))

@@ -183,8 +183,9 @@ class GenerationResponse:
         to send (the client went away, or the request failed and its 500 is sent)."""
         tokens = []
         while not isinstance(msg, P.Done):
-            tokens.append(msg)
-            self._add_logprobs(msg)
+            if not isinstance(msg, P.Progress):     # (asked for by streamed requests only)
+                tokens.append(msg)
+                self._add_logprobs(msg)
             msg = await self._next()
             if self.gone:
                 return None
@@ -207,10 +208,13 @@ class GenerationResponse:
     async def _stream_events(self, msg, send) -> None:
         events, self.pending = self.pending, []
         while not isinstance(msg, P.Done):
-            self._add_logprobs(msg)
-            for choice in self.fmt.deltas(msg.text):
-                timings = {"timings": self.timings.partial()} if self.timings_per_token else {}
-                events.append(self._chunk([self._with_logprobs(choice)], **timings))
+            if isinstance(msg, P.Progress):
+                events.append(self._chunk([self.fmt.progress()], prompt_progress=self.prompt_progress(msg)))
+            else:
+                self._add_logprobs(msg)
+                for choice in self.fmt.deltas(msg.text):
+                    timings = {"timings": self.timings.partial()} if self.timings_per_token else {}
+                    events.append(self._chunk([self._with_logprobs(choice)], **timings))
             if self.stream.queue.empty() and events:        # write what has come in one send
                 await self._send_events(send, events)
                 events = []
@@ -219,6 +223,13 @@ class GenerationResponse:
                 return
         events += self._closing(msg)
         await self._send_events(send, events, more=False)
+
+    def prompt_progress(self, msg: P.Progress) -> dict:
+        """llama-server's prompt_progress: the prompt's tokens, those found cached, those
+        processed so far (the cached ones included), and the milliseconds it took."""
+        started = self.stream.started         # (the coordinator sends it before any Progress)
+        return {"total": started.prompt_tokens, "cache": started.cached_prompt_tokens, "processed": msg.processed,
+                "time_ms": msg.time_ms}
 
     def _closing(self, done: P.Done) -> list[bytes]:
         if done.finish_reason == "error":                   # OpenAI's error object, as vLLM sends it

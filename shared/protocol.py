@@ -118,6 +118,8 @@ class Generate(_Msg, tag="generate"):
     # the sampling fields (and max_tokens) the client left to the server's defaults (llama-server's
     # --temp, -n, ...: the coordinator's); those it does not name are the client's own
     unset: list[str] = []
+    # llama-server's return_progress: a Progress after each forward pass over the prompt
+    return_progress: bool = False
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -152,6 +154,15 @@ class Started(_Msg, tag="started"):
     request_id: str
     prompt_tokens: int
     cached_prompt_tokens: int
+
+
+class Progress(_Msg, tag="progress"):
+    """worker -> coordinator -> client, with Generate.return_progress: `processed` of the
+    prompt's tokens are in the sequence's state (those resumed from a snapshot included) after
+    `time_ms` of its forward passes. One after each pass over the prompt; none once it decodes."""
+    request_id: str
+    processed: int
+    time_ms: float
 
 
 class Done(_Msg, tag="done"):
@@ -313,6 +324,7 @@ class Assign(_Msg, tag="assign"):
     # instead of sampling; None: no limit
     reasoning_budget: int | None = None
     reasoning_end: list[int] = []
+    progress: bool = False              # Generate.return_progress: a Progress after each prompt pass
 
 
 class Stop(_Msg, tag="stop"):
@@ -402,9 +414,9 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
-CLIENT_REPLIES = Union[Started, Token, Done, Error, StatusReply]
+CLIENT_REPLIES = Union[Started, Progress, Token, Done, Error, StatusReply]
 TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots]
-FROM_WORKER = Union[Hello, Attached, Sampled, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
+FROM_WORKER = Union[Hello, Attached, Sampled, Progress, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {}

@@ -82,7 +82,7 @@ def test_grammar_and_json_schema_constrain_the_completion(daemon):
     ({"prompt": "x", "grammar": "root ::= ("}, 400, "GBNF"),
     ({"prompt": "x", "json_schema": [1]}, 400, "json_schema must be a JSON schema object"),
     ({"prompt": "x", "json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, 400, "not both"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt"),
+    ({"prompt": ["a"] * 65}, 400, "at most 64"),
     ({"prompt": ["a", 1.5]}, 400, "token ids"),
     ({"n_predict": 3}, 400, "prompt"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),

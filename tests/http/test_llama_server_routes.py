@@ -13,8 +13,8 @@ import pytest
 from shared import protocol as P
 from shared.gguf_file import GGUFFile
 from shared.sampling import SamplingParams
-from tests.support.inprocess_frontend import (MODEL_PATH, InProcessFrontend, data_lines, done, error, started,
-                                              token)
+from tests.support.inprocess_frontend import (MODEL_PATH, InProcessFrontend, data_lines, done, error, progress,
+                                              started, token)
 
 NAMES = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
          "presence_penalty", "seed", "logit_bias"]
@@ -163,10 +163,12 @@ def test_completion_grammar_and_json_schema_reach_the_coordinator(front, fields,
 @pytest.mark.parametrize("raw, expected", [
     (b'{"n_predict": 3}', error_body("Missing required parameter: 'prompt'.", param="prompt",
                                      code="missing_required_parameter")),
-    (b'{"prompt": ["a", "b"]}', error_body("a list of 2 prompts: only one prompt per request is supported",
-                                           param="prompt", code="unsupported_parameter")),
-    (b'{"prompt": [[1], "b", [2]]}', error_body("a list of 3 prompts: only one prompt per request is supported",
-                                                param="prompt", code="unsupported_parameter")),
+    (b'{"prompt": [' + b'"a", ' * 64 + b'"b"]}', error_body("a list of 65 prompts: at most 64 in one request",
+                                                             param="prompt", code="invalid_value")),
+    (b'{"prompt": [[1], "b", [2, 1.5]]}', error_body("prompt: a mixed prompt holds strings and token ids only",
+                                                     param="prompt", code="invalid_value")),
+    (b'{"prompt": [5, 4096]}', error_body("prompt: token id 4096 is outside the vocabulary of 4096", param="prompt",
+                                          code="invalid_value")),
     (b'{"prompt": []}', error_body("prompt: expected a string, token ids, or a list of both", param="prompt",
                                    code="invalid_value")),
     (b'{"prompt": 5}', error_body("prompt: expected a string, token ids, or a list of both", param="prompt",
@@ -371,12 +373,85 @@ def test_completion_n_probs_refusals(front, n_probs, extra, param):
 
 
 def test_completion_response_fields(front):
-    """Guards: fields not listed kept, a nested field left nested or under its path, its order lost."""
+    """Guards: fields not listed kept, a nested field left nested or under another name than its
+    path (llama-server's json_get_nested_values keys it by the path), its order lost."""
     for stream in (False, True):
         front.coordinator.script(started(2), token(1785, "Hello"), done("length", prompt_tokens=2, completion_tokens=1))
         r = front.post("/completion", json={"prompt": "Hi", "n_predict": 1, "stream": stream,
                                             "response_fields": ["stop_type", "generation_settings/n_predict",
                                                                 "timings/predicted_n", "nothing/here", "content"]})
         last = data_lines(r.text)[-1] if stream else r.json()
-        assert list(last.items()) == [("stop_type", "limit"), ("n_predict", 1), ("predicted_n", 1),
+        assert list(last.items()) == [("stop_type", "limit"), ("generation_settings/n_predict", 1),
+                                      ("timings/predicted_n", 1),
                                       ("content", "" if stream else "Hello")]
+
+
+# ---- return_progress ----------------------------------------------------------------------------
+PROGRESS = (started(9, 4), progress(4, 0.0), progress(7, 12.5), progress(9, 20.0), token(1785, "Hello"),
+            done("length", prompt_tokens=9, cached_prompt_tokens=4, completion_tokens=1))
+
+
+def test_completion_streams_prompt_progress(front):
+    """Guards: return_progress not passed on (the coordinator sends no Progress), or a progress
+    chunk in another shape than llama-server's: its total and cache taken from elsewhere than the
+    prompt's size and cached part, processed not the Progress's, or the chunk held back until the
+    first token."""
+    front.coordinator.script(*PROGRESS)
+    r = front.post("/completion", json={"prompt": "Hi", "n_predict": 1, "stream": True, "return_progress": True})
+    assert front.coordinator.generates[0].return_progress is True
+    chunks = data_lines(r.text)
+    head = {"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": 0, "tokens_predicted": 0,
+            "tokens_evaluated": 9}
+    assert chunks[:3] == [head | {"prompt_progress": {"total": 9, "cache": 4, "processed": n, "time_ms": ms}}
+                          for n, ms in ((4, 0.0), (7, 12.5), (9, 20.0))]
+    assert chunks[3]["content"] == "Hello" and chunks[4]["stop"] is True and len(chunks) == 5
+
+
+def test_chat_streams_prompt_progress_as_llama_server(front):
+    """Guards: the progress chunk's choice not llama-server's role delta (its web page reads
+    prompt_progress from a chunk of the stream), or progress asked of the coordinator for a
+    request that is not streamed (llama-server reports it in streams only)."""
+    front.coordinator.script(*PROGRESS)
+    r = front.post("/v1/chat/completions", json={"messages": SYSTEM_HI, "max_tokens": 1, "stream": True,
+                                                 "return_progress": True})
+    chunks = data_lines(r.text)
+    progress_chunks = [c for c in chunks if isinstance(c, dict) and "prompt_progress" in c]
+    assert [(c["choices"], c["prompt_progress"]) for c in progress_chunks] == [
+        ([{"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}],
+         {"total": 9, "cache": 4, "processed": n, "time_ms": ms}) for n, ms in ((4, 0.0), (7, 12.5), (9, 20.0))]
+    assert chunks.index(progress_chunks[0]) == 1            # after the opening role chunk, before the text
+    front.coordinator.script(started(9, 4), token(1785, "Hello"), done("length", prompt_tokens=9, completion_tokens=1))
+    front.post("/v1/chat/completions", json={"messages": SYSTEM_HI, "max_tokens": 1, "return_progress": True})
+    assert front.coordinator.generates[1].return_progress is False
+
+
+# ---- several prompts in one /completion ------------------------------------------------------------
+def test_several_prompts_answer_an_array_in_prompt_order(front):
+    """Guards: the list refused or taken as one mixed prompt, the answers out of prompt order or
+    without their index, a prompt's tokens given to another (the token-id prompt is detokenized
+    for its `prompt`), or a refused prompt's error lost among the others' answers."""
+    front.coordinator.script(started(2), 0.05, token(1785, "Hello"), done("length", prompt_tokens=2, completion_tokens=1))
+    front.coordinator.script(started(3), token(3118, "ld"), done("stop", prompt_tokens=3, completion_tokens=1))
+    r = front.post("/completion", json={"prompt": ["Hi", [1785, 11]], "n_predict": 1,
+                                        "response_fields": ["index", "content", "prompt", "stop_type"]})
+    assert [g.prompt or g.tokens for g in front.coordinator.generates] == ["Hi", [1785, 11]]
+    assert r.status_code == 200 and r.json() == [
+        {"index": 0, "content": "Hello", "prompt": "Hi", "stop_type": "limit"},
+        {"index": 1, "content": "ld", "prompt": "Hello,", "stop_type": "eos"}]
+    front.coordinator.script(started(2), token(1785, "Hello"), done("length", prompt_tokens=2, completion_tokens=1))
+    front.coordinator.script(error("the prompt is 9 tokens, over the context of 8", code="context_length_exceeded",
+                                   n_prompt_tokens=9, n_ctx=8))
+    r = front.post("/completion", json={"prompt": ["Hi", "a longer one"], "n_predict": 1})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the prompt is 9 tokens, over the context of 8"
+
+
+def test_several_prompts_stream_their_chunks_each_with_its_index(front):
+    """Guards: a second set of headers, one prompt's chunks under another's index, or the stream
+    ended when the first prompt's is."""
+    front.coordinator.script(started(2), token(1785, "Hello"), done("length", prompt_tokens=2, completion_tokens=1))
+    front.coordinator.script(started(2), token(3118, "ld"), done("length", prompt_tokens=2, completion_tokens=1))
+    r = front.post("/completion", json={"prompt": ["Hi", "Yo"], "n_predict": 1, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    chunks = [(c["index"], c["content"], c["stop"]) for c in data_lines(r.text)]
+    # (the scripted coordinator answers one Generate after the other)
+    assert chunks == [(0, "Hello", False), (0, "", True), (1, "ld", False), (1, "", True)]

@@ -117,6 +117,10 @@ def token(token_id: int, text: str, logprob: float | None = None, top: list[tupl
     return P.Token(request_id="", token=token_id, text=text, logprob=logprob, top_logprobs=top_logprobs)
 
 
+def progress(processed: int, time_ms: float) -> P.Progress:
+    return P.Progress(request_id="", processed=processed, time_ms=time_ms)
+
+
 def done(finish_reason: str, **fields) -> P.Done:
     return P.Done(request_id="", finish_reason=finish_reason, **fields)
 
