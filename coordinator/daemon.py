@@ -94,6 +94,7 @@ class Coordinator:
         self.experts = self._share_experts(why_not_shared) if gpus else None
         self.workers: dict[str, WorkerView] = {}
         self.last_seen: dict[str, float] = {}
+        self.idle_since = time.monotonic()     # no request since (--sleep-idle-seconds)
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
         self.unfinished = Unfinished(self.index)
@@ -239,6 +240,7 @@ class Coordinator:
                     watch.drain()
             self.supervise()
             self.schedule()
+            self.doze()
             if not ready_logged and self.workers and all(w.ready for w in self.workers.values()):
                 log.info("ready: %d worker(s), clients on %s, workers on %s", len(self.workers), self.opts.bind,
                          self.worker_endpoint)
@@ -283,6 +285,8 @@ class Coordinator:
         return SamplingParams(**self.opts.sampling_defaults)
 
     def handle_generate(self, client: bytes, msg: P.Generate) -> None:
+        if self.supervisor.asleep:
+            self.wake()
         try:
             if msg.unset:                       # the server's defaults, where the client left a field out
                 unknown = sorted(set(msg.unset) - set(SamplingParams.names()) - {"max_tokens"})
@@ -411,7 +415,8 @@ class Coordinator:
                                          sampling_defaults=msgspec.to_builtins(self.sampling_defaults()),
                                          n_predict=self.opts.n_predict or -1,
                                          chat_template=self.opts.chat_template or "",
-                                         chat_template_kwargs=self.opts.chat_template_kwargs))
+                                         chat_template_kwargs=self.opts.chat_template_kwargs,
+                                         sleeping=self.supervisor.asleep))
 
     def client_gone(self, client: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == client]:
@@ -674,6 +679,29 @@ class Coordinator:
                 "%.0f ms (%.1f tok/s), decode %.1f tok/s; total %.0f ms (%.0f ms queued)%s",
                 req.rid, why, n_prompt, req.cached_tokens, req.sent, prefilled, prefill_ms, prefill_tok_s,
                 decode_tok_s, 1000 * (now - req.arrived), 1000 * queued, f"; error: {error}" if error else "")
+
+    # ---- sleep (--sleep-idle-seconds) ---------------------------------------------
+    def doze(self) -> None:
+        """Idle that long: the workers we started stop, and with them the memory that holds the
+        model (the snapshot store, ours, is kept); the next request starts them again. Workers
+        that joined by hand are not ours to stop."""
+        now = time.monotonic()
+        if self.requests:
+            self.idle_since = now
+        if self.opts.sleep_idle_seconds < 0 or self.supervisor.asleep or self.requests \
+                or now - self.idle_since < self.opts.sleep_idle_seconds:
+            return
+        ours = self.supervisor.sleep()
+        for wid in ours:
+            if wid in self.workers:
+                self.send_worker(wid, P.Shutdown())
+        log.info("idle for %d s: asleep, workers %s stopped; the next request starts them again",
+                 self.opts.sleep_idle_seconds, ", ".join(ours) or "(none of ours)")
+
+    def wake(self) -> None:
+        log.info("a request came: waking, starting the workers again")
+        self.idle_since = time.monotonic()
+        self.supervisor.wake()
 
     # ---- faults -----------------------------------------------------------------
     def supervise(self) -> None:

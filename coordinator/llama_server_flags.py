@@ -70,7 +70,7 @@ REFUSED: dict[tuple[str, ...], str] = {
         "where the model comes from (fermoe downloads nothing: give -m FILE)"),
     ("-md", "--model-draft", "-hfd", "--hf-repo-draft", "--draft", "--draft-max", "--draft-min",
      "--spec-replace"): "the decoding (no speculative decoding here)",
-    ("--slot-save-path", "--sleep-idle-seconds", "--props", "--api-key-file",
+    ("--slot-save-path", "--props", "--api-key-file",
      "--ssl-key-file", "--ssl-cert-file"): "what the server exposes (not implemented yet)",
 }
 

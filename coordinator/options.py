@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                    help="reasoning tokens a chat may write before its end of reasoning is forced, unless the "
                         "request gives its own (llama-server's): -1 no limit, 0 thinking off (default -1)")
+    p.add_argument("--sleep-idle-seconds", type=int, default=-1, metavar="N",
+                   help="after N seconds without a request, stop the workers this coordinator started (their "
+                        "model's memory freed; the snapshot cache is kept) until the next request starts them "
+                        "again (llama-server's): -1 never (default -1)")
     add_kv_cache_dtype(p)
     from shared.http_options import add_http_options
     add_http_options(p)                          # --http, --api-key, --max-queue: the HTTP front end
@@ -91,6 +95,8 @@ def parse_options(argv=None):
          f"--threads-per-worker {opts.threads_per_worker}: more than the {os.cpu_count()} CPUs of this machine"),
         (opts.block >= 1, f"--block {opts.block}: must be >= 1"),
         (opts.max_sequences >= 1, f"--max-sequences {opts.max_sequences}: must be >= 1"),
+        (opts.sleep_idle_seconds == -1 or opts.sleep_idle_seconds >= 1,
+         f"--sleep-idle-seconds {opts.sleep_idle_seconds}: must be >= 1, or -1 never to sleep"),
         (opts.reasoning_budget >= -1, f"--reasoning-budget {opts.reasoning_budget}: must be >= 0, or -1 for "
                                       f"no limit"),
         (opts.engine in ("cpu", "reference"), f"--engine {opts.engine!r}: expected cpu or reference"),

@@ -70,6 +70,7 @@ class Supervisor:
         self.gpu_cpus = gpu_cores(opts)
         self.restarts: dict[str, RestartBudget] = {}
         self.given_up: set[str] = set()
+        self.asleep = False                 # its workers were stopped on purpose (--sleep-idle-seconds)
 
     def start(self, wid: str) -> None:
         if wid in self.gpu_plan:
@@ -108,11 +109,27 @@ class Supervisor:
             self.start(wid)
 
     def reap(self) -> list[str]:
-        """Workers of ours that have exited since the last call."""
+        """Workers of ours that have exited since the last call (not those put to sleep)."""
         gone = [wid for wid, p in self.procs.items() if p.poll() is not None]
         for wid in gone:
-            log.error("worker %s exited with status %s", wid, self.procs.pop(wid).returncode)
-        return gone
+            code = self.procs.pop(wid).returncode
+            if self.asleep:
+                log.info("worker %s stopped (status %s): asleep", wid, code)
+            else:
+                log.error("worker %s exited with status %s", wid, code)
+        return [] if self.asleep else gone
+
+    def sleep(self) -> list[str]:
+        """Asleep: the workers of ours (to be told to stop) exit without being restarted."""
+        self.asleep = True
+        return list(self.procs)
+
+    def wake(self) -> None:
+        """Start again every worker of ours that is not running (nor given up)."""
+        self.asleep = False
+        for wid in [*self.plan, *self.gpu_plan]:
+            if wid not in self.procs and wid not in self.given_up:
+                self.start(wid)
 
     def restart(self, wid: str) -> None:
         proc = self.procs.pop(wid, None)

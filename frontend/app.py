@@ -55,6 +55,8 @@ async def health(request: Request):
     ready = sum(w.alive for w in st.workers)
     if st.unavailable:
         raise APIError(503, st.unavailable, code="unavailable")
+    if st.sleeping:                            # up: a request wakes the workers (--sleep-idle-seconds)
+        return JSONResponse({"status": "ok", "workers_ready": ready, "sleeping": True})
     if not ready:
         raise APIError(503, "no worker is ready yet", headers={"Retry-After": RETRY_AFTER_S})
     return JSONResponse({"status": "ok", "workers_ready": ready})

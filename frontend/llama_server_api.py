@@ -319,7 +319,7 @@ async def props(request: Request):
         "model_alias": server.name, "model_path": st.model, "modalities": {"vision": st.vision, "audio": False},
         "chat_template": (tok.chat_template or "") if tok else "", "bos_token": piece(tok.bos_id if tok else None),
         "eos_token": piece(tok.eos_id if tok else None), "build_info": _build_info(), "webui": False,
-        "is_sleeping": False})
+        "is_sleeping": st.sleeping})
 
 
 def _total_slots(st: P.StatusReply) -> int:

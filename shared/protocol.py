@@ -230,6 +230,7 @@ class StatusReply(_Msg, tag="status_reply"):
     n_predict: int = -1
     chat_template: str = ""         # --chat-template(-file): the template chats are rendered with; "": the model's
     chat_template_kwargs: dict[str, Any] = {}   # --chat-template-kwargs: under each request's own
+    sleeping: bool = False          # --sleep-idle-seconds: its workers are stopped until a request comes
 
 
 # ---- coordinator <-> worker ---------------------------------------------------

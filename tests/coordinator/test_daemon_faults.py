@@ -33,6 +33,7 @@ class FakeSupervisor:
     """No processes: records which workers the daemon asked to restart."""
     plan: dict = {}
     all_given_up = False
+    asleep = False
 
     def __init__(self):
         self.restarted = []
