@@ -180,6 +180,9 @@ async def _generate(server, data: dict, n_probs: int | None, bias) -> tuple[Comp
     msg = openai_request.completion_generate(body)
     if n_probs:
         msg = msgspec.structs.replace(msg, logprobs=n_probs)
+    if body.ignore_eos:         # llama-server's: the end-of-generation tokens banned, shown as their bias
+        tok = await server.tokenizer()
+        bias = tuple(sorted({**dict(bias), **{t: -math.inf for t in tok.eos_ids}}.items()))
     if bias:
         msg = msgspec.structs.replace(msg, sampling=msg.sampling.replace(logit_bias=bias),
                                       unset=[f for f in msg.unset if f != "logit_bias"])

@@ -455,3 +455,16 @@ def test_several_prompts_stream_their_chunks_each_with_its_index(front):
     chunks = [(c["index"], c["content"], c["stop"]) for c in data_lines(r.text)]
     # (the scripted coordinator answers one Generate after the other)
     assert chunks == [(0, "Hello", False), (0, "", True), (1, "ld", False), (1, "", True)]
+
+
+def test_ignore_eos_bans_the_end_of_generation_tokens_and_shows_their_bias(front):
+    """Guards: /completion's ignore_eos taken as vLLM's (end tokens sampled and streamed on)
+    instead of llama-server's (banned: a bias of -inf on each end-of-generation token, listed in
+    generation_settings as false), or a request's own bias lost beside them."""
+    front.coordinator.script(started(2), token(1785, "Hello"), done("length", prompt_tokens=2, completion_tokens=1))
+    r = front.post("/completion", json={"prompt": "Hi", "n_predict": 1, "ignore_eos": True,
+                                        "logit_bias": [[5, 1.5]]})
+    eog = [4070, 4072, 4089, 4090, 4091]            # the tiny model's <|im_end|>, <|endoftext|>, ...
+    assert front.coordinator.generates[0].sampling.logit_bias == ((5, 1.5), *((t, -math.inf) for t in eog))
+    settings = r.json()["generation_settings"]
+    assert settings["logit_bias"] == [[5, 1.5], *([t, False] for t in eog)] and settings["ignore_eos"] is True
