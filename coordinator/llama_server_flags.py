@@ -17,6 +17,7 @@ docs/serving.md has the table of them all.
 from __future__ import annotations
 
 from shared.errors import FermoeError
+from shared.sampling import WHOLE_CONTEXT
 
 SWITCH, VALUE = 0, 1        # a flag alone, or a flag and its value
 OPTIONAL = ("on", "off", "auto")    # a flag whose value may follow (`-fa`, `-fa on`)
@@ -119,7 +120,6 @@ SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), (
                   ("--min-p", "min_p", float), ("--repeat-penalty", "repeat_penalty", float),
                   ("--repeat-last-n", "repeat_last_n", int), ("--presence-penalty", "presence_penalty", float),
                   ("--frequency-penalty", "frequency_penalty", float))
-CONTEXT = 2**31 - 1         # --repeat-last-n -1: the whole context, as llama-server reads it
 # --chat-template NAME: the templates known by name (llama.cpp knows more; a Jinja text or
 # --chat-template-file gives any other)
 NAMED_TEMPLATES = {
@@ -182,7 +182,7 @@ def apply(opts) -> None:
     defaults = {field: getattr(opts, f"default_{field}") for _, field, _ in SAMPLING_FLAGS
                 if getattr(opts, f"default_{field}") is not None}
     if defaults.get("repeat_last_n") == -1:
-        defaults["repeat_last_n"] = CONTEXT
+        defaults["repeat_last_n"] = WHOLE_CONTEXT
     if opts.default_seed is not None and opts.default_seed != -1:
         defaults["seed"] = opts.default_seed
     try:

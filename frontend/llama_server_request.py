@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from shared import protocol as P
+from shared.sampling import WHOLE_CONTEXT
 
 from .errors import APIError
 from .fields import Body, Int, NPredict
@@ -49,7 +50,6 @@ SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k",
                  "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
 # ours, and the value that turns each off when a `samplers` list leaves it out
 OUR_SAMPLERS = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
-CONTEXT = 2**31 - 1                     # repeat_last_n -1: the whole context, as llama-server reads it
 
 
 class LlamaServerFields(Body):
@@ -167,7 +167,7 @@ def apply(body, sampling: dict) -> dict:
         if body.repeat_last_n < -1:
             raise APIError(400, f"repeat_last_n = {body.repeat_last_n}: expected -1 (the whole context), 0 (off) "
                                 f"or a number of tokens", param="repeat_last_n", code="invalid_value")
-        sampling["repeat_last_n"] = CONTEXT if body.repeat_last_n == -1 else body.repeat_last_n
+        sampling["repeat_last_n"] = WHOLE_CONTEXT if body.repeat_last_n == -1 else body.repeat_last_n
     if body.n_predict is not None:
         if body.n_predict == 0:
             raise _refuse("n_predict", "n_predict = 0 (evaluate the prompt only) is not supported")

@@ -20,6 +20,7 @@ class InvalidSampling(FermoeError, ValueError):
 
 
 MAX_BIAS = 100.0                # OpenAI's bound on a logit bias
+WHOLE_CONTEXT = 2**31 - 1       # repeat_last_n for llama.cpp's -1: the whole context
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from coordinator.llama_server_flags import CONTEXT, strip
+from coordinator.llama_server_flags import strip
 from coordinator.options import parse_options
 from shared.errors import FermoeError
 from tests.support.http_server import Process
@@ -85,7 +85,7 @@ def test_llama_servers_spellings_and_values():
     opts = parse_options("-m tiny -c 0 -t 1 -np 3 --host ::1 --port 8091 --repeat-last-n -1 -s -1 -n -1 "
                          "-ctk f32 -ctv f32".split())
     assert (opts.max_model_len, opts.threads_per_worker, opts.max_sequences, opts.http) == (None, 1, 3, "[::1]:8091")
-    assert opts.sampling_defaults == {"repeat_last_n": CONTEXT} and opts.n_predict is None
+    assert opts.sampling_defaults == {"repeat_last_n": 2**31 - 1} and opts.n_predict is None   # the whole context
     assert opts.kv_cache_dtype == "f32"
     assert parse_options(["-m", "tiny", "--host", "0.0.0.0", "--api-key", "k"]).http == "0.0.0.0:8080"
     assert parse_options(["-m", "tiny", "--host", "127.0.0.1,::1", "--port", "9"]).http == "127.0.0.1:9,[::1]:9"
