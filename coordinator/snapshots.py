@@ -69,6 +69,7 @@ reuses the request's own snapshots: it is counted apart and promotes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 from collections import OrderedDict
@@ -501,6 +502,53 @@ class SnapshotIndex:
             self._planned_slots[slot] = p
         self.commit(p)
         return True
+
+    def restore(self, chain: list[tuple[bytes, bytes | None, int]]) -> list[Planned]:
+        """Slots for snapshots brought back from the disk tier (coordinator/disk_tier.py): a
+        chain's entries in order, (key, parent, position) each, the last one the resume point.
+        Each one not cached gets a KV slot, and the last a state unless it has one, evicting as
+        plan() does (never this chain's own cached entries); the others are KV links. All or
+        nothing: [] when a slot cannot be had (a chain with a gap is useless); else the plans,
+        to commit() once their slots are written, or abort()."""
+        keys = [k for k, _, _ in chain]
+        if not chain or any(k in self._planned for k in keys):
+            return []
+        held = [k for k in keys if k in self._lru]
+        missing = sum(k not in self._entries for k in keys)
+        if missing > len(self._free) + len(self._lru) - len(held):
+            return []                               # evicting others for a chain that cannot fit: no
+        for k in held:
+            self._lru.remove(k)
+        last = keys[-1]
+        planned, ok = [], True
+        for key, parent, position in chain:
+            if key in self._entries:
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                ok = False
+                break
+            planned.append(Planned(key, slot, position, parent))
+        if ok and last not in self._states:
+            state = self._take_state(evict=True)
+            if state is None:
+                ok = False
+            elif planned and planned[-1].key == last:
+                planned[-1] = dataclasses.replace(planned[-1], state=state)
+            else:                                   # the cached last entry takes a state alone
+                planned.append(Planned(last, -1, chain[-1][2], chain[-1][1], state))
+        if not ok:
+            for p in planned:
+                if p.slot >= 0:
+                    self._free.append(p.slot)
+                if p.state >= 0:
+                    self._free_states.append(p.state)
+            planned = []
+        self._pending(planned)
+        for k in reversed(held):
+            if k in self._entries and k not in self._pins:
+                self._lru.add(k, self._tier(k))
+        return planned
 
     def _take_slot(self) -> int | None:
         if self._free:

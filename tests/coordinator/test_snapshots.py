@@ -919,3 +919,67 @@ def test_a_kept_turn_start_keeps_its_state_in_a_small_state_pool():
     assert (res.position, res.end.position, first_answer) == (11, 11, 11)
     assert res.state == idx._states[idx.end_key(prompt[:11])]
     idx.release(res)
+
+
+# ---- restore (entries brought back from the disk tier) ------------------------------------------------
+def _chain_of(idx: SnapshotIndex, tokens) -> list[tuple[bytes, bytes | None, int]]:
+    """(key, parent, position) of tokens' block entries, then of its end entry if unaligned."""
+    keys = idx.chain_keys(tokens)
+    chain = [(k, keys[i - 1] if i else None, (i + 1) * idx.block) for i, k in enumerate(keys)]
+    if len(tokens) % idx.block:
+        chain.append((idx.end_key(tokens), keys[-1] if keys else None, len(tokens)))
+    return chain
+
+
+def test_restore_makes_a_chain_resumable_at_its_last_entry_only():
+    """Guards: restored links given states (garbage: their state bytes were never written),
+    the last entry left without one (nothing to resume from), or the plans' positions and
+    parents not the chain's (a lookup would not find them)."""
+    idx = SnapshotIndex(8, block=4, n_state_slots=2)
+    tokens = list(range(10))
+    planned = idx.restore(_chain_of(idx, tokens))
+    assert [(p.position, p.state >= 0) for p in planned] == [(4, False), (8, False), (10, True)]
+    assert lookup_position(idx, tokens + [99]) == 0              # invisible until committed
+    idx.commit(planned)
+    assert lookup_position(idx, tokens + [99]) == 10
+    assert lookup_position(idx, tokens[:9]) == 0                 # the links have no state
+    idx.check_invariants()
+
+
+def test_restore_fills_a_gap_and_gives_a_cached_last_entry_a_state():
+    """Guards: cached entries planned again (a slot leaked, or a pinned one overwritten), or a
+    cached block entry without a state left so (the chain restored, nothing to resume from)."""
+    idx = SnapshotIndex(8, block=4, n_state_slots=4)
+    tokens = list(range(12))
+    cache(idx, tokens[:4])                                       # block 1, with a state
+    chain = _chain_of(idx, tokens)
+    planned = idx.restore(chain)
+    assert [(p.position, p.slot >= 0, p.state >= 0) for p in planned] == [(8, True, False), (12, True, True)]
+    idx.commit(planned)
+    assert lookup_position(idx, tokens) == 12
+    idx.check_invariants()
+    # the chain's cached last entry is a link (no state): it takes a state alone
+    idx2 = SnapshotIndex(8, block=4, n_state_slots=1)
+    cache(idx2, tokens)                                          # entries 4, 8, 12: the one state at 12
+    planned = idx2.restore(_chain_of(idx2, tokens[:8]))
+    assert [(p.position, p.slot, p.state >= 0) for p in planned] == [(8, -1, True)]
+    idx2.commit(planned)
+    assert lookup_position(idx2, tokens[:8]) == 8 and lookup_position(idx2, tokens) == 8   # 12's state went
+    idx2.check_invariants()
+
+
+def test_restore_is_all_or_nothing_and_evicts_others_not_its_own():
+    """Guards: half a chain restored when the store is full (a gap: useless, and slots lost),
+    or the chain's own cached entries evicted to make room for the rest of it."""
+    idx = SnapshotIndex(3, block=4, n_state_slots=1)
+    tokens = list(range(12))
+    cache(idx, tokens[:4])                                       # the chain's first block
+    assert idx.restore(_chain_of(idx, list(range(100, 116)))) == []   # 4 entries, 3 slots: nothing
+    assert idx.stats()["free_slots"] == 2 and lookup_position(idx, tokens[:4]) == 4
+    other = list(range(50, 58))
+    cache(idx, other)                                            # 2 more entries: the store is full
+    planned = idx.restore(_chain_of(idx, tokens))
+    assert [p.position for p in planned] == [8, 12]              # evicted `other`, kept block 1
+    idx.commit(planned)
+    assert lookup_position(idx, tokens) == 12 and lookup_position(idx, other) == 0
+    idx.check_invariants()
