@@ -265,9 +265,6 @@ class DiskTier:
             if not stat.S_ISREG(st.st_mode) or not _ENTRY_NAME.fullmatch(name):
                 self._discard(name, "not a snapshot entry's name")
                 continue
-            if st.st_size == 0:
-                self._discard(name, "empty")
-                continue
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
                 try:

@@ -165,7 +165,9 @@ def test_stale_temporary_and_foreign_names_are_removed_at_open(tmp_path, caplog)
         assert len(t) == 1
     assert sorted(os.listdir(d)) == [k(2).hex()]
     lines = removals(caplog)
-    assert len(lines) == 2 and any(".tmp" in line for line in lines) and any("notes.txt" in line for line in lines)
+    assert len(lines) == 2
+    assert any(".deadbeef.tmp: a temporary file a crash left" in line for line in lines)
+    assert any("notes.txt: not a snapshot entry's name" in line for line in lines)
 
 
 @pytest.mark.parametrize("offset", [HEADER, HEADER + 39, HEADER + 40, HEADER + 99])
@@ -362,13 +364,16 @@ def test_remove_and_clear_delete_the_files_and_the_bytes(tmp_path):
         assert len(t) == 1
 
 
-def test_a_closed_store_neither_writes_nor_reads(tmp_path):
-    """Guards a late write-behind put after close reaching a closed (or reused) fd."""
+def test_a_closed_store_neither_writes_nor_reads(tmp_path, caplog):
+    """Guards a late write-behind put or a read after close reaching the closed (maybe
+    reused) directory fd."""
     t = store(tmp_path)
     t.put(k(1), None, 0, b"x")
     t.close()
     t.close()
-    assert t.put(k(2), None, 0, b"x") is False and t.get(k(1)) is None
+    with caplog.at_level(logging.INFO, logger="fermoe.coordinator"):
+        assert t.put(k(2), None, 0, b"x") is False and t.get(k(1)) is None
+    assert caplog.records == []
 
 
 # ---- defaults ------------------------------------------------------------------------
