@@ -97,6 +97,7 @@ class Coordinator:
         self.idle_since = time.monotonic()     # no request since (--sleep-idle-seconds)
         self.requests: dict[str, Request] = {}
         self.queue: list[str] = []
+        self.loading: dict[str, object] = {}     # requests waiting aside while the disk tier loads their prefix
         self.unfinished = Unfinished(self.index)
         self.intake = SnapshotIntake(self.index, self.arena, opts.block, self.send_worker)
         self.gpu = GPUPrefills(opts, self.index, self.arena, self.workers, self.requests, self.send_worker,
@@ -198,6 +199,11 @@ class Coordinator:
                else "--snapshot-mem")
         log.info("snapshot store: %s%s (%s)", store.describe(self.opts.block),
                  f" ({self.arena.name})" if self.arena else "", how)
+        self.disk = None                        # the disk tier under it (--snapshot-disk; 0: none)
+        if self.arena is not None and self.opts.snapshot_disk != 0:
+            from .snapshot_disk import DiskCache
+            self.disk = DiskCache(self.opts.snapshot_dir, self.opts.snapshot_disk, self.opts.model_path,
+                                  self.model.fingerprint, self.opts.kv_cache_dtype, self.index, self.arena)
 
     def _share_experts(self, why_not: str | None):
         """The experts packed into shared memory for every worker, so that a GPU worker's
@@ -224,6 +230,8 @@ class Coordinator:
         poller.register(self.workers_sock, zmq.POLLIN)
         if self.images:
             poller.register(self.images.fd, zmq.POLLIN)
+        if self.disk:
+            poller.register(self.disk.fd, zmq.POLLIN)
         for watch in self.watches:
             poller.register(watch.monitor, zmq.POLLIN)
         ready_logged = False
@@ -231,6 +239,8 @@ class Coordinator:
             events = dict(poller.poll(200))
             if self.images and self.images.fd in events:
                 self.images_decoded()
+            if self.disk and self.disk.fd in events:
+                self.snapshots_loaded()
             if self.workers_sock in events:
                 self._drain(self.workers_sock, self.handle_worker_frames)
             if self.clients in events:
@@ -402,7 +412,7 @@ class Coordinator:
                               prefill_tok_s=round(w.prefill_tok_s, 1), decode_tok_s=round(w.decode_tok_s, 1),
                               vision_tok_s=round(w.vision_tok_s, 1))
                  for w in self.workers.values()]
-        stats = {k: int(v) for k, v in self.index.stats().items()}
+        stats = {k: int(v) for k, v in {**self.index.stats(), **(self.disk.status() if self.disk else {})}.items()}
         waiting = len(self.queue) + sum(r.phase is Phase.DECODING for r in self.requests.values())
         self.reply(client, P.StatusReply(model=self.opts.model_path, workers=infos, queued=waiting,
                                          running=len(self.requests) - waiting, snapshots=stats,
@@ -488,6 +498,8 @@ class Coordinator:
             return                               # ended meanwhile (cancel raced the token)
         now = time.monotonic()
         if req.first_token is None:
+            if self.disk is not None:           # the prompt's snapshots, written: behind the arena to disk
+                self.disk.persist(req.cache_tokens, [len(req.tokens), *req.marks])
             req.first_token = now       # a worker that does not report its prefill: the time since dispatch
             req.prefill_ms = msg.prefill_ms if msg.prefill_ms is not None else 1000 * (now - req.dispatched)
             prefilled = len(req.tokens) - (req.resume.position if req.resume else 0)
@@ -547,6 +559,8 @@ class Coordinator:
                 self.end(self.requests[rid], "error", error=self.unavailable, refuse=UNAVAILABLE)
             return
         while self.queue:
+            if self.disk is not None and self._load_from_disk(self.requests[self.queue[0]]):
+                continue
             placed = self.gpu.place(self.requests[self.queue[0]])
             if placed == "wait":
                 return
@@ -563,6 +577,33 @@ class Coordinator:
             except Exception as e:         # a bug met by one request ends that request only
                 log.exception("assigning request %s to worker %s failed", req.rid, wid)
                 self.end(req, "error", error=f"internal error: {type(e).__name__}: {e}")
+
+    def _load_from_disk(self, req: Request) -> bool:
+        """A request's first turn at the queue's head: when the disk tier reaches further into
+        its prompt than the arena, it waits aside while those snapshots load (True)."""
+        if req.disk_checked or req.attempts or req.phase is not Phase.QUEUED:
+            return False
+        req.disk_checked = True
+        job = self.disk.plan_load(req.rid, req.cache_tokens)
+        if job is None:
+            return False
+        self.queue.pop(0)
+        self.loading[req.rid] = job
+        return True
+
+    def snapshots_loaded(self) -> None:
+        """Loads from the disk tier done: their requests go back to the queue's head, where the
+        lookup finds what was loaded."""
+        for job in self.disk.finished():
+            self.loading.pop(job.rid, None)
+            req = self.requests.get(job.rid)
+            if req is None:
+                continue                        # ended meanwhile: what was loaded stays cached
+            req.disk_ms = job.ms if job.ok else 0.0
+            log.log(logging.INFO if job.ok else logging.WARNING, "request %s: %s", req.rid,
+                    f"{job.nbytes / 2**20:.1f} MiB of snapshots up to position {job.position} loaded from disk "
+                    f"in {job.ms:.0f} ms" if job.ok else "its snapshots on disk could not be loaded: prefilling")
+            self.queue.insert(0, req.rid)
 
     def announce(self, req: Request) -> None:
         """The prompt's size and cached part, once, as soon as its first lookup is made."""
@@ -632,6 +673,10 @@ class Coordinator:
         prefill_ms, decode_tok_s = req.timings(now)
         self._log_finished(req, reason, error, prefill_ms, decode_tok_s, now)
         self.requests.pop(req.rid, None)
+        self.loading.pop(req.rid, None)
+        if self.disk is not None and reason in ("stop", "length") and req.generated:
+            tokens = list(req.cache_tokens) + req.generated     # where the next turn resumes (the last
+            self.disk.persist(tokens, [len(tokens) - 1, len(tokens)])   # token may not have run)
         if req.phase is Phase.DECODING:
             self.images.cancel(req)
         if req.rid in self.queue:
@@ -658,7 +703,7 @@ class Coordinator:
                                       decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by,
                                       prefill_device=req.prefill_device,
                                       prefill_estimates_ms={k: round(v, 1) for k, v in req.estimates.items()},
-                                      prefill_batch=req.prefill_batch))
+                                      prefill_batch=req.prefill_batch, disk_ms=round(req.disk_ms, 3)))
 
     @staticmethod
     def _log_finished(req: Request, reason: str, error: str | None, prefill_ms: float, decode_tok_s: float,
@@ -765,6 +810,8 @@ class Coordinator:
         self.supervisor.stop_all()
         if self.images:
             self.images.close()
+        if self.disk:
+            self.disk.close()                   # what was queued is written before the arena goes
         self._close_security()
         self.clients.close()
         self.workers_sock.close()

@@ -316,6 +316,11 @@ class DiskTier:
             meta = self._index.get(key)
         return None if meta is None else (meta.parent, meta.position, meta.state_bytes is not None)
 
+    def items(self) -> list[tuple[bytes, tuple[bytes | None, int, bool]]]:
+        """(key, (parent, position, has_state)) of every stored entry, least recently used first."""
+        with self._lock:
+            return [(k, (m.parent, m.position, m.state_bytes is not None)) for k, m in self._index.items()]
+
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index

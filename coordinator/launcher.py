@@ -16,8 +16,10 @@ def free_port() -> int:
 
 
 def start_coordinator(model: str, addr: str, extra, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr, *extra],
-                            stderr=log)
+    """Without the snapshot disk tier unless `extra` names one: a benchmark's cold prefill is
+    cold, whatever an earlier run left on disk."""
+    return subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--model", model, "--bind", addr,
+                             "--snapshot-disk", "0", *extra], stderr=log)
 
 
 def stop_coordinator(daemon: subprocess.Popen) -> None:

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-mem", default=None,
                    help="shared memory (/dev/shm) for prefix snapshots, e.g. 2GiB; 0 = no cache (default: an "
                         "eighth of the host's memory, at most half of /dev/shm's free space and 8 GiB)")
+    p.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                   help="where snapshots are kept across restarts (default: fermoe/snapshots under the user's cache "
+                        "directory, $XDG_CACHE_HOME or ~/.cache)")
+    p.add_argument("--snapshot-disk", default=os.environ.get("FERMOE_SNAPSHOT_DISK", "auto"), metavar="SIZE",
+                   help="disk space for them, e.g. 20GiB; 0 = none, no disk tier (default auto: a quarter of the "
+                        "directory's free space, at most 64 GiB; FERMOE_SNAPSHOT_DISK sets the default)")
     p.add_argument("--snapshot-states", type=int, default=None, metavar="N",
                    help="of the snapshot memory, N slots hold recurrent states (where a prompt can resume), the "
                         "rest the KV of the prompts' blocks (default: about a quarter of it, at least 4)")
@@ -120,6 +126,10 @@ def parse_options(argv=None):
         opts.snapshot_mem, opts.snapshot_mem_default = default_snapshot_mem()
     else:
         opts.snapshot_mem, opts.snapshot_mem_default = parse_size(opts.snapshot_mem), None
+    opts.snapshot_disk = None if opts.snapshot_disk == "auto" else parse_size(opts.snapshot_disk)
+    from .disk_tier import default_dir
+    opts.snapshot_dir = os.path.abspath(os.path.expanduser(opts.snapshot_dir)) if opts.snapshot_dir else \
+        str(default_dir())
     opts.model_path = resolve_model(opts.model)
     opts.mmproj = os.path.abspath(opts.mmproj) if opts.mmproj else None     # workers start elsewhere
     opts.gpus = _gpus(opts)

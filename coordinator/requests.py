@@ -41,6 +41,8 @@ class Request:
     cached_tokens: int = 0           # reused from before the request started (its first lookup)
     started: bool = False            # its client was told the prompt's size (P.Started)
     progress: int = 0                # the prompt's tokens its client was told are processed (P.Progress)
+    disk_checked: bool = False       # the disk tier was asked for its prompt (once)
+    disk_ms: float = 0.0             # loading its prefix from the disk tier took this long
     sent: int = 0                    # tokens streamed to the client
     thinking: bool = False           # a chat whose output is inside a <think> block (its prompt's, or its own)
     reasoning_tokens: int = 0        # tokens streamed inside <think> blocks, the tags included

@@ -655,6 +655,14 @@ class SnapshotIndex:
                 self._lru.touch(key)
             key = self._entries[key].parent
 
+    def entry(self, key: bytes) -> Entry | None:
+        """The committed entry of `key`, if cached."""
+        return self._entries.get(key)
+
+    def state_of(self, key: bytes) -> int | None:
+        """The state slot of a committed entry, if it has one."""
+        return self._states.get(key)
+
     def planned_in(self, slot: int) -> Planned | None:
         """The pending planned snapshot writing KV slot `slot`, if any."""
         return self._planned_slots.get(slot)

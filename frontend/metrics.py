@@ -27,7 +27,9 @@ SNAPSHOT_LEVELS = {"slots": "snapshot KV slots in the store", "free_slots": "sna
                    "free_state_slots": "snapshot state slots holding nothing",
                    "entries": "cached prefix snapshots", "states": "cached snapshots with a state (resume points)",
                    "pinned": "snapshots in use by running requests",
-                   "writing": "snapshot slots being written", "block": "prompt tokens between snapshots"}
+                   "writing": "snapshot slots being written", "block": "prompt tokens between snapshots",
+                   "disk_entries": "snapshots kept on disk", "disk_bytes": "bytes of the snapshots kept on disk",
+                   "disk_capacity": "bytes the disk tier may hold"}
 
 
 class Metrics:

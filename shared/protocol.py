@@ -180,6 +180,7 @@ class Done(_Msg, tag="done"):
     prefill_device: str | None = None   # where the uncached part of the prompt ran: gpu or cpu (None: no prefill)
     prefill_estimates_ms: dict[str, float] = {}     # what the choice was made on, by device
     prefill_batch: int = 0              # prompts prefilled in one batch with it on a GPU worker, itself included
+    disk_ms: float = 0.0                # its prefix's snapshots brought from the disk tier in this long (0: none)
 
 
 class Error(_Msg, tag="error"):

@@ -23,6 +23,10 @@ _isa_ran: Counter = Counter()
 _isa_skipped: dict[str, tuple[str, int]] = {}     # name -> (reason, tests)
 
 
+# Every daemon a test starts runs without the snapshot disk tier (a user's ~/.cache would make
+# one run's prompts cached in the next), unless the test gives --snapshot-disk itself.
+os.environ.setdefault("FERMOE_SNAPSHOT_DISK", "0")
+
 _START_CPUS = sorted(os.sched_getaffinity(0))
 
 
