@@ -10,13 +10,13 @@ environment, never on a command line other users can read.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 
 import zmq
 
 from shared.http_options import API_KEY_ENV, bind_listeners, listen_url
+from shared.parent import child_env
 
 from .supervisor import RESTART_WINDOW_S, RestartBudget
 
@@ -53,7 +53,7 @@ class FrontEnd:
             cmd += ["--tags", ",".join(self.opts.tags)]
         if not self.opts.slots:
             cmd += ["--no-slots"]
-        env = dict(os.environ)
+        env = child_env()
         env.pop(API_KEY_ENV, None)
         if self.opts.api_key:
             env[API_KEY_ENV] = self.opts.api_key

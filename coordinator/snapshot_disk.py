@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .disk_tier import DiskTier, DiskTierLocked, default_capacity

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from shared.parent import child_env
 from shared.topology import numa_nodes, physical_cores
 
 log = logging.getLogger("fermoe.coordinator")
@@ -87,7 +88,7 @@ class Supervisor:
             cmd += ["--mmproj", self.opts.mmproj]
         # own session: a Ctrl-C meant for the coordinator must not kill the workers
         # before it can stop them in order
-        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env())
         log.info("started worker %s (pid %d) on node %d, CPUs %s", wid, self.procs[wid].pid, node, cpus)
 
     def _start_gpu(self, wid: str) -> None:
@@ -100,7 +101,7 @@ class Supervisor:
         cpus = self.gpu_cpus[wid]
         if cpus:
             cmd += ["--cpus", ",".join(map(str, cpus))]
-        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[wid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env())
         log.info("started gpu worker %s (pid %d) on GPU %d, CPUs %s", wid, self.procs[wid].pid, self.gpu_plan[wid],
                  cpus or "shared")
 

@@ -81,6 +81,8 @@ def run(opts) -> int:
 
 
 def main(argv=None) -> int:
+    from shared.parent import die_with_parent
+    die_with_parent()                   # a coordinator's front end goes with it
     try:
         return run(build_parser().parse_args(argv))
     except FermoeError as e:

@@ -27,6 +27,7 @@ import zmq
 
 from . import protocol as P
 from .curve import client_keys
+from .parent import die_with_parent
 from .errors import FermoeError, ProtocolError
 from .state import SequenceState, kv_dtype, write_snapshot, write_snapshot_kv
 
@@ -323,6 +324,7 @@ def serve_until_stopped(worker) -> int:
 def worker_main(prog: str, parser, run, argv=None) -> int:
     """Parse, log as `prog`, run(args); an error we can name is one line, never a traceback."""
     args = parser.parse_args(argv)
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog} %(levelname)s %(message)s")
     try:
         client_keys(args.curve_key)             # a bad key file: one error now, not after loading the model

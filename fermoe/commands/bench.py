@@ -10,12 +10,13 @@ NAME = "bench"
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                  "| http [MODEL] | agent MODEL | vision | tools [MODEL]",
+                                  "| http [MODEL] | agent MODEL | restart MODEL | vision | tools [MODEL]",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "vision", "tools"],
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "restart", "vision",
+                                          "tools"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
                         "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
-                        "agent's turns and the prefix cache), vision (images through the vision tower on the CPU and "
+                        "agent's turns and the prefix cache), restart (the snapshot disk tier across restarts), vision (images through the vision tower on the CPU and "
                         "the GPU) or tools (how often the built-in model calls its pydoc tool correctly on held-out "
                         "names)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
@@ -32,6 +33,8 @@ def run(args) -> None:
         from bench.http import main as bench_main
     elif args.what == "agent":
         from bench.agent import main as bench_main
+    elif args.what == "restart":
+        from bench.restart import main as bench_main
     elif args.what == "vision":
         from bench.vision import main as bench_main
     elif args.what == "tools":

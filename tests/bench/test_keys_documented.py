@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.bench_keys import assert_keys_documented, documented_keys, undocumented_keys
 
-DOCUMENTED = ["agent", "decode", "gpu_kernels", "grammar_cost", "host_memory", "http", "kernels", "prefill", "serve",
+DOCUMENTED = ["agent", "decode", "gpu_kernels", "grammar_cost", "host_memory", "http", "kernels", "prefill", "restart", "serve",
               "soak", "tool_calls", "vision"]
 
 FAKE = types.ModuleType("fake_bench", """A benchmark.

@@ -3,6 +3,8 @@ learned the text it was trained on, and REAP pruning to half its experts changes
 outputs less than random pruning does, with frequency pruning measured beside them."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,7 @@ CALIB_TOKENS = 8192
 # size (4096). The trained one is at ~1/50 of that (docs/models.md); 1/20 leaves room for
 # any retraining while still failing for an untrained or broken model.
 LEARNED_FRACTION = 1 / 20
+THREADS = min(4, len(os.sched_getaffinity(0)))   # the engines run one at a time: every core
 RANDOM_SEEDS = tuple(range(8))
 
 
@@ -65,13 +68,13 @@ def test_reap_at_half_the_experts_changes_outputs_less_than_random(tiny, heldout
     choices = {"reap": kept_by_score(reap_scores(stats), keep), "frequency": kept_by_score(stats.count, keep)}
     for seed in RANDOM_SEEDS:
         choices[f"random{seed}"] = kept_at_random(tiny.config.n_layer, tiny.config.n_expert, keep, seed)
-    base = native_engine.NativeEngine(tiny, threads=1)
+    base = native_engine.NativeEngine(tiny, threads=THREADS)
     kl = {}
     with GGUFFile(tiny.path) as src:
         for name, kept in choices.items():
             path = tmp_path / f"{name}.gguf"
             write_pruned(src, path, dict(enumerate(kept)), progress=False)
-            pruned = native_engine.NativeEngine(Model(path), threads=1)
+            pruned = native_engine.NativeEngine(Model(path), threads=THREADS)
             kl[name] = compare(base, pruned, heldout_tokens, CTX, progress=False).kl_mean
             pruned.close()
     base.close()
