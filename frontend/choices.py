@@ -36,20 +36,9 @@ class Choices:
         self.streaming, self.include_usage = streaming, include_usage
 
     async def __call__(self, scope, receive, send) -> None:
-        gone = asyncio.Event()
-
-        async def watch():                          # one reader of the connection, for every choice
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-
-        async def each_receive():
-            await gone.wait()
-            return {"type": "http.disconnect"}
-        watcher = asyncio.create_task(watch())
-        try:
+        async with Connection(receive) as connection:
             merge = Stream(send, self.first.rid, self.include_usage) if self.streaming else Whole(send)
-            tasks = [asyncio.create_task(self.first(scope, each_receive, merge.sender(0)))]
+            tasks = [asyncio.create_task(self.first(scope, connection.receive, merge.sender(0)))]
             while not (self.first.stream.answered or tasks[0].done()):      # its prompt is stored
                 await asyncio.sleep(0.005)
             if self.first.stream.error is not None:     # refused: its answer is the request's, as for one
@@ -57,14 +46,36 @@ class Choices:
                 await merge.refusal()
                 return
             for i in range(1, self.n):
-                if gone.is_set():
+                if connection.gone.is_set():
                     break
                 response = await self.submit(i)
-                tasks.append(asyncio.create_task(response(scope, each_receive, merge.sender(i))))
+                tasks.append(asyncio.create_task(response(scope, connection.receive, merge.sender(i))))
             await asyncio.gather(*tasks)
             await merge.close()
-        finally:
-            watcher.cancel()
+
+
+class Connection:
+    """One reader of a request's connection for the several responses that answer it: each
+    is given `receive`, which returns once the client has gone."""
+
+    def __init__(self, receive):
+        self._receive, self.gone = receive, asyncio.Event()
+
+    async def __aenter__(self) -> "Connection":
+        self._watcher = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._watcher.cancel()
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
 
 
 class Whole:

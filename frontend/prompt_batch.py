@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from .choices import Connection
 from .streaming import send_json
 
 MAX_PROMPTS = 64
@@ -24,23 +25,10 @@ class PromptBatch:
         self.responses, self.streaming = responses, streaming
 
     async def __call__(self, scope, receive, send) -> None:
-        gone = asyncio.Event()
-
-        async def watch():                          # one reader of the connection, for every prompt
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-
-        async def each_receive():
-            await gone.wait()
-            return {"type": "http.disconnect"}
-        watcher = asyncio.create_task(watch())
-        try:
+        async with Connection(receive) as connection:
             merge = _Stream(send) if self.streaming else _Whole(send, len(self.responses))
-            await asyncio.gather(*(r(scope, each_receive, merge.sender(i)) for i, r in enumerate(self.responses)))
+            await asyncio.gather(*(r(scope, connection.receive, merge.sender(i)) for i, r in enumerate(self.responses)))
             await merge.close()
-        finally:
-            watcher.cancel()
 
 
 class _Whole:
