@@ -7,10 +7,11 @@ prompt's last block) and the KV of every block that leads to them; the spare sta
 prompt leaves at its other block boundaries are not (they would multiply the bytes by the
 state's size for resume points no request names).
 
-Threads: the event loop only copies slot bytes out of the arena (persist) or reserves slots
-for a load (plan_load: SnapshotIndex.restore); one I/O thread does every file operation
-(coordinator/disk_tier.py) and fills the reserved slots, then wakes the loop through `fd`,
-which commits them (finished). The loop's own view of what is on disk, `known`, is updated
+Threads: the event loop only pins the entries to write (lookups that count nothing) or
+reserves slots for a load (plan_load: SnapshotIndex.restore); one I/O thread copies the pinned
+slots and writes them, reads entries into the reserved slots, and does every other file
+operation (coordinator/disk_tier.py), then wakes the loop through `fd`, which unpins what was
+written and commits what was loaded (finished). The loop's own view of what is on disk, `known`, is updated
 as it queues writes, so that a second request for the same prefix neither copies it again
 nor waits for the write to land: a load of an entry whose write failed fails as a whole and
 the request prefills as if there were no disk tier.
@@ -37,7 +38,7 @@ from .snapshots import Planned, SnapshotIndex
 
 log = logging.getLogger("fermoe.coordinator")
 
-QUEUED_BYTES_MAX = 1 << 30      # copied slot bytes waiting for the writer: past this, writes are dropped
+MAX_PENDING_WRITES = 16         # prompts whose snapshots wait for the writer, pinned: past this, skipped
 HASH_CHUNK = 16 << 20
 
 
@@ -113,8 +114,7 @@ class DiskCache:
         self.stats = DiskStats()
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
-        self.queued_bytes = 0
-        self._lock = threading.Lock()           # queued_bytes, stats written by the thread
+        self.pending = 0                        # writes queued whose entries are pinned
         self.fd, self._wake_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._wake_fd, False)
@@ -123,40 +123,35 @@ class DiskCache:
 
     # ---- the event loop's side ---------------------------------------------------------
     def persist(self, tokens, state_at) -> None:
-        """Queue the writes of `tokens`' cached chain (KV links) and of the states at the
-        positions `state_at` (its resume points) that are cached and not on disk yet."""
-        idx, block = self.index, self.index.block
-        state_at = {int(p) for p in state_at if 0 < p <= len(tokens)}
-        keys = idx.chain_keys(tokens)
-        chain = []
-        for i, key in enumerate(keys):
-            entry = idx.entry(key)
-            if entry is None:
-                break
-            chain.append((entry, (i + 1) * block in state_at))
-        for p in sorted(state_at):
-            if p % block and p // block <= len(chain):
-                entry = idx.entry(idx.end_key(tokens[:p]))
-                if entry is not None:
-                    chain.append((entry, True))
-        for entry, with_state in reversed(chain):   # deepest first: the disk's LRU keeps a chain's root longest
-            state = idx.state_of(entry.key) if with_state else None
-            have = self.known.get(entry.key)
-            if have is not None and (have.has_state or state is None):
+        """Write behind: for each position of `state_at` (the prompt's resume points), the
+        deepest cached resume point at or before it, its state and the KV chain to it, where
+        not on disk yet. The entries are pinned (lookups that count nothing) until the I/O
+        thread has copied and written them: the loop itself copies no bytes."""
+        if self.pending >= MAX_PENDING_WRITES:      # the writer is behind: pins would pile up
+            self.stats.dropped += 1
+            return
+        idx, resumes, entries = self.index, [], {}
+        for p in sorted({int(p) for p in state_at if 0 < p <= len(tokens)}):
+            resume = idx.lookup(tokens[:p], counted=False)
+            if resume is None:
                 continue
-            self._queue_put(entry, state)
-
-    def _queue_put(self, entry, state: int | None) -> None:
-        size = self.arena.slot_bytes + (self.arena.state_slot_bytes if state is not None else 0)
-        with self._lock:
-            if self.queued_bytes + size > QUEUED_BYTES_MAX:
-                self.stats.dropped += 1
-                return
-            self.queued_bytes += size
-        kv = bytes(self.arena.slot(entry.slot))
-        st = bytes(self.arena.state_slot(state)) if state is not None else None
-        self._note(entry.key, _Known(entry.parent, entry.position, st is not None))
-        self.jobs.put(("put", entry.key, entry.parent, entry.position, kv, st))
+            resumes.append(resume)
+            last = resume.entries[-1].key
+            for entry in resume.entries:
+                with_state = entry.key == last
+                have = self.known.get(entry.key)
+                if (have is None or (with_state and not have.has_state)) and \
+                        not (entry.key in entries and entries[entry.key][1] >= 0):
+                    entries[entry.key] = (entry, resume.state if with_state else -1)
+        if not entries:
+            for resume in resumes:
+                idx.release(resume)
+            return
+        for entry, state in entries.values():
+            self._note(entry.key, _Known(entry.parent, entry.position, state >= 0))
+        writes = sorted(entries.values(), key=lambda e: -e[0].position)   # deepest first: the disk's
+        self.pending += 1                                                 # LRU keeps a chain's root longest
+        self.jobs.put(("put", writes, resumes))
 
     def _note(self, key: bytes, known: _Known) -> None:
         self.known[key] = known
@@ -221,6 +216,10 @@ class DiskCache:
                 self.ready = True
             elif kind == "forget":              # a write that failed, or an entry found bad
                 self.known.pop(item, None)
+            elif kind == "release":             # written: the entries it pinned may go
+                self.pending -= 1
+                for resume in item:
+                    self.index.release(resume)
             else:
                 (self.index.commit if item.ok else self.index.abort)(item.planned)
                 self.stats.loads += item.ok
@@ -265,6 +264,9 @@ class DiskCache:
             if self.tier is None:               # no tier: loads fail (none are planned), writes are dropped
                 if job[0] == "load":
                     self._finish_load(job[1])
+                else:
+                    self.results.put(("release", job[2]))
+                    self._wake()
                 continue
             try:
                 self._put(*job[1:]) if job[0] == "put" else self._load(job[1])
@@ -290,16 +292,22 @@ class DiskCache:
         self.results.put(("opened", known))
         self._wake()
 
-    def _put(self, key, parent, position, kv, state) -> None:
-        with self._lock:
-            self.queued_bytes -= len(kv) + (len(state) if state is not None else 0)
-        if self.tier.put(key, parent, position, kv, state):
-            self.stats.written += 1
-            self.stats.written_bytes += len(kv) + (len(state) if state is not None else 0)
-        elif key not in self.tier:
-            self.stats.dropped += 1
-            self.results.put(("forget", key))
-        self.stats.entries, self.stats.bytes_used = len(self.tier), self.tier.bytes_used
+    def _put(self, writes, resumes) -> None:
+        """Copy the pinned slots and write them; the loop unpins them afterwards (finished)."""
+        try:
+            for entry, state in writes:
+                kv = bytes(self.arena.slot(entry.slot))
+                st = bytes(self.arena.state_slot(state)) if state >= 0 else None
+                if self.tier.put(entry.key, entry.parent, entry.position, kv, st):
+                    self.stats.written += 1
+                    self.stats.written_bytes += len(kv) + (len(st) if st is not None else 0)
+                elif entry.key not in self.tier:
+                    self.stats.dropped += 1
+                    self.results.put(("forget", entry.key))
+            self.stats.entries, self.stats.bytes_used = len(self.tier), self.tier.bytes_used
+        finally:
+            self.results.put(("release", resumes))
+            self._wake()
 
     def _load(self, job: LoadJob) -> None:
         t0 = time.perf_counter()

@@ -34,10 +34,17 @@ def disk(daemon) -> dict:
 
 
 def wait_written(daemon, n: int, timeout_s: float = 30.0) -> None:
+    """At least n entries written, and the entries pinned for the writer let go again (a
+    snapshot held for ever could never be evicted)."""
     deadline = time.monotonic() + timeout_s
-    while disk(daemon)["disk_written"] < n:
-        assert time.monotonic() < deadline, disk(daemon)
+    while disk(daemon)["disk_written"] < n or pinned(daemon):
+        assert time.monotonic() < deadline, (disk(daemon), pinned(daemon))
         time.sleep(0.1)
+
+
+def pinned(daemon) -> int:
+    with Client(daemon.addr) as client:
+        return client.status().snapshots["pinned"]
 
 
 def test_a_restart_resumes_from_disk_with_the_tokens_of_a_cold_run(tmp_path):
