@@ -36,7 +36,7 @@ import msgspec
 from msgspec import Meta
 
 from .errors import APIError
-from .fields import MaxTokens, TopK
+from .fields import INT64_MAX, MaxTokens, TopK
 from .schemas import ChatCompletionRequest, _validation_error
 
 log = logging.getLogger("fermoe.http")
@@ -125,6 +125,8 @@ def chat_request(req: CountTokensRequest, stream: bool) -> ChatCompletionRequest
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
                 raise invalid("thinking.budget_tokens", f"thinking.budget_tokens: expected an integer >= 0, "
                                                         f"got {budget!r}")
+            if budget > INT64_MAX:
+                raise invalid("thinking.budget_tokens", f"expected an integer <= {INT64_MAX}, got {budget}")
             body["reasoning_budget"] = budget
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens

@@ -18,7 +18,7 @@ from msgspec import Meta
 
 from .errors import APIError
 from .fields import Body as _Body
-from .fields import Int, MaxTokens, Penalty, RepeatPenalty, Seed, Stop, Temperature, TokenId, TopK, TopP
+from .fields import INT64_MAX, Int, MaxTokens, Penalty, RepeatPenalty, Seed, Stop, Temperature, TokenId, TopK, TopP
 from .llama_server_request import LlamaServerFields
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",
@@ -106,7 +106,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     reasoning_effort: str | None = None         # "none", "minimal": thinking off; low... xhigh: on
     # fermoe's own: reasoning tokens before their end is forced (-1 no limit; null: the server's
     # --reasoning-budget); Anthropic's thinking.budget_tokens arrives here
-    reasoning_budget: Annotated[int, Meta(ge=-1)] | None = None
+    reasoning_budget: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
     # vLLM's: a final assistant message is continued (llama-server's default for one) or a new
     # turn starts after it
     add_generation_prompt: bool | None = None

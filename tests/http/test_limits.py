@@ -109,6 +109,9 @@ RANGES = [   # (field, the last value taken, the first refused, msgspec's words 
     ("max_tokens", 1, 0, "`int` >= 1"), ("max_tokens", INT64_MAX, INT64_MAX + 1, f"`int` <= {INT64_MAX}"),
     ("max_completion_tokens", 1, 0, "`int` >= 1"),
     ("top_k", -1, -2, "`int` >= -1"), ("seed", -1, -2, "`int` >= -1"),
+    # unbounded, a budget past 2**64 - 1 failed to serialise on its way to the coordinator: a 500
+    ("reasoning_budget", -1, -2, "`int` >= -1"),
+    ("reasoning_budget", INT64_MAX, INT64_MAX + 1, f"`int` <= {INT64_MAX}"),
     ("stop", ["s"] * 16, ["s"] * 17, "`array` of length <= 16"),
 ]
 
@@ -136,7 +139,9 @@ ANTHROPIC = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "conte
     ("top_p", 1.0, math.nextafter(1.0, 2), "Invalid 'top_p': Expected `float` <= 1.0"),
     ("stop_sequences", ["s"] * 16, ["s"] * 17, "Invalid 'stop_sequences': Expected `array` of length <= 16"),
     ("thinking", {"type": "enabled", "budget_tokens": 0}, {"type": "enabled", "budget_tokens": -1},
-     "thinking.budget_tokens: thinking.budget_tokens: expected an integer >= 0, got -1")])
+     "thinking.budget_tokens: thinking.budget_tokens: expected an integer >= 0, got -1"),
+    ("thinking", {"type": "enabled", "budget_tokens": INT64_MAX}, {"type": "enabled", "budget_tokens": 2**70},
+     f"thinking.budget_tokens: expected an integer <= {INT64_MAX}, got {2**70}")])
 def test_each_messages_fields_range_at_its_edges(field, last, first, message):
     """Anthropic's own ranges (temperature up to 1.0, not chat's 2.0)."""
     def make(value):
