@@ -11,22 +11,12 @@ import pytest
 from frontend.anthropic_request import (AnthropicError, CountTokensRequest, MessagesRequest, as_anthropic,
                                         chat_request)
 from frontend.errors import APIError
+from tests.support.request_units import set_fields
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
 PNG = "iVBORw0KGgo="
 
 
-def set_fields(value):
-    """A struct as plain data without its unset (None) fields, so that a test names only the
-    fields the conversion sets."""
-    import msgspec
-    if isinstance(value, msgspec.Struct):
-        value = msgspec.to_builtins(value)
-    if isinstance(value, dict):
-        return {k: set_fields(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [set_fields(v) for v in value]
-    return value
 
 
 def convert(body: dict, kind=MessagesRequest, stream: bool = False) -> dict:

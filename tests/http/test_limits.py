@@ -21,23 +21,20 @@ from frontend.core import Settings, submit
 from frontend.errors import APIError
 from frontend.responses_request import ResponsesRequest
 from frontend.responses_request import chat_request as responses_chat
-from frontend.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from shared import protocol as P
 from shared.errors import FermoeError
 from shared.sampling import MAX_TOP_LOGPROBS
 from tests.support.big_png import blank_png
+from tests.support.request_units import chat_generate, completion_generate
 
 USER = [{"role": "user", "content": "x"}]
 
 
 def chat(**fields) -> P.Generate:
-    return openai_request.chat_generate(decode_body(json.dumps({"messages": USER} | fields).encode(),
-                                                    ChatCompletionRequest))
+    return chat_generate(USER, **fields)
 
 
-def completion(**fields) -> P.Generate:
-    return openai_request.completion_generate(decode_body(json.dumps({"prompt": "x"} | fields).encode(),
-                                                          CompletionRequest))
+completion = completion_generate
 
 
 def refused(make, **fields) -> APIError:

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from frontend import openai_request
-from frontend.schemas import APIError, ChatCompletionRequest, CompletionRequest, decode_body
+from frontend.schemas import APIError, ChatCompletionRequest, decode_body
 from shared import protocol as P
+from tests.support.request_units import chat_generate, completion_generate
 
 USER = [{"role": "user", "content": "Hi"}]
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
@@ -20,13 +21,10 @@ PNG_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
 
 
 def chat(**fields) -> P.Generate:
-    return openai_request.chat_generate(decode_body(json.dumps({"messages": USER} | fields).encode(),
-                                                    ChatCompletionRequest))
+    return chat_generate(USER, **fields)
 
 
-def completion(**fields) -> P.Generate:
-    return openai_request.completion_generate(decode_body(json.dumps({"prompt": "x"} | fields).encode(),
-                                                          CompletionRequest))
+completion = completion_generate
 
 
 def refused(make, **fields) -> tuple:

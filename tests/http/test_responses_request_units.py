@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import logging
 
-import msgspec
 import pytest
 
 from frontend.errors import APIError
+from tests.support.request_units import set_fields
 from frontend.responses_request import ResponsesRequest, chat_request, flat_name, namespaced
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
@@ -18,15 +18,6 @@ DEFAULTS = {"stream": False, "ignore_eos": False}
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
 
 
-def set_fields(value):
-    """A struct as plain data without its unset (None) fields."""
-    if isinstance(value, msgspec.Struct):
-        value = msgspec.to_builtins(value)
-    if isinstance(value, dict):
-        return {k: set_fields(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [set_fields(v) for v in value]
-    return value
 
 
 def convert(**body) -> dict:
