@@ -11,7 +11,9 @@ achieved TFLOP/s and its fraction of the FMA rate.
 
 Switches for the paper's ablations: --pageable (expert memory not page-locked),
 --chunk N (passes of at most N tokens instead of one), --no-overlap (copies on the
-compute stream), --no-resident (no expert layer kept in VRAM), --lm-head cpu.
+compute stream), --no-resident (no expert layer kept in VRAM), --lm-head cpu,
+--kv-layers N (at most N attention layers' KV kept in VRAM, the others' in host memory).
+--no-profile skips the prefills timed by phase and by kernel (the longest prompts).
 
 JSON keys (one object a prompt length; several --prompt lengths print a list of them):
   model                   the GGUF path or built-in name given
@@ -24,6 +26,7 @@ JSON keys (one object a prompt length; several --prompt lengths print a list of 
   switches.lm_head        "gpu" or "cpu": where the last position's logits are computed
   switches.chunk          tokens a pass holds at most (--chunk; null: the whole prompt in one)
   switches.ring_slots     expert-layer slots of the copy ring (--ring)
+  switches.kv_layers      attention layers' KV kept in VRAM at most (--kv-layers; null: as many as fit)
   prefill_s               s: the median of --reps prefills (after one warm-up)
   prefill_s_min           s: the fastest of them
   tok_s                   tokens/s: prompt_tokens over prefill_s
@@ -49,6 +52,7 @@ JSON keys (one object a prompt length; several --prompt lengths print a list of 
   floor.compute_s         s: gflop at fp32_fma_tflops
   floor.floor_s           s: the larger of the two
   fraction_of_floor       floor.floor_s over prefill_s (1: at the floor)
+  phases_ms               null with --no-profile, as kernels_ms and kernel_families
   phases_ms.<phase>       ms on the compute stream by phase of one more prefill (events), costliest
                           first; copy_wait: the stream stalled for an expert layer's copy
   kernels_ms.<kernel>     ms by kernel of one more prefill, the 16 costliest: each from its launch to
@@ -63,7 +67,13 @@ JSON keys (one object a prompt length; several --prompt lengths print a list of 
   memory.resident_expert_layers  expert layers kept in VRAM
   memory.streamed_expert_layers  expert layers copied from host memory for each pass
   memory.host_expert_mib  MiB: host memory of the streamed expert layers
-  memory.layer_mib        MiB: one expert layer's bytes"""
+  memory.layer_mib        MiB: one expert layer's bytes
+  memory.kv_placement     where the attention KV lived, in words
+  memory.kv_device_layers attention layers whose KV stayed in VRAM for the whole prefill
+  memory.kv_host_layers   attention layers whose KV lived in page-locked host memory, copied up
+                          through one VRAM slot before each pass's attention in that layer
+  memory.kv_device_mib    MiB: VRAM of the KV (its layers kept there, and the slot)
+  memory.kv_host_mib      MiB: the host-memory layers' KV at the prompt's end (the state's dtype)"""
 from __future__ import annotations
 
 import argparse
@@ -186,17 +196,23 @@ def floor(streamed: int, pinned_gbps: float, flops: dict[str, float], tflops: fl
     return out
 
 
-def memory(engine) -> dict:
-    """The engine's memory plan."""
+def memory(engine, positions: int) -> dict:
+    """The engine's memory plan, for a prompt of `positions` positions."""
+    from shared.state import kv_bytes_per_position
     plan = engine.plan
+    host_kv = kv_bytes_per_position(engine.cfg, engine.kv_cache_dtype) // plan.n_kv_layers * positions
     return {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
             "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
-            "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1)}
+            "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1),
+            "kv_placement": plan.kv_placement(), "kv_device_layers": plan.kv_layers,
+            "kv_host_layers": plan.spilled_kv_layers, "kv_device_mib": round(plan.kv / 2**20, 3),
+            "kv_host_mib": round(plan.spilled_kv_layers * host_kv / 2**20, 3)}
 
 
 def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, gpu: int = 0, reps: int = 3,
         chunk: int | None = None, pinned: bool = True, overlap: bool = True, resident: bool = True,
-        lm_head: str = "gpu", ring_slots: int = 2, seed: int = 0, probe_mb: int = 1024) -> dict:
+        lm_head: str = "gpu", ring_slots: int = 2, seed: int = 0, probe_mb: int = 1024,
+        kv_layers: int | None = None, profile: bool = True) -> dict:
     from bench.gpu_kernels import fma_tflops
     from gpu_worker.engine import GPUEngine
     from shared.builtin import resolve_model
@@ -204,13 +220,13 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
     model = Model(resolve_model(model_path))
     t0 = time.perf_counter()
     engine = GPUEngine(model, gpu_mem=gpu_mem, gpu=gpu, max_pass_tokens=chunk, pinned=pinned, overlap=overlap,
-                       resident=resident, lm_head=lm_head, ring_slots=ring_slots)
+                       resident=resident, lm_head=lm_head, ring_slots=ring_slots, max_kv_layers=kv_layers)
     setup_s = time.perf_counter() - t0
     tokens = np.random.default_rng(seed).integers(0, model.config.n_vocab, prompt_tokens).tolist()
     engine.prefill(tokens, engine.new_state())                       # warm: module, caches, first copies
     times, copied, host = timed_prefills(engine, tokens, reps)
-    phases = phases_ms(engine, tokens)
-    by_kernel = by_kernel_ms(engine, tokens)
+    phases = phases_ms(engine, tokens) if profile else None
+    by_kernel = by_kernel_ms(engine, tokens) if profile else None
     probe_bytes = min(probe_mb << 20, 4 * engine.plan.layer_bytes)
     pinned_gbps = copy_gbps(engine.device, probe_bytes, True)
     pageable_gbps = copy_gbps(engine.device, probe_bytes, False)
@@ -221,7 +237,7 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
     out = {
         "model": model_path, "device": engine.device.name, "prompt_tokens": prompt_tokens,
         "switches": {"pinned": pinned, "overlap": overlap, "resident": resident, "lm_head": lm_head,
-                     "chunk": chunk, "ring_slots": ring_slots},
+                     "chunk": chunk, "ring_slots": ring_slots, "kv_layers": kv_layers},
         "prefill_s": round(prefill_s, 4), "prefill_s_min": round(min(times), 4),
         "tok_s": round(prompt_tokens / prefill_s, 1), "passes": -(-prompt_tokens // engine.pass_n),
         "pass_tokens": engine.pass_n,
@@ -236,9 +252,9 @@ def run(model_path: str, prompt_tokens: int = 947, gpu_mem: int | None = None, g
         "floor": {k: round(v, 4) for k, v in bound.items()},
         "fraction_of_floor": round(bound["floor_s"] / prefill_s, 3),
         "phases_ms": phases,
-        "kernels_ms": _costliest(by_kernel, KERNELS_SHOWN),
-        "kernel_families": kernel_families(by_kernel, flops, tflops),
-        "memory": memory(engine),
+        "kernels_ms": _costliest(by_kernel, KERNELS_SHOWN) if profile else None,
+        "kernel_families": kernel_families(by_kernel, flops, tflops) if profile else None,
+        "memory": memory(engine, prompt_tokens),
     }
     engine.close()
     return out
@@ -259,6 +275,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-resident", action="store_true", help="keep no expert layer in VRAM")
     p.add_argument("--lm-head", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--ring", type=int, default=2, help="expert-layer slots of the copy ring (default 2)")
+    p.add_argument("--kv-layers", type=int, default=None,
+                   help="keep at most N attention layers' KV in VRAM, the others' in host memory (default: as many as fit)")
+    p.add_argument("--no-profile", action="store_true", help="skip the prefills timed by phase and by kernel")
     args = p.parse_args(argv)
     try:
         prompts = [int(x) for x in args.prompt.split(",")]
@@ -266,7 +285,10 @@ def main(argv=None) -> None:
         p.error(f"--prompt {args.prompt!r}: expected comma-separated integers")
     if min(prompts) < 1 or args.reps < 1 or (args.chunk is not None and args.chunk < 1):
         p.error("--prompt, --reps and --chunk must be at least 1")
+    if args.kv_layers is not None and args.kv_layers < 0:
+        p.error("--kv-layers must be 0 or more")
     gpu = gpu_engine_options(args)
     results = [run(args.model, n, gpu["gpu_mem"], gpu["gpu"], args.reps, args.chunk, not args.pageable,
-                   not args.no_overlap, not args.no_resident, args.lm_head, args.ring) for n in prompts]
+                   not args.no_overlap, not args.no_resident, args.lm_head, args.ring, kv_layers=args.kv_layers,
+                   profile=not args.no_profile) for n in prompts]
     print(json.dumps(results[0] if len(results) == 1 else results, indent=2))

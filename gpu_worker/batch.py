@@ -82,25 +82,30 @@ class Segment:
 
 class Lane:
     """One sequence's state on the device: each GDN layer's S and conv state, each
-    attention layer's K and V of every position the prompt reaches (fp32)."""
+    attention layer's K and V of every position the prompt reaches (fp32): the first
+    `kv_layers` layers' in buffers of their own, the others' (None here) in the engine's
+    slot, rows [slot_row, slot_row + positions), filled from host memory before each use."""
 
     def __init__(self, device, cfg):
         self.device, self.cfg = device, cfg
         self.S = {L: DeviceArray(device, (cfg.ssm_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim))
                   for L in cfg.gdn_layers}
         self.conv = {L: DeviceArray(device, (cfg.ssm_conv_kernel - 1, cfg.conv_channels)) for L in cfg.gdn_layers}
-        self.Kc, self.Vc, self.positions = [], [], 0
+        self.Kc, self.Vc, self.positions, self.kv_layers, self.slot_row = [], [], 0, 0, 0
+        self.prior: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # a spilled layer's K, V before the prefill (page-locked)
 
     def free_kv(self) -> None:
         for buf in self.Kc + self.Vc:
-            buf.free()
-        self.Kc, self.Vc, self.positions = [], [], 0
+            if buf is not None:
+                buf.free()
+        self.Kc, self.Vc, self.positions, self.kv_layers = [], [], 0, 0
 
-    def alloc_kv(self, positions: int) -> None:
+    def alloc_kv(self, positions: int, kv_layers: int) -> None:
         shape = (positions, self.cfg.n_head_kv, self.cfg.head_dim)
-        self.Kc = [DeviceArray(self.device, shape) for _ in self.cfg.attention_layers]
-        self.Vc = [DeviceArray(self.device, shape) for _ in self.cfg.attention_layers]
-        self.positions = positions
+        n = len(self.cfg.attention_layers)
+        self.Kc = [DeviceArray(self.device, shape) if a < kv_layers else None for a in range(n)]
+        self.Vc = [DeviceArray(self.device, shape) if a < kv_layers else None for a in range(n)]
+        self.positions, self.kv_layers = positions, kv_layers
 
     def free(self) -> None:
         self.free_kv()

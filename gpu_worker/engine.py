@@ -30,6 +30,7 @@ from shared.state import DEFAULT_KV_DTYPE, SequenceState, kv_dtype
 from shared.vision.prompt import media_for
 
 from .batch import Lane, PrefillJob, Prompt, Segment, logit_rows, segment_of
+from .buffers import DeviceArray
 from .cuda import open_device
 from .experts import ExpertStore, spread_resident
 from .kernels import KERNEL_TYPES
@@ -69,7 +70,7 @@ class GPUEngine:
                  kv_cache_dtype: str = DEFAULT_KV_DTYPE, max_pass_tokens: int | None = None,
                  ring_slots: int = 2, resident: bool = True, pinned: bool = True, overlap: bool = True,
                  lm_head: str = "gpu", gdn: str = "auto", used_experts: float = 0.8, device=None,
-                 shared_experts=None):
+                 shared_experts=None, max_kv_layers: int | None = None):
         kv_dtype(kv_cache_dtype)
         if lm_head not in ("gpu", "cpu") or gdn not in GDN_MODES or (max_pass_tokens or 1) < 1:
             raise FermoeError(f"lm_head {lm_head!r} (gpu or cpu), gdn {gdn!r} ({', '.join(GDN_MODES)}), "
@@ -85,6 +86,8 @@ class GPUEngine:
             raise FermoeError(f"--gpu-mem {budget >> 20} MiB: {self.device.name} has {free >> 20} MiB free")
         self.budget, self.max_pass_tokens, self.ring_slots = budget, max_pass_tokens, ring_slots
         self.max_resident = None if resident else 0
+        self.max_kv_layers = max_kv_layers      # None: every attention layer's KV on the device where it fits
+        self.kv_slot: tuple[DeviceArray, DeviceArray] | None = None    # where a spilled layer's K, V pass through
         self.ops = Ops(self.device)
         self.attn_heads, self.gdn_heads = AttnHeads.of(self.cfg), GDNHeads.of(self.cfg)
         self.copy_stream = self.device.stream("copy") if overlap else self.ops.stream
@@ -310,7 +313,7 @@ class GPUEngine:
         self._mark("attention")
         for g in segments:                  # each prompt against its own keys
             s, e = g.begin, g.end
-            Kc, Vc = g.prompt.lane.Kc[a], g.prompt.lane.Vc[a]
+            Kc, Vc = self._keys_values(g, a)
             ops.attn_qk_norm_rope(q.rows(s, e), Kc, Vc, qg.rows(s, e), kk.rows(s, e), vv.rows(s, e),
                                   w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
                                   ws.rope_sin.rows(s, e), g.position, g.length, self.attn_heads, cfg.rms_eps,
@@ -325,6 +328,38 @@ class GPUEngine:
             ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.position, g.length, self.attn_heads)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
+
+    def _keys_values(self, g: Segment, a: int) -> tuple[DeviceArray, DeviceArray]:
+        """Attention layer a's K and V on the device for segment g, rows [0, g.position)
+        filled: the lane's own, or the slot with the rows of a layer kept in host memory
+        copied in (those before the prefill, then those earlier passes landed)."""
+        p = g.prompt
+        lane = p.lane
+        if lane.Kc[a] is not None:
+            return lane.Kc[a], lane.Vc[a]
+        rows = (lane.slot_row, lane.slot_row + lane.positions)
+        K, V = self.kv_slot[0].rows(*rows), self.kv_slot[1].rows(*rows)
+        landed = p.site.kv[a]
+        for i, dst in enumerate((K, V)):
+            before = lane.prior[a][i] if a in lane.prior else landed[i][:0]
+            self._fill(dst, [before, landed[i][:g.position - p.start]])
+        return K, V
+
+    def _fill(self, dst: DeviceArray, parts: list[np.ndarray]) -> None:
+        """dst's first rows from page-locked host rows, in order on the compute stream (after
+        the copies that landed them); fp16 rows through the workspace's fp16 buffer."""
+        row, stage = 0, self.ws.kv16_k
+        for host in parts:
+            for i in range(0, len(host), stage.shape[0]):
+                piece = host[i:i + stage.shape[0]]
+                m = len(piece)
+                if piece.dtype == np.float32:
+                    dst.rows(row, row + m).upload(piece, self.ops.stream)
+                else:
+                    buf = stage.rows(0, m)
+                    self.device.memcpy_htod_async(int(buf), piece, self.ops.stream)
+                    self.ops.from_f16(dst.rows(row, row + m), buf)
+                row += m
 
     def _gdn(self, L: int, n: int, segments: list[Segment], chunk_at: dict[int, int]) -> None:
         cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
@@ -439,7 +474,7 @@ class GPUEngine:
         """Memory for a batch of T tokens whose prompts reach `positions` (plan.fit_passes),
         VRAM freed before it is taken."""
         fit = fit_passes(self.model, self.budget, T, positions, boundaries, self.max_pass_tokens, self.ring_slots,
-                         self.max_resident, self.resident_bytes, self.experts.layer_bytes)
+                         self.max_resident, self.resident_bytes, self.experts.layer_bytes, self.max_kv_layers)
         self._apply(fit.plan, fit.ws_tokens, fit.n_chunks, positions)
         self.pass_n = fit.pass_tokens
 
@@ -450,8 +485,13 @@ class GPUEngine:
         while len(self.lanes) > len(positions):
             self.lanes.pop().free()
         for lane, n in zip(self.lanes, positions):
-            if lane.positions != n:
+            if (lane.positions, lane.kv_layers) != (n, plan.kv_layers):
                 lane.free_kv()
+        slot_rows = sum(positions) if plan.spilled_kv_layers else 0
+        if self.kv_slot is not None and self.kv_slot[0].shape[0] != slot_rows:
+            for buf in self.kv_slot:
+                buf.free()
+            self.kv_slot = None
         if self.ws is None or (self.ws.T, self.ws.n_chunks) != (ws_tokens, n_chunks):
             if self.ws is not None:
                 self.ws.free()
@@ -459,9 +499,14 @@ class GPUEngine:
             self.ops.split_scratch = self.ws.splitk
         while len(self.lanes) < len(positions):
             self.lanes.append(Lane(self.device, cfg))
+        row = 0
         for lane, n in zip(self.lanes, positions):
             if lane.positions != n:
-                lane.alloc_kv(n)
+                lane.alloc_kv(n, plan.kv_layers)
+            lane.slot_row, row = row, row + n
+        if slot_rows and self.kv_slot is None:
+            shape = (slot_rows, cfg.n_head_kv, cfg.head_dim)
+            self.kv_slot = (DeviceArray(self.device, shape), DeviceArray(self.device, shape))
         self.experts.set_resident(resident)
         self.plan = plan
 
@@ -477,8 +522,17 @@ class GPUEngine:
             else:
                 lane.S[L].upload(state.ssm[g])
                 lane.conv[L].upload(state.conv[g])
+        lane.prior = {}
         for a in range(len(cfg.attention_layers)):
             keys, values = state.kv.view(a)
-            if len(keys):
+            if a >= lane.kv_layers:          # kept in host memory: page-locked, copied up at each pass
+                if len(keys):
+                    lane.prior[a] = (self._pinned_copy(keys), self._pinned_copy(values))
+            elif len(keys):
                 lane.Kc[a].rows(0, len(keys)).upload(keys)
                 lane.Vc[a].rows(0, len(values)).upload(values)
+
+    def _pinned_copy(self, host: np.ndarray) -> np.ndarray:
+        out = self.device.pagelocked_empty(host.shape, host.dtype)
+        out[...] = host
+        return out

@@ -241,6 +241,12 @@ class Ops:
         need(dst.dtype == np.uint16 and dst.nbytes >= 2 * n, f"to_f16: {dst.shape} {dst.dtype} for {src.shape}")
         self.k.to_f16((cdiv(n, 256),), (256,), self.stream, dst, src, n)
 
+    def from_f16(self, dst: DeviceArray, src: DeviceArray):
+        n = int(np.prod(dst.shape))
+        need(src.dtype == np.uint16 and src.nbytes >= 2 * n and dst.dtype == np.float32,
+             f"from_f16: {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+        self.k.from_f16((cdiv(n, 256),), (256,), self.stream, dst, src, n)
+
     # ---- Gated DeltaNet -------------------------------------------------------------
     def gdn_conv(self, out, x, state, w, T: int, C: int, Kk: int):
         self.k.gdn_conv((cdiv(C, 256), T), (256,), self.stream, out, x, state, w, T, C, Kk)
