@@ -30,6 +30,11 @@ JSON keys (a <phase> is one of the native forward's: gdn, attention, moe, lm_hea
   prefill_experts_per_layer  distinct experts a MoE block ran during the prefill, the mean over blocks
   prefill_seconds_by_phase  s: the prefill's time by phase of the forward
   prefill_seconds_by_phase.<phase>  s: that phase's
+  prefill_attention_gflop GFLOP of the prompt's attention products (q.k and the weighted sum of V, every
+      query head of every attention layer over its causal positions: 4 x heads x head_dim x T(T+1)/2
+      a layer); it grows with the square of the prompt, the rest of a prefill linearly
+  prefill_attention_gflop_s  GFLOP/s: that over the attention phase's time; steady across prompt
+      lengths when attention costs its FLOPs, falling when a long KV outgrows the caches
   decode_tokens           timed decode steps (--tokens)
   batch                   sequences decoded together in each step (--batch)
   context                 the position decoding starts at: --context, else the prompt's end
@@ -204,6 +209,7 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     prefill_s = time.perf_counter() - t0
     prefill_experts = engine.experts_per_moe_block(reset=True)
     prefill_phases = {p: round(sec, 3) for p, sec in engine.phase_seconds(reset=True).items()}
+    attn_gflop = attention_flops(model.config, prompt_tokens) / 1e9
 
     states = [state] + [state.copy() for _ in range(batch - 1)]
     for s in states:
@@ -278,6 +284,9 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
         "prefill_tok_s": round(prompt_tokens / prefill_s, 2),
         "prefill_experts_per_layer": round(prefill_experts, 1),
         "prefill_seconds_by_phase": prefill_phases,
+        "prefill_attention_gflop": round(attn_gflop, 6),
+        "prefill_attention_gflop_s": round(attn_gflop / prefill_phases["attention"], 2)
+        if prefill_phases.get("attention") else None,
         "decode_tokens": decode_tokens,
         "batch": batch,
         "context": context_at,
@@ -312,12 +321,18 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     }
 
 
+def attention_flops(cfg, T: int) -> int:
+    """FLOPs (2 a multiply-add) of a T-token prompt's attention products from position 0."""
+    return 4 * len(cfg.attention_layers) * cfg.n_head * cfg.head_dim * T * (T + 1) // 2
+
+
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(prog="fermoe bench decode")
     p.add_argument("model")
     p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    p.add_argument("--prompt", default="64",
+                   help="prompt tokens (default 64); several comma-separated (8192,32768) run in turn")
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens (default 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together in one pass (default 1)")
     p.add_argument("--context", type=int, default=None,
@@ -327,14 +342,18 @@ def main(argv=None) -> int:
     p.add_argument("--json-schema", metavar="FILE", default=None,
                    help="also decode with this JSON schema's token mask and without it, and report both")
     args = p.parse_args(argv)
-    if args.batch < 1 or args.tokens < 1 or args.prompt < 1:
+    try:
+        prompts = [int(x) for x in args.prompt.split(",")]
+    except ValueError:
+        p.error(f"--prompt {args.prompt!r}: expected comma-separated integers")
+    if args.batch < 1 or args.tokens < 1 or min(prompts) < 1:
         p.error("--batch, --tokens and --prompt must be at least 1")
     try:
-        out = run(args.model, args.threads, args.prompt, args.tokens, batch=args.batch, context=args.context,
-                  kv_cache_dtype=args.kv_cache_dtype, json_schema=args.json_schema)
+        out = [run(args.model, args.threads, n, args.tokens, batch=args.batch, context=args.context,
+                   kv_cache_dtype=args.kv_cache_dtype, json_schema=args.json_schema) for n in prompts]
     except ValueError as e:
         p.error(str(e))
-    print(json.dumps(out, indent=2))
+    print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     return 0
 
 

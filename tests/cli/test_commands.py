@@ -61,10 +61,10 @@ def test_the_default_model_is_the_packaged_tiny():
 
 def test_bench_decode_takes_a_builtin_model():
     import bench.decode
-    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", 4, "--tokens", 2)
-    out = json.loads(run.stdout)
-    assert out["model"] == "tiny" and out["decode_tok_s"] > 0
-    assert_keys_documented(out, bench.decode)
+    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", "4,6", "--tokens", 2)
+    out = json.loads(run.stdout)            # one object a prompt length, in the order given
+    assert [o["prompt_tokens"] for o in out] == [4, 6] and out[0]["model"] == "tiny" and out[1]["decode_tok_s"] > 0
+    assert_keys_documented(out[0], bench.decode)
 
 
 def test_synth_command_writes_a_loadable_model(tmp_path):

@@ -1,0 +1,196 @@
+"""fermoe's GPU prefill beside llama.cpp's on the same machine, the same GGUF file and the
+same prompt lengths, alternated in one run, as JSON.
+
+llama.cpp runs as `llama-bench -ngl 99 -ot exps=CPU -lm none`: every layer on the GPU but
+the routed experts, which stay in page-locked host memory and cross PCIe for each ubatch
+(fermoe's own arrangement under --gpu-mem). Each prompt length runs at several ubatch
+sizes and the fastest counts ("its best ubatch"); llama.cpp has no memory cap, so its
+compute buffers may take what a budget like fermoe's 6 GiB would not allow.
+
+    python3 scripts/llama_cpp_prefill.py prepare            # here, with network: the source
+    python3 scripts/llama_cpp_prefill.py run MODEL --prompt 947,8192,32768 --gpu-mem 6GiB
+
+`prepare` downloads the llama-cpp-python 0.3.36 sdist (`pip download --no-binary :all:`)
+and keeps the llama.cpp it vendors, without its test models and documents, as
+.llama-src/llama.cpp.tar.gz (git-ignored: a few MB, small enough to travel with the
+working tree to a machine without network). `run` builds only the `llama-bench` target
+with CUDA for the device's architecture, in the background while fermoe's first round
+runs, then alternates llama.cpp and fermoe for --rounds rounds.
+
+JSON keys:
+  model, gpu_mem, prompts       what was asked
+  device                        the GPU's name (nvidia-smi)
+  llama_cpp_build_s             s: building llama-bench (0 when the build was already there)
+  rounds[]                      per round, per prompt length:
+    .prompt_tokens
+    .fermoe_s                   s: `fermoe bench prefill`'s prefill_s (median of its --reps)
+    .fermoe                     that run's JSON (kernel families, memory plan, phases...)
+    .llama_cpp_s                s: the fastest ubatch's mean prompt time
+    .llama_cpp_ubatch           that ubatch
+    .llama_cpp_by_ubatch        {ubatch: s} of every ubatch tried
+    .ratio                      llama_cpp_s / fermoe_s (above 1: fermoe is faster)
+  best                          per prompt length, the best of the rounds of each: fermoe_s,
+                                llama_cpp_s, ratio
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+VERSION = "0.3.36"
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / ".llama-src" / "llama.cpp.tar.gz"
+# not needed to build llama-bench: test vocabularies (75 MB), documents, the web UI, tests
+DROP = ("models", "docs", "media", "benches", "tests", "gguf-py", "conversion", ".devops", ".github", "tools/ui",
+        "examples", "pocs", "app")
+
+
+def prepare(out: Path = SOURCE) -> Path:
+    """The sdist's vendored llama.cpp, stripped, as a tar.gz at `out`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        f"llama-cpp-python=={VERSION}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist) as src, tarfile.open(out, "w:gz") as dst:
+            for member in src.getmembers():
+                if not member.name.startswith(prefix) or member.issym() or member.islnk():
+                    continue
+                rel = member.name[len(prefix):]
+                if not rel or any(rel == d or rel.startswith(d + "/") for d in DROP):
+                    continue
+                member.name = "llama.cpp/" + rel
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+    return out
+
+
+def cuda_arch() -> str:
+    """The device's compute capability as CMake spells it ("90" for an H100)."""
+    cap = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                         text=True, check=True).stdout.split()[0]
+    return cap.replace(".", "")
+
+
+def device_name() -> str:
+    return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.strip().splitlines()[0]
+
+
+def start_build(source: Path, build: Path) -> tuple[subprocess.Popen | None, Path]:
+    """Configure and build llama-bench in the background; (None, binary) when built already."""
+    binary = build / "bin" / "llama-bench"
+    if binary.exists():
+        return None, binary
+    tree = build.parent / "llama.cpp"
+    if not tree.exists():
+        with tarfile.open(source) as t:
+            t.extractall(build.parent, filter="data")
+    configure = ["cmake", "-S", str(tree), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch()}", "-DLLAMA_CURL=OFF",
+                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
+    script = f"{' '.join(configure)} && cmake --build {build} --target llama-bench -j {os.cpu_count()}"
+    build.mkdir(parents=True, exist_ok=True)
+    log = open(build / "build.log", "w")
+    return subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT), binary
+
+
+def ubatches(T: int) -> list[int]:
+    """The ubatch sizes tried at T tokens, up to one ubatch for the prompt (the fastest at
+    947 and 8192 tokens on an H100; llama.cpp's default of 512 re-streams the experts for
+    every 512 tokens)."""
+    return sorted({min(T, u) for u in (2048, 8192, 16384)})
+
+
+def llama_bench(binary: Path, model: str, T: int, reps: int) -> dict[int, float]:
+    """{ubatch: mean seconds} of T-token prompts, experts page-locked in host memory."""
+    sizes = ubatches(T)
+    cmd = [str(binary), "-m", model, "-ngl", "99", "-ot", "exps=CPU", "-lm", "none", "-p", str(T), "-n", "0",
+           "-b", str(max(sizes)), "-ub", ",".join(map(str, sizes)), "-r", str(reps), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
+    return {int(r["n_ubatch"]): r["avg_ns"] / 1e9 for r in json.loads(out.stdout)}
+
+
+def fermoe_prefill(model: str, T: int, gpu_mem: str, reps: int, profile: bool) -> dict:
+    cmd = [sys.executable, "-m", "fermoe.cli", "bench", "prefill", model, "--prompt", str(T), "--gpu-mem", gpu_mem,
+           "--reps", str(reps)] + ([] if profile else ["--no-profile"])
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"fermoe bench prefill failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, source: Path, build: Path,
+        profile_below: int) -> dict:
+    t0 = time.perf_counter()
+    builder, binary = start_build(source, build)
+    results = {"model": model, "gpu_mem": gpu_mem, "prompts": prompts, "device": device_name(), "rounds": []}
+    build_s = 0.0
+    for r in range(rounds):
+        rows = {T: {"prompt_tokens": T} for T in prompts}
+        for T in prompts:        # fermoe first: the build runs beside the first round
+            f = fermoe_prefill(model, T, gpu_mem, reps, profile=T <= profile_below)
+            rows[T].update(fermoe_s=f["prefill_s"], fermoe=f)
+        if builder is not None:
+            if builder.wait():
+                raise RuntimeError(f"building llama-bench failed: see {build / 'build.log'}")
+            build_s, builder = time.perf_counter() - t0, None
+        for T in prompts:
+            by_ub = llama_bench(binary, model, T, reps)
+            best = min(by_ub, key=by_ub.get)
+            rows[T].update(llama_cpp_s=round(by_ub[best], 4), llama_cpp_ubatch=best,
+                           llama_cpp_by_ubatch={str(k): round(v, 4) for k, v in by_ub.items()},
+                           ratio=round(by_ub[best] / rows[T]["fermoe_s"], 3))
+        results["rounds"].append(list(rows.values()))
+        print(json.dumps({"round": r, "rows": [{k: v for k, v in row.items() if k != "fermoe"}
+                                               for row in rows.values()]}), file=sys.stderr, flush=True)
+    results["llama_cpp_build_s"] = round(build_s, 1)
+    results["best"] = {}
+    for T in prompts:
+        rows = [row for rnd in results["rounds"] for row in rnd if row["prompt_tokens"] == T]
+        f, l = min(x["fermoe_s"] for x in rows), min(x["llama_cpp_s"] for x in rows)
+        results["best"][str(T)] = {"fermoe_s": f, "llama_cpp_s": l, "ratio": round(l / f, 3)}
+    return results
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    prep = sub.add_parser("prepare", help="download the llama.cpp source (needs network)")
+    prep.add_argument("--out", type=Path, default=SOURCE)
+    r = sub.add_parser("run", help="build llama-bench and alternate it with fermoe's bench prefill")
+    r.add_argument("model")
+    r.add_argument("--prompt", default="947,8192,32768")
+    r.add_argument("--gpu-mem", default="6GiB", help="fermoe's budget (llama.cpp has none)")
+    r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--reps", type=int, default=2, help="timed prefills a prompt length and round, each side")
+    r.add_argument("--source", type=Path, default=SOURCE)
+    r.add_argument("--build", type=Path, default=Path(tempfile.gettempdir()) / "llama-cpp" / "build")
+    r.add_argument("--profile-below", type=int, default=32768,
+                   help="fermoe's timing by phase and kernel for prompts up to N tokens (it costs two prefills)")
+    args = p.parse_args(argv)
+    if args.cmd == "prepare":
+        print(prepare(args.out))
+        return
+    if shutil.which("nvidia-smi") is None:
+        p.error("run needs an NVIDIA GPU (nvidia-smi)")
+    if not args.source.exists() and not (args.build / "bin" / "llama-bench").exists():
+        p.error(f"{args.source} is missing: run `prepare` where there is network")
+    prompts = [int(x) for x in args.prompt.split(",")]
+    print(json.dumps(run(args.model, prompts, args.gpu_mem, args.rounds, args.reps, args.source, args.build,
+                         args.profile_below), indent=2))
+
+
+if __name__ == "__main__":
+    main()
