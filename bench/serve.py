@@ -49,6 +49,16 @@ JSON keys:
   cold_burst.ttft_s       s: each one's time to first token, sorted
   cold_burst.prefill_device  where each was prefilled, sorted
   cold_burst.prefill_batch  the size of the batch each was prefilled in, sorted (0: not batched)
+  decode_at_prompt        one client decoding right after the whole prompt (cached first): a CPU
+                          worker's decode at a context of prompt_tokens, beside its floor
+  decode_at_prompt.context  the position the decode starts at
+  decode_at_prompt.tok_s  tokens/s: --tokens tokens after the first, over their wall time
+  decode_at_prompt.weight_mb_per_token  MB of weights a token reads (bench decode's count)
+  decode_at_prompt.kv_mb_per_token  MB of KV cache a token reads at that context (the daemon's KV type)
+  decode_at_prompt.read_bandwidth_gb_s  GB/s: the first CPU worker's thread count reading a buffer far
+                          larger than the caches, pinned to the first node's cores, measured here
+  decode_at_prompt.floor_tok_s  tokens/s: that bandwidth over the weight and KV bytes of a token
+  decode_at_prompt.fraction_of_floor  tok_s over floor_tok_s
   host_memory             every process of the daemon at its fullest, pages they share counted
                           once: the keys of bench.host_memory"""
 from __future__ import annotations
@@ -149,6 +159,27 @@ def first_tokens(client: Client, prompt: list[int], vocab_hi: int) -> dict:
     }
 
 
+def decode_at_prompt(addr: str, prompt: list[int], tokens: int, model, threads: int, kv_dtype: str) -> dict:
+    """One client's decode right after `prompt` (already cached), and its floor with the
+    KV bytes a token reads at that context."""
+    from bench.decode import bytes_per_token, kv_bytes_per_token
+    import native
+    from shared.topology import default_cpus
+    stamps = []
+    with Client(addr) as c:
+        for msg in c.generate(tokens=prompt, max_tokens=tokens + 1, temperature=0.0, ignore_eos=True):
+            if hasattr(msg, "text"):
+                stamps.append(time.perf_counter())
+    tok_s = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    weights, kv = bytes_per_token(model), kv_bytes_per_token(model, len(prompt), kv_dtype)
+    with native.Pool(default_cpus()[:threads]) as pool:
+        gbps = pool.read_gbps(np.ones(1 << 30, np.uint8))
+    floor = gbps * 1e9 / (weights + kv)
+    return {"context": len(prompt), "tok_s": round(tok_s, 2), "weight_mb_per_token": round(weights / 1e6, 1),
+            "kv_mb_per_token": round(kv / 1e6, 3), "read_bandwidth_gb_s": round(gbps, 2),
+            "floor_tok_s": round(floor, 2), "fraction_of_floor": round(tok_s / floor, 3)}
+
+
 def workers_detail(status) -> list[dict]:
     return [{"id": w.worker_id, "kind": w.kind, "device": w.device, "prefill_tok_s": w.prefill_tok_s}
             for w in status.workers]
@@ -208,20 +239,36 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
                 status = _wait_for_gpu(c, daemon, log)
             from shared.builtin import resolve_model
             from shared.model import Model
-            vocab_hi = min(1000, Model(resolve_model(model)).config.n_vocab)
+            loaded = Model(resolve_model(model))
+            vocab_hi = min(1000, loaded.config.n_vocab)
             prompt = np.random.default_rng(0).integers(10, vocab_hi, prompt_tokens).tolist()
             first = first_tokens(c, prompt, vocab_hi)
+            cpu = [w for w in status.workers if w.kind == "cpu"]
+            at_prompt = decode_at_prompt(addr, prompt, decode_tokens, loaded, cpu[0].threads if cpu else 1,
+                                         _kv_dtype(extra))
             short = prompt[:32]
             rates = aggregate_decode_tok_s(addr, short, decode_tokens)
             during = decode_during_prefill(addr, short, vocab_hi)
             together = cold_burst(addr, vocab_hi)
         return {"model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens, **first,
-                "workers_detail": workers_detail(status), "aggregate_decode_tok_s": rates,
+                "workers_detail": workers_detail(status), "decode_at_prompt": at_prompt,
+                "aggregate_decode_tok_s": rates,
                 "decode_during_prefill": during, "cold_burst": together, "host_memory": memory.stop()}
     finally:
         memory.stop()
         stop_coordinator(daemon)
         log.close()
+
+
+def _kv_dtype(options: list[str]) -> str:
+    """The --kv-cache-dtype passed on to the daemon, or its default."""
+    from shared.state import DEFAULT_KV_DTYPE
+    for i, opt in enumerate(options):
+        if opt.startswith("--kv-cache-dtype="):
+            return opt.split("=", 1)[1]
+        if opt == "--kv-cache-dtype" and i + 1 < len(options):
+            return options[i + 1]
+    return DEFAULT_KV_DTYPE
 
 
 def _wait_for_gpu(client: Client, daemon, log):

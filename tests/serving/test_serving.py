@@ -532,8 +532,17 @@ def test_bad_worker_options_are_refused(tiny_q4_path, args, problem):
 
 def test_bench_serve_on_the_tiny_model(tiny_q4_path):
     from bench.serve import run as bench_serve
-    out = bench_serve(str(tiny_q4_path), prompt_tokens=40, decode_tokens=4, extra=["--block", str(BLOCK)])
+    out = bench_serve(str(tiny_q4_path), prompt_tokens=40, decode_tokens=4,
+                      extra=["--block", str(BLOCK), "--kv-cache-dtype", "f32"])
     assert out["cached_tokens"] == {"cold": 0, "repeated": 40, "extended16": 40}
+    # decode at the prompt's context, beside its floor counted with the daemon's KV type (f32 here)
+    from bench.decode import bytes_per_token, kv_bytes_per_token
+    model = Model(tiny_q4_path)
+    at = out["decode_at_prompt"]
+    assert at["context"] == 40 and at["tok_s"] > 0 and at["read_bandwidth_gb_s"] > 0
+    assert at["kv_mb_per_token"] == round(kv_bytes_per_token(model, 40, "f32") / 1e6, 3) > 0
+    per_token = bytes_per_token(model) + kv_bytes_per_token(model, 40, "f32")
+    assert at["floor_tok_s"] == pytest.approx(at["read_bandwidth_gb_s"] * 1e9 / per_token, rel=0.01)
     assert set(out["aggregate_decode_tok_s"]) == {1, 2, 4} and min(out["aggregate_decode_tok_s"].values()) > 0
     during = out["decode_during_prefill"]
     assert during["arriving_prompts"] == len(during["arriving_ttft_s"]) == 2
