@@ -58,18 +58,22 @@ def prepare(out: Path = SOURCE) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                         f"llama-cpp-python=={VERSION}", "-d", tmp], check=True)
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(sdist) as src, tarfile.open(out, "w:gz") as dst:
-            for member in src.getmembers():
-                if not member.name.startswith(prefix) or member.issym() or member.islnk():
-                    continue
-                rel = member.name[len(prefix):]
-                if not rel or any(rel == d or rel.startswith(d + "/") for d in DROP):
-                    continue
-                member.name = "llama.cpp/" + rel
-                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+        return strip_sdist(next(Path(tmp).glob("llama_cpp_python-*.tar.gz")), out)
+
+
+def strip_sdist(sdist: Path, out: Path) -> Path:
+    """vendor/llama.cpp of the sdist, as llama.cpp/..., without DROP's folders or links."""
+    prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as src, tarfile.open(out, "w:gz") as dst:
+        for member in src.getmembers():
+            if not member.name.startswith(prefix) or member.issym() or member.islnk():
+                continue
+            rel = member.name[len(prefix):]
+            if not rel or any(rel == d or rel.startswith(d + "/") for d in DROP):
+                continue
+            member.name = "llama.cpp/" + rel
+            dst.addfile(member, src.extractfile(member) if member.isfile() else None)
     return out
 
 
@@ -119,7 +123,13 @@ def llama_bench(binary: Path, model: str, T: int, reps: int) -> dict[int, float]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
-    return {int(r["n_ubatch"]): r["avg_ns"] / 1e9 for r in json.loads(out.stdout)}
+    return prompt_seconds(out.stdout, T)
+
+
+def prompt_seconds(report: str, T: int) -> dict[int, float]:
+    """{ubatch: mean seconds} of the T-token prompt tests in llama-bench's `-o json` report."""
+    return {int(r["n_ubatch"]): r["avg_ns"] / 1e9 for r in json.loads(report)
+            if r["n_prompt"] == T and r["n_gen"] == 0}
 
 
 def fermoe_prefill(model: str, T: int, gpu_mem: str, reps: int, profile: bool) -> dict:
@@ -156,12 +166,18 @@ def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, so
         print(json.dumps({"round": r, "rows": [{k: v for k, v in row.items() if k != "fermoe"}
                                                for row in rows.values()]}), file=sys.stderr, flush=True)
     results["llama_cpp_build_s"] = round(build_s, 1)
-    results["best"] = {}
-    for T in prompts:
-        rows = [row for rnd in results["rounds"] for row in rnd if row["prompt_tokens"] == T]
-        f, l = min(x["fermoe_s"] for x in rows), min(x["llama_cpp_s"] for x in rows)
-        results["best"][str(T)] = {"fermoe_s": f, "llama_cpp_s": l, "ratio": round(l / f, 3)}
+    results["best"] = best_of(results["rounds"])
     return results
+
+
+def best_of(rounds: list[list[dict]]) -> dict[str, dict]:
+    """Per prompt length, each side's fastest over the rounds and their ratio."""
+    best = {}
+    for row in (r for rnd in rounds for r in rnd):
+        b = best.setdefault(str(row["prompt_tokens"]), {"fermoe_s": row["fermoe_s"], "llama_cpp_s": row["llama_cpp_s"]})
+        b["fermoe_s"], b["llama_cpp_s"] = min(b["fermoe_s"], row["fermoe_s"]), min(b["llama_cpp_s"], row["llama_cpp_s"])
+        b["ratio"] = round(b["llama_cpp_s"] / b["fermoe_s"], 3)
+    return best
 
 
 def main(argv=None) -> None:
