@@ -30,9 +30,10 @@ JSON keys (a <phase> is one of the native forward's: gdn, attention, moe, lm_hea
   prefill_experts_per_layer  distinct experts a MoE block ran during the prefill, the mean over blocks
   prefill_seconds_by_phase  s: the prefill's time by phase of the forward
   prefill_seconds_by_phase.<phase>  s: that phase's
-  prefill_attention_gflop GFLOP of the prompt's attention products (q.k and the weighted sum of V, every
-      query head of every attention layer over its causal positions: 4 x heads x head_dim x T(T+1)/2
-      a layer); it grows with the square of the prompt, the rest of a prefill linearly
+  prefill_attention_gflop GFLOP of the prompt's attention phase: its projections (q and gate, k, v and
+      the output, 2 a weight a token) and its products (q.k and the weighted sum of V, every query
+      head over its causal positions: 4 x heads x head_dim x T(T+1)/2 a layer, the part that grows
+      with the square of the prompt)
   prefill_attention_gflop_s  GFLOP/s: that over the attention phase's time; steady across prompt
       lengths when attention costs its FLOPs, falling when a long KV outgrows the caches
   decode_tokens           timed decode steps (--tokens)
@@ -322,8 +323,12 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
 
 
 def attention_flops(cfg, T: int) -> int:
-    """FLOPs (2 a multiply-add) of a T-token prompt's attention products from position 0."""
-    return 4 * len(cfg.attention_layers) * cfg.n_head * cfg.head_dim * T * (T + 1) // 2
+    """FLOPs (2 a multiply-add) of a T-token prompt's attention layers from position 0:
+    the projections and the products over the causal positions."""
+    width, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    projections = 2 * T * cfg.n_embd * (2 * width + 2 * kv + width)
+    products = 4 * cfg.n_head * cfg.head_dim * T * (T + 1) // 2
+    return len(cfg.attention_layers) * (projections + products)
 
 
 def main(argv=None) -> int:

@@ -429,7 +429,10 @@ def test_bench_decode_batch_and_context(tiny_q4_path):
     assert_keys_documented(out, bench.decode)
     assert out["batch"] == 3 and out["context"] == 40
     cfg = model.config           # 8 tokens: 36 (query, position) pairs a head, 4 FLOPs a dim each
-    assert out["prefill_attention_gflop"] == round(len(cfg.attention_layers) * cfg.n_head * cfg.head_dim * 4 * 36 / 1e9, 6) > 0
+    hd, nh, nkv, d = cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_embd
+    weights = d * 2 * nh * hd + 2 * d * nkv * hd + nh * hd * d      # q|gate, k, v, output
+    want = len(cfg.attention_layers) * (2 * 8 * weights + nh * hd * 4 * 36)
+    assert out["prefill_attention_gflop"] == round(want / 1e9, 6) > 0
     assert out["decode_tok_s_aggregate"] == pytest.approx(3 * out["decode_tok_s"], rel=0.01)
     assert out["kv_mb_per_token"] == round(kv_bytes_per_token(model, 40) / 1e6, 1)
     assert out["weight_bytes_per_token"] == bytes_per_token(model) > 0
