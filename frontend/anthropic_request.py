@@ -169,7 +169,7 @@ def _messages(messages: list[Message]) -> list[dict]:
             if kind in UNSERVED_BLOCKS:
                 raise invalid(f"messages.{i}.content.{j}", f"{kind} blocks are not supported (text only)")
             if kind not in SERVED_BLOCKS[m.role]:
-                raise invalid(f"messages.{i}.content.{j}.type", f"unknown block type {kind!r} in a {m.role} message "
+                raise invalid(f"messages.{i}.content.{j}.type", f"unknown block type {kind!r} in {'an' if m.role == 'assistant' else 'a'} {m.role} message "
                                                                 f"(expected one of {', '.join(SERVED_BLOCKS[m.role])})")
         if m.role == "system":
             out.append({"role": "system", "content": _text_of(f"messages.{i}.content", blocks, "a system message")})

@@ -209,7 +209,7 @@ def test_assistant_thinking_text_and_tool_use():
      "messages.0.content.0.type: unknown block type 'thinking' in a user message "
      "(expected one of text, image, tool_result)"),
     ("assistant", {"type": "image"}, "messages.0.content.0.type",
-     "messages.0.content.0.type: unknown block type 'image' in a assistant message "
+     "messages.0.content.0.type: unknown block type 'image' in an assistant message "
      "(expected one of text, thinking, redacted_thinking, tool_use)"),
     ("system", {"type": "image"}, "messages.0.content.0.type",
      "messages.0.content.0.type: unknown block type 'image' in a system message (expected one of text)"),
