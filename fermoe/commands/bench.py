@@ -10,15 +10,15 @@ NAME = "bench"
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                  "| http [MODEL] | agent MODEL | restart MODEL | vision | tools [MODEL]",
+                                  "| http [MODEL] | agent MODEL | restart MODEL | vision | tools [MODEL] | exchange",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
     p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "restart", "vision",
-                                          "tools"],
+                                          "tools", "exchange"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
                         "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
                         "agent's turns and the prefix cache), restart (the snapshot disk tier across restarts), vision (images through the vision tower on the CPU and "
-                        "the GPU) or tools (how often the built-in model calls its pydoc tool correctly on held-out "
-                        "names)")
+                        "the GPU), tools (how often the built-in model calls its pydoc tool correctly on held-out "
+                        "names) or exchange (a round trip between two processes: shared memory against ZeroMQ)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
 
@@ -39,6 +39,8 @@ def run(args) -> None:
         from bench.vision import main as bench_main
     elif args.what == "tools":
         from bench.tool_calls import main as bench_main
+    elif args.what == "exchange":
+        from bench.exchange import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"
