@@ -202,15 +202,16 @@ class InProcessFrontend:
         self.coordinator.close()
 
     def _call(self, coro):
-        """The coroutine's result; asyncio's own timeout cannot fire while something on the loop
-        loops without awaiting, so this thread gives up a little later, naming that, instead of
-        hanging the test."""
+        """The coroutine's result; asyncio's own timeout cannot end it while something on the loop
+        loops without awaiting (or holds up its cancellation), so this thread gives up a little
+        later, saying so, instead of hanging the test."""
         future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, REQUEST_TIMEOUT_S), self.loop)
         try:
             return future.result(REQUEST_TIMEOUT_S + 5)
         except concurrent.futures.TimeoutError:
-            raise AssertionError(f"the front end's event loop did not answer in {REQUEST_TIMEOUT_S + 5} s: a "
-                                 f"coroutine on it loops without awaiting, so nothing else runs") from None
+            raise AssertionError(f"the front end's event loop did not answer in {REQUEST_TIMEOUT_S + 5} s, past the "
+                                 f"request's own timeout: a coroutine on it loops without awaiting, or its "
+                                 f"cancellation is held up") from None
 
     def request(self, method: str, path: str, **kw) -> httpx.Response:
         return self._call(self.client.request(method, path, **kw))
