@@ -1,0 +1,59 @@
+"""frontend/llama_server_request.py's details by exact value, called directly: `samplers`'
+refusals, a switched-on sampler's refusal, and llama-server's timings (their rounding, a slow
+decode rate, the front end's own measure when the coordinator gives none)."""
+from __future__ import annotations
+
+import pytest
+
+from frontend import llama_server_request as L
+from frontend.errors import APIError
+from shared import protocol as P
+
+
+def refusal(call) -> dict:
+    with pytest.raises(APIError) as e:
+        call()
+    return e.value.status, e.value.body()
+
+
+def error_body(message, param, code) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+@pytest.mark.parametrize("samplers, expected", [
+    ("tkqz", error_body("samplers: unknown sampler(s) 'q', 'z'", "samplers", "invalid_value")),
+    (["temperature", "bogus", "nope"], error_body("samplers: unknown sampler(s) 'bogus', 'nope'", "samplers",
+                                                  "invalid_value")),
+    ("kp", error_body("samplers without temperature are not supported", "samplers", "unsupported_parameter"))])
+def test_samplers_refusals_name_what_is_wrong(samplers, expected):
+    """Guards: an unknown sampler (by letter or by name) taken silently, or a refusal's message,
+    its list of the unknown ones, or its code other than these."""
+    assert refusal(lambda: L._apply_samplers(samplers, {})) == (400, expected)
+
+
+def test_a_switched_on_sampler_is_refused_saying_what_it_would_do():
+    """Guards: the refusal of a sampler we lack not saying which sampler the field turns on."""
+    body = L.LlamaServerFields(dry_multiplier=0.5)
+    assert refusal(lambda: L.apply(body, {})) == (400, error_body(
+        "dry_multiplier = 0.5 asks for the DRY sampler, which is not supported (leave it out, or at llama.cpp's "
+        "default that turns it off)", "dry_multiplier", "unsupported_parameter"))
+
+
+def test_times_and_rates_round_to_the_microsecond_and_zero_where_nothing_was_measured():
+    """Guards: a time or a rate rounded otherwise than to 3 decimals, or a per-token time or a
+    rate of nothing (no tokens, no time) shown as anything but 0.0; a time under 1 ms giving
+    no rate."""
+    assert (L._ms(0.00123456), L._per(10.0, 3), L._rate(1, 3.0)) == (1.235, 3.333, 333.333)
+    assert (L._per(5.0, 0), L._rate(3, 0.0), L._rate(1, 0.5)) == (0.0, 0.0, 2000.0)
+
+
+def test_final_timings_use_a_slow_decode_rate_and_else_the_tokens_own_times():
+    """Guards: a decode rate under 1 token/s ignored, or without one the time from the first token
+    to the last misread (added, or dropped for 0), or a request with no token given a time."""
+    done = P.Done(request_id="r", finish_reason="length", prompt_tokens=3, completion_tokens=1, decode_tok_s=0.5)
+    assert L.Timings().final(done)["predicted_ms"] == 2000.0
+    t = L.Timings()
+    t.token(10.0)
+    t.token(10.25)
+    done = P.Done(request_id="r", finish_reason="length", prompt_tokens=3, completion_tokens=2)
+    assert (t.final(done)["predicted_ms"], L.Timings().final(done)["predicted_ms"]) == (250.0, 0.0)
