@@ -57,3 +57,25 @@ def test_final_timings_use_a_slow_decode_rate_and_else_the_tokens_own_times():
     t.token(10.25)
     done = P.Done(request_id="r", finish_reason="length", prompt_tokens=3, completion_tokens=2)
     assert (t.final(done)["predicted_ms"], L.Timings().final(done)["predicted_ms"]) == (250.0, 0.0)
+
+
+def test_each_sampler_we_lack_is_refused_when_on_and_taken_at_its_off_value():
+    """Guards: a setting that changes the output let through (or one at llama.cpp's off value
+    refused) at its bound: XTC's threshold 0.5 (it acts up to 0.5), top-n-sigma 0, min_keep 1;
+    or a refusal not saying what the field would do."""
+    on = L.LlamaServerFields(dry_multiplier=0.5, xtc_probability=0.1, xtc_threshold=0.5, mirostat=2, typical_p=0.9,
+                             dynatemp_range=0.5, top_n_sigma=0.5, min_keep=2, n_probs=3, n_indent=2, n_cmpl=2,
+                             t_max_predict_ms=100, lora=[{"id": 0}])
+    assert L._switched_on(on) == [
+        ("dry_multiplier", "the DRY sampler"), ("xtc_probability", "the XTC sampler"),
+        ("mirostat", "mirostat 2 sampling"), ("typical_p", "locally typical sampling"),
+        ("dynatemp_range", "dynamic temperature"), ("top_n_sigma", "the top-n-sigma sampler"),
+        ("min_keep", "a minimum of tokens every sampler keeps"),
+        ("n_probs", "token probabilities (give logprobs and top_logprobs here)"),
+        ("n_indent", "a minimum line indentation"),
+        ("n_cmpl", "2 completions (only one choice per request is supported)"),
+        ("t_max_predict_ms", "a time limit on generation"), ("lora", "LoRA adapters")]
+    off = L.LlamaServerFields(dry_multiplier=0.0, xtc_probability=0.1, xtc_threshold=0.6, mirostat=0, typical_p=1.0,
+                              dynatemp_range=0.0, top_n_sigma=0.0, min_keep=1, n_probs=0, n_indent=0, n_cmpl=1,
+                              t_max_predict_ms=0, lora=[])
+    assert L._switched_on(off) == []
