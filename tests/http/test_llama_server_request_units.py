@@ -79,3 +79,19 @@ def test_each_sampler_we_lack_is_refused_when_on_and_taken_at_its_off_value():
                               dynatemp_range=0.0, top_n_sigma=0.0, min_keep=1, n_probs=0, n_indent=0, n_cmpl=1,
                               t_max_predict_ms=0, lora=[])
     assert L._switched_on(off) == []
+
+
+def test_repeat_last_n_below_minus_one_is_refused():
+    """Guards: repeat_last_n -2 taken (only -1, the whole context, is below 0), or its refusal's
+    code other than invalid_value."""
+    assert refusal(lambda: L.apply(L.LlamaServerFields(repeat_last_n=-2), {})) == (400, error_body(
+        "repeat_last_n = -2: expected -1 (the whole context), 0 (off) or a number of tokens", "repeat_last_n",
+        "invalid_value"))
+
+
+def test_return_progress_of_a_body_that_cannot_stream_is_not_asked(caplog):
+    """Guards: progress asked of the coordinator for a body without `stream` (progress is
+    streamed only), or the fields that change nothing not logged by name, once."""
+    caplog.set_level("INFO", logger="fermoe.http")
+    assert L.apply(L.LlamaServerFields(return_progress=True, cache_prompt=True, id_slot=1), {}) == {}
+    assert [r.getMessage() for r in caplog.records] == ["ignored llama-server fields: cache_prompt, id_slot"]
