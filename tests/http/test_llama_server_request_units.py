@@ -95,3 +95,18 @@ def test_return_progress_of_a_body_that_cannot_stream_is_not_asked(caplog):
     caplog.set_level("INFO", logger="fermoe.http")
     assert L.apply(L.LlamaServerFields(return_progress=True, cache_prompt=True, id_slot=1), {}) == {}
     assert [r.getMessage() for r in caplog.records] == ["ignored llama-server fields: cache_prompt, id_slot"]
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"json_schema": 5}, error_body("json_schema must be a JSON schema object", "json_schema", "invalid_type")),
+    ({"json_schema": "{}"}, error_body("json_schema must be a JSON schema object", "json_schema", "invalid_type")),
+    ({"grammar": ["root ::= x"]}, error_body("grammar must be a string (GBNF)", "grammar", "invalid_type"))])
+def test_a_constraint_of_the_wrong_type_is_refused(fields, expected):
+    """Guards: a json_schema that is not an object (a number, a JSON text) or a grammar that is
+    not a string sent on to the coordinator, or refused in other words."""
+    assert refusal(lambda: L.constraint(L.LlamaServerFields(**fields))) == (400, expected)
+
+
+def test_a_json_schema_of_true_is_a_constraint():
+    """Guards: the schema `true` (anything) refused as not an object."""
+    assert L.constraint(L.LlamaServerFields(json_schema=True)) == P.Constraint(kind="json_schema", text="true")
