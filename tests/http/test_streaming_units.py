@@ -83,9 +83,10 @@ class _Closed:
         return False
 
 
-def asgi_messages(streaming: bool, replies: list, delay: float = 0.0, metrics=None) -> list[dict]:
+def asgi_messages(streaming: bool, replies: list, delay: float = 0.0, metrics=None, upstream=None,
+                  leaves: bool = False) -> list[dict]:
     """The ASGI messages a GenerationResponse sends for `replies` (pushed after `delay` s), its
-    client never leaving."""
+    client never leaving (or, with `leaves`, gone at once); 5 s at most."""
     from frontend.formats import TextFormat
     from frontend.metrics import Metrics
     from frontend.streaming import GenerationResponse
@@ -95,7 +96,9 @@ def asgi_messages(streaming: bool, replies: list, delay: float = 0.0, metrics=No
         stream, sent = RequestStream("r"), []
 
         async def receive():
-            await asyncio.Event().wait()
+            if not leaves:
+                await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
 
         async def send(message):
             sent.append(message)
@@ -105,11 +108,14 @@ def asgi_messages(streaming: bool, replies: list, delay: float = 0.0, metrics=No
             for reply in replies:
                 stream.push(reply)
         feeding = asyncio.ensure_future(feed())
-        await GenerationResponse(_Closed(), stream, TextFormat(), "m", streaming, False, metrics or Metrics())(
-            None, receive, send)
+        await GenerationResponse(upstream or _Closed(), stream, TextFormat(), "m", streaming, False,
+                                 metrics or Metrics())(None, receive, send)
         await feeding
         return sent
-    return asyncio.run(asyncio.wait_for(go(), 10))
+    try:
+        return asyncio.run(asyncio.wait_for(go(), 5))
+    except TimeoutError:
+        raise AssertionError("the response did not end in 5 s: nothing woke its wait for the next reply") from None
 
 
 STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -149,3 +155,38 @@ def test_a_requests_latency_is_counted_from_its_arrival(monkeypatch):
                           P.Done(request_id="r", finish_reason="stop", completion_tokens=1)], metrics=metrics)
     # read at arrival, at the token, at the Done: 0.5 s
     assert metrics.registry.get_sample_value("fermoe:e2e_request_latency_seconds_sum") == 0.5
+
+
+def test_first_token_and_inter_token_latencies_are_measured_from_the_right_readings(monkeypatch):
+    """Guards: time to first token or inter-token latency not a difference of the clock's
+    readings (added), the last token's time not kept (every token a first), or token id 0 not
+    timed as a token."""
+    from frontend import streaming
+    from frontend.metrics import Metrics
+    clock = iter(1000.0 + 0.25 * i for i in range(100))
+    monkeypatch.setattr(streaming, "time", SimpleNamespace(time=time.time, perf_counter=lambda: next(clock)))
+    metrics = Metrics()
+    asgi_messages(False, [P.Token(request_id="r", token=0, text="a"), P.Token(request_id="r", token=1, text="b"),
+                          P.Done(request_id="r", finish_reason="stop", completion_tokens=2)], metrics=metrics)
+    get = metrics.registry.get_sample_value
+    assert [get(f"fermoe:{name}_seconds_{part}") for name in ("time_to_first_token", "inter_token_latency")
+            for part in ("sum", "count")] == [0.25, 1.0, 0.25, 1.0]
+
+
+def test_a_client_that_leaves_cancels_its_own_request_and_counts_no_done_it_lacks():
+    """Guards: the disconnect watch cancelling another request id than its own, or, for a request
+    that had no Done yet and nothing left to cancel, counting a Done it does not have (which
+    fails the watch before it ends the response: the response then waits forever)."""
+    class Recording(_Closed):
+        def __init__(self):
+            self.cancelled = []
+
+        def cancel(self, rid, on_done=None):
+            self.cancelled.append(rid)
+            return False
+    upstream = Recording()
+    from frontend.metrics import Metrics
+    metrics = Metrics()
+    assert asgi_messages(True, [], upstream=upstream, leaves=True, metrics=metrics) == []
+    assert upstream.cancelled == ["r", "r"]         # the watch's, then the response's own at its end
+    assert metrics.registry.get_sample_value("fermoe:e2e_request_latency_seconds_count") == 0.0
