@@ -197,6 +197,15 @@ def test_a_responses_refusal_before_the_headers_is_its_status_and_after_them_res
                                                       "message": "the prompt is too long"})})]
 
 
+def test_a_responses_refusal_without_a_code_after_the_headers_is_a_server_error(front, slow_headers):
+    """Guards: response.failed's error without a code (the Responses API always names one) when
+    the coordinator's refusal came after the headers and gave none."""
+    front.coordinator.script(0.3, error("no worker can run it"))
+    events = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
+    assert events[-1][0] == "response.failed" and events[-1][1]["response"]["error"] == {
+        "code": "server_error", "message": "no worker can run it"}
+
+
 def test_a_responses_generation_that_fails_is_response_failed(front):
     """Guards: a failed generation's stream ending as completed, or its whole answer a 200."""
     front.coordinator.script(token(1, "Hm"), done("error", error="the worker died"))
