@@ -218,6 +218,19 @@ def test_a_responses_generation_that_fails_is_response_failed(front):
         "response.failed", "failed", {"code": "server_error", "message": "the worker died"}, None)
 
 
+def test_a_responses_stream_that_fails_keeps_the_items_it_closed_and_says_the_request_failed(front):
+    """Guards: response.failed dropping the output items the stream had already closed (the
+    reasoning, when the failure came during the text), or, when the failure has no message,
+    its error saying anything but that the request failed."""
+    front.coordinator.script(*THINK_THEN_TEXT, done("error"))
+    name, last = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)[-1]
+    output = last["response"]["output"]
+    assert (name, last["response"]["error"]) == ("response.failed", {"code": "server_error",
+                                                                    "message": "the request failed"})
+    assert [(o["type"], o["status"], o["content"]) for o in output] == [
+        ("reasoning", "completed", [{"type": "reasoning_text", "text": "Hm."}])]
+
+
 @pytest.mark.parametrize("body, param, message, code", [
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id",
      "previous_response_id: fermoe keeps no responses: send the whole conversation in `input` (with store: false)",
