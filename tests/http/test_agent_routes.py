@@ -231,6 +231,15 @@ def test_a_responses_stream_that_fails_keeps_the_items_it_closed_and_says_the_re
         ("reasoning", "completed", [{"type": "reasoning_text", "text": "Hm."}])]
 
 
+def test_a_responses_stream_writes_utf_8_and_echoes_parallel_tool_calls_false(front):
+    """Guards: an event's text escaped to ASCII (the API writes UTF-8), or a request's
+    parallel_tool_calls: false answered as true."""
+    front.coordinator.script(token(1, "héllo"), done("stop", prompt_tokens=2, completion_tokens=1))
+    r = front.post("/v1/responses", json={"input": "Hi", "stream": True, "parallel_tool_calls": False})
+    assert '"delta": "héllo"' in r.text
+    assert named_events(r.text)[-1][1]["response"]["parallel_tool_calls"] is False
+
+
 @pytest.mark.parametrize("body, param, message, code", [
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id",
      "previous_response_id: fermoe keeps no responses: send the whole conversation in `input` (with store: false)",
