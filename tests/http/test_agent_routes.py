@@ -240,6 +240,16 @@ def test_a_responses_stream_writes_utf_8_and_echoes_parallel_tool_calls_false(fr
     assert named_events(r.text)[-1][1]["response"]["parallel_tool_calls"] is False
 
 
+def test_a_responses_stream_whose_tokens_come_apart_sends_them_all(front):
+    """Guards: the events written before a pause in the tokens lost, or the stream broken there
+    (BlockResponse's send of what has come so far)."""
+    front.coordinator.script(token(1, "Hi"), 0.05, token(2, " there"), done("stop", prompt_tokens=2,
+                                                                              completion_tokens=2))
+    events = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
+    deltas = [e["delta"] for name, e in events if name.endswith("_text.delta")]
+    assert (deltas, events[-1][0]) == (["Hi", " there"], "response.completed")
+
+
 @pytest.mark.parametrize("body, param, message, code", [
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id",
      "previous_response_id: fermoe keeps no responses: send the whole conversation in `input` (with store: false)",
