@@ -197,6 +197,15 @@ def test_a_responses_refusal_before_the_headers_is_its_status_and_after_them_res
                                                       "message": "the prompt is too long"})})]
 
 
+def test_a_responses_refusal_without_a_code_after_the_headers_is_a_server_error(front, slow_headers):
+    """Guards: response.failed's error without a code (the Responses API always names one) when
+    the coordinator's refusal came after the headers and gave none."""
+    front.coordinator.script(0.3, error("no worker can run it"))
+    events = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
+    assert events[-1][0] == "response.failed" and events[-1][1]["response"]["error"] == {
+        "code": "server_error", "message": "no worker can run it"}
+
+
 def test_a_responses_generation_that_fails_is_response_failed(front):
     """Guards: a failed generation's stream ending as completed, or its whole answer a 200."""
     front.coordinator.script(token(1, "Hm"), done("error", error="the worker died"))
@@ -207,6 +216,38 @@ def test_a_responses_generation_that_fails_is_response_failed(front):
     name, last = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)[-1]
     assert (name, last["response"]["status"], last["response"]["error"], last["response"]["usage"]) == (
         "response.failed", "failed", {"code": "server_error", "message": "the worker died"}, None)
+
+
+def test_a_responses_stream_that_fails_keeps_the_items_it_closed_and_says_the_request_failed(front):
+    """Guards: response.failed dropping the output items the stream had already closed (the
+    reasoning, when the failure came during the text), or, when the failure has no message,
+    its error saying anything but that the request failed."""
+    front.coordinator.script(*THINK_THEN_TEXT, done("error"))
+    name, last = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)[-1]
+    output = last["response"]["output"]
+    assert (name, last["response"]["error"]) == ("response.failed", {"code": "server_error",
+                                                                    "message": "the request failed"})
+    assert [(o["type"], o["status"], o["content"]) for o in output] == [
+        ("reasoning", "completed", [{"type": "reasoning_text", "text": "Hm."}])]
+
+
+def test_a_responses_stream_writes_utf_8_and_echoes_parallel_tool_calls_false(front):
+    """Guards: an event's text escaped to ASCII (the API writes UTF-8), or a request's
+    parallel_tool_calls: false answered as true."""
+    front.coordinator.script(token(1, "héllo"), done("stop", prompt_tokens=2, completion_tokens=1))
+    r = front.post("/v1/responses", json={"input": "Hi", "stream": True, "parallel_tool_calls": False})
+    assert '"delta": "héllo"' in r.text
+    assert named_events(r.text)[-1][1]["response"]["parallel_tool_calls"] is False
+
+
+def test_a_responses_stream_whose_tokens_come_apart_sends_them_all(front):
+    """Guards: the events written before a pause in the tokens lost, or the stream broken there
+    (BlockResponse's send of what has come so far)."""
+    front.coordinator.script(token(1, "Hi"), 0.05, token(2, " there"), done("stop", prompt_tokens=2,
+                                                                              completion_tokens=2))
+    events = named_events(front.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
+    deltas = [e["delta"] for name, e in events if name.endswith("_text.delta")]
+    assert (deltas, events[-1][0]) == (["Hi", " there"], "response.completed")
 
 
 @pytest.mark.parametrize("body, param, message, code", [

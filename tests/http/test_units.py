@@ -22,8 +22,28 @@ from shared.sampling import SamplingParams
 from tests.support import frame_fuzz
 from tests.support.inprocess_frontend import FakeCoordinator
 
+RUN_TIMEOUT_S = 20
+
+
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
+    """The coroutine on an event loop of its own thread: asyncio's own timeout cannot fire while
+    a coroutine loops without awaiting (a disconnect watch reading receive() forever, say), so
+    the thread is given up on a little later and the test fails, naming that, instead of hanging."""
+    out = {}
+
+    def go():
+        try:
+            out["value"] = asyncio.run(asyncio.wait_for(coro, RUN_TIMEOUT_S))
+        except BaseException as e:          # re-raised in the test's thread
+            out["error"] = e
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(RUN_TIMEOUT_S + 5)
+    assert not thread.is_alive(), (f"the event loop did not come back in {RUN_TIMEOUT_S + 5} s: a coroutine loops "
+                                   f"without awaiting, so nothing else on the loop runs")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def token(rid, i):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import json
 import threading
@@ -196,11 +197,21 @@ class InProcessFrontend:
     def _close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
-        self.loop.close()
+        if not self._thread.is_alive():     # a loop that never yields cannot be stopped: left to die with the process
+            self.loop.close()
         self.coordinator.close()
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, REQUEST_TIMEOUT_S), self.loop).result()
+        """The coroutine's result; asyncio's own timeout cannot end it while something on the loop
+        loops without awaiting (or holds up its cancellation), so this thread gives up a little
+        later, saying so, instead of hanging the test."""
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, REQUEST_TIMEOUT_S), self.loop)
+        try:
+            return future.result(REQUEST_TIMEOUT_S + 5)
+        except concurrent.futures.TimeoutError:
+            raise AssertionError(f"the front end's event loop did not answer in {REQUEST_TIMEOUT_S + 5} s, past the "
+                                 f"request's own timeout: a coroutine on it loops without awaiting, or its "
+                                 f"cancellation is held up") from None
 
     def request(self, method: str, path: str, **kw) -> httpx.Response:
         return self._call(self.client.request(method, path, **kw))
