@@ -8,6 +8,7 @@ import random
 import pytest
 
 from shared.tool_parser import ToolCallParser, convert
+from tests.support.deadline import deadline
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
@@ -30,7 +31,8 @@ def call(name, **params):
 def run(pieces, tools=TOOLS, reasoning=True, reasoning_format="deepseek"):
     ids = iter(range(100))
     p = ToolCallParser(tools, reasoning, reasoning_format, call_id=lambda: f"call_{next(ids)}")
-    events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
+    with deadline(10, "the parser loops: a step returned True (go on) without consuming its buffer"):
+        events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
     return events, p
 
 

@@ -5,6 +5,7 @@ and a character at a time, and both must give the same."""
 import json
 
 from shared.tool_parser import ToolCallParser
+from tests.support.deadline import deadline
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
@@ -13,11 +14,13 @@ TOOLS = [
         "maß": {"type": "string"}, "opts": {"type": "object"}}}}},
 ]
 HEAD = "<tool_call>\n<function=read_file>\n"
+LOOPING = "the parser loops: a step returned True (go on) without consuming its buffer"
 
 
 def _feed(pieces, tools, reasoning, reasoning_format):
     p = ToolCallParser(tools, reasoning, reasoning_format, call_id=lambda: "call_x")
-    events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
+    with deadline(10, LOOPING):
+        events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
     out = {"reasoning": "", "content": "", "args": []}
     for e in events:
         if e[0] == "call":
@@ -196,3 +199,16 @@ def test_a_value_that_could_still_be_null_is_held():
         p = ToolCallParser(TOOLS)
         p.feed(HEAD + "<parameter=path>")
         assert p.feed(piece) == sent, piece
+
+
+def test_text_after_a_call_closed_without_its_tool_call_tag():
+    """Fault guarded: the text after `</function>` cut as if `</tool_call>` had been there."""
+    assert parse(HEAD + "</function>\nHello there")["content"] == "Hello there"
+
+
+def test_junk_before_a_parameter_does_not_hold_it_back():
+    """Fault guarded: junk between parameters held until the output ends, and the parameters
+    after it with it."""
+    p = ToolCallParser(TOOLS, call_id=lambda: "call_x")
+    assert p.feed(HEAD + "junk\n<parameter=path>\na") == [
+        ("call", 0, "call_x", "read_file"), ("args", 0, '{"path": "a')]

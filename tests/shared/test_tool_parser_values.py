@@ -48,6 +48,7 @@ def test_a_number_is_written_as_it_was_written(raw, text):
     ({"type": ["string", "null"]}, True, "string"),
     ({"type": ["integer", "null"]}, True, "integer"),       # null is read by convert itself
     ({"type": ["integer", "number"]}, True, "any"),
+    ({"type": ["string", "integer"]}, True, "string"),     # a string allowed: raw text
     ({"enum": ["a", "b"]}, True, "string"), ({"enum": ["a", 1]}, True, "any"), ({"enum": "ab"}, True, "any"),
     ({"type": "integer", "enum": ["a"]}, True, "integer"),  # an enum counts only without a type
     ({}, True, "any"), ({"type": "null"}, True, "any"), ({"type": 5}, True, "any"),
