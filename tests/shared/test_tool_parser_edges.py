@@ -4,8 +4,10 @@ left out or cut, text between parameters, non-ASCII names and values. Every case
 and a character at a time, and both must give the same."""
 import json
 
+import pytest
+
 from shared.tool_parser import ToolCallParser
-from tests.support.deadline import deadline
+from tests.support.deadline import LOOPING_PARSER as LOOPING, deadline
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
@@ -14,13 +16,18 @@ TOOLS = [
         "maß": {"type": "string"}, "opts": {"type": "object"}}}}},
 ]
 HEAD = "<tool_call>\n<function=read_file>\n"
-LOOPING = "the parser loops: a step returned True (go on) without consuming its buffer"
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_if_the_parser_loops():
+    """A parser that makes no progress fails the test in 10 s, naming why, instead of hanging it."""
+    with deadline(10, LOOPING):
+        yield
 
 
 def _feed(pieces, tools, reasoning, reasoning_format):
     p = ToolCallParser(tools, reasoning, reasoning_format, call_id=lambda: "call_x")
-    with deadline(10, LOOPING):
-        events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
+    events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
     out = {"reasoning": "", "content": "", "args": []}
     for e in events:
         if e[0] == "call":

@@ -4,6 +4,8 @@ testing's, CI's) stops it without one. Main thread only (SIGALRM)."""
 import contextlib
 import signal
 
+LOOPING_PARSER = "the parser loops: a step returned True (go on) without consuming its buffer"
+
 
 @contextlib.contextmanager
 def deadline(seconds: float, cause: str):
