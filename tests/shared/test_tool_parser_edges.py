@@ -202,7 +202,8 @@ def test_a_value_that_could_still_be_null_is_held():
     """A string value is held while it reads as the start of `null` (less the format's newlines)
     and sent once it cannot (fault: other blanks stripped, or the wrong end stripped)."""
     for piece, sent in (("\nnul\n", []), ("\nNUL", []), ("\nnul ", [("args", 0, '"nul ')]),
-                        ("\nnull ", [("args", 0, '"null ')]), ("\nx\n", [("args", 0, '"x')])):
+                        ("\nnull ", [("args", 0, '"null ')]), ("\nx\n", [("args", 0, '"x')]),
+                        ("\nnulX", [("args", 0, '"nulX')]), ("\nnullX", [("args", 0, '"nullX')])):
         p = ToolCallParser(TOOLS)
         p.feed(HEAD + "<parameter=path>")
         assert p.feed(piece) == sent, piece
@@ -219,3 +220,40 @@ def test_junk_before_a_parameter_does_not_hold_it_back():
     p = ToolCallParser(TOOLS, call_id=lambda: "call_x")
     assert p.feed(HEAD + "junk\n<parameter=path>\na") == [
         ("call", 0, "call_x", "read_file"), ("args", 0, '{"path": "a')]
+
+
+def test_output_cut_inside_a_tag_of_the_prose_is_text():
+    """A partial `</think>` or `<tool_call>` the output ends with is text (fault: held and lost)."""
+    assert parse("a </thi", reasoning=True)["reasoning"] == "a </thi"
+    assert parse("x <tool_c")["content"] == "x <tool_c"
+
+
+def test_a_call_cut_right_after_its_function_closed_is_complete():
+    """`</function>` at the very end (the `</parameter>` left out) ends the value and the call
+    (fault: the end of the output not read as what follows the tag)."""
+    r = parse(HEAD + "<parameter=path>\na.py</function>")
+    assert (r["args"], r["complete"]) == (['{"path": "a.py"}'], [True])
+
+
+def test_a_typed_value_without_its_newline():
+    """Fault guarded: the last character of a value cut off though no newline ends it."""
+    r = parse(HEAD + "<parameter=limit>\n42</parameter>\n</function>")
+    assert r["args"] == ['{"limit": 42}']
+
+
+def test_a_closing_tag_right_after_the_opening_one_is_no_format_newline():
+    """`<parameter=ARG></parameter>\n` has no newline before the tag: VALUE_END's
+    `\n</parameter>\n` is not there (fault: the value start counted as after a newline)."""
+    r = parse(HEAD + "<parameter=path></parameter>\nx\n</parameter>\n</function>")
+    assert r["args"] == ['{"path": "</parameter>\\nx"}']
+
+
+def test_everything_a_piece_decides_goes_out_with_it():
+    """A value closed by a left-out or a false closing tag does not hold back what follows in
+    the same piece (fault: the step that closed it, or kept the tag as text, ending the loop)."""
+    p = ToolCallParser(TOOLS, call_id=lambda: "call_x")
+    assert p.feed(HEAD + "<parameter=path>\na\n</function>\n</tool_call>Done. And") == [
+        ("call", 0, "call_x", "read_file"), ("args", 0, '{"path": "a"}'), ("content", "Done. And")]
+    p = ToolCallParser(TOOLS, call_id=lambda: "call_x")
+    assert p.feed(HEAD + "<parameter=path>\na</function>b\n</parameter>\n</function>\n</tool_call>Done") == [
+        ("call", 0, "call_x", "read_file"), ("args", 0, '{"path": "a</function>b"}'), ("content", "Done")]
