@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from shared.errors import GrammarError
-from shared.grammar import (_choices, _free_string, _nullable, answer_or_calls_lark, check, json_schema_text,
-                            reasoning_open, tool_call_lark)
+from shared.grammar import (_choices, _free_string, _nullable, answer_or_calls_lark, check, full_grammar,
+                            json_schema_text, reasoning_open, tool_call_lark)
 
 JSON_OPTIONS = '"x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}'
 # VALUE_END (shared/tool_parser.py) with its slashes escaped, as a Lark regex holds it
@@ -151,3 +151,52 @@ def test_reasoning_open(ids, tokens, open_):
 def test_what_llguidance_cannot_read_is_a_grammar_error_naming_the_exception():
     with pytest.raises(GrammarError, match=r"^(TypeError|ValueError): "):
         check(json.dumps({"grammars": [{"lark_grammar": "start: /a/"}]}), lltokenizer="not a tokenizer")
+
+
+def test_a_schemas_own_json_options_win_and_a_non_object_gets_the_defaults():
+    """Fault guarded: the schema's own x-guidance ignored, or a schema that is no object not
+    replaced by {}."""
+    assert json_schema_text({"x-guidance": {"whitespace_flexible": True}}) == (
+        '{"x-guidance": {"whitespace_flexible": true, "item_separator": ", ", "key_separator": ": "}}')
+    assert json_schema_text(None) == "{" + JSON_OPTIONS + "}"
+
+
+def test_tool_lists_the_format_cannot_call_are_refused_naming_why():
+    with pytest.raises(GrammarError, match="^no function tool to call$"):
+        tool_call_lark([{"type": "retrieval"}])
+    for bad in ("a<b", "a>b", "a\nb", "", 5, None):
+        with pytest.raises(GrammarError, match=r"^function name %s cannot be written in the model's tool-call "
+                                               r"format$" % repr(bad).replace("\\", "\\\\")):
+            tool_call_lark([{"type": "function", "function": {"name": bad}}])
+    # letters the refused ones are made of elsewhere are fine (fault: a character set widened)
+    ok = [{"type": "function", "function": {"name": "Xn", "parameters": {"properties": {"Xp": {"type": "integer"}}}}}]
+    assert '"<function=Xn>\\n"' in tool_call_lark(ok) and '"<parameter=Xp>"' in tool_call_lark(ok)
+
+
+def test_answer_or_calls_passes_parallel_on():
+    assert "\ncalls: call\n" in answer_or_calls_lark({}, [PING], parallel=False)
+
+
+@pytest.mark.parametrize("kind, text, body", [
+    ("json_schema", '{"type": "integer"}', {"name": "body", "json_schema": {"type": "integer", "x-guidance": {
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}}),
+    ("json_schema", "true", {"name": "body", "json_schema": True}),
+    ("lark", 'start: "é"', {"name": "body", "lark_grammar": 'start: "é"'}),
+    ("regex", "a+", {"name": "body", "lark_grammar": "start: /a+/"}),
+    ("gbnf", 'root ::= "a" | "b"', {"name": "body", "lark_grammar": '%llguidance {}\n\nstart: "a"\n     | "b"\n\n'}),
+])
+def test_full_grammar_without_reasoning(kind, text, body):
+    """The body exactly, non-ASCII as written (fault: a kind's body misnamed or its text
+    changed, a boolean schema given JSON options, GBNF not translated)."""
+    out = full_grammar(kind, text, False)
+    assert json.loads(out) == {"grammars": [{"lark_grammar": "start: @body"}, body]} and "\\u" not in out
+
+
+@pytest.mark.parametrize("kind, text, message", [
+    ("json_schema", "[1]", "^a JSON schema is an object, not list$"),
+    ("gbnf", "root ::= (", "^the GBNF grammar does not parse: Failed to convert the grammar from GBNF to Lark"),
+    ("yaml", "a: 1", "^grammar kind 'yaml': expected one of json_schema, lark, regex, gbnf$"),
+])
+def test_full_grammar_errors_name_the_problem(kind, text, message):
+    with pytest.raises(GrammarError, match=message):
+        full_grammar(kind, text, False)

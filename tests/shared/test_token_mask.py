@@ -99,3 +99,15 @@ def test_a_mask_allowing_nothing_says_so(tok):
     digits = [t for t in range(tok.n_vocab) if mask.allowed()[t]]
     with pytest.raises(GrammarError, match="^the grammar allows no token here$"):
         mask.apply(np.zeros(min(digits), np.float32))           # only ids the grammar forbids
+
+
+def test_the_mask_covers_a_vocabulary_not_a_multiple_of_32(tok):
+    """Fault guarded: the bitmask's words counted short (a width past 32 words' bits)."""
+    mask = TokenMask(ll_tokenizer(tok, tok.n_vocab + 7), full_grammar("json_schema", "{}", False))
+    assert len(mask.allowed()) == tok.n_vocab + 7
+
+
+def test_a_matcher_error_is_raised_with_llguidances_reason(tok):
+    mask = TokenMask(ll_tokenizer(tok), full_grammar("json_schema", json_schema_text({"type": "integer"}), False))
+    with pytest.raises(GrammarError, match="^grammar: .+"):
+        mask.consume(tok.encode("x", add_bos=False)[0])
