@@ -67,7 +67,7 @@ TOOL = {"type": "function", "function": {"name": "größe", "parameters": {
     "definitions": {"M": {"type": "number"}},
     "properties": {"maß": {"type": "string", "maxLength": 5}, "mode": {"enum": ["a", "b"]},
                    "n": {"$ref": "#/$defs/N"}, "m": {"$ref": "#/definitions/M"}, "note": {"type": "string", "const": "é"},
-                   "k": {"type": "integer", "enum": [1, 2]}, "s": "not a schema"}}}}
+                   "k": {"type": "integer", "enum": [1, 2], "title": "ñ"}, "s": "not a schema"}}}}
 PING = {"type": "function", "function": {"name": "ping", "parameters": "not an object"}}
 
 
@@ -90,7 +90,7 @@ def test_the_lark_of_a_forced_call():
         'f0_p3: "<parameter=m>" f0_v3',
         'f0_v4: "\\n" ("é") "\\n</parameter>\\n"',
         'f0_p4: "<parameter=note>" f0_v4',
-        'f0_v5: "\\n" %json {"type": "integer", "enum": [1, 2], ' + defs + '} "\\n</parameter>\\n"',
+        'f0_v5: "\\n" %json {"type": "integer", "enum": [1, 2], "title": "ñ", ' + defs + '} "\\n</parameter>\\n"',
         'f0_p5: "<parameter=k>" f0_v5',
         'f0_v6: "\\n" %json {' + defs + '} "\\n</parameter>\\n"',
         'f0_p6: "<parameter=s>" f0_v6',
