@@ -1,0 +1,139 @@
+"""coordinator/snapshots.py's restore() (entries brought back from the disk tier), keep(), the
+accessors and stats(), compared exactly: what is refused and what it leaves untouched, the
+state-only plan of a cached last entry, the chain's own entries kept out of eviction and put
+back, the turn start kept in its new tier. The index's lookups, plans and eviction are tested
+in test_snapshots.py."""
+from coordinator.snapshots import Entry, Planned, SnapshotIndex
+
+
+def _chain_of(idx, tokens):
+    """(key, parent, position) of tokens' block entries, then of its end entry if unaligned."""
+    keys = idx.chain_keys(tokens)
+    chain = [(k, keys[i - 1] if i else None, (i + 1) * idx.block) for i, k in enumerate(keys)]
+    if len(tokens) % idx.block:
+        chain.append((idx.end_key(tokens), keys[-1] if keys else None, len(tokens)))
+    return chain
+
+
+def _cache(idx, tokens, marks=()):
+    planned = idx.plan(tokens, 0, marks)
+    idx.commit(planned)
+    return planned
+
+
+def _position(idx, tokens):
+    res = idx.lookup(tokens, counted=False)
+    idx.release(res)
+    return res.position if res else 0
+
+
+def test_restore_refuses_an_empty_chain_and_one_being_written():
+    """Fault guarded: a chain of which an entry is being written planned again (two writers of
+    one key), or an empty chain read past its end."""
+    idx = SnapshotIndex(8, block=4)
+    tokens = list(range(10))
+    assert idx.restore([]) == []
+    pending = idx.plan(tokens, 0)
+    assert idx.restore(_chain_of(idx, tokens)) == [] and idx.stats()["free_slots"] == 5
+    idx.commit(pending)
+    idx.check_invariants()
+
+
+def test_restore_of_a_chain_cached_whole_with_its_state_plans_nothing():
+    """Fault guarded: a second state given to a last entry that has one."""
+    idx = SnapshotIndex(8, block=4)
+    tokens = list(range(10))
+    _cache(idx, tokens)
+    assert idx.restore(_chain_of(idx, tokens)) == []
+    idx.check_invariants()
+
+
+def test_restore_without_a_state_to_give_frees_everything_it_took():
+    """All or nothing: no state slot can be had (all pinned), so the plan is dropped and its KV
+    slots (slot 0 among them) go back (fault: the chain restored without a state, or slots lost)."""
+    idx = SnapshotIndex(6, block=4, n_state_slots=1)
+    _cache(idx, [7, 7])                                          # the one state, then pinned
+    res = idx.lookup([7, 7])
+    tokens = list(range(10))
+    before = idx.stats()
+    assert idx.restore(_chain_of(idx, tokens)) == []
+    assert idx.stats() == before
+    idx.check_invariants()
+    idx.release(res)
+    idx = SnapshotIndex(3, block=4, n_state_slots=0)
+    assert idx.restore(_chain_of(idx, list(range(8)))) == [] and idx.stats()["free_slots"] == 3
+    idx.check_invariants()
+
+
+def test_restore_that_cannot_fit_evicts_nothing():
+    """Fault guarded: others evicted for a chain that then fails (the chain's own held entries
+    counted as room)."""
+    idx = SnapshotIndex(3, block=4)
+    tokens = list(range(16))
+    _cache(idx, tokens[:4])
+    other = list(range(50, 58))
+    _cache(idx, other)                                           # full: 1 own entry, 2 others
+    assert idx.restore(_chain_of(idx, tokens)) == []             # 3 missing, room for 2
+    assert _position(idx, other) == 8 and idx.stats()["evictions"] == 0
+    idx.check_invariants()
+
+
+def test_restore_keeps_its_own_oldest_entry_and_puts_it_back():
+    """The chain's cached first block is the least recently used, yet others are evicted (fault:
+    it left in the eviction order and evicted, a gap); it is evictable again afterwards."""
+    idx = SnapshotIndex(3, block=4)
+    tokens = list(range(12))
+    (own,) = _cache(idx, tokens[:4])
+    _cache(idx, list(range(50, 58)))
+    planned = idx.restore(_chain_of(idx, tokens))
+    assert [(p.position, p.state >= 0) for p in planned] == [(8, False), (12, True)]
+    assert idx.entry(own.key) == Entry(own.key, own.slot, 4, None)
+    idx.check_invariants()
+    idx.commit(planned)
+    assert _position(idx, tokens) == 12
+    idx.check_invariants()
+
+
+def test_restore_gives_a_cached_link_its_state_alone():
+    """The plan of a cached last entry without a state, exactly: no KV slot, the chain's
+    position and parent (fault: another entry's position or parent in it)."""
+    idx = SnapshotIndex(8, block=4, n_state_slots=1)
+    tokens = list(range(12))
+    _cache(idx, tokens)                                          # 4, 8 links; 12 has the state
+    keys = idx.chain_keys(tokens)
+    chain = _chain_of(idx, tokens[:8])
+    assert idx.restore(chain) == [Planned(keys[1], -1, 8, keys[0], 0)]
+    idx.check_invariants()                                       # the link is pinned, not evictable
+
+
+def test_keep_moves_a_turn_start_to_the_reused_tier():
+    """Fault guarded: a kept turn start not put back in the order under its new tier."""
+    idx = SnapshotIndex(8, block=4)
+    tokens = list(range(10))
+    _cache(idx, tokens, marks=[6])
+    idx.keep(tokens, [6])
+    idx.check_invariants()
+    res = idx.lookup(tokens[:6], counted=False)                  # pinned: kept, not made evictable
+    idx.keep(tokens, [6])
+    idx.check_invariants()
+    idx.release(res)
+
+
+def test_accessors_and_stats():
+    """Fault guarded: a stat misnamed or miscounted (reserved pairs are pinned), an accessor
+    looking up the wrong key."""
+    idx = SnapshotIndex(6, block=4, n_state_slots=3)
+    assert idx.stats() == dict(slots=6, state_slots=3, block=4, entries=0, states=0, free_slots=6,
+                               free_state_slots=3, pinned=0, writing=0, hits=0, misses=0, hit_tokens=0,
+                               evictions=0, state_evictions=0, skipped=0, replays=0, replay_hit_tokens=0)
+    (p,) = _cache(idx, [1, 2, 3, 4])
+    assert idx.entry(p.key) == Entry(p.key, p.slot, 4, None) and idx.state_of(p.key) == p.state
+    assert idx.entry(b"x" * 16) is None and idx.state_of(b"x" * 16) is None
+    pairs = idx.reserve(2)                                       # the 2 free states
+    pending = idx.plan([9, 9, 9, 9, 9], 0)                      # its end takes p's state
+    s = idx.stats()
+    assert (s["entries"], s["states"], s["state_evictions"], s["pinned"], s["writing"], s["free_slots"]) == (
+        1, 0, 1, 4, 2, 1)
+    idx.unreserve(pairs)
+    idx.abort(pending)
+    idx.check_invariants()
