@@ -137,3 +137,53 @@ def test_accessors_and_stats():
     idx.unreserve(pairs)
     idx.abort(pending)
     idx.check_invariants()
+
+
+# ---- adopt, reserve, the eviction order -------------------------------------------------------
+def test_adopt_names_the_parent_and_refuses_an_empty_sequence():
+    """Fault guarded: an adopted block entry after two blocks without its parent (its chain
+    broken), an empty sequence cached at position 0, or the refused pair's state slot 0 lost."""
+    idx = SnapshotIndex(6, block=4, n_state_slots=3)
+    tokens = list(range(10, 18))
+    keys = idx.chain_keys(tokens)
+    (pair,) = idx.reserve(1)
+    assert pair == (0, 0) and idx.adopt(pair, []) is False
+    assert (idx.stats()["free_slots"], idx.stats()["free_state_slots"]) == (6, 3)
+    for n, parent in ((4, None), (8, keys[0])):
+        (pair,) = idx.reserve(1)
+        assert idx.adopt(pair, tokens[:n]) is True
+        assert idx.entry(keys[n // 4 - 1]).parent == parent
+    (pair,) = idx.reserve(1)
+    assert idx.adopt(pair, [5]) is True and _position(idx, [5]) == 1      # one token: an end entry
+    idx.check_invariants()
+
+
+def test_adopt_gives_a_cached_link_state_slot_0():
+    """A pair whose state is slot 0 gives a cached link its state (fault: slot 0 read as none)."""
+    idx = SnapshotIndex(6, block=4, n_state_slots=1)
+    tokens = list(range(12))
+    _cache(idx, tokens)                                          # 4, 8 links; 12 has state 0
+    (pair,) = idx.reserve(1)                                     # takes 12's state
+    assert pair[1] == 0 and idx.adopt(pair, tokens[:8]) is True
+    assert idx.state_of(idx.chain_keys(tokens)[1]) == 0 and _position(idx, tokens) == 8
+    idx.check_invariants()
+
+
+def test_reserves_more_pairs_take_block_states_only():
+    """After the end's pair, a pair takes a state only from a block entry no lookup resumed
+    from, never a one-off prompt's end (fault: the tiers ignored, another prompt's end evicted)."""
+    idx = SnapshotIndex(8, block=4, n_state_slots=3)
+    a, b = list(range(6)), [40, 41, 42]
+    _cache(idx, a)                                               # 4: block state; 6: end state
+    _cache(idx, b)                                               # 3: end state
+    pairs = idx.reserve(2)
+    assert [s >= 0 for _, s in pairs] == [True, True]
+    assert _position(idx, b) == 3 and _position(idx, a) == 0     # a's end went first, then a's block state
+    idx.check_invariants()
+
+
+def test_an_empty_eviction_order_says_so():
+    from coordinator.snapshots import _EvictionOrder
+    import pytest
+    with pytest.raises(KeyError, match="nothing to evict"):
+        _EvictionOrder().pop_oldest()
