@@ -3,6 +3,8 @@ accessors and stats(), compared exactly: what is refused and what it leaves unto
 state-only plan of a cached last entry, the chain's own entries kept out of eviction and put
 back, the turn start kept in its new tier. The index's lookups, plans and eviction are tested
 in test_snapshots.py."""
+import pytest
+
 from coordinator.snapshots import Entry, Planned, SnapshotIndex
 
 
@@ -184,6 +186,42 @@ def test_reserves_more_pairs_take_block_states_only():
 
 def test_an_empty_eviction_order_says_so():
     from coordinator.snapshots import _EvictionOrder
-    import pytest
     with pytest.raises(KeyError, match="nothing to evict"):
         _EvictionOrder().pop_oldest()
+
+
+def _corrupt(how):
+    idx = SnapshotIndex(6, block=4, n_state_slots=4)
+    (end,) = _cache(idx, [1, 2, 3])                              # an end entry with its state
+    if how == "slot lost":
+        idx._free.pop()
+    elif how == "slot twice":
+        idx._free[-1] = idx._free[0]
+    elif how == "slot out of range":
+        idx._free[-1] = 6
+    elif how == "state lost":
+        idx._free_states.pop()
+    elif how == "state twice":
+        idx._free_states[-1] = idx._free_states[0]
+    elif how == "state out of range":
+        idx._free_states[-1] = 4
+    elif how == "state outlived":
+        del idx._entries[end.key]
+        idx._free.append(end.slot)
+    elif how == "end without state":
+        del idx._states[end.key]
+        idx._free_states.append(end.state)
+    return idx
+
+
+@pytest.mark.parametrize("how, message", [
+    ("slot lost", "^slots lost or duplicated"), ("slot twice", "^a slot is used twice"),
+    ("slot out of range", "^$"), ("state lost", "^state slots lost or duplicated"),
+    ("state twice", "^a state slot is used twice"), ("state out of range", "^$"),
+    ("state outlived", "^a state outlived its entry"), ("end without state", "^an end entry without its state"),
+])
+def test_check_invariants_names_what_is_broken(how, message):
+    """The debugging check finds each corruption and says which (fault: a check that passes a
+    slot id one past the end, or a message that names nothing)."""
+    with pytest.raises(AssertionError, match=message):
+        _corrupt(how).check_invariants()
