@@ -211,6 +211,34 @@ def _corrupt(how):
     elif how == "end without state":
         del idx._states[end.key]
         idx._free_states.append(end.state)
+    elif how in ("reuse outlived", "resume outlived"):
+        (idx._reused if how == "reuse outlived" else idx._resumed).add(b"x" * 16)
+    elif how == "entry tier":
+        idx._lru.add(end.key, 2)
+    elif how == "state tier":
+        idx._state_lru.add(end.key, 2)
+    elif how == "ends index":
+        idx._ends[b"x" * 16] = {1: 1}
+    else:                                                        # corruptions of a pinned entry
+        res = idx.lookup([1, 2, 3])
+        if how == "pinned evictable":
+            idx._lru.add(end.key, 0)
+        elif how == "pinned state evictable":
+            idx._state_lru.add(end.key, 0)
+        elif how == "state pinned alone":
+            del idx._pins[end.key]
+            idx._lru.add(end.key, 2)
+        elif how == "pinned changed":
+            idx._entries[end.key] = Entry(end.key, end.slot, 3, b"x" * 16)
+            idx._ends = {b"x" * 16: {3: 1}}
+        elif how == "pinned state changed":
+            idx._states[end.key] = idx._free_states.pop()
+            idx._free_states.append(end.state)
+        elif how == "pin count":
+            idx._pins[end.key] += 1
+        elif how == "state pin count":
+            idx._state_pins[end.key] += 1
+        assert res is not None
     return idx
 
 
@@ -219,6 +247,13 @@ def _corrupt(how):
     ("slot out of range", "^$"), ("state lost", "^state slots lost or duplicated"),
     ("state twice", "^a state slot is used twice"), ("state out of range", "^$"),
     ("state outlived", "^a state outlived its entry"), ("end without state", "^an end entry without its state"),
+    ("reuse outlived", "^a reuse mark outlived its entry"), ("resume outlived", "^a resume mark outlived its state"),
+    ("entry tier", "^an entry in the wrong tier"), ("state tier", "^a state in the wrong tier"),
+    ("ends index", "^end-entry index out of date"), ("pinned evictable", "^a pinned entry is evictable"),
+    ("pinned state evictable", "^a pinned state is evictable"), ("state pinned alone", "^a state pinned without its entry"),
+    ("pinned changed", "^a pinned entry changed"), ("pinned state changed", "^a pinned state changed"),
+    ("pin count", "^pin counts disagree with live resumes"),
+    ("state pin count", "^state pin counts disagree with live resumes"),
 ])
 def test_check_invariants_names_what_is_broken(how, message):
     """The debugging check finds each corruption and says which (fault: a check that passes a
