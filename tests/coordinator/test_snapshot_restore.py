@@ -260,3 +260,23 @@ def test_check_invariants_names_what_is_broken(how, message):
     slot id one past the end, or a message that names nothing)."""
     with pytest.raises(AssertionError, match=message):
         _corrupt(how).check_invariants()
+
+
+def test_replays_are_counted_apart_and_summed():
+    """Fault guarded: the replay counters set rather than added to."""
+    idx = SnapshotIndex(6, block=4)
+    _cache(idx, [1, 2, 3, 4, 5])
+    for tokens in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 9], [8]):
+        idx.release(idx.lookup(tokens, replay=True))
+    s = idx.stats()
+    assert (s["replays"], s["replay_hit_tokens"], s["hits"], s["misses"]) == (3, 9, 0, 0)
+
+
+def test_a_second_release_names_the_resume():
+    idx = SnapshotIndex(6, block=4)
+    _cache(idx, [1, 2, 3])
+    res = idx.lookup([1, 2, 3])
+    idx.release(res)
+    with pytest.raises(ValueError, match="^resume at position 3 was already released or does not come from "
+                                         "this index$"):
+        idx.release(res)
