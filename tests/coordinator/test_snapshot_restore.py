@@ -280,3 +280,39 @@ def test_a_second_release_names_the_resume():
     with pytest.raises(ValueError, match="^resume at position 3 was already released or does not come from "
                                          "this index$"):
         idx.release(res)
+
+
+def test_hit_tokens_are_summed():
+    idx = SnapshotIndex(6, block=4)
+    _cache(idx, [1, 2, 3, 4, 5])
+    for tokens in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 9]):
+        idx.release(idx.lookup(tokens))
+    assert (idx.stats()["hits"], idx.stats()["hit_tokens"]) == (2, 9)
+
+
+def test_plan_refuses_a_start_past_the_tokens_naming_both():
+    with pytest.raises(ValueError, match="^start 4 is outside the 3 tokens$"):
+        SnapshotIndex(6, block=4).plan([1, 2, 3], 4)
+
+
+def test_a_turn_start_at_the_resume_point_is_kept():
+    """A mark exactly at `start` (the prompt resumes from it) is kept as resumed from (fault:
+    only marks before `start` kept, the one a next turn rewrites after left to age out)."""
+    idx = SnapshotIndex(8, block=4)
+    tokens = list(range(10))
+    _cache(idx, tokens[:6])
+    key = idx.end_key(tokens[:6])
+    assert idx._lru.tier_of(key) == 0
+    idx.commit(idx.plan(tokens, 6, marks=[6]))
+    assert idx._lru.tier_of(key) == 2 and idx._state_lru.tier_of(key) == 2
+    idx.check_invariants()
+
+
+def test_a_batch_naming_one_plan_twice_is_refused_whole():
+    idx = SnapshotIndex(6, block=4)
+    (p,) = idx.plan([1, 2, 3], 0)
+    with pytest.raises(ValueError, match=r"is not a pending planned snapshot of this index \(committed or aborted "
+                                         r"already\?\)$"):
+        idx.commit([p, p])
+    idx.commit(p)
+    idx.check_invariants()
