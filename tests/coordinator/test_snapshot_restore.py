@@ -316,3 +316,20 @@ def test_a_batch_naming_one_plan_twice_is_refused_whole():
         idx.commit([p, p])
     idx.commit(p)
     idx.check_invariants()
+
+
+def test_plan_takes_nothing_at_or_before_its_start():
+    """Fault guarded: the end or a mark at `start` itself planned (the prefill writes nothing
+    there: a snapshot of state never computed)."""
+    idx = SnapshotIndex(6, block=4)
+    assert idx.plan([1, 2, 3], 3) == []
+    assert [p.position for p in idx.plan(list(range(10)), 6, marks=[6, 9])] == [8, 9, 10]
+
+
+def test_a_mark_in_the_first_block_is_found_by_its_prompt():
+    """Fault guarded: a first-block mark's end entry keyed off another base than the empty
+    prefix (never found)."""
+    idx = SnapshotIndex(8, block=4)
+    tokens = list(range(10))
+    _cache(idx, tokens, marks=[2])
+    assert _position(idx, tokens[:2] + [99]) == 2
