@@ -333,3 +333,17 @@ def test_a_mark_in_the_first_block_is_found_by_its_prompt():
     tokens = list(range(10))
     _cache(idx, tokens, marks=[2])
     assert _position(idx, tokens[:2] + [99]) == 2
+
+
+def test_an_end_without_a_state_to_take_is_skipped_once():
+    idx = SnapshotIndex(4, block=4, n_state_slots=0)
+    assert idx.plan([1, 2, 3], 0) == []
+    assert (idx.stats()["skipped"], idx.stats()["free_slots"]) == (1, 4)
+
+
+def test_keep_ignores_marks_outside_the_tokens():
+    """Fault guarded: a mark past the tokens (or at 0) looked up in a chain it is not in."""
+    idx = SnapshotIndex(4, block=4)
+    _cache(idx, [1, 2, 3])
+    idx.keep([1, 2, 3], [0, 7, 9])
+    idx.check_invariants()
