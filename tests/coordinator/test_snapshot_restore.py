@@ -347,3 +347,14 @@ def test_keep_ignores_marks_outside_the_tokens():
     _cache(idx, [1, 2, 3])
     idx.keep([1, 2, 3], [0, 7, 9])
     idx.check_invariants()
+
+
+def test_keep_reaches_a_mark_at_one_token_and_one_at_the_end():
+    """Fault guarded: the bounds of the marks keep() takes (a mark at 1, in the first block,
+    or at the tokens' very end left out)."""
+    idx = SnapshotIndex(8, block=4)
+    tokens = list(range(10))
+    _cache(idx, tokens, marks=[1, 9])
+    idx.keep(tokens[:9], [1, 9])
+    assert [idx._lru.tier_of(idx.end_key(tokens[:m])) for m in (1, 9, 10)] == [2, 2, 0]
+    idx.check_invariants()
