@@ -358,3 +358,22 @@ def test_keep_reaches_a_mark_at_one_token_and_one_at_the_end():
     idx.keep(tokens[:9], [1, 9])
     assert [idx._lru.tier_of(idx.end_key(tokens[:m])) for m in (1, 9, 10)] == [2, 2, 0]
     idx.check_invariants()
+
+
+def test_keys_are_the_documented_hashes():
+    """chain key_i = H(key_{i-1} || block i), end key = H(key_k || b"end" || tail), blake2b of 16
+    bytes over little-endian int32 tokens (fault: the end marker changed or dropped, which would
+    also let chain and end keys meet)."""
+    import hashlib
+    import numpy as np
+
+    def h(*parts):
+        d = hashlib.blake2b(digest_size=16)
+        for p in parts:
+            d.update(p)
+        return d.digest()
+    idx = SnapshotIndex(4, block=2)
+    b = lambda t: np.asarray(t, "<i4").tobytes()                  # noqa: E731
+    k1 = h(b"", b([7, 8]))
+    assert idx.chain_keys([7, 8, 9]) == [k1] and idx.end_key([7, 8, 9]) == h(k1, b"end", b([9]))
+    assert idx.end_key([7]) == h(b"", b"end", b([7]))
