@@ -377,3 +377,21 @@ def test_keys_are_the_documented_hashes():
     k1 = h(b"", b([7, 8]))
     assert idx.chain_keys([7, 8, 9]) == [k1] and idx.end_key([7, 8, 9]) == h(k1, b"end", b([9]))
     assert idx.end_key([7]) == h(b"", b"end", b([7]))
+
+
+def test_token_bytes_refuses_what_is_no_token_sequence_naming_it():
+    from coordinator.snapshots import token_bytes
+    import numpy as np
+    assert token_bytes([]) == b"" and token_bytes(np.array([1, 2], np.uint16)) == b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    with pytest.raises(ValueError, match=r"^tokens must be a flat sequence of integers, got float64 with shape \(2,\)$"):
+        token_bytes([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"^token ids must be in \[0, 2\*\*31\), got -1\.\.5$"):
+        token_bytes([5, -1])
+
+
+@pytest.mark.parametrize("args", [(-1, 4, None), (4, 4, -1), (4, 0, None)])
+def test_a_bad_size_is_refused_naming_all_three(args):
+    n_slots, block, n_state_slots = args
+    with pytest.raises(ValueError, match=r"^need n_slots >= 0, n_state_slots >= 0 and block >= 1, got %d, %d, %d$"
+                       % (n_slots, n_slots if n_state_slots is None else n_state_slots, block)):
+        SnapshotIndex(n_slots, block, n_state_slots)
