@@ -6,6 +6,15 @@ in test_snapshots.py."""
 import pytest
 
 from coordinator.snapshots import Entry, Planned, SnapshotIndex
+from tests.support.deadline import deadline
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_if_the_index_loops():
+    """A chain whose parents loop would make commit's walk up the chain spin: fail in 30 s
+    naming that, instead of hanging (each test takes well under a second)."""
+    with deadline(30, "an index walk that never ends: a chain's parents form a loop?"):
+        yield
 
 
 def _chain_of(idx, tokens):
