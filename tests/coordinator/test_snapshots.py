@@ -15,9 +15,18 @@ import pytest
 
 from coordinator.snapshots import Planned, SnapshotIndex
 from shared.shm_arena import HEADER_BYTES, SHM_DIR, ArenaError, SnapshotArena
+from tests.support.deadline import deadline
 from tests.support.smaps import mapping_rss
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_if_the_index_loops():
+    """A chain whose parents loop (an entry its own ancestor) would make commit's walk up the
+    chain spin: the test fails in 30 s naming that, instead of hanging (each test takes < 3 s)."""
+    with deadline(30, "an index walk that never ends: a chain's parents form a loop?"):
+        yield
 
 
 def cache(idx: SnapshotIndex, tokens, start: int = 0) -> list[Planned]:

@@ -8,6 +8,7 @@ import random
 
 from shared.pydoc_tool import TOOL, clip, first_sentence, lookup, not_found
 from shared.tool_parser import ToolCallParser
+from tests.support.deadline import LOOPING_PARSER, deadline
 from tools.stdlib_chat import episode, file_entries, misspell, render
 
 SOURCE = '''"""Tools for frobbing.
@@ -69,8 +70,9 @@ def test_an_episodes_call_reads_back_as_the_call_it_was():
             assert "<tool_call>" not in turn and turn.endswith(messages[-1]["content"])
             continue
         parser = ToolCallParser(tools=[TOOL], reasoning=False)
-        parser.feed(turn)
-        parser.finish()
+        with deadline(10, LOOPING_PARSER):
+            parser.feed(turn)
+            parser.finish()
         (call,) = parser.calls
         asked = messages[1]["tool_calls"][0]["function"]["arguments"]["name"]
         assert (call["name"], json.loads(call["arguments"]), call["complete"]) == ("pydoc", {"name": asked}, True)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from shared.tool_parser import ToolCallParser, convert
+from tests.support.deadline import LOOPING_PARSER as LOOPING, deadline
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
@@ -20,6 +21,13 @@ TOOLS = [
         "maybe": {"type": ["integer", "null"]}, "mode": {"enum": ["fast", "slow"]}}}}},
     {"type": "function", "function": {"name": "ping"}},
 ]
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_if_the_parser_loops():
+    """A parser that makes no progress fails the test in 10 s, naming why, instead of hanging it."""
+    with deadline(10, LOOPING):
+        yield
 
 
 def call(name, **params):
