@@ -31,6 +31,8 @@ JSON keys:
     .ratio                      llama_cpp_s / fermoe_s (above 1: fermoe is faster)
   best                          per prompt length, the best of the rounds of each: fermoe_s,
                                 llama_cpp_s, ratio
+  llama_cpp_error               only when llama-bench could not be built: why (the build log's
+                                tail); rounds then holds fermoe's first round alone
 """
 from __future__ import annotations
 
@@ -72,8 +74,10 @@ def strip_sdist(sdist: Path, out: Path) -> Path:
             rel = member.name[len(prefix):]
             if not rel or any(rel == d or rel.startswith(d + "/") for d in DROP):
                 continue
+            data = src.extractfile(member) if member.isfile() else None
             member.name = "llama.cpp/" + rel
-            dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+            member.pax_headers.pop("path", None)      # a long name's pax header would win over the new one
+            dst.addfile(member, data)
     return out
 
 
@@ -153,8 +157,10 @@ def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, so
             f = fermoe_prefill(model, T, gpu_mem, reps, profile=T <= profile_below)
             rows[T].update(fermoe_s=f["prefill_s"], fermoe=f)
         if builder is not None:
-            if builder.wait():
-                raise RuntimeError(f"building llama-bench failed: see {build / 'build.log'}")
+            if builder.wait():            # fermoe's figures still count: report them with the failure
+                results["rounds"].append(list(rows.values()))
+                results["llama_cpp_error"] = f"building llama-bench failed: {_tail(build / 'build.log')}"
+                return results
             build_s, builder = time.perf_counter() - t0, None
         for T in prompts:
             by_ub = llama_bench(binary, model, T, reps)
@@ -168,6 +174,13 @@ def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, so
     results["llama_cpp_build_s"] = round(build_s, 1)
     results["best"] = best_of(results["rounds"])
     return results
+
+
+def _tail(log: Path, lines: int = 8) -> str:
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def best_of(rounds: list[list[dict]]) -> dict[str, dict]:

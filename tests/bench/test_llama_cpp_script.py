@@ -35,13 +35,15 @@ def test_the_source_keeps_vendored_llama_cpp_without_its_test_models(tmp_path):
         f"{top}/pyproject.toml": b"x", f"{vendored}/CMakeLists.txt": b"cmake", f"{vendored}/ggml/src/a.cu": b"cu",
         f"{vendored}/tools/llama-bench/llama-bench.cpp": b"bench", f"{vendored}/models/ggml-vocab.gguf": b"big",
         f"{vendored}/docs/build.md": b"doc", f"{vendored}/tools/ui/index.html": b"ui",
-        f"{vendored}/modelsnot/kept.txt": b"kept"}, links={f"{vendored}/link": "CMakeLists.txt"})
+        f"{vendored}/modelsnot/kept.txt": b"kept", f"{vendored}/ggml/{'t' * 120}.cu": b"long"},
+        links={f"{vendored}/link": "CMakeLists.txt"})
     out = script.strip_sdist(tmp_path / "sdist.tar.gz", tmp_path / "out" / "llama.cpp.tar.gz")
     with tarfile.open(out) as t:
         names = sorted(t.getnames())
         assert t.extractfile("llama.cpp/tools/llama-bench/llama-bench.cpp").read() == b"bench"
-    assert names == ["llama.cpp/CMakeLists.txt", "llama.cpp/ggml/src/a.cu", "llama.cpp/modelsnot/kept.txt",
-                     "llama.cpp/tools/llama-bench/llama-bench.cpp"]
+    # a name past tar's 100 characters travels in a pax header, which must be renamed too
+    assert names == ["llama.cpp/CMakeLists.txt", "llama.cpp/ggml/src/a.cu", f"llama.cpp/ggml/{'t' * 120}.cu",
+                     "llama.cpp/modelsnot/kept.txt", "llama.cpp/tools/llama-bench/llama-bench.cpp"]
 
 
 def test_ubatches_reach_one_ubatch_for_the_prompt():
