@@ -160,7 +160,8 @@ def test_expand_and_positions():
     np.testing.assert_array_equal(positions(len(ids), spans).T, [[0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7, 8],
                                                                  [0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7, 8],
                                                                  [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]])
-    with pytest.raises(FermoeError, match="1 image placeholder.* for 2 image"):
+    with pytest.raises(FermoeError, match=r"^the prompt has 1 image placeholder\(s\) \(<\|image_pad\|>\) for 2 image\(s\): the "
+                                          r"chat template must place each image once \(as Qwen3.5's does\)$"):
         expand([9, 1], [(4, 4), (4, 4)], image_pad_id=9)
     with pytest.raises(FermoeError, match="not a multiple of the merge size"):
         expand([9], [(4, 5)], image_pad_id=9)
@@ -279,6 +280,8 @@ def test_prompt_media_places_each_images_rows():
         prompt_media(8, spans, [e[0], np.zeros((2, 4))], 3)
     with pytest.raises(FermoeError, match=r"^an image of 1x2 merged tokens got embeddings of shape \(3, 3\)"):
         prompt_media(8, spans, [np.zeros((3, 3)), e[1]], 3)
+    with pytest.raises(ValueError):                      # an image without its embeddings
+        prompt_media(8, spans, e[:1], 3)
     empty = prompt_media(3, [], [], 5)
     assert empty.rows.dtype == np.int64 and empty.rows.shape == (0,)
     assert empty.embeds.dtype == np.float32 and empty.embeds.shape == (0, 5)
@@ -320,6 +323,16 @@ def test_an_image_that_ends_the_prompt_is_inside_it():
     assert media_of_images(4, [P.ImageInput(data=b"x", start=2, rows=1, cols=2)], 3, encode).rows.tolist() == [2, 3]
     with pytest.raises(FermoeError, match=r"^an image's tokens \[3, 5\) lie outside the prompt's 4$"):
         media_of_images(4, [P.ImageInput(data=b"x", start=3, rows=1, cols=2)], 3, encode)
+    names = []
+
+    def named(data, name):
+        names.append(name)
+        return encode(data, name)
+    first = media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=2)] * 2, 3, named)
+    assert first.rows.tolist() == [0, 1, 0, 1] and first.embeds.shape == (4, 3) and names == ["image 1", "image 2"]
+    with pytest.raises(FermoeError, match=r"^image 2: a 1x2 merged grid, but the prompt holds 2x1 tokens for it$"):
+        media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=2),
+                            P.ImageInput(data=b"x", start=2, rows=2, cols=1)], 3, encode)
     with pytest.raises(FermoeError, match=r"^an image's tokens \[-1, 1\) lie outside the prompt's 4$"):
         media_of_images(4, [P.ImageInput(data=b"x", start=-1, rows=1, cols=2)], 3, encode)
     empty = media_of_images(4, [], 3, encode)
@@ -351,11 +364,12 @@ def test_build_encodes_each_image_at_its_span():
     assert ids == [9] * 4 and media.rows.tolist() == [0, 1, 2, 3]
 
 
-def test_the_image_encoder_counts_what_it_encodes():
+def test_the_image_encoder_counts_what_it_encodes(monkeypatch):
     """Fault guarded: the encoder's grid, output dtype or running totals (the rate a worker
     reports) wrong: tokens counted unmerged or overwritten, time not summed."""
     import io
     from modeltools.vision.synth import preset_config
+    from shared.vision import prompt as prompt_module
     from shared.vision.prompt import ImageEncoder
     Image = pytest.importorskip("PIL.Image")
     cfg = preset_config("tiny")
@@ -364,13 +378,17 @@ def test_the_image_encoder_counts_what_it_encodes():
     seen = []
 
     def forward(pixels, grid):
-        seen.append(grid)
+        seen.append((pixels.shape, grid))
         return [[1, 2]] * (grid[0] * grid[1] // 4)
     enc = ImageEncoder(cfg, forward)
+    clock = iter([10.0, 10.5, 20.0, 20.25])
+    monkeypatch.setattr(prompt_module.time, "perf_counter", lambda: next(clock))
     e, grid = enc(out.getvalue())
-    assert seen == [(14, 20)] and grid == (7, 10) and e.dtype == np.float32 and e.shape == (70, 2)
+    assert seen == [((280, 1536), (14, 20))] and e.dtype == np.float32 and e.shape == (70, 2)
+    assert grid == (7, 10) and [type(x) for x in grid] == [int, int]
     enc(out.getvalue(), "second")
-    assert enc.tokens == 140 and enc.seconds > 0
+    monkeypatch.undo()
+    assert enc.seconds == 0.75 and enc.tokens == 140 and type(enc.tokens) is int
     with pytest.raises(FermoeError, match="^pic: corrupt or truncated PNG image"):
         ImageEncoder(cfg, forward, enc.limits)(out.getvalue()[:-30], "pic")
     with pytest.raises(FermoeError, match="^image: corrupt"):
