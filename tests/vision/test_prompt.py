@@ -330,6 +330,8 @@ def test_an_image_that_ends_the_prompt_is_inside_it():
         return encode(data, name)
     first = media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=2)] * 2, 3, named)
     assert first.rows.tolist() == [0, 1, 0, 1] and first.embeds.shape == (4, 3) and names == ["image 1", "image 2"]
+    one = media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=1)], 3, lambda d, n: (np.ones((1, 3)), (1, 1)))
+    assert one.rows.tolist() == [0]                       # not resumed: from token 0
     with pytest.raises(FermoeError, match=r"^image 2: a 1x2 merged grid, but the prompt holds 2x1 tokens for it$"):
         media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=2),
                             P.ImageInput(data=b"x", start=2, rows=2, cols=1)], 3, encode)
