@@ -117,6 +117,19 @@ def test_restore_gives_a_cached_link_its_state_alone():
     idx.check_invariants()                                       # the link is pinned, not evictable
 
 
+def test_restore_gives_the_last_of_a_longer_chain_its_state_alone():
+    """The state-only plan takes the chain's last entry's position and parent, not the second
+    one's (fault: `chain[1]` for `chain[-1]`, the same entry in a chain of two)."""
+    idx = SnapshotIndex(8, block=4, n_state_slots=1)
+    tokens = list(range(16))
+    _cache(idx, tokens)                                          # 4, 8, 12 links; 16 has the state
+    keys = idx.chain_keys(tokens)
+    chain = _chain_of(idx, tokens[:12])
+    assert len(chain) == 3
+    assert idx.restore(chain) == [Planned(keys[2], -1, 12, keys[1], 0)]
+    idx.check_invariants()
+
+
 def test_keep_moves_a_turn_start_to_the_reused_tier():
     """Fault guarded: a kept turn start not put back in the order under its new tier."""
     idx = SnapshotIndex(8, block=4)
