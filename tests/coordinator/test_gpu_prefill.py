@@ -14,8 +14,17 @@ from coordinator.scheduler import WorkerView
 from coordinator.snapshots import SnapshotIndex
 from shared import protocol as P
 from shared.sampling import SamplingParams
+from tests.support.deadline import deadline
 
 BLOCK = 4
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_if_the_index_loops():
+    """The snapshot index's walk up a chain whose parents loop (a mutant of snapshots.py) would
+    spin: fail in 30 s naming that, instead of hanging (each test takes well under a second)."""
+    with deadline(30, "an index walk that never ends: a chain's parents form a loop?"):
+        yield
 
 
 class _Arena:

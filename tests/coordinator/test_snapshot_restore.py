@@ -117,6 +117,50 @@ def test_restore_gives_a_cached_link_its_state_alone():
     idx.check_invariants()                                       # the link is pinned, not evictable
 
 
+def test_restore_gives_the_last_of_a_longer_chain_its_state_alone():
+    """The state-only plan takes the chain's last entry's position and parent, not the second
+    one's (fault: `chain[1]` for `chain[-1]`, the same entry in a chain of two)."""
+    idx = SnapshotIndex(8, block=4, n_state_slots=1)
+    tokens = list(range(16))
+    _cache(idx, tokens)                                          # 4, 8, 12 links; 16 has the state
+    keys = idx.chain_keys(tokens)
+    chain = _chain_of(idx, tokens[:12])
+    assert len(chain) == 3
+    assert idx.restore(chain) == [Planned(keys[2], -1, 12, keys[1], 0)]
+    idx.check_invariants()
+
+
+def test_check_invariants_catches_a_planned_entry_made_visible():
+    """Fault guarded: check_invariants passing an index where an entry still being written is
+    already visible to lookups (its KV read before it is there)."""
+    import dataclasses
+    idx = SnapshotIndex(8, block=4)
+    (p,) = idx.plan(list(range(4)), 0)
+    idx.check_invariants()
+    slot = idx._free.pop()                                       # the entry needs a slot of its own
+    idx._entries[p.key] = Entry(p.key, slot, 4, None)
+    idx._lru.add(p.key, idx._tier(p.key))
+    with pytest.raises(AssertionError, match="^a planned entry is visible$"):
+        idx.check_invariants()
+
+
+def test_check_invariants_catches_a_bad_state_only_plan():
+    """Fault guarded: check_invariants passing a state-only plan that holds no state (or whose
+    entry has one already), each condition checked, not just one of them."""
+    import dataclasses
+    idx = SnapshotIndex(8, block=4, n_state_slots=1)
+    tokens = list(range(12))
+    _cache(idx, tokens)
+    keys = idx.chain_keys(tokens)
+    (p,) = idx.restore(_chain_of(idx, tokens[:8]))
+    idx.check_invariants()
+    idx._planned[p.key] = dataclasses.replace(p, state=-1)       # its state slot given back
+    idx._free_states.append(p.state)
+    with pytest.raises(AssertionError, match="^a state-only plan of no cached entry without a state$"):
+        idx.check_invariants()
+    assert p.key == keys[1]
+
+
 def test_keep_moves_a_turn_start_to_the_reused_tier():
     """Fault guarded: a kept turn start not put back in the order under its new tier."""
     idx = SnapshotIndex(8, block=4)

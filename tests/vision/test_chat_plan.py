@@ -103,5 +103,102 @@ def test_placeholders_and_images_must_pair(tokenizer, no_decoding):
     assert template_places_images(tokenizer)
     messages = chat(png(1))
     messages[0]["content"][-1]["text"] = "<|vision_start|><|image_pad|><|vision_end|>"
-    with pytest.raises(FermoeError, match=r"the prompt has 2 image placeholder\(s\) .* for 1 image\(s\)"):
+    with pytest.raises(FermoeError, match=r"^the prompt has 2 image placeholder\(s\) \(<\|image_pad\|>\) for 1 image\(s\): "
+                                          r"the chat template must place each image once \(as Qwen3.5's does\)$"):
         plan(tokenizer, messages, vision=CFG)
+
+
+def test_a_chat_without_images_is_its_rendered_prompt(tokenizer, monkeypatch):
+    """Fault guarded: a text-only chat's tokens, or the tools, template variables and ending
+    (`turn`) that plan() and chat_prompt() pass to the template, dropped or swapped."""
+    from shared.chat import render_chat
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kw = {"enable_thinking": False}
+    text = [{"role": "user", "content": "Hi"}]
+    want = tokenizer.encode(render_chat(tokenizer, text, tools, kw, add_generation_prompt=False))
+    assert want != tokenizer.encode(render_chat(tokenizer, text))
+    seen = []
+
+    def spy(tok, messages, tools=None, chat_template_kwargs=None, **turn):
+        seen.append((tools, chat_template_kwargs, turn))
+        return render_chat(tok, messages, tools, chat_template_kwargs, **turn)
+    monkeypatch.setattr(vchat, "render_chat", spy)
+    p = plan(tokenizer, text, tools, kw, add_generation_prompt=False)
+    assert (p.tokens, p.spans, p.data, p.grids) == (want, [], [], [])
+    chat_prompt(tokenizer, chat(png(1)), tools, kw, vision=CFG)
+    assert seen == [(tools, kw, {"add_generation_prompt": False}), (tools, kw, {})]
+
+
+def test_images_need_a_tower_and_a_placeholder_token(tokenizer, monkeypatch):
+    """Fault guarded: images taken with no tower loaded, or by a vocabulary without
+    <|image_pad|>, instead of refused saying why."""
+    with pytest.raises(FermoeError, match=r"^the messages hold 2 image\(s\), but no vision tower is loaded \(start "
+                                          r"with --mmproj FILE, the model's mmproj GGUF\)$"):
+        plan(tokenizer, chat(png(1), png(2)))
+    monkeypatch.delitem(tokenizer.token_to_id, "<|image_pad|>")
+    assert not template_places_images(tokenizer)
+    with pytest.raises(FermoeError, match=r"^the model's vocabulary has no <\|image_pad\|> token: it cannot take "
+                                          r"images$"):
+        plan(tokenizer, chat(png(1)), vision=CFG)
+
+
+def test_a_template_that_refuses_an_image_takes_none(tokenizer, monkeypatch):
+    """Fault guarded: a template that raises on an image part reported as placing images."""
+    def refuse(*args, **kwargs):
+        raise FermoeError("no")
+    monkeypatch.setattr(vchat, "render_chat", refuse)
+    assert template_places_images(tokenizer) is False
+
+
+def test_the_byte_limit_and_the_decode_name_each_image(tokenizer):
+    """Fault guarded: the byte limit off by one or not passed on by chat_prompt, and errors that
+    name the wrong image (its number off by one)."""
+    a, b = png(1, (32, 32)), png(2)
+    assert len(chat_prompt(tokenizer, chat(a, b), vision=CFG, max_image_bytes=len(b)).images) == 2
+    with pytest.raises(FermoeError, match=f"^image 2: {len(b)} bytes, over the limit of {len(b) - 1} bytes$"):
+        chat_prompt(tokenizer, chat(a, b), vision=CFG, max_image_bytes=len(b) - 1)
+    with pytest.raises(ImageError, match=r"^image 2: corrupt or truncated PNG image"):
+        chat_prompt(tokenizer, chat(a, b[:-40]), vision=CFG)
+    with pytest.raises(ImageError, match=r"^image: corrupt or truncated PNG image"):
+        vchat.decode_image(b[:-40], CFG)
+
+
+def test_limits_and_merge_size_shape_the_grid(tokenizer):
+    """Fault guarded: grid_of ignoring the limits' max_pixels, or expand() not told the tower's
+    merge size (a 1-merge tower's tokens counted as 2x2 merges)."""
+    from dataclasses import replace
+    small = ImageLimits(min_pixels=1024, max_pixels=4096)
+    assert plan(tokenizer, chat(png(1, (640, 480))), vision=CFG, limits=small).grids == [(2, 4)]
+    p = plan(tokenizer, chat(png(1)), vision=replace(CFG, n_merge=1))
+    assert p.grids == [(14, 20)] and p.spans[0].n == 280
+
+
+def test_a_header_that_lied_is_refused_at_prompt(tokenizer):
+    """Fault guarded: a decoded grid unlike the planned one taken (the prompt's length wrong for
+    its pixels), the refusal naming the wrong image or size, or decode results matched to
+    planned images when their counts differ; the prompt keeps each image's bytes and digest."""
+    p = plan(tokenizer, chat(png(1), png(2)), vision=CFG)
+    g = p.grids[1]
+    with pytest.raises(ImageError, match=f"^image 2: decoded to a 4x6 patch grid, its header promised {g[0]}x{g[1]}$"):
+        p.prompt([(p.grids[0], b"d1"), ((4, 6), b"d2")])
+    with pytest.raises(ValueError):
+        p.prompt([(p.grids[0], b"d1")])
+    images = p.prompt([(p.grids[0], b"d1"), (g, b"d2")]).images
+    assert [(im.data, im.grid, im.digest) for im in images] == [(p.data[0], p.grids[0], b"d1"), (p.data[1], g, b"d2")]
+
+
+def test_the_pixel_hash():
+    """Fault guarded: a digest of something other than the decoded pixels and their shape
+    (the same bytes in another shape, or other pixels, hashed alike) or of another size or key."""
+    import hashlib
+    rgb = np.random.default_rng(5).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+
+    def encoded(a, level):
+        out = io.BytesIO()
+        Image.fromarray(a).save(out, "PNG", compress_level=level)
+        return out.getvalue()
+    grid, digest = vchat.decode_image(encoded(rgb, 1), CFG)
+    want = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"fermoe-image")
+    want.update(np.array([32, 48, 3], "<i8").tobytes())
+    assert digest == want.digest() and vchat.decode_image(encoded(rgb, 9), CFG)[1] == digest
+    assert vchat.decode_image(encoded(rgb.reshape(48, 32, 3), 1), CFG)[1] != digest

@@ -11,8 +11,9 @@ from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
 from shared.model import Model
 from shared.reference import text_positions
+from shared.vision.image import ImageLimits
 from shared.vision.mmproj import Mmproj
-from shared.vision.prompt import TokenMedia, build, expand, positions
+from shared.vision.prompt import ImageSpan, TokenMedia, build, expand, media_for, positions, prompt_media
 from shared.vision.reference import encode_image
 from tests.support.bad_media import assert_refuses_bad_media
 
@@ -159,7 +160,8 @@ def test_expand_and_positions():
     np.testing.assert_array_equal(positions(len(ids), spans).T, [[0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7, 8],
                                                                  [0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7, 8],
                                                                  [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]])
-    with pytest.raises(FermoeError, match="1 image placeholder.* for 2 image"):
+    with pytest.raises(FermoeError, match=r"^the prompt has 1 image placeholder\(s\) \(<\|image_pad\|>\) for 2 image\(s\): the "
+                                          r"chat template must place each image once \(as Qwen3.5's does\)$"):
         expand([9, 1], [(4, 4), (4, 4)], image_pad_id=9)
     with pytest.raises(FermoeError, match="not a multiple of the merge size"):
         expand([9], [(4, 5)], image_pad_id=9)
@@ -230,3 +232,168 @@ def test_a_second_image_keys_its_own_tokens_and_every_later_key():
     idx.commit(idx.plan(ab, 0))                                   # every block boundary with a state
     assert idx.cached(ab + [13]) == 23
     assert idx.cached(ac) == 12 and idx.cached(ba) == 0
+
+
+def _media(n_tokens, rows, n_embd=2):
+    rows = np.asarray(rows, np.int64)
+    return TokenMedia(text_positions(0, n_tokens), rows, np.zeros((len(rows), n_embd), np.float32))
+
+
+def test_image_rows_must_lie_in_the_run():
+    """Fault guarded: a row check off by one at either end (row -1 or row n_tokens taken,
+    an embedding written outside the run) or one that refuses the first or last token."""
+    _media(4, [0, 3]).check(4, 2)
+    _media(4, []).check(4, 2)
+    for rows in ([-1, 2], [1, 4]):
+        with pytest.raises(FermoeError, match="^image token rows outside the tokens they belong to$"):
+            _media(4, rows).check(4, 2)
+    with pytest.raises(FermoeError, match=r"^image embeddings of shape \(2, 2\): expected \(2, 3\), one row"):
+        _media(4, [0, 3]).check(4, 3)
+    with pytest.raises(FermoeError, match=r"^image positions of shape \(4, 3\) for 5 tokens$"):
+        _media(4, [0]).check(5, 2)
+
+
+def test_a_slice_renumbers_its_rows_and_the_next_position():
+    """Fault guarded: a slice that keeps the rows' absolute numbers or takes the wrong rows'
+    embeddings (a chunk that cuts an image), and a next position not one past the largest of
+    the last token's three (the text after an image starts from it)."""
+    spans = [ImageSpan(2, 2, 3)]
+    media = prompt_media(10, spans, [np.arange(12, dtype=np.float32).reshape(6, 2)], 2)
+    part = media.slice(4, 9)
+    assert part.rows.tolist() == [0, 1, 2, 3] and part.embeds[:, 0].tolist() == [4.0, 6.0, 8.0, 10.0]
+    np.testing.assert_array_equal(part.positions, positions(10, spans)[4:9])
+    assert media.slice(0, 2).rows.tolist() == [] and media.slice(8, 10).rows.tolist() == []
+    assert media.next_position() == 7                   # text 0, 1; image 2..(2+1, 2+2); text 5, 6
+    assert TokenMedia(np.array([[3, 9, 4]]), np.zeros(0, np.int64), np.zeros((0, 2))).next_position() == 10
+
+
+def test_prompt_media_places_each_images_rows():
+    """Fault guarded: embeddings of a wrong shape taken (another image's size, another width),
+    rows not where each span lies, or the empty case of the wrong shape or dtype."""
+    spans = [ImageSpan(1, 1, 2), ImageSpan(5, 2, 1)]
+    e = [np.ones((2, 3), np.float64), np.full((2, 3), 2.0)]
+    media = prompt_media(8, spans, e, 3)
+    assert media.rows.tolist() == [1, 2, 5, 6] and media.embeds.dtype == np.float32
+    assert media.embeds[:, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
+    with pytest.raises(FermoeError, match=r"^an image of 2x1 merged tokens got embeddings of shape \(2, 4\), "
+                                          r"expected \(2, 3\)$"):
+        prompt_media(8, spans, [e[0], np.zeros((2, 4))], 3)
+    with pytest.raises(FermoeError, match=r"^an image of 1x2 merged tokens got embeddings of shape \(3, 3\)"):
+        prompt_media(8, spans, [np.zeros((3, 3)), e[1]], 3)
+    with pytest.raises(ValueError):                      # an image without its embeddings
+        prompt_media(8, spans, e[:1], 3)
+    empty = prompt_media(3, [], [], 5)
+    assert empty.rows.dtype == np.int64 and empty.rows.shape == (0,)
+    assert empty.embeds.dtype == np.float32 and empty.embeds.shape == (0, 5)
+    np.testing.assert_array_equal(empty.positions, text_positions(0, 3))
+
+
+def test_positions_of_two_images_in_any_order():
+    """Fault guarded: spans taken in the order given rather than the prompt's, or the text
+    after a tall image going on from its columns (max(rows, cols) read as one of them)."""
+    spans = [ImageSpan(5, 1, 2), ImageSpan(1, 3, 1)]     # a 3x1 image at 1, a 1x2 image at 5
+    np.testing.assert_array_equal(positions(8, spans).T, [[0, 1, 1, 1, 4, 5, 5, 7],
+                                                          [0, 1, 2, 3, 4, 5, 5, 7],
+                                                          [0, 1, 1, 1, 4, 5, 6, 7]])
+
+
+def test_media_for_text_after_an_image():
+    """Fault guarded: media dropped when given, text after an image run without positions
+    (the state's rope delta ignored) or from the wrong one, plain text sent the image path."""
+    from types import SimpleNamespace
+    given = _media(2, [])
+    state = SimpleNamespace(rope_delta=0, position=7, cfg=SimpleNamespace(n_embd=4))
+    assert media_for(state, 2, given) is given and media_for(state, 2, None) is None
+    state.rope_delta = -3
+    m = media_for(state, 2, None)
+    np.testing.assert_array_equal(m.positions, [[4, 4, 4], [5, 5, 5]])
+    assert m.rows.dtype == np.int64 and m.rows.shape == (0,)
+    assert m.embeds.dtype == np.float32 and m.embeds.shape == (0, 4)
+    m.check(2, 4)
+
+
+def test_an_image_that_ends_the_prompt_is_inside_it():
+    """Fault guarded: the bounds check of media_of_images off by one (an image whose last token
+    is the prompt's last refused, or one that starts before the prompt taken)."""
+    from shared import protocol as P
+    from shared.vision.prompt import media_of_images
+
+    def encode(data, name):
+        return np.ones((2, 3), np.float32), (1, 2)
+    assert media_of_images(4, [P.ImageInput(data=b"x", start=2, rows=1, cols=2)], 3, encode).rows.tolist() == [2, 3]
+    with pytest.raises(FermoeError, match=r"^an image's tokens \[3, 5\) lie outside the prompt's 4$"):
+        media_of_images(4, [P.ImageInput(data=b"x", start=3, rows=1, cols=2)], 3, encode)
+    names = []
+
+    def named(data, name):
+        names.append(name)
+        return encode(data, name)
+    first = media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=2)] * 2, 3, named)
+    assert first.rows.tolist() == [0, 1, 0, 1] and first.embeds.shape == (4, 3) and names == ["image 1", "image 2"]
+    one = media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=1)], 3, lambda d, n: (np.ones((1, 3)), (1, 1)))
+    assert one.rows.tolist() == [0]                       # not resumed: from token 0
+    with pytest.raises(FermoeError, match=r"^image 2: a 1x2 merged grid, but the prompt holds 2x1 tokens for it$"):
+        media_of_images(4, [P.ImageInput(data=b"x", start=0, rows=1, cols=2),
+                            P.ImageInput(data=b"x", start=2, rows=2, cols=1)], 3, encode)
+    with pytest.raises(FermoeError, match=r"^an image's tokens \[-1, 1\) lie outside the prompt's 4$"):
+        media_of_images(4, [P.ImageInput(data=b"x", start=-1, rows=1, cols=2)], 3, encode)
+    empty = media_of_images(4, [], 3, encode)
+    assert empty.rows.dtype == np.int64 and empty.embeds.shape == (0, 3) and empty.embeds.dtype == np.float32
+
+
+def test_expand_two_images_and_a_merge_size():
+    """Fault guarded: the text between two images dropped (the output restarted at each image),
+    the merge size ignored, or positions of another dtype than int64."""
+    ids, spans = expand([1, 9, 2, 3, 9, 4], [(2, 4), (6, 3)], image_pad_id=9, merge=1)
+    assert ids == [1] + [9] * 8 + [2, 3] + [9] * 18 + [4]
+    assert spans == [ImageSpan(1, 2, 4), ImageSpan(11, 6, 3)]
+    assert positions(len(ids), spans).dtype == np.int64
+
+
+def test_build_encodes_each_image_at_its_span():
+    """Fault guarded: build() passing the wrong pixels or grid to the tower, the wrong merge
+    size or width, or media for other ids than those it returns."""
+    calls = []
+
+    def encode(pixels, grid):
+        calls.append((pixels, grid))
+        return np.full((grid[0] * grid[1] // 4, 3), float(pixels))
+    ids, media = build([5, 9, 6, 9], [(1, (2, 2)), (2, (2, 4))], encode, 9, 3)
+    assert calls == [(1, (2, 2)), (2, (2, 4))]
+    assert ids == [5, 9, 6, 9, 9] and media.rows.tolist() == [1, 3, 4]
+    assert media.embeds[:, 0].tolist() == [1.0, 2.0, 2.0] and media.positions.shape == (5, 3)
+    ids, media = build([9], [(7, (2, 2))], lambda p, g: np.zeros((4, 3)), 9, 3, merge=1)
+    assert ids == [9] * 4 and media.rows.tolist() == [0, 1, 2, 3]
+
+
+def test_the_image_encoder_counts_what_it_encodes(monkeypatch):
+    """Fault guarded: the encoder's grid, output dtype or running totals (the rate a worker
+    reports) wrong: tokens counted unmerged or overwritten, time not summed."""
+    import io
+    from modeltools.vision.synth import preset_config
+    from shared.vision import prompt as prompt_module
+    from shared.vision.prompt import ImageEncoder
+    Image = pytest.importorskip("PIL.Image")
+    cfg = preset_config("tiny")
+    out = io.BytesIO()
+    Image.fromarray(np.zeros((64, 96, 3), np.uint8)).save(out, "PNG")
+    seen = []
+
+    def forward(pixels, grid):
+        seen.append((pixels.shape, grid))
+        return [[1, 2]] * (grid[0] * grid[1] // 4)
+    enc = ImageEncoder(cfg, forward)
+    clock = iter([10.0, 10.5, 20.0, 20.25])
+    monkeypatch.setattr(prompt_module.time, "perf_counter", lambda: next(clock))
+    e, grid = enc(out.getvalue())
+    assert seen == [((280, 1536), (14, 20))] and e.dtype == np.float32 and e.shape == (70, 2)
+    assert grid == (7, 10) and [type(x) for x in grid] == [int, int]
+    enc(out.getvalue(), "second")
+    monkeypatch.undo()
+    assert enc.seconds == 0.75 and enc.tokens == 140 and type(enc.tokens) is int
+    with pytest.raises(FermoeError, match="^pic: corrupt or truncated PNG image"):
+        ImageEncoder(cfg, forward, enc.limits)(out.getvalue()[:-30], "pic")
+    with pytest.raises(FermoeError, match="^image: corrupt"):
+        enc(out.getvalue()[:-30])
+    small = ImageEncoder(cfg, forward, ImageLimits(min_pixels=1024, max_pixels=4096))
+    assert small(out.getvalue())[1] == (1, 2)
