@@ -84,12 +84,13 @@ class TokenMask:
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """A copy of `logits` with every token the grammar forbids at -inf."""
-        allowed = self.allowed()
-        if len(logits) > len(allowed):
-            allowed = np.concatenate([allowed, np.zeros(len(logits) - len(allowed), bool)])
-        if not allowed[:len(logits)].any():
+        allowed = self.allowed()[:len(logits)]
+        allowed = np.pad(allowed, (0, len(logits) - len(allowed)))     # past the grammar's vocabulary: forbidden
+        if not allowed.any():
             raise GrammarError("the grammar allows no token here")
-        return np.where(allowed[:len(logits)], logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
+        out = np.full_like(logits, -np.inf)
+        out[allowed] = logits[allowed]
+        return out
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(int(token))
