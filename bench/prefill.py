@@ -198,9 +198,9 @@ def floor(streamed: int, pinned_gbps: float, flops: dict[str, float], tflops: fl
 
 def memory(engine, positions: int) -> dict:
     """The engine's memory plan, for a prompt of `positions` positions."""
-    from shared.state import kv_bytes_per_position
+    from shared.state import kv_dtype
     plan = engine.plan
-    host_kv = kv_bytes_per_position(engine.cfg, engine.kv_cache_dtype) // plan.n_kv_layers * positions
+    host_kv = 2 * engine.cfg.n_head_kv * engine.cfg.head_dim * kv_dtype(engine.kv_cache_dtype).itemsize * positions
     return {"gpu_budget_mib": plan.budget >> 20, "gpu_planned_mib": plan.total >> 20,
             "resident_expert_layers": plan.resident_layers, "streamed_expert_layers": plan.streamed_layers,
             "host_expert_mib": engine.experts.host_bytes >> 20, "layer_mib": round(plan.layer_bytes / 2**20, 1),

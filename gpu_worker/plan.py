@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from shared.config import ModelConfig
 from shared.errors import FermoeError
 from shared.model import Model
-from shared.state import kv_bytes_per_position
 
 from .weights import ExpertLayout, resident_nbytes
 from .ops import CHUNK
@@ -34,7 +35,7 @@ MARGIN = 64 << 20        # what allocation rounding and the CUDA context's own u
 def kv_layer_nbytes(cfg: ModelConfig, positions: int) -> int:
     """fp32 K and V of one attention layer for `positions` positions (the cache is kept
     in fp32 on the device, values rounded as the state's dtype rounds them)."""
-    return kv_bytes_per_position(cfg, "f32") // len(cfg.attention_layers) * positions
+    return 2 * cfg.n_head_kv * cfg.head_dim * np.dtype(np.float32).itemsize * positions
 
 
 @dataclass(frozen=True)
