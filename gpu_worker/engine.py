@@ -85,6 +85,7 @@ class GPUEngine:
         if budget > free:
             raise FermoeError(f"--gpu-mem {budget >> 20} MiB: {self.device.name} has {free >> 20} MiB free")
         self.budget, self.max_pass_tokens, self.ring_slots = budget, max_pass_tokens, ring_slots
+        self.outside_plan = 0                   # bytes held outside the prefill's plan (a hybrid decode's lanes)
         self.max_resident = None if resident else 0
         self.max_kv_layers = max_kv_layers      # None: every attention layer's KV on the device where it fits
         self.kv_slot: tuple[DeviceArray, DeviceArray] | None = None    # where a spilled layer's K, V pass through
@@ -234,15 +235,17 @@ class GPUEngine:
         if self.profile is not None:
             self.profile.mark(phase)
 
-    def _pass(self, tokens: np.ndarray, segments: list[Segment], rows: list[int]) -> np.ndarray:
+    def _pass(self, tokens: np.ndarray, segments: list[Segment], rows: list[int], routed=None) -> np.ndarray:
         """One pass over the rows of `segments` (consecutive, one prompt each); returns the
-        logits of the pass rows `rows`."""
+        logits of the pass rows `rows`. routed: the hybrid decode's routed experts
+        (gpu_worker/hybrid.py), computed elsewhere instead of streamed here."""
         cfg, ws, ops, n = self.cfg, self.ws, self.ops, len(tokens)
         chunk_at = self._upload_inputs(segments, n)
-        used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
         self._mark("embed")
         self._embed(tokens, segments)        # its upload waits for the device: before the first expert copies, not behind them
-        self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
+        if routed is None:
+            used_only = expected_used_fraction(n, cfg.n_expert, cfg.n_expert_used) < self.used_experts
+            self.experts.begin_pass(self.copy_stream, ops.stream, used_only)
         for L in range(cfg.n_layer):
             w = self.w.layers[L]
             self._mark("norms")
@@ -251,7 +254,10 @@ class GPUEngine:
                 self._attention(L, n, segments)
             else:
                 self._gdn(L, n, segments, chunk_at)
-            self._moe(L, n)
+            if routed is None:
+                self._moe(L, n)
+            else:
+                self._moe_hybrid(L, n, routed)
         self._mark("lm_head")
         logits = self._lm_head(rows)
         self._mark("end")
@@ -318,16 +324,20 @@ class GPUEngine:
                                   w["attn_q_norm"].data, w["attn_k_norm"].data, ws.rope_cos.rows(s, e),
                                   ws.rope_sin.rows(s, e), g.position, g.length, self.attn_heads, cfg.rms_eps,
                                   self.kv_cache_dtype == "f16")
-            new = (g.position, g.position + g.length)
-            if self.kv_cache_dtype == "f16":           # fp16 bits: half the bytes, and the state's pages take them as they are
-                ops.to_f16(ws.kv16_k.rows(s, e), Kc.rows(*new))
-                ops.to_f16(ws.kv16_v.rows(s, e), Vc.rows(*new))
-                self.land.kv(g, a, ws.kv16_k.rows(s, e), ws.kv16_v.rows(s, e))
-            else:
-                self.land.kv(g, a, Kc.rows(*new), Vc.rows(*new))
+            if g.prompt.site is not None:          # a hybrid decode's sequence keeps its KV here
+                self._land_kv(g, a, Kc.rows(g.position, g.position + g.length), Vc.rows(g.position, g.position + g.length))
             ops.attn_prompt(attn.rows(s, e), q.rows(s, e), Kc, Vc, qg.rows(s, e), g.position, g.length, self.attn_heads)
         self._mark("dense")
         ops.gemm(ws.h, attn, w["attn_output"].data, n, d, nh * hd, w["attn_output"].wtype, accumulate=True)
+
+    def _land_kv(self, g: Segment, a: int, keys: DeviceArray, values: DeviceArray) -> None:
+        """Segment g's new K and V rows of attention layer a to the host, in the state's KV dtype."""
+        if self.kv_cache_dtype == "f16":       # fp16 bits: half the bytes, and the state's pages take them as they are
+            k16, v16 = self.ws.kv16_k.rows(g.begin, g.end), self.ws.kv16_v.rows(g.begin, g.end)
+            self.ops.to_f16(k16, keys)
+            self.ops.to_f16(v16, values)
+            keys, values = k16, v16
+        self.land.kv(g, a, keys, values)
 
     def _keys_values(self, g: Segment, a: int) -> tuple[DeviceArray, DeviceArray]:
         """Attention layer a's K and V on the device for segment g, rows [0, g.position)
@@ -413,15 +423,9 @@ class GPUEngine:
 
     # ---- mixture of experts ------------------------------------------------------------------
     def _moe(self, L: int, n: int) -> None:
-        cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
+        cfg, ws, ops = self.cfg, self.ws, self.ops
         d, E, k, ff = cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp
-        ops.rmsnorm(ws.x, ws.h, w["post_attention_norm"].data, n, d, cfg.rms_eps)
-        g = ws.groups
-        self._mark("dense")
-        ops.gemm(ws.router, ws.x, w["ffn_gate_inp"].data, n, E, d, w["ffn_gate_inp"].wtype)
-        self._mark("experts")
-        g.reset(ops.stream)
-        ops.moe_route(g.topk_ids, g.topk_w, g.counts, ws.router, n, E, k)
+        g = self._route(L, n)
         ops.moe_group(g, n, E, k)
         self._mark("copy_wait")
         slot, slot_map = self.experts.experts_for(L, g.counts)
@@ -430,6 +434,34 @@ class GPUEngine:
         ops.moe_gateup(ws.act, ws.x, slot, slot_map, lay.expert_bytes, g, ff, d, lay.gate_up_type)
         ops.moe_down(ws.moe_out, ws.act, slot, slot_map, lay.expert_bytes, lay.down_offset, g, d, ff, lay.down_type)
         self.experts.release(L)
+        self._combine(L, n, ws.moe_out, g, k)
+
+    def _moe_hybrid(self, L: int, n: int, routed) -> None:
+        """The MoE block with its routed experts computed by `routed` (a HybridRouting):
+        the normalised rows and the chosen experts go down, the experts' weighted sum comes
+        back; the shared expert runs here meanwhile."""
+        ws = self.ws
+        g = self._route(L, n)
+        routed.send(L, ws.x.rows(0, n), g.topk_ids.rows(0, n), g.topk_w.rows(0, n))
+        self._combine(L, n, None, routed.sum_groups, 1, routed)
+
+    def _route(self, L: int, n: int):
+        """The block's normalised input (ws.x) and each row's experts and weights (ws.groups)."""
+        cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
+        ops.rmsnorm(ws.x, ws.h, w["post_attention_norm"].data, n, cfg.n_embd, cfg.rms_eps)
+        self._mark("dense")
+        ops.gemm(ws.router, ws.x, w["ffn_gate_inp"].data, n, cfg.n_expert, cfg.n_embd, w["ffn_gate_inp"].wtype)
+        self._mark("experts")
+        ws.groups.reset(ops.stream)
+        ops.moe_route(ws.groups.topk_ids, ws.groups.topk_w, ws.groups.counts, ws.router, n, cfg.n_expert,
+                      cfg.n_expert_used)
+        return ws.groups
+
+    def _combine(self, L: int, n: int, y, g, k: int, routed=None) -> None:
+        """h += the routed experts' rows y (k a token, weighted as g says) + the gated shared
+        expert; with `routed`, y is its sum, taken once the shared expert is queued."""
+        cfg, ws, ops, w = self.cfg, self.ws, self.ops, self.w.layers[L]
+        d = cfg.n_embd
         shared = None
         if cfg.n_ff_shexp:
             fs, gate_up, down = cfg.n_ff_shexp, w["ffn_gate_up_shexp"], w["ffn_down_shexp"]
@@ -437,9 +469,12 @@ class GPUEngine:
             ops.gemm(ws.shared_act, ws.x, gate_up.data, n, 2 * fs, d, gate_up.wtype)
             ops.gemm(ws.shared_out, ws.shared_act, down.data, n, d, fs, down.wtype, swiglu=True)
             shared = ws.shared_out
+        if routed is not None:
+            self._mark("experts")
+            y = routed.receive(ws.moe_out.rows(0, n))
         gate_vec = w["ffn_gate_inp_shexp"].data if shared is not None else None
         self._mark("experts")
-        ops.moe_combine(ws.h, ws.moe_out, g, shared, ws.x, gate_vec, n, d, k)
+        ops.moe_combine(ws.h, y, g, shared, ws.x, gate_vec, n, d, k)
 
     # ---- logits ----------------------------------------------------------------------------------
     def _lm_head(self, rows: list[int]) -> np.ndarray:
@@ -473,7 +508,7 @@ class GPUEngine:
     def _fit(self, T: int, positions: list[int], boundaries=()) -> None:
         """Memory for a batch of T tokens whose prompts reach `positions` (plan.fit_passes),
         VRAM freed before it is taken."""
-        fit = fit_passes(self.model, self.budget, T, positions, boundaries, self.max_pass_tokens, self.ring_slots,
+        fit = fit_passes(self.model, self.budget - self.outside_plan, T, positions, boundaries, self.max_pass_tokens, self.ring_slots,
                          self.max_resident, self.resident_bytes, self.experts.layer_bytes, self.max_kv_layers)
         self._apply(fit.plan, fit.ws_tokens, fit.n_chunks, positions)
         self.pass_n = fit.pass_tokens

@@ -138,12 +138,15 @@ class Landing:
 
     def conv(self, g: Segment, layer: int, src: DeviceArray, at: int | None = None) -> None:
         """The conv state of GDN layer `layer` (its index among them) after `at` rows of
-        segment g, a cut: its snapshot's; None: after all of them, the prompt's last."""
-        self._to_host(self._recurrent(g, at).conv[layer], src)
+        segment g, a cut: its snapshot's; None: after all of them, the prompt's last. A
+        hybrid decode's sequence (no site) keeps its state on the device: nothing lands."""
+        if g.prompt.site is not None:
+            self._to_host(self._recurrent(g, at).conv[layer], src)
 
     def ssm(self, g: Segment, layer: int, src: DeviceArray, at: int | None = None) -> None:
         """The recurrent state S of GDN layer `layer`, as conv()."""
-        self._to_host(self._recurrent(g, at).ssm[layer], src)
+        if g.prompt.site is not None:
+            self._to_host(self._recurrent(g, at).ssm[layer], src)
 
     @staticmethod
     def _recurrent(g: Segment, at: int | None) -> SequenceState:

@@ -1,0 +1,239 @@
+"""GPU-assisted decode (the hybrid): each decode step's dense part on the GPU, its routed
+experts on the CPU.
+
+A decode token reads about two thirds of its weight bytes in the dense part (attention,
+the Gated DeltaNet, the shared expert, the router, the LM head) and one third in the 8
+routed experts a layer picks. The GPU worker holds the dense weights for prefill anyway
+and reads them from its own memory in far less time than a CPU can, so here a step runs
+the GPU engine's own pass (engine.py) over one token a sequence with its MoE blocks
+split: at each layer the GPU computes the block's normalised input, the router's choice
+and the shared expert; the input rows and the chosen experts go down to the host, the
+CPU's W4A8 kernels compute the experts' weighted sum (`routed`: in this process, or a CPU
+worker across shared/exchange.py's mailbox), and the sum comes back up to be added.
+
+A sequence's recurrent state and KV live on the device while it decodes here (a Lane of
+its own, outside the prefill's), so a step moves only the per-layer rows: 2 x T x n_embd
+floats and T x k choices. The host SequenceState's position and logits follow each step;
+its recurrent part and KV are brought level by sync() or release().
+
+    hybrid = HybridEngine(gpu_engine, routed)      # routed(layer, x, ids, weights) -> [T, D]
+    logits = hybrid.forward([token], state)        # admits the state (one upload), then steps
+    hybrid.release(state)                          # the state back on the host, whole
+"""
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+
+from shared.errors import FermoeError
+from shared.state import SequenceState
+
+from .batch import Lane, PrefillJob, logit_rows, segment_of
+from .buffers import DeviceArray
+
+KV_ROUND = 256          # a resident sequence's KV rows grow in steps of this (and double)
+MAX_ROWS = 64           # tokens of one step, all sequences together
+
+
+class HybridRouting:
+    """One step's MoE hand-over, layer by layer: send() takes the normalised rows and the
+    chosen experts down to page-locked host buffers and starts the CPU on them; receive()
+    waits for the experts' weighted sum and queues its copy up. Between the two the GPU
+    runs the shared expert.
+
+    routed: a callable (layer, x [T, D], ids [T, k] int32, weights [T, k]) -> [T, D]
+    float32, or an object with submit(same) and collect() -> [T, D] (a CPU worker across
+    a mailbox: it computes while the GPU goes on)."""
+
+    def __init__(self, device, stream, routed, rows: int, d: int, k: int):
+        self.device, self.stream, self.routed = device, stream, routed
+        self.x = device.pagelocked_empty((rows, d), np.float32)
+        self.ids = device.pagelocked_empty((rows, k), np.int32)
+        self.weights = device.pagelocked_empty((rows, k), np.float32)
+        self.out = device.pagelocked_empty((rows, d), np.float32)
+        # the combine's view of a sum: one "expert" a token, weight 1, its own row
+        self.sum_groups = types.SimpleNamespace(topk_w=DeviceArray.of(device, np.ones(rows, np.float32)),
+                                                pair_pos=DeviceArray.of(device, np.arange(rows, dtype=np.int32)))
+        self._n, self._result = 0, None
+        self.seconds = {"down": 0.0, "experts": 0.0, "up": 0.0}     # host-side waits, summed
+        self.hops = 0
+
+    def send(self, layer: int, x: DeviceArray, ids: DeviceArray, weights: DeviceArray) -> None:
+        n = self._n = x.shape[0]
+        t0 = time.perf_counter()
+        for host, dev in ((self.x, x), (self.ids, ids), (self.weights, weights)):
+            self.device.memcpy_dtoh_async(host[:n], int(dev), self.stream)
+        self.stream.synchronize()
+        t1 = time.perf_counter()
+        args = (layer, self.x[:n], self.ids[:n], self.weights[:n])
+        if hasattr(self.routed, "submit"):
+            self.routed.submit(*args)
+            self._result = None
+        else:
+            self._result = self.routed(*args)
+        self.seconds["down"] += t1 - t0
+        self.seconds["experts"] += time.perf_counter() - t1
+        self.hops += 1
+
+    def receive(self, dst: DeviceArray) -> DeviceArray:
+        n = self._n
+        t0 = time.perf_counter()
+        result = self._result if self._result is not None else self.routed.collect()
+        t1 = time.perf_counter()
+        if result.shape != (n, self.x.shape[1]):
+            raise FermoeError(f"the routed experts returned {result.shape} for {n} rows of {self.x.shape[1]}")
+        self.out[:n] = result
+        dst.upload(self.out[:n], self.stream)       # from page-locked memory: asynchronous
+        self.seconds["experts"] += t1 - t0
+        self.seconds["up"] += time.perf_counter() - t1
+        return dst
+
+    def free(self) -> None:
+        for buf in vars(self.sum_groups).values():
+            buf.free()
+
+
+class Resident:
+    """A sequence decoding on the device: its lane, and how many of its KV rows the host
+    state holds (those before it came, and those sync() brought down)."""
+
+    def __init__(self, state: SequenceState, lane: Lane, host_rows: int):
+        self.state, self.lane, self.host_rows = state, lane, host_rows
+
+
+class HybridEngine:
+    """The Engine interface (shared/engine.py) over a GPUEngine whose MoE blocks' routed
+    experts run on the CPU. States given to forward() stay resident on the device until
+    release(); close() releases every one."""
+    name = "hybrid"
+    threads = 1
+
+    def __init__(self, gpu, routed, max_batch: int = MAX_ROWS):
+        cfg = gpu.cfg
+        self.gpu, self.cfg, self.max_batch = gpu, cfg, max_batch
+        self.kv_cache_dtype = gpu.kv_cache_dtype
+        self.routing = HybridRouting(gpu.device, gpu.ops.stream, routed, max_batch, cfg.n_embd, cfg.n_expert_used)
+        self._resident: dict[int, Resident] = {}
+
+    def new_state(self) -> SequenceState:
+        return self.gpu.new_state()
+
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
+        if media is not None:
+            raise FermoeError("the hybrid decode takes text: images are prefilled")
+        return self._step([(tokens, state)], all_logits)
+
+    def forward_batch(self, segments) -> np.ndarray:
+        if not segments or len({id(s[1]) for s in segments}) != len(segments):
+            raise FermoeError("forward_batch needs one or more distinct sequences")
+        if any(len(s) > 2 and s[2] is not None for s in segments):
+            raise FermoeError("the hybrid decode takes text: images are prefilled")
+        return self._step([(s[0], s[1]) for s in segments], all_logits=False)
+
+    def decode_batch(self, tokens, states: list[SequenceState]) -> np.ndarray:
+        if len(tokens) != len(states):
+            raise FermoeError("decode_batch needs one token for each of distinct sequences")
+        return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
+
+    # ---- residency ---------------------------------------------------------------------
+    def resident(self, state: SequenceState) -> bool:
+        return id(state) in self._resident
+
+    def sync(self, state: SequenceState) -> None:
+        """Bring the host state level with its device copy: recurrent state, conv, KV rows."""
+        res = self._resident.get(id(state))
+        if res is None:
+            return
+        cfg, lane = self.cfg, res.lane
+        self.gpu.device.synchronize()
+        for g, L in enumerate(cfg.gdn_layers):
+            state.ssm[g][...] = lane.S[L].download()
+            state.conv[g][...] = lane.conv[L].download()
+        for a in range(len(cfg.attention_layers)):
+            keys = lane.Kc[a].rows(res.host_rows, state.position).download()
+            values = lane.Vc[a].rows(res.host_rows, state.position).download()
+            state.kv.append(a, keys, values)
+        res.host_rows = state.position
+
+    def release(self, state: SequenceState) -> None:
+        """The state back on the host, whole; its device memory freed."""
+        if id(state) not in self._resident:
+            return
+        self.sync(state)
+        res = self._resident.pop(id(state))
+        self._account(res.lane, -1)
+        res.lane.free()
+
+    def close(self) -> None:
+        for res in list(self._resident.values()):
+            self.release(res.state)
+        self.routing.free()
+
+    def _admit(self, state: SequenceState, T: int) -> Resident:
+        res = self._resident.get(id(state))
+        if res is None:
+            if state.kv.dtype_name != self.kv_cache_dtype:
+                raise FermoeError(f"the state keeps its KV in {state.kv.dtype_name}; the hybrid decode runs "
+                                  f"--kv-cache-dtype {self.kv_cache_dtype}")
+            lane = Lane(self.gpu.device, self.cfg)
+            lane.alloc_kv(self._rows_for(state.position + T), len(self.cfg.attention_layers))
+            self._account(lane, +1)
+            self.gpu._upload_state(state, lane)
+            res = self._resident[id(state)] = Resident(state, lane, state.position)
+        elif state.position + T > res.lane.positions:
+            self._grow(res, state.position + T)
+        return res
+
+    def _rows_for(self, positions: int) -> int:
+        return min(self.cfg.n_ctx_train, -(-positions // KV_ROUND) * KV_ROUND)
+
+    def _grow(self, res: Resident, positions: int) -> None:
+        """More KV rows on the device: the filled ones copied over."""
+        old, cfg = res.lane, self.cfg
+        new = Lane(self.gpu.device, cfg)
+        new.S, new.conv = old.S, old.conv
+        new.alloc_kv(self._rows_for(max(positions, 2 * old.positions)), len(cfg.attention_layers))
+        filled = res.state.position
+        for src, dst in zip(old.Kc + old.Vc, new.Kc + new.Vc):
+            self.gpu.device.memcpy_dtod_async(int(dst), int(src), src.rows(0, filled).nbytes, self.gpu.ops.stream)
+        self.gpu.device.synchronize()
+        self._account(old, -1)
+        old.free_kv()
+        self._account(new, +1)
+        res.lane = new
+
+    def _account(self, lane: Lane, sign: int) -> None:
+        """The prefill's memory plan leaves room for the resident lanes."""
+        nbytes = sum(buf.nbytes for buf in [*lane.S.values(), *lane.conv.values(), *lane.Kc, *lane.Vc]
+                     if buf is not None)
+        self.gpu.outside_plan += sign * nbytes
+
+    # ---- a step ------------------------------------------------------------------------
+    def _step(self, segments, all_logits: bool) -> np.ndarray:
+        gpu = self.gpu
+        total = sum(len(tokens) for tokens, _ in segments)
+        if total > self.max_batch:
+            raise FermoeError(f"a hybrid step of {total} tokens: at most {self.max_batch}")
+        prompts, offset = [], 0
+        for tokens, state in segments:
+            p = gpu._admit(PrefillJob(tokens, state), offset)
+            p.lane = self._admit(state, len(p.tokens)).lane
+            prompts.append(p)
+            offset += len(p.tokens)
+        if gpu.ws is None or gpu.ws.T < total or gpu.ws.n_chunks < len(prompts):
+            # each sequence's rows are a GDN chunk of their own; the prefill lanes' KV stays small
+            gpu._fit(total, [total], [p.offset for p in prompts[1:]])
+        segs = [segment_of(p, 0, total) for p in prompts]
+        rows = logit_rows(segs, all_logits)
+        logits = gpu._pass(np.concatenate([p.tokens for p in prompts]), segs, list(rows), routed=self.routing)
+        for p in prompts:
+            end = p.start + len(p.tokens)
+            p.state.position = end
+        out = []
+        for r, (p, position) in zip(logits, rows.values()):
+            if position == p.start + len(p.tokens):
+                p.state.set_logits(r)
+            out.append(r)
+        return np.stack(out)

@@ -1,0 +1,134 @@
+"""The hybrid decode (gpu_worker/hybrid.py): steps whose dense part runs on the GPU
+engine (the host emulation here, a CUDA device with `-m gpu`) and whose routed experts
+come from elsewhere. With the routed experts computed in fp32 by the numpy reference,
+the arithmetic is the GPU prefill's, so the logits must be the reference's own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.hybrid import KV_ROUND, HybridEngine
+from shared.engine import ReferenceEngine
+from shared.errors import FermoeError
+from shared.reference import swiglu
+from tests.gpu_worker.test_engine import PROMPT, close, device_kind, gpu  # noqa: F401 (a fixture)
+
+
+class ReferenceRouted:
+    """The routed experts' weighted sum in fp32 from the reference's own swiglu; counts calls."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, layer, x, ids, weights):
+        self.calls.append((layer, x.shape[0]))
+        lw = self.model.layers[layer]
+        out = np.zeros_like(x)
+        for t in range(x.shape[0]):
+            for e, w in zip(ids[t], weights[t]):
+                out[t] += w * swiglu(x[t:t + 1], lw.ffn_gate_exps, lw.ffn_up_exps, lw.ffn_down_exps, expert=int(e))[0]
+        return out
+
+
+def reference_run(model, tokens):
+    ref = ReferenceEngine(model)
+    state = ref.new_state()
+    return ref.forward(tokens, state), state
+
+
+@pytest.fixture(scope="module")
+def want(tiny):
+    """The reference's logits and final state over the prompt and 6 decoded tokens."""
+    return reference_run(tiny, PROMPT[:40] + PROMPT[60:66])
+
+
+def test_decode_steps_give_the_references_logits(tiny, want, device_kind):
+    """Guards the split MoE block (the router's choice down, the experts' sum up, the
+    shared expert and the combine on the GPU) and the state kept on the device from step
+    to step: each one-token step's logits are the reference's at that position."""
+    logits, _ = want
+    engine = gpu(tiny, device_kind)
+    routed = ReferenceRouted(tiny)
+    hybrid = HybridEngine(engine, routed)
+    state = engine.new_state()
+    engine.forward(PROMPT[:40], state, all_logits=False)
+    for i, token in enumerate(PROMPT[60:66]):
+        got = hybrid.forward([token], state, all_logits=False)
+        close(got[-1], logits[40 + i])
+        close(state.logits, logits[40 + i])
+        assert state.position == 41 + i
+    n_moe = tiny.config.n_layer
+    assert routed.calls == [(L, 1) for _ in range(6) for L in range(n_moe)]
+    assert hybrid.routing.hops == 6 * n_moe
+    hybrid.close()
+
+
+def test_release_hands_back_the_whole_state(tiny, want, device_kind):
+    """Guards sync/release: the host state after release holds the recurrent state, conv
+    and every KV row the steps made, as the reference's; the reference decodes on from it."""
+    logits, ref_state = want
+    engine = gpu(tiny, device_kind)
+    hybrid = HybridEngine(engine, ReferenceRouted(tiny))
+    state = engine.new_state()
+    engine.forward(PROMPT[:40], state, all_logits=False)
+    for token in PROMPT[60:66]:
+        hybrid.forward([token], state, all_logits=False)
+    hybrid.release(state)
+    assert not hybrid.resident(state) and state.position == 46
+    for g in range(len(tiny.config.gdn_layers)):
+        close(state.ssm[g], ref_state.ssm[g], floor=1e-3)
+        close(state.conv[g], ref_state.conv[g], floor=1e-3)
+    for a in range(len(tiny.config.attention_layers)):    # fp16 rows: at most one rounding apart
+        for got, ref in zip(state.kv.view(a), ref_state.kv.view(a)):
+            assert got.shape == ref.shape == (46,) + got.shape[1:] and got.dtype == ref.dtype
+            close(got, ref, rtol=2.0 ** -10, floor=1e-3)
+    ref = ReferenceEngine(tiny)
+    close(ref.forward([7], state), reference_run(tiny, PROMPT[:40] + PROMPT[60:66] + [7])[0][-1:])
+    hybrid.close()
+
+
+def test_a_batch_of_sequences_steps_together(tiny, device_kind):
+    """Guards the rows of a step: two sequences at different positions decode in one pass,
+    each on its own state, with the logits each gets alone."""
+    engine = gpu(tiny, device_kind)
+    hybrid = HybridEngine(engine, ReferenceRouted(tiny))
+    a, b = engine.new_state(), engine.new_state()
+    engine.forward(PROMPT[:30], a, all_logits=False)
+    engine.forward(PROMPT[:11], b, all_logits=False)
+    together = hybrid.decode_batch([5, 9], [a, b])
+    assert together.shape == (2, tiny.config.n_vocab) and (a.position, b.position) == (31, 12)
+    close(together[0], reference_run(tiny, PROMPT[:30] + [5])[0][-1])
+    close(together[1], reference_run(tiny, PROMPT[:11] + [9])[0][-1])
+    hybrid.close()
+
+
+def test_the_kv_grows_past_its_first_rows(tiny, device_kind):
+    """Guards the growth of a resident sequence's KV: a state admitted just below a
+    multiple of KV_ROUND keeps its earlier rows when the device copy grows."""
+    engine = gpu(tiny, device_kind)
+    hybrid = HybridEngine(engine, ReferenceRouted(tiny))
+    ref = ReferenceEngine(tiny)
+    state, ref_state = ref.new_state(), ref.new_state()
+    prompt = (PROMPT * 4)[:KV_ROUND - 1]
+    ref.forward(prompt, state)
+    ref.forward(prompt, ref_state)
+    first = hybrid._admit(state, 1).lane.positions
+    hybrid.forward([3], state)
+    hybrid.forward([4], state)              # past the first KV_ROUND rows
+    assert hybrid._resident[id(state)].lane.positions > first == KV_ROUND
+    close(hybrid.forward([5], state)[-1], ref.forward([3, 4, 5], ref_state)[-1])
+    hybrid.close()
+
+
+def test_wrong_inputs_are_refused(tiny):
+    engine = gpu(tiny, "emulate")
+    hybrid = HybridEngine(engine, ReferenceRouted(tiny), max_batch=4)
+    with pytest.raises(FermoeError, match="at most 4"):
+        hybrid.forward(PROMPT[:5], engine.new_state())
+    with pytest.raises(FermoeError, match="distinct sequences"):
+        s = engine.new_state()
+        hybrid.forward_batch([([1], s), ([2], s)])
+    bad = HybridEngine(engine, lambda layer, x, ids, w: np.zeros((1, 3), np.float32))
+    with pytest.raises(FermoeError, match=r"returned \(1, 3\)"):
+        bad.forward([1], engine.new_state())
+    hybrid.close()
