@@ -22,6 +22,7 @@ its recurrent part and KV are brought level by sync() or release().
 """
 from __future__ import annotations
 
+import logging
 import time
 import types
 
@@ -33,6 +34,7 @@ from shared.state import SequenceState
 from .batch import Lane, PrefillJob, logit_rows, segment_of
 from .buffers import DeviceArray
 
+log = logging.getLogger("fermoe.hybrid")
 KV_ROUND = 256          # a resident sequence's KV rows grow in steps of this (and double)
 MAX_ROWS = 64           # tokens of one step, all sequences together
 
@@ -101,6 +103,7 @@ class Resident:
 
     def __init__(self, state: SequenceState, lane: Lane, host_rows: int):
         self.state, self.lane, self.host_rows = state, lane, host_rows
+        self.since_sync: list[int] = []     # the tokens stepped since the host copy was level
 
 
 class HybridEngine:
@@ -155,7 +158,7 @@ class HybridEngine:
             keys = lane.Kc[a].rows(res.host_rows, state.position).download()
             values = lane.Vc[a].rows(res.host_rows, state.position).download()
             state.kv.append(a, keys, values)
-        res.host_rows = state.position
+        res.host_rows, res.since_sync = state.position, []
 
     def release(self, state: SequenceState) -> None:
         """The state back on the host, whole; its device memory freed."""
@@ -165,6 +168,22 @@ class HybridEngine:
         res = self._resident.pop(id(state))
         self._account(res.lane, -1)
         res.lane.free()
+
+    def abandon(self, state: SequenceState) -> list[int]:
+        """Give a sequence up after a failed step (its CPU peer or the device lost): the host
+        state goes back to where it was last level with the device, and the tokens stepped
+        since are returned, for another engine to run again from there. The device copy,
+        which a failed step may have left half a layer stack ahead, is dropped."""
+        res = self._resident.pop(id(state), None)
+        if res is None:
+            return []
+        state.position = res.host_rows
+        try:
+            self._account(res.lane, -1)
+            res.lane.free()
+        except Exception as e:          # a lost device: its memory went with it
+            log.warning("freeing an abandoned sequence's device memory: %s", e)
+        return res.since_sync
 
     def close(self) -> None:
         for res in list(self._resident.values()):
@@ -229,8 +248,8 @@ class HybridEngine:
         rows = logit_rows(segs, all_logits)
         logits = gpu._pass(np.concatenate([p.tokens for p in prompts]), segs, list(rows), routed=self.routing)
         for p in prompts:
-            end = p.start + len(p.tokens)
-            p.state.position = end
+            p.state.position = p.start + len(p.tokens)
+            self._resident[id(p.state)].since_sync.extend(int(t) for t in p.tokens)
         out = []
         for r, (p, position) in zip(logits, rows.values()):
             if position == p.start + len(p.tokens):

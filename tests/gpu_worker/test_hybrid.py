@@ -132,3 +132,38 @@ def test_wrong_inputs_are_refused(tiny):
     with pytest.raises(FermoeError, match=r"returned \(1, 3\)"):
         bad.forward([1], engine.new_state())
     hybrid.close()
+
+
+class FailingRouted(ReferenceRouted):
+    """Routed experts that fail at their n-th call: a CPU peer killed mid-step."""
+
+    def __init__(self, model, fail_at):
+        super().__init__(model)
+        self.fail_at = fail_at
+
+    def __call__(self, layer, x, ids, weights):
+        if len(self.calls) == self.fail_at:
+            raise FermoeError("the expert server is gone")
+        return super().__call__(layer, x, ids, weights)
+
+
+def test_a_failed_step_hands_the_sequence_to_another_engine(tiny, want, device_kind):
+    """Guards abandon(): a step that fails half-way through its layers leaves the host state
+    at its last level point with the tokens stepped since; run again on the reference (the
+    CPU's place), the sequence goes on with the logits it would have had."""
+    logits, _ = want
+    engine = gpu(tiny, device_kind)
+    n_layer = tiny.config.n_layer
+    hybrid = HybridEngine(engine, FailingRouted(tiny, fail_at=3 * n_layer + 1))   # in the 4th step's 2nd layer
+    state = engine.new_state()
+    engine.forward(PROMPT[:40], state, all_logits=False)
+    steps = PROMPT[60:66]
+    for token in steps[:3]:
+        hybrid.forward([token], state, all_logits=False)
+    with pytest.raises(FermoeError, match="expert server is gone"):
+        hybrid.forward([steps[3]], state, all_logits=False)
+    replay = hybrid.abandon(state)
+    assert replay == steps[:3] and state.position == 40 and not hybrid.resident(state)
+    ref = ReferenceEngine(tiny)
+    close(ref.forward(replay + steps[3:], state), logits[40:])
+    hybrid.close()
