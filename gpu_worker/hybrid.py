@@ -124,8 +124,11 @@ class HybridEngine:
         return self.gpu.new_state()
 
     def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
-        if media is not None:
-            raise FermoeError("the hybrid decode takes text: images are prefilled")
+        """A step; or, for more tokens than a step takes (or images), a prefill on the GPU
+        engine with its experts streamed, after which the state steps here again."""
+        if len(tokens) > self.max_batch or media is not None:
+            self.release(state)
+            return self.gpu.forward(tokens, state, all_logits=all_logits, media=media)
         return self._step([(tokens, state)], all_logits)
 
     def forward_batch(self, segments) -> np.ndarray:
@@ -256,3 +259,52 @@ class HybridEngine:
                 p.state.set_logits(r)
             out.append(r)
         return np.stack(out)
+
+
+class HybridWithFallback:
+    """The hybrid engine with a CPU engine behind it: when a step fails (its CPU peer or the
+    device lost), the sequence goes back to its last level point and runs again on `cpu`,
+    and every later step of every sequence runs there."""
+    name = "hybrid"
+
+    def __init__(self, hybrid: HybridEngine, cpu):
+        self.hybrid, self.cpu = hybrid, cpu
+        self.threads, self.max_batch = cpu.threads, hybrid.max_batch
+        self.kv_cache_dtype = hybrid.kv_cache_dtype
+        self.failure: str | None = None         # why the hybrid was given up, once it was
+
+    def new_state(self) -> SequenceState:
+        return self.hybrid.new_state()
+
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, media=None) -> np.ndarray:
+        if self.failure is None:
+            try:
+                return self.hybrid.forward(tokens, state, all_logits=all_logits, media=media)
+            except Exception as e:       # a CUDA error is pycuda's own type, not a FermoeError
+                self.failure = f"{type(e).__name__}: {e}"
+                log.warning("the hybrid decode failed (%s): decoding on the CPU from here", self.failure)
+        replay = self.hybrid.abandon(state)
+        kw = {"media": media} if media is not None else {}
+        out = self.cpu.forward(replay + [int(t) for t in tokens], state, all_logits=all_logits, **kw)
+        return out[len(replay):] if all_logits else out
+
+    def forward_batch(self, segments) -> np.ndarray:
+        if self.failure is None:
+            try:
+                return self.hybrid.forward_batch(segments)
+            except Exception as e:
+                self.failure = f"{type(e).__name__}: {e}"
+                log.warning("the hybrid decode failed (%s): decoding on the CPU from here", self.failure)
+        return self.cpu.forward_batch([(self.hybrid.abandon(s[1]) + [int(t) for t in s[0]], *s[1:])
+                                       for s in segments])
+
+    def decode_batch(self, tokens, states: list[SequenceState]) -> np.ndarray:
+        if len(tokens) != len(states):
+            raise FermoeError("decode_batch needs one token for each of distinct sequences")
+        return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
+
+    def close(self) -> None:
+        try:
+            self.hybrid.close()
+        finally:
+            self.cpu.close()

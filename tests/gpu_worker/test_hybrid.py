@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.hybrid import KV_ROUND, HybridEngine
+from gpu_worker.hybrid import KV_ROUND, HybridEngine, HybridWithFallback
 from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
 from shared.reference import swiglu
@@ -124,7 +124,9 @@ def test_wrong_inputs_are_refused(tiny):
     engine = gpu(tiny, "emulate")
     hybrid = HybridEngine(engine, ReferenceRouted(tiny), max_batch=4)
     with pytest.raises(FermoeError, match="at most 4"):
-        hybrid.forward(PROMPT[:5], engine.new_state())
+        hybrid.forward_batch([(PROMPT[:3], engine.new_state()), (PROMPT[:2], engine.new_state())])
+    with pytest.raises(FermoeError, match="images are prefilled"):
+        hybrid.forward_batch([([1], engine.new_state(), object())])
     with pytest.raises(FermoeError, match="distinct sequences"):
         s = engine.new_state()
         hybrid.forward_batch([([1], s), ([2], s)])
@@ -166,4 +168,38 @@ def test_a_failed_step_hands_the_sequence_to_another_engine(tiny, want, device_k
     assert replay == steps[:3] and state.position == 40 and not hybrid.resident(state)
     ref = ReferenceEngine(tiny)
     close(ref.forward(replay + steps[3:], state), logits[40:])
+    hybrid.close()
+
+
+def test_with_a_fallback_a_lost_peer_costs_no_token(tiny, want, device_kind):
+    """Guards HybridWithFallback: the routed experts fail in the third call's second layer;
+    that step and every later one run on the CPU's place (the reference here) from the last
+    level point, and each position's logits are still the reference's. A prompt of a
+    step's size runs as one hybrid step."""
+    logits, _ = want
+    engine = gpu(tiny, device_kind)
+    n_layer = tiny.config.n_layer
+    both = HybridWithFallback(HybridEngine(engine, FailingRouted(tiny, fail_at=2 * n_layer + 1)),
+                              ReferenceEngine(tiny))
+    state = both.new_state()
+    close(both.forward(PROMPT[:40], state, all_logits=False)[-1], logits[39])
+    for i, token in enumerate(PROMPT[60:66]):
+        close(both.forward([token], state, all_logits=False)[-1], logits[40 + i])
+        assert (both.failure is None) == (i < 1) and state.position == 41 + i
+    assert "expert server is gone" in both.failure
+    both.close()
+
+
+def test_a_prompt_longer_than_a_step_is_prefilled_then_stepped(tiny, want, device_kind):
+    """Guards forward()'s two paths: more tokens than a step takes go through the GPU
+    prefill (experts streamed), and the state then steps in the hybrid."""
+    logits, _ = want
+    engine = gpu(tiny, device_kind)
+    routed = ReferenceRouted(tiny)
+    hybrid = HybridEngine(engine, routed, max_batch=8)
+    state = hybrid.new_state()
+    close(hybrid.forward(PROMPT[:40], state, all_logits=False)[-1], logits[39])
+    assert routed.calls == [] and not hybrid.resident(state)
+    close(hybrid.forward([PROMPT[60]], state, all_logits=False)[-1], logits[40])
+    assert hybrid.resident(state) and len(routed.calls) == tiny.config.n_layer
     hybrid.close()
