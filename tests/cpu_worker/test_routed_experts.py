@@ -237,10 +237,24 @@ def test_a_killed_server_makes_the_client_raise_in_time(tiny_q4_path):
 def test_a_server_that_cannot_start_says_why(tiny_q4_path):
     """Guards the start: a child that fails to load answers with its reason, which the
     spawn raises, leaving no process or mailbox behind."""
-    before = set(os.listdir("/dev/shm"))
+    shm, children = set(os.listdir("/dev/shm")), _children()
     with pytest.raises(FermoeError, match="expert server: .*fermoe_no_such_experts"):
         spawn_expert_server(tiny_q4_path, threads=1, max_batch=2, experts="fermoe_no_such_experts")
-    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("fermoe_experts")}
+    assert not {n for n in set(os.listdir("/dev/shm")) - shm if n.startswith("fermoe_experts")}
+    assert _children() <= children          # the child reaped, not left a zombie
+
+
+def _children() -> set[int]:
+    """This process's child processes, zombies included."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.add(int(pid))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 def test_serve_experts_ends_on_stop_or_when_idle(engines):
