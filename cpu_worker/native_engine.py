@@ -64,6 +64,8 @@ class NativeEngine:
         if self._pool == self.ffi.NULL or self._ctx == self.ffi.NULL:
             raise FermoeError("could not create the native thread pool or scratch memory")
         self.threads, self.cpus = threads, cpus
+        self._moe_layers = frozenset(i for i, layer in enumerate(model.layers)
+                                     if getattr(layer, "ffn_gate_exps", None) is not None)
 
     @property
     def isa(self) -> str:
@@ -223,6 +225,73 @@ class NativeEngine:
         if len(tokens) != len(states):
             raise FermoeError("decode_batch needs one token for each of distinct sequences")
         return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
+
+    def routed_experts(self, layer: int, x, ids, weights, out: np.ndarray | None = None) -> np.ndarray:
+        """The routed experts of MoE layer `layer` for T tokens [T, n_embd]: each token's
+        sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), computed as the forward's MoE block
+        computes it (no router, no shared expert). x: [T, n_embd] the block's normalised
+        input; ids, weights: [T, n_expert_used]; T at most max_batch. out: where to write
+        (a contiguous float32 [T, n_embd]), else a new array. A hybrid decode step calls
+        this once a layer, so the checks are the cheap ones; the C side checks the ids."""
+        x, T = self._moe_input(layer, x)
+        shape = (T, self.model.config.n_expert_used)
+        ids, weights = np.ascontiguousarray(ids), np.ascontiguousarray(weights, np.float32)
+        if ids.shape != shape or weights.shape != shape or ids.dtype.kind not in "iu":
+            raise FermoeError(f"routed experts: ids {list(ids.shape)} ({ids.dtype}) and weights "
+                              f"{list(weights.shape)}: each must be {list(shape)}, the ids integers")
+        if ids.dtype != np.int32:           # a wider id may not fit int32: checked here, not in C
+            self._check_ids(ids)
+            ids = ids.astype(np.int32)
+        out = self._moe_output(out, T)
+        ffi = self.ffi
+        rc = self.lib.fm_routed_experts(self._ctx, layer, T, ffi.from_buffer("float[]", x),
+                                        ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", weights),
+                                        ffi.from_buffer("float[]", out))
+        if rc != 0:
+            self._check_ids(ids)
+            raise FermoeError(f"native routed experts refused layer {layer}, {T} tokens")
+        return out
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        n = self.model.config.n_expert
+        bad = ids[(ids < 0) | (ids >= n)]
+        if bad.size:
+            raise FermoeError(f"routed experts: expert id {int(bad[0])}: the model has experts 0..{n - 1}")
+
+    def moe_block(self, layer: int, x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The whole MoE block of `layer` (router, routed and shared experts) for T tokens of
+        normalised input x [T, n_embd], as the forward adds it to the residual: (its output
+        [T, n_embd], the experts it chose [T, k], their weights [T, k])."""
+        x, T = self._moe_input(layer, x)
+        k, ffi = self.model.config.n_expert_used, self.ffi
+        out, ids, weights = self._moe_output(None, T), np.empty((T, k), np.int32), np.empty((T, k), np.float32)
+        rc = self.lib.fm_moe_rows(self._ctx, layer, T, ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", out),
+                                  ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", weights))
+        if rc != 0:
+            raise FermoeError(f"native MoE block refused layer {layer}, {T} tokens")
+        return out, ids, weights
+
+    def _moe_input(self, layer, x) -> tuple[np.ndarray, int]:
+        """x as the C side reads it, and T; a FermoeError for a layer without experts or a
+        shape the context has no room for."""
+        if layer not in self._moe_layers or not isinstance(layer, (int, np.integer)):
+            n = self.model.config.n_layer
+            raise FermoeError(f"layer {layer!r} has no routed experts" if isinstance(layer, (int, np.integer))
+                              and 0 <= layer < n else f"layer {layer!r}: the model has layers 0..{n - 1}")
+        x = np.ascontiguousarray(x, np.float32)
+        D = self.model.config.n_embd
+        if x.ndim != 2 or x.shape[1] != D or not 1 <= x.shape[0] <= self.max_batch:
+            raise FermoeError(f"MoE input of shape {list(x.shape)}: must be [T, {D}], T in "
+                              f"1..{self.max_batch} (the engine's max_batch)")
+        return x, x.shape[0]
+
+    def _moe_output(self, out, T: int) -> np.ndarray:
+        D = self.model.config.n_embd
+        if out is None:
+            return np.empty((T, D), np.float32)
+        if out.shape != (T, D) or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+            raise FermoeError(f"routed experts: out must be a writable contiguous float32 [{T}, {D}]")
+        return out
 
     def _run(self, segments, all_logits: bool, want: bool):
         """One native pass over segments (tokens, state, media or None), at most max_batch

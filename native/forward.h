@@ -42,6 +42,19 @@ typedef struct {
 int fm_forward_inputs(fm_ctx *c, fm_seq *const *seqs, const int32_t *counts, int n_seqs, const int32_t *tokens,
                       const fm_inputs *inputs, float *logits, int all_logits);
 
+/* The routed experts of one MoE layer for T tokens, as fm_forward's MoE block computes them
+ * (x quantised to Q8_0 once, the tokens grouped by expert, the same kernels and sums):
+ * out[t] = sum_j weights[t][j] * expert_{ids[t][j]}(x[t]), without the router and the shared
+ * expert. x: [T][n_embd] the block's input, already normalised; ids, weights: [T][n_expert_used].
+ * For a hybrid decode step whose other parts run elsewhere. Returns 0, or -1 if layer is out of
+ * range or has no experts, T is outside 1..max_tokens or an id is outside 0..n_expert-1. */
+int fm_routed_experts(fm_ctx *c, int layer, int T, const float *x, const int32_t *ids, const float *weights,
+                      float *out);
+/* The whole MoE block of one layer for T tokens of normalised input x (router, routed and
+ * shared experts), and the experts and weights it routed each token to: what fm_forward adds
+ * to the residual. Returns 0, or -1 as fm_routed_experts does. */
+int fm_moe_rows(fm_ctx *c, int layer, int T, const float *x, float *out, int32_t *ids, float *weights);
+
 /* Wall time spent in each phase since the context was created or last reset:
  * Gated DeltaNet blocks, attention blocks, MoE blocks, LM head, the rest (norms,
  * embedding). For `fermoe bench decode`'s breakdown. */

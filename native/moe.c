@@ -62,32 +62,19 @@ void fm_moe_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]) {
     floats[3] = T * (m->n_expert + 1);                    /* the router's logits, the shared expert's gate */
 }
 
-void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
+/* The routed experts of T tokens whose inputs are c->xn (and quantised, c->xq), routed by
+ * c->ids and c->weights: y[t] = scale[t] * y[t] + sum_j weights[t][j] * expert_{ids[t][j]}(x[t]),
+ * with y = 0 first where scale is NULL. `extra` (the shared expert's down projection, which
+ * writes y, or NULL) runs in the experts' down projections' parallel region. */
+static void routed_experts(fm_ctx *c, const fm_layer *l, int T, const fm_job *extra, const float *scale, float *y) {
     const fm_model *m = c->m;
-    int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp;
+    int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp;
     int pairs = T * k;
-    float **buf = c->scratch;      /* as fm_moe_scratch sizes them */
-    float *router = buf[3], *sh_gate = buf[3] + (size_t)T * E;
-    float *G = buf[0], *U = buf[1], *Dn = buf[2], *Gs = buf[0] + (size_t)pairs * ff, *Us = buf[1] + (size_t)pairs * ff;
-
+    float *G = c->scratch[0], *U = c->scratch[1], *Dn = c->scratch[2];   /* as fm_moe_scratch sizes them */
+    int fp32 = l->ffn_gate_exps.type == FM_F32;
     /* h = silu(gate) * up comes out of the gate/up regions already quantised for
      * the down projections (F32 weights, in the tiny test models, read h itself). */
-    int fp32 = l->ffn_gate_exps.type == FM_F32;
     block_q8_0 *hq = ff % FM_QK || l->ffn_down_exps.type == FM_F32 ? NULL : c->hq;
-    block_q8_0 *hsq = ffs % FM_QK || l->ffn_down_shexp.type == FM_F32 ? NULL : c->hq + (size_t)pairs * (ff / 32);
-    /* the router's logits = x W_router; the shared expert's silu(x W_gate) * (x W_up) */
-    fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
-    fm_job first[2] = {
-        {.w = &l->ffn_gate_inp, .x = c->xn, .xq = c->xq, .B = T, .y = router, .ldy = E},
-        {.w = &l->ffn_gate_shexp, .x = c->xn, .xq = c->xq, .B = T, .y = Gs, .ldy = ffs,
-         .w_up = &l->ffn_up_shexp, .y_up = Us, .hq = hsq},
-    };
-    fm_run_jobs(c->pool, first, ffs ? 2 : 1);
-    /* each token's top-k experts and their renormalised softmax weights */
-    for (int t = 0; t < T; t++) {
-        route(router + (size_t)t * E, E, k, c->ids + (size_t)t * k, c->weights + (size_t)t * k);
-        if (ffs) sh_gate[t] = fm_dot(l->ffn_gate_inp_shexp.data, c->xn + (size_t)t * D, D);
-    }
 
     /* the (token, expert) pairs grouped by expert: each chosen expert's silu(x W_gate) * (x W_up)
      * over its tokens at once */
@@ -105,7 +92,7 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
     }
     fm_run_jobs(c->pool, jobs, n_used);
 
-    /* their down projections, and the shared expert's */
+    /* their down projections (and the extra job) */
     for (int i = 0; i < n_used; i++) {
         int e = experts[i], p = firstp[e];
         jobs[i] = (fm_job){.w = &l->ffn_down_exps, .mat = e, .x = G + (size_t)p * ff,
@@ -113,21 +100,75 @@ void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
                            .ldy = D};
     }
     int n_jobs = n_used;
-    if (ffs) jobs[n_jobs++] = (fm_job){.w = &l->ffn_down_shexp, .x = Gs, .xq = hsq, .B = T, .y = c->tmp, .ldy = D};
-    else memset(c->tmp, 0, (size_t)T * D * sizeof(float));
+    if (extra) jobs[n_jobs++] = *extra;
     fm_run_jobs(c->pool, jobs, n_jobs);
 
-    /* y[t] = sigmoid(w_sh . x) * shared(x) + sum_k p_k * expert_k(x) */
-    if (ffs)
-        for (int t = 0; t < T; t++) {
-            float s = fm_sigmoid(sh_gate[t]);
-            for (int i = 0; i < D; i++) c->tmp[(size_t)t * D + i] *= s;
-        }
+    if (scale)
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < D; i++) y[(size_t)t * D + i] *= scale[t];
+    else memset(y, 0, (size_t)T * D * sizeof(float));
     for (int p = 0; p < pairs; p++) {
         int t = c->pair_token[p];
         float w = c->weights[c->pair_slot[p]];
-        float *y = c->tmp + (size_t)t * D;
+        float *yt = y + (size_t)t * D;
         const float *src = Dn + (size_t)p * D;
-        for (int i = 0; i < D; i++) y[i] += w * src[i];
+        for (int i = 0; i < D; i++) yt[i] += w * src[i];
     }
+}
+
+void fm_moe_block(fm_ctx *c, const fm_layer *l, int T) {
+    const fm_model *m = c->m;
+    int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp, ffs = m->n_ff_shexp;
+    int pairs = T * k;
+    float **buf = c->scratch;      /* as fm_moe_scratch sizes them */
+    float *router = buf[3], *sh_gate = buf[3] + (size_t)T * E;
+    float *Gs = buf[0] + (size_t)pairs * ff, *Us = buf[1] + (size_t)pairs * ff;
+    block_q8_0 *hsq = ffs % FM_QK || l->ffn_down_shexp.type == FM_F32 ? NULL : c->hq + (size_t)pairs * (ff / 32);
+    /* the router's logits = x W_router; the shared expert's silu(x W_gate) * (x W_up) */
+    fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
+    fm_job first[2] = {
+        {.w = &l->ffn_gate_inp, .x = c->xn, .xq = c->xq, .B = T, .y = router, .ldy = E},
+        {.w = &l->ffn_gate_shexp, .x = c->xn, .xq = c->xq, .B = T, .y = Gs, .ldy = ffs,
+         .w_up = &l->ffn_up_shexp, .y_up = Us, .hq = hsq},
+    };
+    fm_run_jobs(c->pool, first, ffs ? 2 : 1);
+    /* each token's top-k experts and their renormalised softmax weights; its shared expert's gate */
+    for (int t = 0; t < T; t++) {
+        route(router + (size_t)t * E, E, k, c->ids + (size_t)t * k, c->weights + (size_t)t * k);
+        if (ffs) sh_gate[t] = fm_sigmoid(fm_dot(l->ffn_gate_inp_shexp.data, c->xn + (size_t)t * D, D));
+    }
+    /* y[t] = sigmoid(w_sh . x) * shared(x) + sum_k p_k * expert_k(x) */
+    fm_job shared_down = {.w = &l->ffn_down_shexp, .x = Gs, .xq = hsq, .B = T, .y = c->tmp, .ldy = D};
+    routed_experts(c, l, T, ffs ? &shared_down : NULL, ffs ? sh_gate : NULL, c->tmp);
+}
+
+int fm_routed_experts(fm_ctx *c, int layer, int T, const float *x, const int32_t *ids, const float *weights,
+                      float *out) {
+    const fm_model *m = c->m;
+    if (layer < 0 || layer >= m->n_layer || T < 1 || T > c->max_tokens) return -1;
+    const fm_layer *l = &m->layers[layer];
+    if (!l->ffn_gate_exps.data || !l->ffn_up_exps.data || !l->ffn_down_exps.data) return -1;
+    int D = m->n_embd, k = m->n_expert_used;
+    for (int i = 0; i < T * k; i++)
+        if (ids[i] < 0 || ids[i] >= m->n_expert) return -1;
+    memcpy(c->xn, x, (size_t)T * D * sizeof(float));
+    memcpy(c->ids, ids, (size_t)T * k * sizeof(int32_t));
+    memcpy(c->weights, weights, (size_t)T * k * sizeof(float));
+    fm_quantize_rows(c->pool, c->xn, c->xq, T, D);
+    routed_experts(c, l, T, NULL, NULL, out);
+    return 0;
+}
+
+int fm_moe_rows(fm_ctx *c, int layer, int T, const float *x, float *out, int32_t *ids, float *weights) {
+    const fm_model *m = c->m;
+    if (layer < 0 || layer >= m->n_layer || T < 1 || T > c->max_tokens) return -1;
+    const fm_layer *l = &m->layers[layer];
+    if (!l->ffn_gate_exps.data || !l->ffn_up_exps.data || !l->ffn_down_exps.data || !l->ffn_gate_inp.data) return -1;
+    int D = m->n_embd, k = m->n_expert_used;
+    memcpy(c->xn, x, (size_t)T * D * sizeof(float));
+    fm_moe_block(c, l, T);
+    memcpy(out, c->tmp, (size_t)T * D * sizeof(float));
+    memcpy(ids, c->ids, (size_t)T * k * sizeof(int32_t));
+    memcpy(weights, c->weights, (size_t)T * k * sizeof(float));
+    return 0;
 }

@@ -37,6 +37,10 @@ class ExchangeError(FermoeError):
     """A message too large for the mailbox, or no reply in time."""
 
 
+class ExchangeTimeout(ExchangeError):
+    """No message in time: nothing was consumed, so a receive() may wait again."""
+
+
 class Exchange:
     """One end of a two-way mailbox: `send` writes to the peer, `receive` waits for it."""
 
@@ -65,13 +69,18 @@ class Exchange:
     def name(self) -> str:
         return self.arena.name
 
-    def send(self, payload) -> None:
-        """Write `payload` (bytes or a contiguous array) for the peer's next receive()."""
-        data = memoryview(payload).cast("B")
-        if data.nbytes > self.capacity:
-            raise ExchangeError(f"a message of {data.nbytes} bytes: the exchange holds {self.capacity}")
-        self._out[HEADER:HEADER + data.nbytes] = data
-        self._out_head[1] = data.nbytes
+    def send(self, *parts) -> None:
+        """Write `parts` (bytes or contiguous arrays), one after the other, as one message
+        for the peer's next receive(): each is copied once, straight into the mailbox."""
+        views = [memoryview(p).cast("B") for p in parts]
+        n = sum(v.nbytes for v in views)
+        if n > self.capacity:
+            raise ExchangeError(f"a message of {n} bytes: the exchange holds {self.capacity}")
+        at = HEADER
+        for v in views:
+            self._out[at:at + v.nbytes] = v
+            at += v.nbytes
+        self._out_head[1] = n
         self._sent += 1
         self._out_head[0] = self._sent          # last: the payload is whole once this is seen
 
@@ -86,7 +95,7 @@ class Exchange:
                 if waited < SPIN_S:
                     continue
                 if waited > timeout_s:
-                    raise ExchangeError(f"no message from the other end of {self.name} in {timeout_s:g} s")
+                    raise ExchangeTimeout(f"no message from the other end of {self.name} in {timeout_s:g} s")
                 time.sleep(0 if waited < YIELD_S else SLEEP_S)
         self._seen += 1
         if int(head[0]) != self._seen:

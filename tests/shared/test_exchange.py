@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from shared.exchange import Exchange, ExchangeError
+from shared.exchange import Exchange, ExchangeError, ExchangeTimeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -45,6 +45,21 @@ def test_refusals_name_the_problem():
         a.send(b"three")
         with pytest.raises(ExchangeError, match="sent 1 messages more than were received"):
             b.receive()
+        b.close()
+
+
+def test_a_message_of_several_parts_arrives_as_one():
+    """Guards send(*parts): each part lands after the one before it, the length is their
+    sum, and parts over the capacity together are refused though each alone fits."""
+    with Exchange.create(64) as a:
+        b = Exchange.attach(a.name, 64)
+        a.send(b"head", np.arange(3, dtype=np.int32), np.ones((2, 2), np.float32), b"")
+        want = b"head" + np.arange(3, dtype=np.int32).tobytes() + np.ones((2, 2), np.float32).tobytes()
+        assert bytes(b.receive(timeout_s=5)) == want
+        with pytest.raises(ExchangeError, match="a message of 65 bytes: the exchange holds 64"):
+            b.send(bytes(40), bytes(25))
+        with pytest.raises(ExchangeTimeout):
+            a.receive(timeout_s=0.01)
         b.close()
 
 
