@@ -47,16 +47,30 @@ class ExpertClient:
     def __init__(self, exchange, timeout_s: float = 30.0, gone=None):
         self.exchange, self.timeout_s, self.gone = exchange, timeout_s, gone
         self.broken: str | None = None
+        self._asked: tuple[int, int] | None = None     # (T, D) of the request awaiting its answer
 
     def routed(self, layer: int, x, ids, weights, out: np.ndarray | None = None) -> np.ndarray:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) of MoE layer `layer` [T, D]; a server's
         refusal is a FermoeError with its message. out: where to write, else a new array."""
+        self.submit(layer, x, ids, weights)
+        return self.collect(out)
+
+    def submit(self, layer: int, x, ids, weights) -> None:
+        """routed()'s request alone: the server computes while the caller goes on; collect()
+        takes the answer."""
         x = np.ascontiguousarray(x, np.float32)
         ids, weights = np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(weights, np.float32)
         if x.ndim != 2 or ids.ndim != 2:
             raise FermoeError(f"routed experts: x {list(x.shape)} and ids {list(ids.shape)} must be 2-D")
         (T, D), k = x.shape, ids.shape[1]
         self._send(header(REQUEST, layer, T, k, D), x, ids, weights)
+        self._asked = (T, D)
+
+    def collect(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The answer to the request submit() sent."""
+        if self._asked is None:
+            raise FermoeError("expert server: collect() without a request")
+        (T, D), self._asked = self._asked, None
         msg = self._receive()
         kind, _, t, _, d = HEADER.unpack_from(msg)[:5]
         if kind == ERROR:

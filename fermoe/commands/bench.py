@@ -10,15 +10,18 @@ NAME = "bench"
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="benchmarks printing JSON: kernels | decode MODEL | prefill MODEL | serve MODEL "
-                                  "| http [MODEL] | agent MODEL | restart MODEL | vision | tools [MODEL] | exchange",
+                                  "| http [MODEL] | agent MODEL | restart MODEL | vision | tools [MODEL] | exchange "
+                                  "| hybrid MODEL",
                        description="Benchmarks printing JSON; `fermoe bench WHAT --help` lists that one's options.")
     p.add_argument("what", choices=["kernels", "decode", "prefill", "serve", "http", "agent", "restart", "vision",
-                                          "tools", "exchange"],
+                                          "tools", "exchange", "hybrid"],
                    help="kernels (the native matrix kernels), decode or prefill (one engine on a model), serve "
                         "(the daemon: time to first token, clients), http (the HTTP API end to end), agent (an "
                         "agent's turns and the prefix cache), restart (the snapshot disk tier across restarts), vision (images through the vision tower on the CPU and "
                         "the GPU), tools (how often the built-in model calls its pydoc tool correctly on held-out "
-                        "names) or exchange (a round trip between two processes: shared memory against ZeroMQ)")
+                        "names), exchange (a round trip between two processes: shared memory against ZeroMQ) or "
+                        "hybrid (decode with the dense part on the GPU, the routed experts on the CPU, beside the "
+                        "CPU alone)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
 
@@ -41,6 +44,8 @@ def run(args) -> None:
         from bench.tool_calls import main as bench_main
     elif args.what == "exchange":
         from bench.exchange import main as bench_main
+    elif args.what == "hybrid":
+        from bench.hybrid import main as bench_main
     else:
         from bench.serve import main as bench_main
     sys.argv[0] = f"fermoe bench {args.what}"

@@ -85,7 +85,8 @@ def image_encoder(args, model):
 def add_engine(p: argparse.ArgumentParser):
     p.add_argument("--engine", default="cpu",
                    help="cpu (native W4A8 kernels, the default), gpu (prefill on the GPU, decode on the cpu "
-                        "engine) or reference (the numpy spec: slow)")
+                        "engine), hybrid (prefill on the GPU, decode with the dense part on the GPU and the routed "
+                        "experts on the cpu engine) or reference (the numpy spec: slow)")
     add_threads(p)
     add_kv_cache_dtype(p)
     add_gpu_options(p)

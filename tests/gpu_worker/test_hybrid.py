@@ -4,6 +4,10 @@ come from elsewhere. With the routed experts computed in fp32 by the numpy refer
 the arithmetic is the GPU prefill's, so the logits must be the reference's own."""
 from __future__ import annotations
 
+import json
+import os
+import signal
+
 import numpy as np
 import pytest
 
@@ -12,6 +16,8 @@ from shared.engine import ReferenceEngine
 from shared.errors import FermoeError
 from shared.reference import swiglu
 from tests.gpu_worker.test_engine import PROMPT, close, device_kind, gpu  # noqa: F401 (a fixture)
+from tests.support.bench_keys import assert_keys_documented
+from tests.support.serving_harness import fermoe
 
 
 class ReferenceRouted:
@@ -203,3 +209,86 @@ def test_a_prompt_longer_than_a_step_is_prefilled_then_stepped(tiny, want, devic
     close(hybrid.forward([PROMPT[60]], state, all_logits=False)[-1], logits[40])
     assert hybrid.resident(state) and len(routed.calls) == tiny.config.n_layer
     hybrid.close()
+
+
+# ---- with the CPU engine's routed experts ------------------------------------------------------
+def greedy(engine, state, logits, n):
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = engine.forward([out[-1]], state, all_logits=False)[-1]
+    return out
+
+
+class KillAt:
+    """An expert server's client that SIGKILLs the server before its n-th request: the CPU
+    worker lost mid-generation."""
+
+    def __init__(self, client, proc, n):
+        self.client, self.proc, self.n = client, proc, n
+
+    def submit(self, *args):
+        self.n -= 1
+        if self.n == 0:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=20)
+        self.client.submit(*args)
+
+    def collect(self):
+        return self.client.collect()
+
+
+def test_a_killed_expert_server_finishes_the_request_on_the_cpu(tiny, device_kind):
+    """Guards the hybrid across processes and its fallback: with the routed experts in an
+    expert server, the tokens are those of the routed experts computed in this process (the
+    same W4A8 kernels); the server SIGKILLed in the 5th step's 2nd layer, that step and the
+    rest run on the CPU engine from the GPU prefill's state with the tokens since replayed:
+    exactly what the CPU engine decodes from there."""
+    from cpu_worker.expert_server import spawn_expert_server, stop_expert_server
+    from cpu_worker.native_engine import NativeEngine
+    engine = gpu(tiny, device_kind)
+    cpu = NativeEngine(tiny, threads=1)
+    start = engine.new_state()
+    first = engine.forward(PROMPT[:40], start, all_logits=False)[-1]
+
+    inline = HybridEngine(engine, cpu.routed_experts)
+    want = greedy(inline, start.copy(), first, 10)
+    inline.close()
+
+    proc, client = spawn_expert_server(tiny.path, threads=1, max_batch=8, timeout_s=20)
+    try:
+        n_layer = tiny.config.n_layer
+        both = HybridWithFallback(HybridEngine(engine, KillAt(client, proc, 4 * n_layer + 2)), cpu)
+        got = greedy(both, start.copy(), first, 10)
+        assert "killed by signal 9" in both.failure
+    finally:
+        stop_expert_server(proc, client)
+    assert got[:5] == want[:5]                  # token 0 from the prefill, 1-4 from hybrid steps
+    state = start.copy()
+    assert got[5:] == greedy(cpu, state, cpu.forward(got[:5], state, all_logits=False)[-1], 5)
+    cpu.close()
+    engine.close()
+
+
+def test_generate_with_engine_hybrid(tiny_q4_path):
+    """`fermoe generate --engine hybrid` (the emulated GPU and the CPU engine's experts) prints
+    what --engine cpu prints on this prompt."""
+    args = ("generate", tiny_q4_path, "-p", "The old GPU said", "-n", 12, "--temp", 0)
+    hybrid = fermoe(*args, "--engine", "hybrid", env={"FERMOE_GPU": "emulate"}, check=False)
+    assert hybrid.returncode == 0, hybrid.stderr
+    assert hybrid.stdout == fermoe(*args, "--engine", "cpu", check=False).stdout and hybrid.stdout.strip()
+
+
+def test_bench_hybrid_reports_every_way(tiny_q4_path):
+    """`fermoe bench hybrid` on the emulated GPU: the three ways with their documented keys,
+    one hand-over a layer, and the hybrid's tokens the same whichever side computes the experts."""
+    run = fermoe("bench", "hybrid", tiny_q4_path, "--prompt", 24, "--tokens", 4, "-t", 1,
+                 env={"FERMOE_GPU": "emulate"}, check=False)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    import bench.hybrid
+    assert_keys_documented(out, bench.hybrid)
+    n_layer = out["hybrid_inline"]["hops_per_token"]
+    assert n_layer == out["hybrid_process"]["hops_per_token"] > 0
+    assert out["hybrid_inline"]["tokens_agree"] == out["hybrid_process"]["tokens_agree"]
+    assert out["routed_floor_ms"] > 0 and out["speedup_hybrid_process"] > 0
