@@ -8,13 +8,16 @@ alone (the paper's split), in the hybrid with the routed experts computed in thi
 with them in an expert server process across the shared-memory mailbox (`process`: what a
 GPU worker and a CPU worker would do). The CPU side of each runs on the same threads.
 
-The hybrid's CPU share of a token is the routed experts' weights (k of the experts of each
-MoE layer): routed_floor_ms is their bytes over the CPU threads' read bandwidth measured in
-the same run, what a step's CPU part cannot beat.
+The expert layers the GPU engine's memory plan keeps resident in VRAM run on the GPU in the
+hybrid (all of them where the whole model fits); --no-gpu-experts sends every layer's to the
+CPU (the ablation). The hybrid's CPU share of a token is the other layers' routed experts'
+weights (k of the experts of each): routed_floor_ms is their bytes over the CPU threads'
+read bandwidth measured in the same run, what a step's CPU part cannot beat.
 
 JSON keys:
   model, device              the GGUF path or built-in name; the GPU's name
   threads                    the CPU engine's and the expert server's threads (-t, or the default)
+  gpu_expert_layers          the MoE layers whose routed experts the hybrid runs on the GPU
   prompt_tokens, decode_tokens, batch   the options
   <way>                      cpu, hybrid_inline, hybrid_process (each only when run: --ways)
   <way>.ms_per_token_median  ms: the median step (all `batch` sequences)
@@ -28,7 +31,7 @@ JSON keys:
       (the CPU's sum, what of it the GPU's shared expert did not hide), up (the sum queued back)
   <way>.routing_ms_per_token.<part>  ms
   speedup_<way>              hybrid ways: cpu's ms_per_token_median over this way's
-  routed_mb_per_token        MB: the routed experts' weights one token reads (the CPU's share)
+  routed_mb_per_token        MB: the routed experts' weights one token reads on the CPU in the hybrid
   cpu_read_gb_s              GB/s: the CPU threads reading a buffer far larger than the caches
   routed_floor_ms            ms: routed_mb_per_token over cpu_read_gb_s
 """
@@ -45,10 +48,12 @@ from shared.model import Model, Weight
 WAYS = ("cpu", "hybrid_inline", "hybrid_process")
 
 
-def routed_bytes_per_token(model: Model) -> int:
-    """Weight bytes of the k routed experts each MoE layer runs for one token."""
+def routed_bytes_per_token(model: Model, skip=()) -> int:
+    """Weight bytes of the k routed experts each MoE layer (but those in `skip`) runs for one token."""
     cfg, total = model.config, 0
-    for layer in model.layers:
+    for L, layer in enumerate(model.layers):
+        if L in skip:
+            continue
         for name, w in vars(layer).items():
             if isinstance(w, Weight) and name.endswith("_exps"):
                 total += len(w.raw) * cfg.n_expert_used // cfg.n_expert
@@ -76,7 +81,8 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 
 def run(model_path: str, prompt_tokens: int = 64, decode_tokens: int = 32, batch: int = 1,
-        threads: int | None = None, gpu_mem: int | None = None, gpu: int = 0, ways=WAYS, seed: int = 0) -> dict:
+        threads: int | None = None, gpu_mem: int | None = None, gpu: int = 0, ways=WAYS, seed: int = 0,
+        gpu_experts: bool = True) -> dict:
     from cpu_worker.expert_server import spawn_expert_server, stop_expert_server
     from cpu_worker.native_engine import NativeEngine
     from gpu_worker.engine import GPUEngine
@@ -110,7 +116,7 @@ def run(model_path: str, prompt_tokens: int = 64, decode_tokens: int = 32, batch
         else:
             routed = cpu.routed_experts
         try:
-            hybrid = HybridEngine(engine, routed, max_batch=max(batch, 1))
+            hybrid = HybridEngine(engine, routed, max_batch=max(batch, 1), gpu_experts=gpu_experts)
             warm = states()
             greedy_steps(hybrid, warm, first, 2)
             for s in warm:
@@ -135,7 +141,9 @@ def run(model_path: str, prompt_tokens: int = 64, decode_tokens: int = 32, batch
             entry["routing_ms_per_token"] = {k: round(1000 * v / decode_tokens, 3) for k, v in routing.seconds.items()}
             out[f"speedup_{way}"] = round(cpu_ms / ms, 3)
         out[way] = entry
-    routed = routed_bytes_per_token(model)
+    on_gpu = sorted(engine.experts.resident) if gpu_experts else []
+    out["gpu_expert_layers"] = on_gpu
+    routed = routed_bytes_per_token(model, skip=on_gpu)
     bandwidth = cpu.read_bandwidth()
     out["routed_mb_per_token"] = round(routed / 1e6, 2)
     out["cpu_read_gb_s"] = round(bandwidth / 1e9, 2)
@@ -154,6 +162,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--ways", default=",".join(WAYS), help=f"which to run, comma-separated (default {','.join(WAYS)})")
+    p.add_argument("--no-gpu-experts", action="store_true",
+                   help="every layer's routed experts on the CPU, even those resident in VRAM")
     add_gpu_options(p)
     args = p.parse_args(argv)
     ways = args.ways.split(",")
@@ -163,4 +173,4 @@ def main(argv=None) -> None:
         p.error("--prompt, --tokens and --batch must be at least 1")
     gpu = gpu_engine_options(args)
     print(json.dumps(run(args.model, args.prompt, args.tokens, args.batch, args.threads, gpu["gpu_mem"], gpu["gpu"],
-                         ways), indent=2))
+                         ways, gpu_experts=not args.no_gpu_experts), indent=2))

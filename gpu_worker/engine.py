@@ -254,8 +254,8 @@ class GPUEngine:
                 self._attention(L, n, segments)
             else:
                 self._gdn(L, n, segments, chunk_at)
-            if routed is None:
-                self._moe(L, n)
+            if routed is None or (routed.gpu_experts and L in self.experts.resident):
+                self._moe(L, n)             # a hybrid step's layer whose experts are in VRAM anyway: here
             else:
                 self._moe_hybrid(L, n, routed)
         self._mark("lm_head")

@@ -47,10 +47,11 @@ class HybridRouting:
 
     routed: a callable (layer, x [T, D], ids [T, k] int32, weights [T, k]) -> [T, D]
     float32, or an object with submit(same) and collect() -> [T, D] (a CPU worker across
-    a mailbox: it computes while the GPU goes on)."""
+    a mailbox: it computes while the GPU goes on). gpu_experts: the layers whose experts
+    the prefill keeps resident in VRAM run them there, with no hand-over."""
 
-    def __init__(self, device, stream, routed, rows: int, d: int, k: int):
-        self.device, self.stream, self.routed = device, stream, routed
+    def __init__(self, device, stream, routed, rows: int, d: int, k: int, gpu_experts: bool = True):
+        self.device, self.stream, self.routed, self.gpu_experts = device, stream, routed, gpu_experts
         self.x = device.pagelocked_empty((rows, d), np.float32)
         self.ids = device.pagelocked_empty((rows, k), np.int32)
         self.weights = device.pagelocked_empty((rows, k), np.float32)
@@ -113,11 +114,14 @@ class HybridEngine:
     name = "hybrid"
     threads = 1
 
-    def __init__(self, gpu, routed, max_batch: int = MAX_ROWS):
+    def __init__(self, gpu, routed, max_batch: int = MAX_ROWS, gpu_experts: bool = True):
+        """gpu_experts: the expert layers resident in VRAM (as many as the prefill's memory
+        plan keeps there) run on the GPU; False sends every layer's to `routed` (the ablation)."""
         cfg = gpu.cfg
         self.gpu, self.cfg, self.max_batch = gpu, cfg, max_batch
         self.kv_cache_dtype = gpu.kv_cache_dtype
-        self.routing = HybridRouting(gpu.device, gpu.ops.stream, routed, max_batch, cfg.n_embd, cfg.n_expert_used)
+        self.routing = HybridRouting(gpu.device, gpu.ops.stream, routed, max_batch, cfg.n_embd, cfg.n_expert_used,
+                                     gpu_experts)
         self._resident: dict[int, Resident] = {}
 
     def new_state(self) -> SequenceState:
@@ -144,6 +148,11 @@ class HybridEngine:
         return self.forward_batch([(tokens[i:i + 1], s) for i, s in enumerate(states)])
 
     # ---- residency ---------------------------------------------------------------------
+    @property
+    def gpu_expert_layers(self) -> list[int]:
+        """The MoE layers a step runs wholly on the GPU (their experts resident in VRAM)."""
+        return sorted(self.gpu.experts.resident) if self.routing.gpu_experts else []
+
     def resident(self, state: SequenceState) -> bool:
         return id(state) in self._resident
 

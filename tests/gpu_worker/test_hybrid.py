@@ -36,6 +36,11 @@ class ReferenceRouted:
         return out
 
 
+def streaming(model, kind):
+    """A GPU engine that keeps no expert layer in VRAM: every layer's experts go to `routed`."""
+    return gpu(model, kind, resident=False)
+
+
 def reference_run(model, tokens):
     ref = ReferenceEngine(model)
     state = ref.new_state()
@@ -53,7 +58,7 @@ def test_decode_steps_give_the_references_logits(tiny, want, device_kind):
     shared expert and the combine on the GPU) and the state kept on the device from step
     to step: each one-token step's logits are the reference's at that position."""
     logits, _ = want
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     routed = ReferenceRouted(tiny)
     hybrid = HybridEngine(engine, routed)
     state = engine.new_state()
@@ -73,7 +78,7 @@ def test_release_hands_back_the_whole_state(tiny, want, device_kind):
     """Guards sync/release: the host state after release holds the recurrent state, conv
     and every KV row the steps made, as the reference's; the reference decodes on from it."""
     logits, ref_state = want
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     hybrid = HybridEngine(engine, ReferenceRouted(tiny))
     state = engine.new_state()
     engine.forward(PROMPT[:40], state, all_logits=False)
@@ -96,7 +101,7 @@ def test_release_hands_back_the_whole_state(tiny, want, device_kind):
 def test_a_batch_of_sequences_steps_together(tiny, device_kind):
     """Guards the rows of a step: two sequences at different positions decode in one pass,
     each on its own state, with the logits each gets alone."""
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     hybrid = HybridEngine(engine, ReferenceRouted(tiny))
     a, b = engine.new_state(), engine.new_state()
     engine.forward(PROMPT[:30], a, all_logits=False)
@@ -111,7 +116,7 @@ def test_a_batch_of_sequences_steps_together(tiny, device_kind):
 def test_the_kv_grows_past_its_first_rows(tiny, device_kind):
     """Guards the growth of a resident sequence's KV: a state admitted just below a
     multiple of KV_ROUND keeps its earlier rows when the device copy grows."""
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     hybrid = HybridEngine(engine, ReferenceRouted(tiny))
     ref = ReferenceEngine(tiny)
     state, ref_state = ref.new_state(), ref.new_state()
@@ -127,7 +132,7 @@ def test_the_kv_grows_past_its_first_rows(tiny, device_kind):
 
 
 def test_wrong_inputs_are_refused(tiny):
-    engine = gpu(tiny, "emulate")
+    engine = streaming(tiny, "emulate")
     hybrid = HybridEngine(engine, ReferenceRouted(tiny), max_batch=4)
     with pytest.raises(FermoeError, match="at most 4"):
         hybrid.forward_batch([(PROMPT[:3], engine.new_state()), (PROMPT[:2], engine.new_state())])
@@ -160,7 +165,7 @@ def test_a_failed_step_hands_the_sequence_to_another_engine(tiny, want, device_k
     at its last level point with the tokens stepped since; run again on the reference (the
     CPU's place), the sequence goes on with the logits it would have had."""
     logits, _ = want
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     n_layer = tiny.config.n_layer
     hybrid = HybridEngine(engine, FailingRouted(tiny, fail_at=3 * n_layer + 1))   # in the 4th step's 2nd layer
     state = engine.new_state()
@@ -183,7 +188,7 @@ def test_with_a_fallback_a_lost_peer_costs_no_token(tiny, want, device_kind):
     level point, and each position's logits are still the reference's. A prompt of a
     step's size runs as one hybrid step."""
     logits, _ = want
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     n_layer = tiny.config.n_layer
     both = HybridWithFallback(HybridEngine(engine, FailingRouted(tiny, fail_at=2 * n_layer + 1)),
                               ReferenceEngine(tiny))
@@ -200,7 +205,7 @@ def test_a_prompt_longer_than_a_step_is_prefilled_then_stepped(tiny, want, devic
     """Guards forward()'s two paths: more tokens than a step takes go through the GPU
     prefill (experts streamed), and the state then steps in the hybrid."""
     logits, _ = want
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     routed = ReferenceRouted(tiny)
     hybrid = HybridEngine(engine, routed, max_batch=8)
     state = hybrid.new_state()
@@ -246,7 +251,7 @@ def test_a_killed_expert_server_finishes_the_request_on_the_cpu(tiny, device_kin
     exactly what the CPU engine decodes from there."""
     from cpu_worker.expert_server import spawn_expert_server, stop_expert_server
     from cpu_worker.native_engine import NativeEngine
-    engine = gpu(tiny, device_kind)
+    engine = streaming(tiny, device_kind)
     cpu = NativeEngine(tiny, threads=1)
     start = engine.new_state()
     first = engine.forward(PROMPT[:40], start, all_logits=False)[-1]
@@ -279,16 +284,35 @@ def test_generate_with_engine_hybrid(tiny_q4_path):
     assert hybrid.stdout == fermoe(*args, "--engine", "cpu", check=False).stdout and hybrid.stdout.strip()
 
 
-def test_bench_hybrid_reports_every_way(tiny_q4_path):
+def test_bench_hybrid_reports_every_way(tiny, tiny_q4_path):
     """`fermoe bench hybrid` on the emulated GPU: the three ways with their documented keys,
     one hand-over a layer, and the hybrid's tokens the same whichever side computes the experts."""
-    run = fermoe("bench", "hybrid", tiny_q4_path, "--prompt", 24, "--tokens", 4, "-t", 1,
+    run = fermoe("bench", "hybrid", tiny_q4_path, "--prompt", 24, "--tokens", 4, "-t", 1, "--no-gpu-experts",
                  env={"FERMOE_GPU": "emulate"}, check=False)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     import bench.hybrid
     assert_keys_documented(out, bench.hybrid)
-    n_layer = out["hybrid_inline"]["hops_per_token"]
-    assert n_layer == out["hybrid_process"]["hops_per_token"] > 0
+    assert out["gpu_expert_layers"] == []
+    assert out["hybrid_inline"]["hops_per_token"] == out["hybrid_process"]["hops_per_token"] == tiny.config.n_layer
     assert out["hybrid_inline"]["tokens_agree"] == out["hybrid_process"]["tokens_agree"]
     assert out["routed_floor_ms"] > 0 and out["speedup_hybrid_process"] > 0
+
+
+@pytest.mark.parametrize("gpu_experts", [True, False])
+def test_layers_whose_experts_are_in_vram_run_them_there(tiny, want, device_kind, gpu_experts):
+    """Guards gpu_experts: with two expert layers resident, a step runs theirs on the GPU
+    (no hand-over: routed is never asked for them) and the logits stay the reference's;
+    switched off, every layer's go to routed."""
+    logits, _ = want
+    engine = gpu(tiny, device_kind)
+    state = engine.new_state()
+    engine.forward(PROMPT[:40], state, all_logits=False)
+    engine.experts.set_resident([1, 3])
+    routed = ReferenceRouted(tiny)
+    hybrid = HybridEngine(engine, routed, gpu_experts=gpu_experts)
+    close(hybrid.forward([PROMPT[60]], state, all_logits=False)[-1], logits[40])
+    on_gpu = [1, 3] if gpu_experts else []
+    assert hybrid.gpu_expert_layers == on_gpu
+    assert [L for L, _ in routed.calls] == [L for L in range(tiny.config.n_layer) if L not in on_gpu]
+    hybrid.close()
