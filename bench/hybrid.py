@@ -10,7 +10,8 @@ GPU worker and a CPU worker would do). The CPU side of each runs on the same thr
 
 The expert layers the GPU engine's memory plan keeps resident in VRAM run on the GPU in the
 hybrid (all of them where the whole model fits); --no-gpu-experts sends every layer's to the
-CPU (the ablation). The hybrid's CPU share of a token is the other layers' routed experts'
+CPU (the ablation); --hot-experts N keeps each streamed layer's N most routed experts in VRAM
+too (chosen again every 256 tokens) and runs their choices on the GPU. The hybrid's CPU share of a token is the other layers' routed experts'
 weights (k of the experts of each): routed_floor_ms is their bytes over the CPU threads'
 read bandwidth measured in the same run, what a step's CPU part cannot beat.
 
@@ -26,6 +27,8 @@ JSON keys:
   <way>.tokens_agree         hybrid ways: leading greedy tokens equal to the CPU-only decode's
       (the dense part in fp32 here, W4A8 there: a near tie may go the other way)
   <way>.hops_per_token       hybrid ways: hand-overs a step (one a MoE layer)
+  <way>.gpu_choices_per_token  hybrid ways: expert choices a step ran on the GPU as hot experts
+      (--hot-experts; the warm-up's steps count the routing they are chosen by)
   <way>.routing_ms_per_token hybrid ways: the host's time a step in the hand-overs: down (the GPU's
       layer up to its router, then the rows and choices copied to page-locked memory), experts
       (the CPU's sum, what of it the GPU's shared expert did not hide), up (the sum queued back)
@@ -82,7 +85,7 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 def run(model_path: str, prompt_tokens: int = 64, decode_tokens: int = 32, batch: int = 1,
         threads: int | None = None, gpu_mem: int | None = None, gpu: int = 0, ways=WAYS, seed: int = 0,
-        gpu_experts: bool = True) -> dict:
+        gpu_experts: bool = True, hot_experts: int = 0) -> dict:
     from cpu_worker.expert_server import spawn_expert_server, stop_expert_server
     from cpu_worker.native_engine import NativeEngine
     from gpu_worker.engine import GPUEngine
@@ -116,13 +119,14 @@ def run(model_path: str, prompt_tokens: int = 64, decode_tokens: int = 32, batch
         else:
             routed = cpu.routed_experts
         try:
-            hybrid = HybridEngine(engine, routed, max_batch=max(batch, 1), gpu_experts=gpu_experts)
+            hybrid = HybridEngine(engine, routed, max_batch=max(batch, 1), gpu_experts=gpu_experts,
+                                  hot_experts=hot_experts)
             warm = states()
             greedy_steps(hybrid, warm, first, 2)
             for s in warm:
                 hybrid.release(s)
             hybrid.routing.seconds = dict.fromkeys(hybrid.routing.seconds, 0.0)
-            hybrid.routing.hops = 0
+            hybrid.routing.hops = hybrid.routing.on_gpu_choices = 0
             run_states = states()
             times, got = greedy_steps(hybrid, run_states, first, decode_tokens)
             results[way] = (times, got, hybrid.routing)
@@ -138,6 +142,7 @@ def run(model_path: str, prompt_tokens: int = 64, decode_tokens: int = 32, batch
         if routing is not None:
             entry["tokens_agree"] = _agree(tokens, want)
             entry["hops_per_token"] = round(routing.hops / decode_tokens, 1)
+            entry["gpu_choices_per_token"] = round(routing.on_gpu_choices / decode_tokens, 2)
             entry["routing_ms_per_token"] = {k: round(1000 * v / decode_tokens, 3) for k, v in routing.seconds.items()}
             out[f"speedup_{way}"] = round(cpu_ms / ms, 3)
         out[way] = entry
@@ -164,13 +169,15 @@ def main(argv=None) -> None:
     p.add_argument("--ways", default=",".join(WAYS), help=f"which to run, comma-separated (default {','.join(WAYS)})")
     p.add_argument("--no-gpu-experts", action="store_true",
                    help="every layer's routed experts on the CPU, even those resident in VRAM")
+    p.add_argument("--hot-experts", type=int, default=0,
+                   help="keep each streamed layer's N most routed experts in VRAM and run them there")
     add_gpu_options(p)
     args = p.parse_args(argv)
     ways = args.ways.split(",")
     if any(w not in WAYS for w in ways):
         p.error(f"--ways {args.ways!r}: choose from {', '.join(WAYS)}")
-    if min(args.prompt, args.tokens, args.batch) < 1:
-        p.error("--prompt, --tokens and --batch must be at least 1")
+    if min(args.prompt, args.tokens, args.batch) < 1 or args.hot_experts < 0:
+        p.error("--prompt, --tokens and --batch must be at least 1, --hot-experts at least 0")
     gpu = gpu_engine_options(args)
     print(json.dumps(run(args.model, args.prompt, args.tokens, args.batch, args.threads, gpu["gpu_mem"], gpu["gpu"],
-                         ways, gpu_experts=not args.no_gpu_experts), indent=2))
+                         ways, gpu_experts=not args.no_gpu_experts, hot_experts=args.hot_experts), indent=2))

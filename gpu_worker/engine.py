@@ -439,10 +439,18 @@ class GPUEngine:
     def _moe_hybrid(self, L: int, n: int, routed) -> None:
         """The MoE block with its routed experts computed by `routed` (a HybridRouting):
         the normalised rows and the chosen experts go down, the experts' weighted sum comes
-        back; the shared expert runs here meanwhile."""
-        ws = self.ws
+        back; the shared expert (and the choices of the layer's hot experts) run here meanwhile."""
+        cfg, ws, ops = self.cfg, self.ws, self.ops
         g = self._route(L, n)
-        routed.send(L, ws.x.rows(0, n), g.topk_ids.rows(0, n), g.topk_w.rows(0, n))
+        hot = routed.send(L, ws.x.rows(0, n), g.topk_ids.rows(0, n), g.topk_w.rows(0, n))
+        if hot is not None:         # the choices of the layer's hot experts, here (the others weigh 0)
+            slot, slot_map = hot
+            d, E, k, ff, lay = cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, self.experts.layouts[L]
+            ops.moe_group(g, n, E, k)
+            ops.moe_gateup(ws.act, ws.x, slot, slot_map, lay.expert_bytes, g, ff, d, lay.gate_up_type)
+            ops.moe_down(ws.moe_out, ws.act, slot, slot_map, lay.expert_bytes, lay.down_offset, g, d, ff,
+                         lay.down_type)
+            ops.moe_combine(ws.h, ws.moe_out, g, None, ws.x, None, n, d, k)
         self._combine(L, n, None, routed.sum_groups, 1, routed)
 
     def _route(self, L: int, n: int):

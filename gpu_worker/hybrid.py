@@ -37,6 +37,75 @@ from .buffers import DeviceArray
 log = logging.getLogger("fermoe.hybrid")
 KV_ROUND = 256          # a resident sequence's KV rows grow in steps of this (and double)
 MAX_ROWS = 64           # tokens of one step, all sequences together
+HOT_WINDOW = 256        # tokens between choices of the hot experts
+
+
+class HotExperts:
+    """The experts a streamed layer routes to most, kept in VRAM and run on the GPU.
+
+    Each layer's routing is counted over the steps (halved at every refresh, so the counts
+    follow the last few windows); every `window` tokens the `per_layer` most counted experts
+    of each layer the prefill streams are copied into a VRAM buffer of that layer's own. A
+    step's choices of them run on the GPU (the engine's grouped expert kernels, over a map
+    that sends every other expert to slot 0 with weight 0); the rest go to the CPU."""
+
+    def __init__(self, gpu, per_layer: int, window: int):
+        cfg = gpu.cfg
+        self.gpu, self.per_layer, self.window = gpu, per_layer, window
+        self.counts = np.zeros((cfg.n_layer, cfg.n_expert))
+        self.mask: dict[int, np.ndarray] = {}                 # layer -> its hot experts, [E] bool
+        self.slots: dict[int, tuple[DeviceArray, DeviceArray]] = {}    # layer -> (experts, map)
+        self.tokens = 0
+        self.refreshes = 0
+
+    def observe(self, layer: int, ids: np.ndarray) -> None:
+        np.add.at(self.counts[layer], ids.ravel(), 1)
+
+    def step_done(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.tokens >= self.window:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """The most counted experts of every streamed layer into VRAM (a layer whose set is
+        unchanged is not copied again)."""
+        store, E = self.gpu.experts, self.gpu.cfg.n_expert
+        for L in range(self.gpu.cfg.n_layer):
+            host = store.host.get(L)
+            if L in store.resident or host is None or not self.counts[L].any():
+                self._drop(L)
+                continue
+            ranked = np.argsort(-self.counts[L], kind="stable")[:self.per_layer]
+            hot = np.sort(ranked[self.counts[L][ranked] > 0])
+            mask = np.zeros(E, bool)
+            mask[hot] = True
+            if L in self.mask and np.array_equal(mask, self.mask[L]):
+                continue
+            self._drop(L)
+            size = store.layouts[L].expert_bytes
+            buf = DeviceArray(self.gpu.device, (max(len(hot), 1) * size,), np.uint8)
+            for i, e in enumerate(hot):
+                self.gpu.device.memcpy_htod(int(buf) + i * size, host[e * size:(e + 1) * size])
+            slot_map = np.zeros(E, np.int32)
+            slot_map[hot] = np.arange(len(hot), dtype=np.int32)
+            self.slots[L] = (buf, DeviceArray.of(self.gpu.device, slot_map))
+            self.mask[L] = mask
+            self.gpu.outside_plan += buf.nbytes
+        self.counts *= 0.5
+        self.tokens = 0
+        self.refreshes += 1
+
+    def _drop(self, L: int) -> None:
+        if L in self.slots:
+            buf, slot_map = self.slots.pop(L)
+            self.gpu.outside_plan -= buf.nbytes
+            buf.free()
+            slot_map.free()
+        self.mask.pop(L, None)
+
+    def free(self) -> None:
+        for L in list(self.slots):
+            self._drop(L)
 
 
 class HybridRouting:
@@ -50,26 +119,42 @@ class HybridRouting:
     a mailbox: it computes while the GPU goes on). gpu_experts: the layers whose experts
     the prefill keeps resident in VRAM run them there, with no hand-over."""
 
-    def __init__(self, device, stream, routed, rows: int, d: int, k: int, gpu_experts: bool = True):
-        self.device, self.stream, self.routed, self.gpu_experts = device, stream, routed, gpu_experts
+    def __init__(self, device, stream, routed, rows: int, d: int, k: int, gpu_experts: bool = True,
+                 hot: HotExperts | None = None):
+        self.device, self.stream, self.routed, self.gpu_experts, self.hot = device, stream, routed, gpu_experts, hot
         self.x = device.pagelocked_empty((rows, d), np.float32)
         self.ids = device.pagelocked_empty((rows, k), np.int32)
         self.weights = device.pagelocked_empty((rows, k), np.float32)
+        self.gpu_weights = device.pagelocked_empty((rows, k), np.float32)    # the hot experts' share
         self.out = device.pagelocked_empty((rows, d), np.float32)
         # the combine's view of a sum: one "expert" a token, weight 1, its own row
         self.sum_groups = types.SimpleNamespace(topk_w=DeviceArray.of(device, np.ones(rows, np.float32)),
                                                 pair_pos=DeviceArray.of(device, np.arange(rows, dtype=np.int32)))
         self._n, self._result = 0, None
         self.seconds = {"down": 0.0, "experts": 0.0, "up": 0.0}     # host-side waits, summed
-        self.hops = 0
+        self.hops = self.on_gpu_choices = 0     # hand-overs; choices of hot experts run on the GPU
 
-    def send(self, layer: int, x: DeviceArray, ids: DeviceArray, weights: DeviceArray) -> None:
+    def send(self, layer: int, x: DeviceArray, ids: DeviceArray, weights: DeviceArray):
+        """Returns the layer's hot experts on the device (their buffer and map) when some of
+        the choices are theirs: `weights` then holds those choices' weights alone (the
+        others 0), for the GPU's share; the CPU gets the rest."""
         n = self._n = x.shape[0]
         t0 = time.perf_counter()
         for host, dev in ((self.x, x), (self.ids, ids), (self.weights, weights)):
             self.device.memcpy_dtoh_async(host[:n], int(dev), self.stream)
         self.stream.synchronize()
         t1 = time.perf_counter()
+        on_gpu = None
+        if self.hot is not None:
+            self.hot.observe(layer, self.ids[:n])
+            mask = self.hot.mask.get(layer)
+            if mask is not None and mask[self.ids[:n]].any():
+                chosen = mask[self.ids[:n]]
+                self.gpu_weights[:n] = np.where(chosen, self.weights[:n], 0.0)
+                self.weights[:n] = np.where(chosen, 0.0, self.weights[:n])
+                weights.upload(self.gpu_weights[:n], self.stream)
+                on_gpu = self.hot.slots[layer]
+                self.on_gpu_choices += int(chosen.sum())
         args = (layer, self.x[:n], self.ids[:n], self.weights[:n])
         if hasattr(self.routed, "submit"):
             self.routed.submit(*args)
@@ -79,6 +164,7 @@ class HybridRouting:
         self.seconds["down"] += t1 - t0
         self.seconds["experts"] += time.perf_counter() - t1
         self.hops += 1
+        return on_gpu
 
     def receive(self, dst: DeviceArray) -> DeviceArray:
         n = self._n
@@ -96,6 +182,8 @@ class HybridRouting:
     def free(self) -> None:
         for buf in vars(self.sum_groups).values():
             buf.free()
+        if self.hot is not None:
+            self.hot.free()
 
 
 class Resident:
@@ -114,14 +202,18 @@ class HybridEngine:
     name = "hybrid"
     threads = 1
 
-    def __init__(self, gpu, routed, max_batch: int = MAX_ROWS, gpu_experts: bool = True):
+    def __init__(self, gpu, routed, max_batch: int = MAX_ROWS, gpu_experts: bool = True, hot_experts: int = 0,
+                 hot_window: int = HOT_WINDOW):
         """gpu_experts: the expert layers resident in VRAM (as many as the prefill's memory
-        plan keeps there) run on the GPU; False sends every layer's to `routed` (the ablation)."""
+        plan keeps there) run on the GPU; False sends every layer's to `routed` (the ablation).
+        hot_experts: keep that many of each streamed layer's most routed experts (counted over
+        windows of hot_window tokens) in VRAM too, and run their choices on the GPU."""
         cfg = gpu.cfg
         self.gpu, self.cfg, self.max_batch = gpu, cfg, max_batch
         self.kv_cache_dtype = gpu.kv_cache_dtype
+        hot = HotExperts(gpu, hot_experts, hot_window) if hot_experts > 0 else None
         self.routing = HybridRouting(gpu.device, gpu.ops.stream, routed, max_batch, cfg.n_embd, cfg.n_expert_used,
-                                     gpu_experts)
+                                     gpu_experts, hot)
         self._resident: dict[int, Resident] = {}
 
     def new_state(self) -> SequenceState:
@@ -262,6 +354,8 @@ class HybridEngine:
         for p in prompts:
             p.state.position = p.start + len(p.tokens)
             self._resident[id(p.state)].since_sync.extend(int(t) for t in p.tokens)
+        if self.routing.hot is not None:
+            self.routing.hot.step_done(total)
         out = []
         for r, (p, position) in zip(logits, rows.values()):
             if position == p.start + len(p.tokens):

@@ -27,10 +27,13 @@ static void route(const float *logits, int E, int k, int32_t *ids, float *weight
     for (int j = 0; j < k; j++) weights[j] /= kept;
 }
 
-/* Counting sort of the T*k choices by expert; returns the number of experts used. */
-static int group_by_expert(fm_ctx *c, int T, int E, int k, int *first, int *count, int *experts) {
+/* Counting sort of the T*k choices by expert, leaving out those of weight 0 (they add
+ * nothing: a hybrid step's choices that the GPU computes); returns the number of experts
+ * used, and the pairs kept in *pairs. */
+static int group_by_expert(fm_ctx *c, int T, int E, int k, int *first, int *count, int *experts, int *pairs) {
     memset(count, 0, E * sizeof *count);
-    for (int i = 0; i < T * k; i++) count[c->ids[i]]++;
+    for (int i = 0; i < T * k; i++)
+        if (c->weights[i] != 0.0f) count[c->ids[i]]++;
     int n_used = 0, off = 0, fill[E];
     for (int e = 0; e < E; e++) {
         first[e] = fill[e] = off;
@@ -38,10 +41,12 @@ static int group_by_expert(fm_ctx *c, int T, int E, int k, int *first, int *coun
         if (count[e]) experts[n_used++] = e;
     }
     for (int i = 0; i < T * k; i++) {
+        if (c->weights[i] == 0.0f) continue;
         int p = fill[c->ids[i]]++;
         c->pair_token[p] = i / k;
         c->pair_slot[p] = i;
     }
+    *pairs = off;
     return n_used;
 }
 
@@ -69,7 +74,7 @@ void fm_moe_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]) {
 static void routed_experts(fm_ctx *c, const fm_layer *l, int T, const fm_job *extra, const float *scale, float *y) {
     const fm_model *m = c->m;
     int D = m->n_embd, E = m->n_expert, k = m->n_expert_used, ff = m->n_ff_exp;
-    int pairs = T * k;
+    int pairs;
     float *G = c->scratch[0], *U = c->scratch[1], *Dn = c->scratch[2];   /* as fm_moe_scratch sizes them */
     int fp32 = l->ffn_gate_exps.type == FM_F32;
     /* h = silu(gate) * up comes out of the gate/up regions already quantised for
@@ -79,7 +84,7 @@ static void routed_experts(fm_ctx *c, const fm_layer *l, int T, const fm_job *ex
     /* the (token, expert) pairs grouped by expert: each chosen expert's silu(x W_gate) * (x W_up)
      * over its tokens at once */
     int firstp[E], count[E], experts[E];
-    int n_used = group_by_expert(c, T, E, k, firstp, count, experts);
+    int n_used = group_by_expert(c, T, E, k, firstp, count, experts, &pairs);
     c->moe_calls++, c->experts_used += n_used;
     gather_inputs(c, pairs, D, fp32);
     fm_job jobs[E + 1];

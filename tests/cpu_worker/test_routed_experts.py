@@ -77,6 +77,18 @@ def test_routed_experts_match_the_reference(engines, out_type, T):
         assert got.shape == want.shape and rel_error(got, want) <= RTOL, (layer, rel_error(got, want))
 
 
+def test_choices_of_weight_zero_are_not_computed(engines):
+    """Guards the skip a hybrid step relies on (the choices the GPU computes reach the CPU
+    with weight 0): they add nothing and no expert runs for them alone."""
+    engine = engines["q4_0"]
+    x, ids, weights = _inputs(engine.model, 0, 3, seed=7)
+    weights[:, 1:] = 0.0                        # every token's first choice only
+    engine.experts_per_moe_block(reset=True)
+    got = engine.routed_experts(0, x, ids, weights)
+    assert engine.experts_per_moe_block(reset=True) == len(set(ids[:, 0].tolist()))
+    assert rel_error(got, _reference_routed(engine.model, 0, x, ids[:, :1], weights[:, :1])) <= RTOL
+
+
 @pytest.fixture(scope="module")
 def no_shared_engine(tmp_path_factory):
     """The tiny preset without a shared expert, in Q4_0: its MoE block is its routed part."""

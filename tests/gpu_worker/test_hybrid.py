@@ -24,10 +24,11 @@ class ReferenceRouted:
     """The routed experts' weighted sum in fp32 from the reference's own swiglu; counts calls."""
 
     def __init__(self, model):
-        self.model, self.calls = model, []
+        self.model, self.calls, self.asked = model, [], []
 
     def __call__(self, layer, x, ids, weights):
         self.calls.append((layer, x.shape[0]))
+        self.asked.append((layer, ids.copy(), weights.copy()))
         lw = self.model.layers[layer]
         out = np.zeros_like(x)
         for t in range(x.shape[0]):
@@ -316,3 +317,26 @@ def test_layers_whose_experts_are_in_vram_run_them_there(tiny, want, device_kind
     assert hybrid.gpu_expert_layers == on_gpu
     assert [L for L, _ in routed.calls] == [L for L in range(tiny.config.n_layer) if L not in on_gpu]
     hybrid.close()
+
+
+def test_hot_experts_of_streamed_layers_run_on_the_gpu(tiny, want, device_kind):
+    """Guards HotExperts: after a window of two tokens each streamed layer's two most routed
+    experts are copied to VRAM; the choices of them are computed on the GPU (the CPU's side
+    gets them with weight 0, the rest as they were) and every step's logits stay the
+    reference's."""
+    logits, _ = want
+    engine = streaming(tiny, device_kind)
+    state = engine.new_state()
+    engine.forward(PROMPT[:40], state, all_logits=False)
+    routed = ReferenceRouted(tiny)
+    hybrid = HybridEngine(engine, routed, hot_experts=2, hot_window=2)
+    hot = hybrid.routing.hot
+    for i, token in enumerate(PROMPT[60:66]):
+        close(hybrid.forward([token], state, all_logits=False)[-1], logits[40 + i])
+    assert hot.refreshes == 3 and set(hot.mask) == set(range(tiny.config.n_layer))
+    assert all(m.sum() == 2 for m in hot.mask.values())
+    # a router's weight is never 0 (a softmax): the CPU's zeros are the GPU's choices, all after the first window
+    assert sum(int((w == 0).sum()) for _, _, w in routed.asked) == hybrid.routing.on_gpu_choices > 0
+    assert not any((w == 0).any() for _, _, w in routed.asked[:2 * tiny.config.n_layer])
+    hybrid.close()
+    assert engine.outside_plan == 0                # the hot buffers and the lane given back
