@@ -470,7 +470,8 @@ class Coordinator:
             return
         self.workers[wid] = WorkerView(wid, alive=True, ready=False, threads=msg.threads, pid=msg.pid, kind=msg.kind,
                                        device=msg.device, prefill_tok_s=msg.prefill_tok_s,
-                                       prefill_fixed_ms=msg.prefill_fixed_ms, decode_tok_s=msg.decode_tok_s)
+                                       prefill_fixed_ms=msg.prefill_fixed_ms, decode_tok_s=msg.decode_tok_s,
+                                       mailbox=msg.mailbox)
         arena = self.arena
         self.send_worker(wid, P.Welcome(arena=arena.name if arena else "", slot_bytes=arena.slot_bytes if arena else 0,
                                         n_slots=arena.n_slots if arena else 0,
@@ -485,6 +486,25 @@ class Coordinator:
         view.ready, view.arena = True, msg.arena and self.arena is not None
         if self.arena is not None and not msg.arena:
             log.info("worker %s has no access to the snapshot arena: its snapshots travel as message frames", wid)
+        self.pair_hybrid()
+
+    def pair_hybrid(self) -> None:
+        """--decode hybrid: each ready CPU worker with a mailbox gets a ready GPU worker to run
+        its decode steps' dense part (the first GPU worker; a mailbox is served once: a CPU
+        worker whose GPU worker is lost decodes alone until it is restarted)."""
+        if getattr(self.opts, "decode", "cpu") != "hybrid":
+            return
+        gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
+        if not gpus:
+            return
+        for cpu in self.workers.values():
+            if cpu.kind == "cpu" and cpu.ready and cpu.mailbox and not cpu.hybrid_with:
+                cpu.hybrid_with = gpus[0].worker_id
+                self.send_worker(gpus[0].worker_id, P.HybridPeer(worker_id=cpu.worker_id, mailbox=cpu.mailbox,
+                                                                 pid=cpu.pid))
+                self.send_worker(cpu.worker_id, P.HybridReady(pid=gpus[0].pid))
+                log.info("%s decodes with %s: the dense part there, the routed experts here", cpu.worker_id,
+                         gpus[0].worker_id)
 
     def handle_heartbeat(self, wid: str, msg: P.Heartbeat, data=()) -> None:
         pass                                    # last_seen is updated for every message
@@ -550,6 +570,8 @@ class Coordinator:
             self.unfinished.stopped(msg.request_id, wid)    # one that ended here first: its slots are free now
             return
         # its timings are not taken: Request.timings, from the tokens, serves every finish reason alike
+        if msg.completion_tokens:
+            req.decode_device = "hybrid" if msg.hybrid_steps else "cpu"
         self.end(req, msg.finish_reason, error=msg.error, worker_done=True)
 
     # ---- lifecycle ------------------------------------------------------------
@@ -701,7 +723,7 @@ class Coordinator:
                                       completion_tokens=req.sent, reasoning_tokens=req.reasoning_tokens,
                                       prefill_ms=round(prefill_ms, 3),
                                       decode_tok_s=round(decode_tok_s, 3), stop_reason=req.stream.stopped_by,
-                                      prefill_device=req.prefill_device,
+                                      prefill_device=req.prefill_device, decode_device=req.decode_device,
                                       prefill_estimates_ms={k: round(v, 1) for k, v in req.estimates.items()},
                                       prefill_batch=req.prefill_batch, disk_ms=round(req.disk_ms, 3)))
 

@@ -13,6 +13,8 @@ from shared.state import DEFAULT_BLOCK, KV_DTYPES
 
 from . import llama_server_flags
 
+DECODE_MODES = ("cpu", "hybrid")
+
 log = logging.getLogger("fermoe.coordinator")
 
 
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default="auto",
                    help="where prompts are prefilled: auto (the GPU when its estimate is shorter, per request), "
                         "gpu (whenever a GPU worker is ready) or cpu (default auto)")
+    p.add_argument("--decode", default="cpu", choices=DECODE_MODES,
+                   help="where decode steps run: cpu (the CPU workers alone) or hybrid (each step's dense part on "
+                        "a GPU worker, its routed experts on the CPU worker that owns the sequence; needs a GPU "
+                        "and --engine cpu) (default cpu)")
     p.add_argument("--reasoning", default="auto", choices=REASONING_MODES,
                    help="thinking for chat requests that do not say (llama-server's): on, off, or auto (the chat "
                         "template's default: on for Qwen3.5/3.6) (default auto)")
@@ -133,6 +139,9 @@ def parse_options(argv=None):
     opts.model_path = resolve_model(opts.model)
     opts.mmproj = os.path.abspath(opts.mmproj) if opts.mmproj else None     # workers start elsewhere
     opts.gpus = _gpus(opts)
+    if opts.decode == "hybrid" and (not opts.gpus or opts.engine != "cpu"):
+        raise FermoeError("--decode hybrid: needs a GPU worker (--gpu) and --engine cpu (the W4A8 experts)"
+                          + ("" if opts.gpus else ": no GPU here"))
     return opts
 
 

@@ -62,6 +62,7 @@ class Request:
     # Prefill on a GPU worker: where it ran and on what estimates, the GPU's time, and the
     # snapshot lookup a CPU worker decodes from afterwards (pinned from the hand-off on).
     prefill_device: str | None = None
+    decode_device: str | None = None    # hybrid: its worker ran decode steps with a GPU worker
     estimates: dict = field(default_factory=dict)
     gpu_prefill_ms: float | None = None
     gpu_tokens: int = 0              # the tokens sent to the GPU worker to prefill

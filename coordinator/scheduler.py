@@ -23,6 +23,8 @@ class WorkerView:
     prefill_fixed_ms: float = 0.0  # a prompt's cost beyond its tokens (measured at start)
     decode_tok_s: float = 0.0
     vision_tok_s: float = 0.0    # image tokens its tower encodes a second, a running average; 0: none yet
+    mailbox: str = ""            # a cpu worker's hybrid-decode mailbox ("": none)
+    hybrid_with: str = ""        # the gpu worker serving that mailbox ("": none yet)
 
 
 RATE_WEIGHT = 0.3           # of the newest measurement in a worker's running rates

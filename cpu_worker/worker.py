@@ -60,14 +60,21 @@ class Sequence:
     prefill_ms: float = 0.0
     decode_s: float = 0.0
     vision: tuple = (0, 0.0)     # its images' tokens through the tower, and the milliseconds it took
+    hybrid_key: int | None = None    # its key on the GPU worker once it decodes there (the hybrid)
+    hybrid_off: bool = False     # the hybrid gave it up: it decodes here from now on
+    level_at: int = 0            # the position its own copy of the state was last whole at
+    since: list = field(default_factory=list)   # and the tokens stepped on the GPU worker since
+    hybrid_steps: int = 0        # its steps that ran on the GPU worker
 
 
 class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
                  cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS,
-                 shared_experts: str | None = None, mmproj: str | None = None, curve_key: str | None = None):
+                 shared_experts: str | None = None, mmproj: str | None = None, curve_key: str | None = None,
+                 hybrid: bool = False):
         """mmproj: the vision tower's file; a sequence with images needs it. curve_key: the
-        worker's key file, for a coordinator that requires CURVE keys."""
+        worker's key file, for a coordinator that requires CURVE keys. hybrid: open a mailbox
+        for a GPU worker to run this worker's decode steps' dense part (shared/hybrid_link.py)."""
         from shared.builtin import resolve_model
         from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
@@ -76,7 +83,15 @@ class CPUWorker:
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory, curve_key)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
-                         P.DecodeSlots: self.handle_decode_slots}
+                         P.DecodeSlots: self.handle_decode_slots, P.HybridReady: self.handle_hybrid_ready}
+        self.mailbox = self.peer = None         # the hybrid decode's mailbox, and its GPU worker once one serves it
+        self._keys = 0
+        if hybrid:
+            if not hasattr(self.engine, "routed_experts"):
+                raise FermoeError(f"--hybrid needs the cpu engine (this worker runs {engine})")
+            from shared.exchange import Exchange
+            from shared.hybrid_link import mailbox_bytes
+            self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix="fermoe_hybrid")
         self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
         self.sequences: dict[str, Sequence] = {}
         self._spare: list[bytearray] = []          # recurrent buffers of finished sequences
@@ -93,7 +108,7 @@ class CPUWorker:
     def event_loop(self) -> None:
         rate, _, _ = measure_prefill_rate(self.engine, self.model.config, [self.probe_tokens])
         self.link.hello(os.getpid(), self.engine.threads, self.model.fingerprint,
-                        prefill_tok_s=round(rate, 1))
+                        prefill_tok_s=round(rate, 1), mailbox=self.mailbox.name if self.mailbox else "")
         while self.running:
             busy = bool(self.sequences)
             prefault = not busy and self.link.prefaulting
@@ -123,6 +138,18 @@ class CPUWorker:
 
     def handle_shutdown(self, msg: P.Shutdown, data=()) -> None:
         self.running = False
+
+    def handle_hybrid_ready(self, msg: P.HybridReady, data=()) -> None:
+        """A GPU worker serves the mailbox: the decode steps of sequences from here on go there."""
+        if self.mailbox is None:
+            self.link.report("a HybridReady, but this worker has no hybrid mailbox (--hybrid)")
+            return
+        if self.peer is not None:
+            self.link.report("a second HybridReady: the mailbox has a GPU worker already")
+            return
+        from shared.hybrid_link import DensePeer, process_gone
+        self.peer = DensePeer(self.mailbox, self.engine, gone=lambda: process_gone(msg.pid, "the GPU worker"))
+        log.info("decoding with the GPU worker (pid %d): the dense part there, the routed experts here", msg.pid)
 
     # ---- sequences --------------------------------------------------------
     def start(self, msg: P.Assign, data: list[bytes] = ()) -> Sequence:
@@ -181,7 +208,7 @@ class CPUWorker:
     def run_pass(self, batch) -> None:
         t0 = time.perf_counter()
         try:
-            logits = self.engine.forward_batch([self._segment(seq, tokens) for _, seq, tokens in batch])
+            logits = self._forward(batch)
         except Exception as e:                  # the pass failed: every sequence in it did
             log.exception("forward pass failed")
             for rid, seq, _ in batch:
@@ -200,6 +227,84 @@ class CPUWorker:
                 if seq.msg.progress:
                     self.send(P.Progress(request_id=rid, processed=seq.state.position, time_ms=seq.prefill_ms))
                 self.guarded(rid, seq, self.write_snapshots)
+
+    def _forward(self, batch) -> list:
+        """The pass's logits, a row a sequence: the decoding ones' on the GPU worker when one
+        serves this worker (the hybrid), the rest (and all, without it) on this worker's engine."""
+        remote = [i for i, (_, seq, _) in enumerate(batch)
+                  if self.peer is not None and seq.decoder is not None and not seq.hybrid_off]
+        rows: list = [None] * len(batch)
+        if remote:
+            try:
+                for row, i in zip(self._hybrid_step([batch[i] for i in remote]), remote):
+                    rows[i] = row
+            except FermoeError as e:            # the GPU worker failed the step, or is gone
+                self._hybrid_failed(e, [batch[i][1] for i in remote])
+                remote = []
+        local = [i for i in range(len(batch)) if i not in set(remote)]
+        if local:
+            segments = []
+            for i in local:
+                _, seq, tokens = batch[i]
+                replay = self._take_back(seq)   # a sequence the hybrid gave up: its steps since run again
+                segments.append((replay + list(tokens), seq.state) if replay else self._segment(seq, tokens))
+            for row, i in zip(self.engine.forward_batch(segments), local):
+                rows[i] = row
+        return rows
+
+    def _hybrid_step(self, part) -> list:
+        peer = self.peer
+        for _, seq, _ in part:
+            if seq.hybrid_key is None:          # its state as it stands goes over once
+                self._keys += 1
+                peer.admit(self._keys, seq.state)
+                seq.hybrid_key, seq.level_at, seq.since = self._keys, seq.state.position, []
+        tokens = [int(t[0]) for _, _, t in part]
+        logits = peer.step([seq.hybrid_key for _, seq, _ in part], tokens)
+        for (_, seq, _), token in zip(part, tokens):
+            seq.state.position += 1             # its own copy's recurrent part and KV lag until a sync
+            seq.since.append(token)
+            seq.hybrid_steps += 1
+        return list(logits)
+
+    def _hybrid_failed(self, e: Exception, seqs) -> None:
+        """A step failed on the GPU worker: these sequences decode here from now on (from their
+        last whole state, the steps since run again); a GPU worker gone serves none any more."""
+        gone = self.peer is not None and self.peer.broken is not None
+        log.warning("a hybrid step failed (%s): %s on this worker's CPUs", e,
+                    "every sequence decodes" if gone else "its sequences decode")
+        if gone:
+            self.peer = None
+        for seq in seqs:
+            seq.hybrid_off = True
+            if self.peer is not None and seq.hybrid_key is not None:
+                try:                            # its device memory there given back
+                    self.peer.release(seq.hybrid_key)
+                except FermoeError:
+                    self.peer = None if self.peer.broken else self.peer
+
+    def _take_back(self, seq: Sequence) -> list:
+        """A sequence the hybrid gave up (or whose GPU worker is gone): its own copy back to
+        where it was whole; returns the tokens to run again from there."""
+        if seq.hybrid_key is None or (self.peer is not None and not seq.hybrid_off):
+            return []
+        replay, seq.since = seq.since, []
+        seq.state.position, seq.hybrid_key, seq.hybrid_off = seq.level_at, None, True
+        return replay
+
+    def _level(self, seq: Sequence) -> None:
+        """Its own copy of the state made whole (before a snapshot is written from it)."""
+        if seq.hybrid_key is None or not seq.since:
+            return
+        if self.peer is not None and not seq.hybrid_off:
+            try:
+                self.peer.sync(seq.hybrid_key, seq.state)
+                seq.level_at, seq.since = seq.state.position, []
+                return
+            except FermoeError as e:
+                self._hybrid_failed(e, [seq])
+        replay = self._take_back(seq)
+        seq.decoder.logits = self.engine.forward(replay, seq.state, all_logits=False)[-1]
 
     @staticmethod
     def _segment(seq: Sequence, tokens):
@@ -220,6 +325,7 @@ class CPUWorker:
         if pair is None or seq.decode_gap:
             seq.decode_gap = True
             return
+        self._level(seq)
         seq.decode_slots.remove(pair)
         if pair[1] < 0:
             seq.link_at = seq.state.position
@@ -232,6 +338,7 @@ class CPUWorker:
         pair = next((p for p in seq.decode_slots if p[1] >= 0), None)
         if pair is not None and not seq.decode_gap and pos > len(seq.msg.tokens) and \
                 (pos % self.link.block or seq.link_at == pos):
+            self._level(seq)
             seq.decode_slots.remove(pair)
             self.link.write_snapshot(rid, *pair, seq.state, pos)
 
@@ -284,14 +391,22 @@ class CPUWorker:
             self.link.write_snapshot(rid, ref.slot, ref.state, seq.state, ref.position)
 
     def finish(self, rid: str, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.hybrid_key is not None and not seq.hybrid_off and self.peer is not None:
+            try:
+                self.peer.release(seq.hybrid_key)
+            except FermoeError as e:
+                self._hybrid_failed(e, [])
         if isinstance(seq.state.buffer, bytearray) and len(self._spare) < SPARE_STATES:
             self._spare.append(seq.state.buffer)         # the next restore copies into it
         done = seq.decoder.history[len(seq.msg.tokens):] if seq.decoder else []
         self.send(P.Finished(request_id=rid, finish_reason=reason, prefill_ms=seq.prefill_ms,
-                             decode_ms=1000 * seq.decode_s, completion_tokens=len(done), error=error))
+                             decode_ms=1000 * seq.decode_s, completion_tokens=len(done), error=error,
+                             hybrid_steps=seq.hybrid_steps))
 
     def close(self) -> None:
         self.link.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
         self.engine.close()
 
 
@@ -304,7 +419,8 @@ def run_cpu_worker(args) -> int:
         log.info("placement: %s", place(args.node or 0, cpus or default_cpus(args.node), args.numa_interleave))
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory,
-                       shared_experts=args.shared_experts, mmproj=args.mmproj, curve_key=args.curve_key)
+                       shared_experts=args.shared_experts, mmproj=args.mmproj, curve_key=args.curve_key,
+                       hybrid=args.hybrid)
     return serve_until_stopped(worker)
 
 
@@ -317,6 +433,8 @@ def main(argv=None) -> int:
     p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
     p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
     p.add_argument("--mmproj", default=None, help="the model's vision tower (mmproj GGUF): prompts with images")
+    p.add_argument("--hybrid", action="store_true",
+                   help="open a mailbox for a GPU worker to run the dense part of this worker's decode steps")
     return worker_main("cpu_worker", p, run_cpu_worker, argv)
 
 

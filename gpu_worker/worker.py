@@ -42,6 +42,7 @@ PROBE_BUDGET_S = 2.0
 # holds at most the coordinator's max_model_len positions in all, what its memory plan
 # counts a GPU worker's prompt state for; the prompts it sends are its limit on their number.
 BATCH_TOKENS = 2048
+PEER_POLL_S = 0.005          # with CPU workers' mailboxes to serve: how long the loop waits on them a turn
 
 
 class GPUWorker:
@@ -69,7 +70,9 @@ class GPUWorker:
             self.engine = GPUEngine(self.model, gpu_mem=gpu_mem, gpu=gpu, device=device, shared_experts=experts)
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory, curve_key)
-        self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown}
+        self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
+                         P.HybridPeer: self.handle_hybrid_peer}
+        self.peers: dict = {}               # cpu worker id -> the StepServer of its mailbox (the hybrid decode)
         self._registered = None             # the arena page-locked for the engine's copies
         self._images = None
         if self.vision is not None:
@@ -91,8 +94,42 @@ class GPUWorker:
         self.link.hello(os.getpid(), 1, self.model.fingerprint, kind="gpu", device=self.engine.device.name,
                         prefill_tok_s=round(rate, 1), prefill_fixed_ms=round(1000 * fixed_s, 2))
         while self.running:
-            if not self.link.serve(self.handlers, int(HEARTBEAT_S * 1000)):
+            if self.peers:                  # decode steps first: the mailboxes polled between messages
+                if not self.link.serve(self.handlers, 0) and not self.serve_steps(PEER_POLL_S):
+                    self.link.beat(0)
+            elif not self.link.serve(self.handlers, int(HEARTBEAT_S * 1000)):
                 self.link.beat(0)
+
+    def handle_hybrid_peer(self, msg: P.HybridPeer, data=()) -> None:
+        """Serve a CPU worker's decode steps through its mailbox (its pid tells when it is gone)."""
+        from shared.exchange import Exchange
+        from shared.hybrid_link import StepServer, mailbox_bytes, process_gone
+        try:
+            ex = Exchange.attach(msg.mailbox, mailbox_bytes(self.model.config))
+        except Exception as e:          # noqa: BLE001 -- a bad name must not end the worker
+            self.link.report(f"the hybrid mailbox {msg.mailbox!r} of {msg.worker_id}: {type(e).__name__}: {e}")
+            return
+        old = self.peers.pop(msg.worker_id, None)
+        if old is not None:
+            old.close()
+        self.peers[msg.worker_id] = StepServer(ex, self.engine,
+                                               gone=lambda: process_gone(msg.pid, f"the CPU worker {msg.worker_id}"))
+        log.info("serving the decode steps of %s (pid %d)", msg.worker_id, msg.pid)
+
+    def serve_steps(self, timeout_s: float = 0.0) -> bool:
+        """Answer what the CPU workers' mailboxes hold (waiting up to timeout_s in all for a
+        first request); whether any came. A CPU worker gone is dropped with its sequences."""
+        from shared.hybrid_link import PeerError
+        served = False
+        wait = timeout_s / max(1, len(self.peers))
+        for wid, server in list(self.peers.items()):
+            try:
+                while server.poll(0.0 if served else wait):
+                    served = True
+            except PeerError as e:
+                log.warning("dropping %s's decode steps: %s", wid, e)
+                self.peers.pop(wid).close()
+        return served
 
     def handle_prefill(self, msg: P.Prefill, data: list[bytes] = ()) -> None:
         """Run the job with the prompts already waiting behind it (one batch: the expert
@@ -143,6 +180,8 @@ class GPUWorker:
         self.running = False
 
     def close(self) -> None:
+        for server in self.peers.values():
+            server.close()
         if self.vision is not None:         # before the engine, which may close the device
             self.vision.close()
             self.tower.close()
@@ -178,6 +217,11 @@ class PrefillBatch:
         if isinstance(m, P.Shutdown) or self.stopped >= self.ids:
             self.everything.set()
 
+    def between_passes(self, worker: GPUWorker) -> bool:
+        """The decode steps waiting on the worker run first (they are short); whether the batch ends."""
+        worker.serve_steps()
+        return self.everything.is_set()
+
     def run(self, worker: GPUWorker) -> None:
         """The jobs through the worker's engine, heartbeating; a job's failure is kept by
         its request id (every job's, for the batch's own)."""
@@ -191,7 +235,7 @@ class PrefillBatch:
                     except Exception as e:             # this prompt's own fault: the others run
                         self.failed[m.request_id] = f"{type(e).__name__}: {e}"
                 if self.jobs:
-                    worker.engine.prefill_batch([job for _, job, _ in self.jobs], self.everything.is_set)
+                    worker.engine.prefill_batch([job for _, job, _ in self.jobs], lambda: self.between_passes(worker))
         except Exception as e:                 # report, never die silently
             if not isinstance(e, PrefillStopped):
                 log.exception("prefill of %s failed", ", ".join(m.request_id for m, _, _ in self.jobs))

@@ -28,6 +28,7 @@ an offset and a total), then the payload.
 """
 from __future__ import annotations
 
+import os
 import struct
 import time
 
@@ -57,6 +58,17 @@ def link_header(kind: int, key: int = 0, n: int = 0, last: int = 0, offset: int 
 
 class PeerError(FermoeError):
     """The other worker failed the request, or is gone."""
+
+
+def process_gone(pid: int, what: str) -> str | None:
+    """Why the process `pid` (`what`, for the message) cannot answer any more, or None while it runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"{what} (pid {pid}) exited"
+    except PermissionError:         # someone else's: it runs
+        pass
+    return None
 
 
 class _End:

@@ -178,6 +178,7 @@ class Done(_Msg, tag="done"):
     stop_reason: str | None = None      # as vLLM's: the stop string matched (None: end of generation or other)
     reasoning_tokens: int = 0           # of a chat's completion_tokens, those of its <think> block, the tags included
     prefill_device: str | None = None   # where the uncached part of the prompt ran: gpu or cpu (None: no prefill)
+    decode_device: str | None = None    # hybrid: decode steps ran their dense part on a gpu worker; else cpu (None: none)
     prefill_estimates_ms: dict[str, float] = {}     # what the choice was made on, by device
     prefill_batch: int = 0              # prompts prefilled in one batch with it on a GPU worker, itself included
     disk_ms: float = 0.0                # its prefix's snapshots brought from the disk tier in this long (0: none)
@@ -252,6 +253,7 @@ class Hello(_Msg, tag="hello"):
     prefill_tok_s: float = 0.0
     prefill_fixed_ms: float = 0.0       # what any prompt costs on top of its tokens (a GPU streaming its experts)
     decode_tok_s: float = 0.0
+    mailbox: str = ""                   # a cpu worker's hybrid-decode mailbox (shared/hybrid_link.py); "": none
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -377,6 +379,7 @@ class Finished(_Msg, tag="finished"):
     decode_ms: float
     completion_tokens: int
     error: str | None = None
+    hybrid_steps: int = 0               # its decode steps whose dense part ran on a gpu worker
 
 
 class Goodbye(_Msg, tag="goodbye"):
@@ -417,7 +420,21 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 CLIENT_MESSAGES = Union[Generate, Cancel, Status]
 CLIENT_REPLIES = Union[Started, Progress, Token, Done, Error, StatusReply]
-TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots]
+class HybridPeer(_Msg, tag="hybrid_peer"):
+    """coordinator -> gpu worker: serve the decode steps of the cpu worker `worker_id` (pid
+    `pid`) through its mailbox (shared/hybrid_link.py: the dense part here, its routed
+    experts there)."""
+    worker_id: str
+    mailbox: str
+    pid: int
+
+
+class HybridReady(_Msg, tag="hybrid_ready"):
+    """coordinator -> cpu worker: a gpu worker (pid `pid`) serves your mailbox: decode there."""
+    pid: int
+
+
+TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots, HybridPeer, HybridReady]
 FROM_WORKER = Union[Hello, Attached, Sampled, Progress, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
 
 _encoder = msgspec.msgpack.Encoder()

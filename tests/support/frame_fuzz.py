@@ -100,7 +100,8 @@ def coordinator_messages(request_id: str = "fuzz") -> list:
     return [P.Assign(request_id=request_id, tokens=[5, 6, 7], resume=[], snapshots=[ref], max_tokens=1,
                      sampling=P.SamplingParams(seed=1), decode_slots=[(1, 1)]),
             P.Prefill(request_id=request_id, tokens=[5, 6, 7], resume=[ref], snapshots=[]),
-            P.Stop(request_id=request_id), P.DecodeSlots(request_id=request_id, slots=[(2, -1)])]
+            P.Stop(request_id=request_id), P.DecodeSlots(request_id=request_id, slots=[(2, -1)]),
+            P.HybridPeer(worker_id="cpu-fuzz", mailbox="fermoe_no_such_mailbox", pid=1), P.HybridReady(pid=1)]
 
 
 def coordinator_replies(request_id: str = "fuzz") -> list:

@@ -1,0 +1,103 @@
+"""--decode hybrid in a real daemon (the GPU emulated, FERMOE_GPU=emulate): a CPU worker's
+decode steps run their dense part on the GPU worker and their routed experts on the CPU
+worker, through the mailbox the coordinator pairs them by; either worker killed mid-
+generation, the request still ends with its tokens."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from coordinator.client import Client
+from tests.serving.test_gpu import PROMPT, assert_greedy_as_cpu_only, gpu_ready, smallest_gpu_mem
+from tests.support.serving_harness import Daemon, replies_within, streamed_ids, wait_until
+
+KILLED_S = 60               # a request's wait for its next reply once a worker of it is killed
+
+
+@pytest.fixture(autouse=True)
+def emulated_gpu(monkeypatch):
+    monkeypatch.setenv("FERMOE_GPU", "emulate")
+
+
+@pytest.fixture(scope="module")
+def budget(tiny_q4_path) -> str:
+    """A --gpu-mem that keeps no expert layer resident: every layer's experts go to the CPU."""
+    return str(smallest_gpu_mem(tiny_q4_path))
+
+
+def hybrid_daemon(path, budget, *extra):
+    return Daemon(path, "--gpu", "auto", "--prefill", "gpu", "--gpu-mem", budget, "--decode", "hybrid",
+                  "--cpu-workers-per-socket", "1", *extra)
+
+
+def paired(daemon) -> None:
+    wait_until(lambda: any("decodes with gpu0" in line for line in daemon.log), 60,
+               "the coordinator never paired the CPU worker with the GPU worker")
+
+
+def test_decode_steps_run_on_the_gpu_worker_with_the_cpus_experts(tiny_q4_path, budget):
+    """Guards the pairing and the steps: the request says its decode was hybrid, its greedy
+    tokens are the CPU-only run's (tie-aware: the dense part in fp32 there), and the same
+    prompt again decodes the same tokens from the cache."""
+    daemon = hybrid_daemon(tiny_q4_path, budget)
+    try:
+        gpu_ready(daemon)
+        paired(daemon)
+        params = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
+        with Client(daemon.addr, timeout_s=300) as c:
+            msgs = list(c.generate(PROMPT, **params))
+            again = list(c.generate(PROMPT, **params))
+        done = msgs[-1]
+        assert (done.finish_reason, done.prefill_device, done.decode_device) == ("length", "gpu", "hybrid"), done
+        assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, streamed_ids(msgs))
+        assert streamed_ids(again) == streamed_ids(msgs) and again[-1].decode_device == "hybrid"
+        assert any("serving the decode steps of cpu0.0" in line for line in daemon.log), "".join(daemon.log)
+    finally:
+        assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("victim", ["gpu0", "cpu0.0"])
+def test_a_worker_killed_mid_generation_costs_no_request(tiny_q4_path, budget, victim):
+    """Guards the fallbacks: the GPU worker killed while it runs a sequence's steps, the CPU
+    worker decodes it alone from its last whole state (the steps since run again); the CPU
+    worker killed, the coordinator replays the request and the GPU worker serves on."""
+    daemon = hybrid_daemon(tiny_q4_path, budget)
+    try:
+        gpu_ready(daemon)
+        paired(daemon)
+        with Client(daemon.addr, timeout_s=300) as c:
+            workers = {w.worker_id: w for w in c.status().workers}
+            rid = c.submit(prompt=PROMPT, max_tokens=40, ignore_eos=True, temperature=0.0)
+            first = []
+            for msg in c.stream(rid):               # 4 tokens: decoding by now
+                first.append(msg)
+                if len(streamed_ids(first)) == 4:
+                    break
+            os.kill(workers[victim].pid, signal.SIGKILL)
+            msgs = first + replies_within(c, rid, KILLED_S, lambda: f"{victim} was killed mid-generation and the "
+                                          "request never ended", daemon.log)
+        done = msgs[-1]
+        assert done.finish_reason == "length" and done.completion_tokens == 40, done
+        assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, streamed_ids(msgs))
+        if victim == "gpu0":
+            assert any("a hybrid step failed" in line for line in daemon.log), "".join(daemon.log)
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_impossible_decode_options_are_refused(tiny_q4_path, monkeypatch):
+    """Guards --decode: hybrid without a GPU, or with an engine that has no W4A8 experts, is
+    one line naming why; a mode that does not exist is argparse's refusal."""
+    for env, args, problem in [
+        ("emulate", ["--gpu", "none", "--decode", "hybrid"], "--decode hybrid: needs a GPU worker"),
+        ("emulate", ["--engine", "reference", "--decode", "hybrid"], "and --engine cpu"),
+        ("emulate", ["--decode", "gpu"], "argument --decode: invalid choice: 'gpu'"),
+    ]:
+        monkeypatch.setenv("FERMOE_GPU", env)
+        out = subprocess.run([sys.executable, "-m", "coordinator.daemon", "--model", str(tiny_q4_path), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode in (1, 2) and problem in out.stderr and "Traceback" not in out.stderr, out.stderr
