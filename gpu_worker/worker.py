@@ -103,7 +103,9 @@ class GPUWorker:
     def handle_hybrid_peer(self, msg: P.HybridPeer, data=()) -> None:
         """Serve a CPU worker's decode steps through its mailbox (its pid tells when it is gone)."""
         from shared.exchange import Exchange
-        from shared.hybrid_link import StepServer, mailbox_bytes, process_gone
+        from shared.hybrid_link import mailbox_bytes, process_gone
+
+        from .step_server import StepServer
         try:
             ex = Exchange.attach(msg.mailbox, mailbox_bytes(self.model.config))
         except Exception as e:          # noqa: BLE001 -- a bad name must not end the worker

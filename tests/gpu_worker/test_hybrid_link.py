@@ -1,4 +1,4 @@
-"""The hybrid decode between two workers' ends (shared/hybrid_link.py): a CPU worker's
+"""The hybrid decode between two workers' ends (shared/hybrid_link.py, gpu_worker/step_server.py): a CPU worker's
 DensePeer and a GPU worker's StepServer over one mailbox, the server in a thread over
 the emulated GPU. Their steps must give the very logits of the same hybrid run in one
 process (the same kernels on the same inputs), and the state brought back by a sync the
@@ -13,7 +13,8 @@ import pytest
 from gpu_worker.hybrid import HybridEngine
 from shared.errors import FermoeError
 from shared.exchange import Exchange
-from shared.hybrid_link import DensePeer, PeerError, StepServer, mailbox_bytes
+from gpu_worker.step_server import StepServer
+from shared.hybrid_link import DensePeer, PeerError, mailbox_bytes
 from tests.gpu_worker.test_engine import PROMPT, gpu
 
 native_engine = pytest.importorskip("cpu_worker.native_engine")
