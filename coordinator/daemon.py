@@ -489,10 +489,10 @@ class Coordinator:
         self.pair_hybrid()
 
     def pair_hybrid(self) -> None:
-        """--decode hybrid: each ready CPU worker with a mailbox gets a ready GPU worker to run
+        """--decode hybrid or auto: each ready CPU worker with a mailbox gets a ready GPU worker to run
         its decode steps' dense part (the first GPU worker; a mailbox is served once: a CPU
         worker whose GPU worker is lost decodes alone until it is restarted)."""
-        if getattr(self.opts, "decode", "cpu") != "hybrid":
+        if getattr(self.opts, "decode", "cpu") == "cpu":
             return
         gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
         if not gpus:

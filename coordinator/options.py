@@ -13,7 +13,7 @@ from shared.state import DEFAULT_BLOCK, KV_DTYPES
 
 from . import llama_server_flags
 
-DECODE_MODES = ("cpu", "hybrid")
+DECODE_MODES = ("cpu", "hybrid", "auto")
 
 log = logging.getLogger("fermoe.coordinator")
 
@@ -72,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where prompts are prefilled: auto (the GPU when its estimate is shorter, per request), "
                         "gpu (whenever a GPU worker is ready) or cpu (default auto)")
     p.add_argument("--decode", default="cpu", choices=DECODE_MODES,
-                   help="where decode steps run: cpu (the CPU workers alone) or hybrid (each step's dense part on "
+                   help="where decode steps run: cpu (the CPU workers alone), hybrid (each step's dense part on "
                         "a GPU worker, its routed experts on the CPU worker that owns the sequence; needs a GPU "
-                        "and --engine cpu) (default cpu)")
+                        "and --engine cpu) or auto (each sequence the way its worker's steps have been faster) "
+                        "(default cpu)")
     p.add_argument("--reasoning", default="auto", choices=REASONING_MODES,
                    help="thinking for chat requests that do not say (llama-server's): on, off, or auto (the chat "
                         "template's default: on for Qwen3.5/3.6) (default auto)")
@@ -139,8 +140,8 @@ def parse_options(argv=None):
     opts.model_path = resolve_model(opts.model)
     opts.mmproj = os.path.abspath(opts.mmproj) if opts.mmproj else None     # workers start elsewhere
     opts.gpus = _gpus(opts)
-    if opts.decode == "hybrid" and (not opts.gpus or opts.engine != "cpu"):
-        raise FermoeError("--decode hybrid: needs a GPU worker (--gpu) and --engine cpu (the W4A8 experts)"
+    if opts.decode != "cpu" and (not opts.gpus or opts.engine != "cpu"):
+        raise FermoeError(f"--decode {opts.decode}: needs a GPU worker (--gpu) and --engine cpu (the W4A8 experts)"
                           + ("" if opts.gpus else ": no GPU here"))
     return opts
 

@@ -84,8 +84,8 @@ class Supervisor:
                *self.common_args]
         if self.opts.numa_interleave:
             cmd.append("--numa-interleave")
-        if getattr(self.opts, "decode", "cpu") == "hybrid":
-            cmd.append("--hybrid")
+        if getattr(self.opts, "decode", "cpu") != "cpu":
+            cmd += ["--decode", self.opts.decode]
         if getattr(self.opts, "mmproj", None):
             cmd += ["--mmproj", self.opts.mmproj]
         # own session: a Ctrl-C meant for the coordinator must not kill the workers

@@ -39,6 +39,7 @@ from shared.worker_link import (HEARTBEAT_S, WorkerLink, add_worker_options, att
 from shared.topology import cpu_list, default_cpus, numa_nodes
 
 log = logging.getLogger("fermoe.cpu_worker")
+DECODE_MODES = ("cpu", "hybrid", "auto")
 PASS_TOKENS = 256           # tokens of one forward pass (at most the engine's max_batch) ...
 DECODING_PASS_TOKENS = 64   # ... and while sequences decode: the pause a prompt chunk puts in their streams
 MIN_PROMPT_TOKENS = 8       # prompt tokens a pass takes however many sequences decode: no prompt starves
@@ -71,10 +72,12 @@ class CPUWorker:
     def __init__(self, model_path: str, connect: str, worker_id: str, threads: int | None, engine: str = "cpu",
                  cpus: list[int] | None = None, shared_memory: bool = True, probe_tokens: int = RATE_PROBE_TOKENS,
                  shared_experts: str | None = None, mmproj: str | None = None, curve_key: str | None = None,
-                 hybrid: bool = False):
+                 decode: str = "cpu"):
         """mmproj: the vision tower's file; a sequence with images needs it. curve_key: the
-        worker's key file, for a coordinator that requires CURVE keys. hybrid: open a mailbox
-        for a GPU worker to run this worker's decode steps' dense part (shared/hybrid_link.py)."""
+        worker's key file, for a coordinator that requires CURVE keys. decode: cpu, or hybrid
+        (open a mailbox for a GPU worker to run the dense part of every sequence's decode steps,
+        shared/hybrid_link.py), or auto (the same, each sequence decoding where the steps have
+        been faster)."""
         from shared.builtin import resolve_model
         from .engines import cpu_engine
         self.model = Model(resolve_model(model_path))
@@ -86,9 +89,14 @@ class CPUWorker:
                          P.DecodeSlots: self.handle_decode_slots, P.HybridReady: self.handle_hybrid_ready}
         self.mailbox = self.peer = None         # the hybrid decode's mailbox, and its GPU worker once one serves it
         self._keys = 0
-        if hybrid:
+        if decode not in DECODE_MODES:
+            raise FermoeError(f"--decode {decode!r}: expected {', '.join(DECODE_MODES)}")
+        self.decode_mode = decode
+        self.step_ms = {"cpu": 0.0, "hybrid": 0.0}     # a decode-only pass's time each way (running averages)
+        self._pass_kind: str | None = None
+        if decode != "cpu":
             if not hasattr(self.engine, "routed_experts"):
-                raise FermoeError(f"--hybrid needs the cpu engine (this worker runs {engine})")
+                raise FermoeError(f"--decode {decode} needs the cpu engine (this worker runs {engine})")
             from shared.exchange import Exchange
             from shared.hybrid_link import mailbox_bytes
             self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix="fermoe_hybrid")
@@ -142,7 +150,7 @@ class CPUWorker:
     def handle_hybrid_ready(self, msg: P.HybridReady, data=()) -> None:
         """A GPU worker serves the mailbox: the decode steps of sequences from here on go there."""
         if self.mailbox is None:
-            self.link.report("a HybridReady, but this worker has no hybrid mailbox (--hybrid)")
+            self.link.report("a HybridReady, but this worker has no hybrid mailbox (--decode hybrid or auto)")
             return
         if self.peer is not None:
             self.link.report("a second HybridReady: the mailbox has a GPU worker already")
@@ -216,6 +224,9 @@ class CPUWorker:
                 self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
             return
         elapsed = time.perf_counter() - t0
+        if self._pass_kind is not None:         # decode rows alone, all of them one way: its time counts
+            old = self.step_ms[self._pass_kind]
+            self.step_ms[self._pass_kind] = 1000 * elapsed if old <= 0 else 0.7 * old + 300 * elapsed
         for (rid, seq, _), row in zip(batch, logits):
             if seq.decoder is not None:
                 seq.decoder.logits = row
@@ -242,6 +253,8 @@ class CPUWorker:
                 self._hybrid_failed(e, [batch[i][1] for i in remote])
                 remote = []
         local = [i for i in range(len(batch)) if i not in set(remote)]
+        decoding = all(seq.decoder is not None for _, seq, _ in batch)
+        self._pass_kind = None if not decoding else "hybrid" if not local else "cpu" if not remote else None
         if local:
             segments = []
             for i in local:
@@ -251,6 +264,15 @@ class CPUWorker:
             for row, i in zip(self.engine.forward_batch(segments), local):
                 rows[i] = row
         return rows
+
+    def _decode_hybrid(self) -> bool:
+        """Whether a sequence starting to decode goes to the GPU worker: always with --decode
+        hybrid; with auto, a way not yet timed first, then the faster one."""
+        if self.decode_mode == "cpu" or self.peer is None:
+            return False
+        if self.decode_mode == "hybrid":
+            return True
+        return decode_hybrid_faster(self.step_ms["cpu"], self.step_ms["hybrid"])
 
     def _hybrid_step(self, part) -> list:
         peer = self.peer
@@ -361,6 +383,7 @@ class CPUWorker:
     def sample(self, rid: str, seq: Sequence) -> None:
         first = seq.decoder is None
         if first:
+            seq.hybrid_off = not self._decode_hybrid()
             stop_ids = () if seq.msg.ignore_eos else self.model.tokenizer.eos_ids
             seq.decoder = Decoder(self.engine, seq.state, seq.state.logits.copy(), seq.msg.tokens, seq.params,
                                   seq.msg.max_tokens, stop_ids, logprobs=seq.msg.logprobs, mask=self.mask(seq.msg),
@@ -410,6 +433,16 @@ class CPUWorker:
         self.engine.close()
 
 
+def decode_hybrid_faster(cpu_ms: float, hybrid_ms: float) -> bool:
+    """--decode auto's choice for a sequence starting to decode, from the decode-only passes'
+    running times each way (0: not timed yet): the hybrid first, then the CPU, then the faster."""
+    if hybrid_ms <= 0:
+        return True
+    if cpu_ms <= 0:
+        return False
+    return hybrid_ms < cpu_ms
+
+
 def run_cpu_worker(args) -> int:
     cpus = cpu_list(args.cpus) if args.cpus else None
     if args.node is not None and args.node not in numa_nodes():
@@ -420,7 +453,7 @@ def run_cpu_worker(args) -> int:
     worker = CPUWorker(args.model, args.connect, args.worker_id or f"cpu-{uuid.uuid4().hex[:8]}",
                        args.threads, args.engine, cpus, shared_memory=not args.no_shared_memory,
                        shared_experts=args.shared_experts, mmproj=args.mmproj, curve_key=args.curve_key,
-                       hybrid=args.hybrid)
+                       decode=args.decode)
     return serve_until_stopped(worker)
 
 
@@ -433,8 +466,9 @@ def main(argv=None) -> int:
     p.add_argument("--node", type=int, default=None, help="NUMA node whose memory to use")
     p.add_argument("--numa-interleave", action="store_true", help="interleave memory over all nodes")
     p.add_argument("--mmproj", default=None, help="the model's vision tower (mmproj GGUF): prompts with images")
-    p.add_argument("--hybrid", action="store_true",
-                   help="open a mailbox for a GPU worker to run the dense part of this worker's decode steps")
+    p.add_argument("--decode", default="cpu", choices=DECODE_MODES,
+                   help="cpu, or hybrid: open a mailbox for a GPU worker to run the dense part of the decode steps; "
+                        "auto: the same, each sequence decoding the way steps have been faster (default cpu)")
     return worker_main("cpu_worker", p, run_cpu_worker, argv)
 
 

@@ -200,7 +200,7 @@ class _Worker:
     made = []
 
     def __init__(self, model_path, connect, worker_id, threads, engine="cpu", cpus=None, shared_memory=True,
-                 shared_experts=None, mmproj=None, curve_key=None, hybrid=False):
+                 shared_experts=None, mmproj=None, curve_key=None, decode="cpu"):
         _Worker.made.append(dict(worker_id=worker_id, threads=threads, cpus=cpus, engine=engine))
 
     def event_loop(self):

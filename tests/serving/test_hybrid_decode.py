@@ -29,9 +29,9 @@ def budget(tiny_q4_path) -> str:
     return str(smallest_gpu_mem(tiny_q4_path))
 
 
-def hybrid_daemon(path, budget, *extra):
-    return Daemon(path, "--gpu", "auto", "--prefill", "gpu", "--gpu-mem", budget, "--decode", "hybrid",
-                  "--cpu-workers-per-socket", "1", *extra)
+def hybrid_daemon(path, budget, decode="hybrid"):
+    return Daemon(path, "--gpu", "auto", "--prefill", "gpu", "--gpu-mem", budget, "--decode", decode,
+                  "--cpu-workers-per-socket", "1")
 
 
 def paired(daemon) -> None:
@@ -96,8 +96,32 @@ def test_impossible_decode_options_are_refused(tiny_q4_path, monkeypatch):
         ("emulate", ["--gpu", "none", "--decode", "hybrid"], "--decode hybrid: needs a GPU worker"),
         ("emulate", ["--engine", "reference", "--decode", "hybrid"], "and --engine cpu"),
         ("emulate", ["--decode", "gpu"], "argument --decode: invalid choice: 'gpu'"),
+        ("emulate", ["--gpu", "none", "--decode", "auto"], "--decode auto: needs a GPU worker"),
     ]:
         monkeypatch.setenv("FERMOE_GPU", env)
         out = subprocess.run([sys.executable, "-m", "coordinator.daemon", "--model", str(tiny_q4_path), *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode in (1, 2) and problem in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_decode_auto_takes_the_faster_way_per_request(tiny_q4_path, budget):
+    """Guards --decode auto: the first request decodes hybrid (not yet timed), the second on
+    the CPU (not yet timed), then the faster: the CPU, where the GPU is emulated on it."""
+    daemon = hybrid_daemon(tiny_q4_path, budget, decode="auto")
+    try:
+        gpu_ready(daemon)
+        paired(daemon)
+        with Client(daemon.addr, timeout_s=300) as c:
+            ways = [list(c.generate(f"{PROMPT} {i}", max_tokens=6, ignore_eos=True, temperature=0.0))[-1].decode_device
+                    for i in range(3)]
+        assert ways == ["hybrid", "cpu", "cpu"], ways
+    finally:
+        assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("cpu_ms, hybrid_ms, hybrid", [(0, 0, True), (5.0, 0, True), (0, 9.0, False),
+                                                        (5.0, 9.0, False), (9.0, 5.0, True)])
+def test_the_auto_choice(cpu_ms, hybrid_ms, hybrid):
+    """The rule itself: a way not yet timed (0) is tried, the hybrid first; then the faster."""
+    from cpu_worker.worker import decode_hybrid_faster
+    assert decode_hybrid_faster(cpu_ms, hybrid_ms) is hybrid
