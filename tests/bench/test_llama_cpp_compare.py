@@ -1,4 +1,4 @@
-"""scripts/llama_cpp_prefill.py's parts that need no GPU: the source it keeps of the
+"""scripts/llama_cpp_compare.py's parts that need no GPU: the source it keeps of the
 sdist, the ubatches it tries, how it reads llama-bench's report and picks the best."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("llama_cpp_prefill", ROOT / "scripts" / "llama_cpp_prefill.py")
+spec = importlib.util.spec_from_file_location("llama_cpp_compare", ROOT / "scripts" / "llama_cpp_compare.py")
 script = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(script)
 
@@ -64,3 +64,26 @@ def test_the_report_and_the_best_of_the_rounds():
     rounds = [[{"prompt_tokens": 8192, "fermoe_s": 1.2, "llama_cpp_s": 1.1}],
               [{"prompt_tokens": 8192, "fermoe_s": 0.9, "llama_cpp_s": 1.05}]]
     assert script.best_of(rounds) == {"8192": {"fermoe_s": 0.9, "llama_cpp_s": 1.05, "ratio": 1.167}}
+
+
+def test_the_decode_rate_is_read_from_llama_benchs_generation_test():
+    """Guards the decode figure: the n-token generation row's mean tokens/s, not a prompt row's;
+    a report without that row is an error naming it."""
+    report = json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ns": 1e9, "avg_ts": 512.0},
+                         {"n_prompt": 0, "n_gen": 64, "avg_ns": 1.2e9, "avg_ts": 53.3}])
+    assert script.generation_tok_s(report, 64) == 53.3
+    try:
+        script.generation_tok_s(report, 128)
+    except RuntimeError as e:
+        assert "no 128-token generation test" in str(e)
+    else:
+        raise AssertionError("a missing generation test passed")
+
+
+def test_the_decode_comparison_divides_fermoes_hybrid_by_llama_cpps():
+    """Guards the ratios: the hybrid across processes (what serving runs), one sequence's rate
+    and four sequences' rate in all, each over llama.cpp's one sequence."""
+    one = {"hybrid_process": {"tok_s": 80.0, "tok_s_aggregate": 80.0}}
+    four = {"hybrid_process": {"tok_s": 40.0, "tok_s_aggregate": 160.0}}
+    row = script.decode_rows(50.0, one, four, 64)
+    assert (row["hybrid_ratio_1"], row["hybrid_ratio_4"], row["tokens"]) == (1.6, 3.2, 64)

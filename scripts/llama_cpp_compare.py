@@ -1,21 +1,24 @@
-"""fermoe's GPU prefill beside llama.cpp's on the same machine, the same GGUF file and the
-same prompt lengths, alternated in one run, as JSON.
+"""fermoe beside llama.cpp on the same machine, the same GGUF file: the GPU prefill at each
+prompt length, and the decode (fermoe's hybrid and CPU-only beside llama.cpp's hybrid),
+alternated in one run, as JSON.
 
-llama.cpp runs as `llama-bench -ngl 99 -ot exps=CPU -lm none`: every layer on the GPU but
-the routed experts, which stay in page-locked host memory and cross PCIe for each ubatch
-(fermoe's own arrangement under --gpu-mem). Each prompt length runs at several ubatch
-sizes and the fastest counts ("its best ubatch"); llama.cpp has no memory cap, so its
-compute buffers may take what a budget like fermoe's 6 GiB would not allow.
+llama.cpp runs as `llama-bench -ngl 99 -ot exps=CPU`: every layer on the GPU but the routed
+experts, which stay in page-locked host memory (fermoe's own arrangement under --gpu-mem):
+for a prompt they cross PCIe for each ubatch, for a decoded token they run on the CPU (its
+hybrid decode). Each prompt length runs at several ubatch sizes and the fastest counts ("its
+best ubatch"); llama.cpp has no memory cap, so its compute buffers may take what a budget
+like fermoe's 6 GiB would not allow.
 
-    python3 scripts/llama_cpp_prefill.py prepare            # here, with network: the source
-    python3 scripts/llama_cpp_prefill.py run MODEL --prompt 947,8192,32768 --gpu-mem 6GiB
+    python3 scripts/llama_cpp_compare.py prepare            # here, with network: the source
+    python3 scripts/llama_cpp_compare.py run MODEL --prompt 947,8192,32768 --gpu-mem 6GiB --decode 64
 
 `prepare` downloads the llama-cpp-python 0.3.36 sdist (`pip download --no-binary :all:`)
 and keeps the llama.cpp it vendors, without its test models and documents, as
 .llama-src/llama.cpp.tar.gz (git-ignored: a few MB, small enough to travel with the
 working tree to a machine without network). `run` builds only the `llama-bench` target
 with CUDA for the device's architecture, in the background while fermoe's first round
-runs, then alternates llama.cpp and fermoe for --rounds rounds.
+runs, then alternates llama.cpp and fermoe for --rounds rounds; with --decode N, then
+N-token decodes: llama-bench's at one sequence, fermoe's `bench hybrid` at one and four.
 
 JSON keys:
   model, gpu_mem, prompts       what was asked
@@ -31,6 +34,11 @@ JSON keys:
     .ratio                      llama_cpp_s / fermoe_s (above 1: fermoe is faster)
   best                          per prompt length, the best of the rounds of each: fermoe_s,
                                 llama_cpp_s, ratio
+  decode                        with --decode N: tokens (N), llama_cpp_tok_s (llama-bench's mean
+                                at one sequence), fermoe_batch_1 and fermoe_batch_4 (`fermoe bench
+                                hybrid` at one and four sequences), hybrid_ratio_1 (fermoe's hybrid
+                                tok/s at one sequence over llama.cpp's), hybrid_ratio_4 (fermoe's
+                                four sequences' tok/s in all over llama.cpp's one)
   llama_cpp_error               only when llama-bench could not be built: why (the build log's
                                 tail); rounds then holds fermoe's first round alone
 """
@@ -136,6 +144,40 @@ def prompt_seconds(report: str, T: int) -> dict[int, float]:
             if r["n_prompt"] == T and r["n_gen"] == 0}
 
 
+def llama_decode(binary: Path, model: str, n: int, reps: int) -> float:
+    """llama-bench's tokens/s generating n tokens at one sequence, experts page-locked in host memory."""
+    cmd = [str(binary), "-m", model, "-ngl", "99", "-ot", "exps=CPU", "-p", "0", "-n", str(n), "-r", str(reps),
+           "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
+    return generation_tok_s(out.stdout, n)
+
+
+def generation_tok_s(report: str, n: int) -> float:
+    """The mean tokens/s of the n-token generation test in llama-bench's `-o json` report."""
+    rows = [r for r in json.loads(report) if r["n_prompt"] == 0 and r["n_gen"] == n]
+    if not rows:
+        raise RuntimeError(f"llama-bench reported no {n}-token generation test")
+    return float(rows[0]["avg_ts"])
+
+
+def fermoe_decode(model: str, n: int, batch: int, gpu_mem: str) -> dict:
+    cmd = [sys.executable, "-m", "fermoe.cli", "bench", "hybrid", model, "--tokens", str(n), "--batch", str(batch),
+           "--gpu-mem", gpu_mem]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"fermoe bench hybrid failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def decode_rows(llama_tok_s: float, one: dict, four: dict, n: int) -> dict:
+    """The decode comparison from llama.cpp's rate and fermoe's `bench hybrid` at one and four sequences."""
+    return {"tokens": n, "llama_cpp_tok_s": round(llama_tok_s, 2), "fermoe_batch_1": one, "fermoe_batch_4": four,
+            "hybrid_ratio_1": round(one["hybrid_process"]["tok_s"] / llama_tok_s, 3),
+            "hybrid_ratio_4": round(four["hybrid_process"]["tok_s_aggregate"] / llama_tok_s, 3)}
+
+
 def fermoe_prefill(model: str, T: int, gpu_mem: str, reps: int, profile: bool) -> dict:
     cmd = [sys.executable, "-m", "fermoe.cli", "bench", "prefill", model, "--prompt", str(T), "--gpu-mem", gpu_mem,
            "--reps", str(reps)] + ([] if profile else ["--no-profile"])
@@ -146,7 +188,7 @@ def fermoe_prefill(model: str, T: int, gpu_mem: str, reps: int, profile: bool) -
 
 
 def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, source: Path, build: Path,
-        profile_below: int) -> dict:
+        profile_below: int, decode: int = 0) -> dict:
     t0 = time.perf_counter()
     builder, binary = start_build(source, build)
     results = {"model": model, "gpu_mem": gpu_mem, "prompts": prompts, "device": device_name(), "rounds": []}
@@ -156,10 +198,15 @@ def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, so
         for T in prompts:        # fermoe first: the build runs beside the first round
             f = fermoe_prefill(model, T, gpu_mem, reps, profile=T <= profile_below)
             rows[T].update(fermoe_s=f["prefill_s"], fermoe=f)
+        if decode and r == 0:
+            fermoe_decodes = [fermoe_decode(model, decode, b, gpu_mem) for b in (1, 4)]
         if builder is not None:
             if builder.wait():            # fermoe's figures still count: report them with the failure
                 results["rounds"].append(list(rows.values()))
                 results["llama_cpp_error"] = f"building llama-bench failed: {_tail(build / 'build.log')}"
+                if decode:
+                    results["decode"] = {"tokens": decode, "fermoe_batch_1": fermoe_decodes[0],
+                                         "fermoe_batch_4": fermoe_decodes[1]}
                 return results
             build_s, builder = time.perf_counter() - t0, None
         for T in prompts:
@@ -173,6 +220,8 @@ def run(model: str, prompts: list[int], gpu_mem: str, rounds: int, reps: int, so
                                                for row in rows.values()]}), file=sys.stderr, flush=True)
     results["llama_cpp_build_s"] = round(build_s, 1)
     results["best"] = best_of(results["rounds"])
+    if decode:
+        results["decode"] = decode_rows(llama_decode(binary, model, decode, reps), *fermoe_decodes, decode)
     return results
 
 
@@ -206,6 +255,8 @@ def main(argv=None) -> None:
     r.add_argument("--reps", type=int, default=2, help="timed prefills a prompt length and round, each side")
     r.add_argument("--source", type=Path, default=SOURCE)
     r.add_argument("--build", type=Path, default=Path(tempfile.gettempdir()) / "llama-cpp" / "build")
+    r.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="then N-token decodes: llama.cpp's hybrid at one sequence, fermoe's bench hybrid at 1 and 4")
     r.add_argument("--profile-below", type=int, default=32768,
                    help="fermoe's timing by phase and kernel for prompts up to N tokens (it costs two prefills)")
     args = p.parse_args(argv)
@@ -216,9 +267,11 @@ def main(argv=None) -> None:
         p.error("run needs an NVIDIA GPU (nvidia-smi)")
     if not args.source.exists() and not (args.build / "bin" / "llama-bench").exists():
         p.error(f"{args.source} is missing: run `prepare` where there is network")
-    prompts = [int(x) for x in args.prompt.split(",")]
+    prompts = [int(x) for x in args.prompt.split(",") if x]         # --prompt "": the decode alone
+    if args.rounds < 1 or args.decode < 0:
+        p.error("--rounds must be at least 1, --decode 0 or more")
     print(json.dumps(run(args.model, prompts, args.gpu_mem, args.rounds, args.reps, args.source, args.build,
-                         args.profile_below), indent=2))
+                         args.profile_below, args.decode), indent=2))
 
 
 if __name__ == "__main__":
