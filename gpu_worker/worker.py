@@ -42,7 +42,10 @@ PROBE_BUDGET_S = 2.0
 # holds at most the coordinator's max_model_len positions in all, what its memory plan
 # counts a GPU worker's prompt state for; the prompts it sends are its limit on their number.
 BATCH_TOKENS = 2048
-PEER_POLL_S = 0.005          # with CPU workers' mailboxes to serve: how long the loop waits on them a turn
+# With CPU workers' mailboxes to serve, the loop looks at them between its messages: right
+# after a request, often (the next step of a decoding sequence comes within a sampling's time);
+# idle for longer, every IDLE_POLL_S (a first step waits that long, an idle worker costs no core).
+BUSY_POLL_S, IDLE_POLL_S, BUSY_FOR_S = 0.0002, 0.002, 0.1
 
 
 class GPUWorker:
@@ -73,6 +76,7 @@ class GPUWorker:
         self.handlers = {P.Prefill: self.handle_prefill, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
                          P.HybridPeer: self.handle_hybrid_peer}
         self.peers: dict = {}               # cpu worker id -> the StepServer of its mailbox (the hybrid decode)
+        self._last_step = 0.0               # when a mailbox last held a request (monotonic)
         self._registered = None             # the arena page-locked for the engine's copies
         self._images = None
         if self.vision is not None:
@@ -95,8 +99,10 @@ class GPUWorker:
                         prefill_tok_s=round(rate, 1), prefill_fixed_ms=round(1000 * fixed_s, 2))
         while self.running:
             if self.peers:                  # decode steps first: the mailboxes polled between messages
-                if not self.link.serve(self.handlers, 0) and not self.serve_steps(PEER_POLL_S):
+                if not self.link.serve(self.handlers, 0) and not self.serve_steps():
                     self.link.beat(0)
+                    busy = time.monotonic() - self._last_step < BUSY_FOR_S
+                    time.sleep(BUSY_POLL_S if busy else IDLE_POLL_S)
             elif not self.link.serve(self.handlers, int(HEARTBEAT_S * 1000)):
                 self.link.beat(0)
 
@@ -118,19 +124,20 @@ class GPUWorker:
                                                gone=lambda: process_gone(msg.pid, f"the CPU worker {msg.worker_id}"))
         log.info("serving the decode steps of %s (pid %d)", msg.worker_id, msg.pid)
 
-    def serve_steps(self, timeout_s: float = 0.0) -> bool:
-        """Answer what the CPU workers' mailboxes hold (waiting up to timeout_s in all for a
-        first request); whether any came. A CPU worker gone is dropped with its sequences."""
+    def serve_steps(self) -> bool:
+        """Answer what the CPU workers' mailboxes hold; whether any request came. A CPU worker
+        gone is dropped with its sequences."""
         from shared.hybrid_link import PeerError
         served = False
-        wait = timeout_s / max(1, len(self.peers))
         for wid, server in list(self.peers.items()):
             try:
-                while server.poll(0.0 if served else wait):
+                while server.poll(0.0):
                     served = True
             except PeerError as e:
                 log.warning("dropping %s's decode steps: %s", wid, e)
                 self.peers.pop(wid).close()
+        if served:
+            self._last_step = time.monotonic()
         return served
 
     def handle_prefill(self, msg: P.Prefill, data: list[bytes] = ()) -> None:

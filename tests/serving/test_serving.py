@@ -315,9 +315,10 @@ def test_plain_msgpack_client_speaks_the_protocol(daemon, tiny_q4_path):
     assert set(started) == {"type", "request_id", "prompt_tokens", "cached_prompt_tokens"}
     assert (started["prompt_tokens"], started["cached_prompt_tokens"]) == (done["prompt_tokens"],
                                                                            done["cached_prompt_tokens"])
+    assert done["decode_device"] == "cpu"              # no GPU worker: every step on the CPU
     assert set(done) == {"type", "request_id", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens",
                          "completion_tokens", "prefill_ms", "decode_tok_s", "stop_reason", "prefill_device",
-                         "prefill_estimates_ms", "prefill_batch", "reasoning_tokens", "disk_ms"}
+                         "prefill_estimates_ms", "prefill_batch", "reasoning_tokens", "disk_ms", "decode_device"}
     assert done["finish_reason"] == "length" and done["completion_tokens"] == len(tokens) == 128
     assert tokens == local_ids(tiny_q4_path, "hello", 128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                                repeat_penalty=1.0, seed=1)
