@@ -117,3 +117,29 @@ class Exchange:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+WATCH_SLICE_S = 0.2         # a wait on a peer that can be checked on looks at it this often
+
+
+class PeerLost(ExchangeError):
+    """No reply: the peer is gone (`reason` says how) or took longer than the wait allows."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def receive_watching(exchange: Exchange, timeout_s: float, gone=None) -> memoryview:
+    """exchange.receive() for up to timeout_s, asking gone() (why the peer cannot answer, or
+    None) every WATCH_SLICE_S meanwhile; PeerLost with its answer, or with the timeout."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        left = deadline - time.perf_counter()
+        try:
+            return exchange.receive(timeout_s=max(0.0, min(left, WATCH_SLICE_S) if gone else left))
+        except ExchangeTimeout:
+            why = gone() if gone else None
+            if why is None and time.perf_counter() < deadline:
+                continue
+            raise PeerLost(why or f"no reply in {timeout_s:g} s") from None

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import math
 import struct
-import time
 
 import numpy as np
 
 from .errors import FermoeError
-from .exchange import ExchangeTimeout
+from .exchange import ExchangeTimeout, PeerLost, receive_watching
 
 HEADER = struct.Struct("<8i")
 REQUEST, REPLY, ERROR, READY, STOP = 1, 2, 3, 4, 5
-WAIT_SLICE_S = 0.2      # a client waiting on a server it can check on looks at it this often
 
 
 def message_bytes(max_tokens: int, n_embd: int, n_expert_used: int) -> int:
@@ -108,18 +106,11 @@ class ExpertClient:
         self.exchange.send(*parts)
 
     def _receive(self, timeout_s: float | None = None):
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.perf_counter() + timeout_s
-        while True:
-            left = deadline - time.perf_counter()
-            try:
-                return self.exchange.receive(timeout_s=max(0.0, min(left, WAIT_SLICE_S) if self.gone else left))
-            except ExchangeTimeout:
-                why = self.gone() if self.gone else None
-                if why is None and time.perf_counter() < deadline:
-                    continue
-                self.broken = why or f"no reply in {timeout_s:g} s"
-                raise FermoeError(f"expert server: {self.broken}") from None
+        try:
+            return receive_watching(self.exchange, self.timeout_s if timeout_s is None else timeout_s, self.gone)
+        except PeerLost as e:
+            self.broken = e.reason
+            raise FermoeError(f"expert server: {self.broken}") from None
 
 
 def serve_experts(exchange, engine, idle_timeout: float | None = None) -> int:

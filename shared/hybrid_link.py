@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 
 import numpy as np
 
 from .errors import FermoeError
-from .exchange import ExchangeTimeout
+from .exchange import PeerLost, receive_watching
 from .expert_exchange import ERROR, HEADER as EXPERT_HEADER, REPLY, REQUEST, header as expert_header
 from .state import SequenceState, recurrent_nbytes
 
 LINK = struct.Struct("<4i2q")
 ADMIT, STEP, LOGITS, SYNC, STATE, RELEASE, ACK, FAILED = range(20, 28)
-WAIT_SLICE_S = 0.2          # a wait on a peer it can check on looks at it this often
 MAX_STEP = 64               # sequences of one step
 
 
@@ -84,18 +82,11 @@ class End:
         self.ex.send(*parts)
 
     def receive(self, timeout_s: float | None = None) -> memoryview:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.perf_counter() + timeout_s
-        while True:
-            left = deadline - time.perf_counter()
-            try:
-                return self.ex.receive(timeout_s=max(0.0, min(left, WAIT_SLICE_S) if self.gone else left))
-            except ExchangeTimeout:
-                why = self.gone() if self.gone else None
-                if why is None and time.perf_counter() < deadline:
-                    continue
-                self.broken = why or f"no reply in {timeout_s:g} s"
-                raise PeerError(f"hybrid peer: {self.broken}") from None
+        try:
+            return receive_watching(self.ex, self.timeout_s if timeout_s is None else timeout_s, self.gone)
+        except PeerLost as e:
+            self.broken = e.reason
+            raise PeerError(f"hybrid peer: {self.broken}") from None
 
     def kind_of(self, msg) -> tuple:
         fields = LINK.unpack_from(msg)
