@@ -109,6 +109,7 @@ class Coordinator:
         # every worker message but Hello; data: the frames after it (only a SnapshotWritten has any)
         self.worker_handlers = {
             P.Attached: self.handle_attached, P.Heartbeat: self.handle_heartbeat, P.Error: self.handle_error,
+            P.HybridMailbox: self.handle_hybrid_mailbox,
             P.Sampled: self.handle_sampled, P.SnapshotWritten: self.handle_snapshotwritten,
             P.Finished: self.handle_finished, P.Prefilled: self.handle_prefilled, P.Goodbye: self.handle_goodbye,
             P.Progress: self.handle_progress}
@@ -488,10 +489,16 @@ class Coordinator:
             log.info("worker %s has no access to the snapshot arena: its snapshots travel as message frames", wid)
         self.pair_hybrid()
 
+    def handle_hybrid_mailbox(self, wid: str, msg: P.HybridMailbox, data=()) -> None:
+        """A CPU worker whose GPU worker was lost opened a new mailbox: paired again when one is ready."""
+        view = self.workers[wid]
+        view.mailbox, view.hybrid_with = msg.mailbox, ""
+        self.pair_hybrid()
+
     def pair_hybrid(self) -> None:
         """--decode hybrid or auto: each ready CPU worker with a mailbox gets a ready GPU worker to run
-        its decode steps' dense part (the first GPU worker; a mailbox is served once: a CPU
-        worker whose GPU worker is lost decodes alone until it is restarted)."""
+        its decode steps' dense part (the first GPU worker). A mailbox is served once: a CPU
+        worker whose GPU worker is lost opens another (HybridMailbox), paired again here."""
         if getattr(self.opts, "decode", "cpu") == "cpu":
             return
         gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
@@ -808,6 +815,10 @@ class Coordinator:
         view = self.workers.pop(wid, None)
         self.last_seen.pop(wid, None)
         self.unfinished.worker_lost(wid)                 # it writes nothing more
+        for cpu in self.workers.values():                # CPU workers it ran decode steps for: alone for now
+            if cpu.hybrid_with == wid:
+                cpu.mailbox = cpu.hybrid_with = ""       # until the new mailbox each opens
+                self.send_worker(cpu.worker_id, P.HybridLost())
         for rid in list(view.requests if view else []):
             req = self.requests[rid]
             if req.phase is Phase.PREFILLING:            # its prompt runs on a CPU worker now

@@ -86,7 +86,8 @@ class CPUWorker:
         self.worker_id, self.probe_tokens = worker_id, probe_tokens
         self.link = WorkerLink(connect, worker_id, self._configure, shared_memory, curve_key)
         self.handlers = {P.Assign: self.handle_assign, P.Stop: self.handle_stop, P.Shutdown: self.handle_shutdown,
-                         P.DecodeSlots: self.handle_decode_slots, P.HybridReady: self.handle_hybrid_ready}
+                         P.DecodeSlots: self.handle_decode_slots, P.HybridReady: self.handle_hybrid_ready,
+                         P.HybridLost: self.handle_hybrid_lost}
         self.mailbox = self.peer = None         # the hybrid decode's mailbox, and its GPU worker once one serves it
         self._keys = 0
         if decode not in DECODE_MODES:
@@ -158,6 +159,21 @@ class CPUWorker:
         from shared.hybrid_link import DensePeer, process_gone
         self.peer = DensePeer(self.mailbox, self.engine, gone=lambda: process_gone(msg.pid, "the GPU worker"))
         log.info("decoding with the GPU worker (pid %d): the dense part there, the routed experts here", msg.pid)
+
+    def handle_hybrid_lost(self, msg: P.HybridLost, data=()) -> None:
+        if self.peer is not None:
+            self.peer.broken = "the GPU worker is gone"
+            self._lose_peer()
+
+    def _lose_peer(self) -> None:
+        """The GPU worker is gone: every sequence decodes here (taken back at its next pass), and
+        a new mailbox waits for the next GPU worker (the old one's message counts are spent)."""
+        from shared.exchange import Exchange
+        from shared.hybrid_link import mailbox_bytes
+        self.peer = None
+        self.mailbox.close()
+        self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix="fermoe_hybrid")
+        self.send(P.HybridMailbox(mailbox=self.mailbox.name))
 
     # ---- sequences --------------------------------------------------------
     def start(self, msg: P.Assign, data: list[bytes] = ()) -> Sequence:
@@ -296,14 +312,15 @@ class CPUWorker:
         log.warning("a hybrid step failed (%s): %s on this worker's CPUs", e,
                     "every sequence decodes" if gone else "its sequences decode")
         if gone:
-            self.peer = None
+            self._lose_peer()
         for seq in seqs:
             seq.hybrid_off = True
             if self.peer is not None and seq.hybrid_key is not None:
                 try:                            # its device memory there given back
                     self.peer.release(seq.hybrid_key)
                 except FermoeError:
-                    self.peer = None if self.peer.broken else self.peer
+                    if self.peer.broken:
+                        self._lose_peer()
 
     def _take_back(self, seq: Sequence) -> list:
         """A sequence the hybrid gave up (or whose GPU worker is gone): its own copy back to

@@ -434,8 +434,19 @@ class HybridReady(_Msg, tag="hybrid_ready"):
     pid: int
 
 
-TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots, HybridPeer, HybridReady]
-FROM_WORKER = Union[Hello, Attached, Sampled, Progress, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error]
+class HybridLost(_Msg, tag="hybrid_lost"):
+    """coordinator -> cpu worker: the gpu worker serving your mailbox is gone: decode here, and
+    open a new mailbox (HybridMailbox) for the next one."""
+
+
+class HybridMailbox(_Msg, tag="hybrid_mailbox"):
+    """cpu worker -> coordinator: a new mailbox, its gpu worker lost (as Hello.mailbox)."""
+    mailbox: str
+
+
+TO_WORKER = Union[Welcome, Assign, Prefill, Stop, Shutdown, DecodeSlots, HybridPeer, HybridReady, HybridLost]
+FROM_WORKER = Union[Hello, Attached, Sampled, Progress, SnapshotWritten, Finished, Prefilled, Heartbeat, Goodbye, Error,
+                    HybridMailbox]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {}

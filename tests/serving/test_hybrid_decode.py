@@ -62,8 +62,9 @@ def test_decode_steps_run_on_the_gpu_worker_with_the_cpus_experts(tiny_q4_path, 
 @pytest.mark.parametrize("victim", ["gpu0", "cpu0.0"])
 def test_a_worker_killed_mid_generation_costs_no_request(tiny_q4_path, budget, victim):
     """Guards the fallbacks: the GPU worker killed while it runs a sequence's steps, the CPU
-    worker decodes it alone from its last whole state (the steps since run again); the CPU
-    worker killed, the coordinator replays the request and the GPU worker serves on."""
+    worker decodes it alone from its last whole state (the steps since run again), and once
+    the GPU worker is restarted, with it again; the CPU worker killed, the coordinator replays
+    the request and the GPU worker serves on."""
     daemon = hybrid_daemon(tiny_q4_path, budget)
     try:
         gpu_ready(daemon)
@@ -82,8 +83,12 @@ def test_a_worker_killed_mid_generation_costs_no_request(tiny_q4_path, budget, v
         done = msgs[-1]
         assert done.finish_reason == "length" and done.completion_tokens == 24, done
         assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, streamed_ids(msgs))
-        if victim == "gpu0":
+        if victim == "gpu0":            # the GPU worker restarted, the CPU worker's new mailbox paired with it
             assert any("a hybrid step failed" in line for line in daemon.log), "".join(daemon.log)
+            wait_until(lambda: sum("cpu0.0 decodes with gpu0" in line for line in daemon.log) == 2, 120,
+                       "the restarted GPU worker was never paired with the CPU worker's new mailbox")
+            with Client(daemon.addr, timeout_s=300) as c:
+                assert list(c.generate(PROMPT, max_tokens=3, temperature=0.0))[-1].decode_device == "hybrid"
     finally:
         assert daemon.stop() == 0
 

@@ -91,7 +91,8 @@ def worker_messages(request_id: str = "fuzz") -> list:
             P.Sampled(request_id=request_id, token=3, prefill_ms=1.0, top_logprobs=[P.TokenLogprob(token=1, logprob=-1.0)]),
             P.SnapshotWritten(request_id=request_id, slot=0, state=0, position=8),
             P.Finished(request_id=request_id, finish_reason="stop", prefill_ms=1.0, decode_ms=1.0, completion_tokens=1),
-            P.Prefilled(request_id=request_id, prefill_ms=1.0), P.Error(message="fuzz", request_id=request_id)]
+            P.Prefilled(request_id=request_id, prefill_ms=1.0), P.Error(message="fuzz", request_id=request_id),
+            P.HybridMailbox(mailbox="fermoe_fuzz_mailbox")]
 
 
 def coordinator_messages(request_id: str = "fuzz") -> list:
@@ -101,7 +102,8 @@ def coordinator_messages(request_id: str = "fuzz") -> list:
                      sampling=P.SamplingParams(seed=1), decode_slots=[(1, 1)]),
             P.Prefill(request_id=request_id, tokens=[5, 6, 7], resume=[ref], snapshots=[]),
             P.Stop(request_id=request_id), P.DecodeSlots(request_id=request_id, slots=[(2, -1)]),
-            P.HybridPeer(worker_id="cpu-fuzz", mailbox="fermoe_no_such_mailbox", pid=1), P.HybridReady(pid=1)]
+            P.HybridPeer(worker_id="cpu-fuzz", mailbox="fermoe_no_such_mailbox", pid=1), P.HybridReady(pid=1),
+            P.HybridLost()]
 
 
 def coordinator_replies(request_id: str = "fuzz") -> list:
