@@ -36,6 +36,7 @@ from shared.errors import FermoeError, PromptTooLong, ProtocolError
 from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint, reasoning_open
 from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams, with_defaults
+from shared.engine import update_rate
 from shared.model import Model
 from shared.state import recurrent_nbytes
 from shared.model import has_random_weights, random_weights_notice
@@ -44,7 +45,7 @@ from .memory import host_footprint, resolve_max_model_len, snapshot_store
 from .gpu_prefill import GPUPrefills
 from .images import ImageDecoder
 from .requests import Phase, Request, SnapshotIntake, TextStream, Unfinished, planned_refs, resume_refs
-from .scheduler import WorkerView, pick_worker, update_rate
+from .scheduler import WorkerView, pick_worker
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
 

@@ -15,10 +15,11 @@ import logging
 import time
 
 from shared import protocol as P
+from shared.engine import update_rate
 
 from .placement import place_prefill
 from .requests import Phase, Request, Unfinished, planned_refs, resume_refs
-from .scheduler import WorkerView, update_rate
+from .scheduler import WorkerView
 
 log = logging.getLogger("fermoe.coordinator")
 

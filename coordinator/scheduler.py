@@ -27,11 +27,6 @@ class WorkerView:
     hybrid_with: str = ""        # the gpu worker serving that mailbox ("": none yet)
 
 
-RATE_WEIGHT = 0.3           # of the newest measurement in a worker's running rates
-
-
-def update_rate(old: float, new: float) -> float:
-    return new if old <= 0 else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * new
 
 
 def pick_worker(workers: dict[str, WorkerView], max_sequences: int) -> str | None:

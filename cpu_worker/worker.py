@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared import protocol as P
-from shared.engine import measure_prefill_rate
+from shared.engine import measure_prefill_rate, update_rate
 from shared.errors import FermoeError
 from shared.generate import Decoder
 from shared.model import Model
@@ -241,8 +241,7 @@ class CPUWorker:
             return
         elapsed = time.perf_counter() - t0
         if self._pass_kind is not None:         # decode rows alone, all of them one way: its time counts
-            old = self.step_ms[self._pass_kind]
-            self.step_ms[self._pass_kind] = 1000 * elapsed if old <= 0 else 0.7 * old + 300 * elapsed
+            self.step_ms[self._pass_kind] = update_rate(self.step_ms[self._pass_kind], 1000 * elapsed)
         for (rid, seq, _), row in zip(batch, logits):
             if seq.decoder is not None:
                 seq.decoder.logits = row
@@ -268,9 +267,10 @@ class CPUWorker:
             except FermoeError as e:            # the GPU worker failed the step, or is gone
                 self._hybrid_failed(e, [batch[i][1] for i in remote])
                 remote = []
-        local = [i for i in range(len(batch)) if i not in set(remote)]
-        decoding = all(seq.decoder is not None for _, seq, _ in batch)
-        self._pass_kind = None if not decoding else "hybrid" if not local else "cpu" if not remote else None
+        local = [i for i in range(len(batch)) if i not in remote]
+        self._pass_kind = None                  # a decode-only pass all one way is timed for --decode auto
+        if all(seq.decoder is not None for _, seq, _ in batch) and not (local and remote):
+            self._pass_kind = "hybrid" if remote else "cpu"
         if local:
             segments = []
             for i in local:

@@ -122,6 +122,7 @@ class HybridRouting:
     def __init__(self, device, stream, routed, rows: int, d: int, k: int, gpu_experts: bool = True,
                  hot: HotExperts | None = None):
         self.device, self.stream, self.routed, self.gpu_experts, self.hot = device, stream, routed, gpu_experts, hot
+        self._submit = getattr(routed, "submit", None)      # a peer that computes while the GPU goes on
         self.x = device.pagelocked_empty((rows, d), np.float32)
         self.ids = device.pagelocked_empty((rows, k), np.int32)
         self.weights = device.pagelocked_empty((rows, k), np.float32)
@@ -156,8 +157,8 @@ class HybridRouting:
                 on_gpu = self.hot.slots[layer]
                 self.on_gpu_choices += int(chosen.sum())
         args = (layer, self.x[:n], self.ids[:n], self.weights[:n])
-        if hasattr(self.routed, "submit"):
-            self.routed.submit(*args)
+        if self._submit is not None:
+            self._submit(*args)
             self._result = None
         else:
             self._result = self.routed(*args)

@@ -23,6 +23,7 @@ import uuid
 from shared import protocol as P
 from shared.engine import measure_prefill_rate
 from shared.errors import FermoeError
+from shared.hybrid_link import PeerError
 from shared.model import Model
 from shared.state import SequenceState, restore_snapshots
 from shared.worker_link import (HEARTBEAT_S, WorkerLink, add_worker_options, attach_experts, serve_until_stopped,
@@ -127,7 +128,6 @@ class GPUWorker:
     def serve_steps(self) -> bool:
         """Answer what the CPU workers' mailboxes hold; whether any request came. A CPU worker
         gone is dropped with its sequences."""
-        from shared.hybrid_link import PeerError
         served = False
         for wid, server in list(self.peers.items()):
             try:

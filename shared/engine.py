@@ -93,6 +93,14 @@ class ReferenceEngine:
         pass
 
 
+RATE_WEIGHT = 0.3           # of the newest measurement in a running rate
+
+
+def update_rate(old: float, new: float) -> float:
+    """A running average of a rate or a time: the newest measurement weighs RATE_WEIGHT (0: none yet)."""
+    return new if old <= 0 else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * new
+
+
 def measure_prefill_rate(engine: Engine, cfg, sizes, budget_s: float = float("inf")) -> tuple[float, float, int]:
     """(prefill tokens/s, fixed seconds a prompt costs whatever its length, the largest
     size timed): each size in turn, timed after one untimed run (the first compiles,
