@@ -37,6 +37,7 @@ from shared.expert_segment import ExpertSegment, expert_nbytes, unshareable
 from shared.grammar import compile_constraint, reasoning_open
 from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams, with_defaults
 from shared.engine import update_rate
+from shared.hybrid_link import MAILBOX_PREFIX
 from shared.model import Model
 from shared.state import recurrent_nbytes
 from shared.model import has_random_weights, random_weights_notice
@@ -193,6 +194,7 @@ class Coordinator:
         from shared.shm_arena import SnapshotArena
         for name in SnapshotArena.remove_stale():       # left by a coordinator killed with SIGKILL
             log.warning("removed stale snapshot arena %s", name)
+        SnapshotArena.remove_stale(MAILBOX_PREFIX)      # and CPU workers' hybrid mailboxes
         store = self._store
         self.index = SnapshotIndex(store.kv_slots, self.opts.block, n_state_slots=store.state_slots)
         self.arena = (SnapshotArena.create(store.kv_slot_bytes, store.kv_slots, state_slot_bytes=store.state_slot_bytes,
@@ -816,6 +818,9 @@ class Coordinator:
         view = self.workers.pop(wid, None)
         self.last_seen.pop(wid, None)
         self.unfinished.worker_lost(wid)                 # it writes nothing more
+        if view is not None and view.mailbox:            # a killed CPU worker cannot remove its own
+            from shared.shm_arena import SnapshotArena
+            SnapshotArena.remove_stale(MAILBOX_PREFIX)
         for cpu in self.workers.values():                # CPU workers it ran decode steps for: alone for now
             if cpu.hybrid_with == wid:
                 cpu.mailbox = cpu.hybrid_with = ""       # until the new mailbox each opens

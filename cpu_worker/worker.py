@@ -99,8 +99,8 @@ class CPUWorker:
             if not hasattr(self.engine, "routed_experts"):
                 raise FermoeError(f"--decode {decode} needs the cpu engine (this worker runs {engine})")
             from shared.exchange import Exchange
-            from shared.hybrid_link import mailbox_bytes
-            self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix="fermoe_hybrid")
+            from shared.hybrid_link import MAILBOX_PREFIX, mailbox_bytes
+            self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix=MAILBOX_PREFIX)
         self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
         self.sequences: dict[str, Sequence] = {}
         self._spare: list[bytearray] = []          # recurrent buffers of finished sequences
@@ -169,10 +169,10 @@ class CPUWorker:
         """The GPU worker is gone: every sequence decodes here (taken back at its next pass), and
         a new mailbox waits for the next GPU worker (the old one's message counts are spent)."""
         from shared.exchange import Exchange
-        from shared.hybrid_link import mailbox_bytes
+        from shared.hybrid_link import MAILBOX_PREFIX, mailbox_bytes
         self.peer = None
         self.mailbox.close()
-        self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix="fermoe_hybrid")
+        self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix=MAILBOX_PREFIX)
         self.send(P.HybridMailbox(mailbox=self.mailbox.name))
 
     # ---- sequences --------------------------------------------------------

@@ -43,6 +43,9 @@ ADMIT, STEP, LOGITS, SYNC, STATE, RELEASE, ACK, FAILED = range(20, 28)
 MAX_STEP = 64               # sequences of one step
 
 
+MAILBOX_PREFIX = "fermoe_hybrid"    # a CPU worker's mailboxes: /dev/shm/fermoe_hybrid-<its pid>-*
+
+
 def mailbox_bytes(cfg) -> int:
     """A hybrid mailbox's capacity each way: a step's expert request for MAX_STEP tokens,
     and chunks of logits and states of 4 MiB."""

@@ -83,6 +83,9 @@ def test_a_worker_killed_mid_generation_costs_no_request(tiny_q4_path, budget, v
         done = msgs[-1]
         assert done.finish_reason == "length" and done.completion_tokens == 24, done
         assert_greedy_as_cpu_only(tiny_q4_path, PROMPT, streamed_ids(msgs))
+        if victim == "cpu0.0":          # the coordinator removes the mailbox its killed creator could not
+            wait_until(lambda: not any(n.startswith(f"fermoe_hybrid-{workers[victim].pid}-")
+                                       for n in os.listdir("/dev/shm")), 30, "the killed CPU worker's mailbox stayed")
         if victim == "gpu0":            # the GPU worker restarted, the CPU worker's new mailbox paired with it
             assert any("a hybrid step failed" in line for line in daemon.log), "".join(daemon.log)
             wait_until(lambda: sum("cpu0.0 decodes with gpu0" in line for line in daemon.log) == 2, 120,
