@@ -35,6 +35,7 @@ JSON keys:
   workers_detail[].prefill_tok_s  tokens/s: the prefill rate it reports (the scheduler's estimate)
   aggregate_decode_tok_s.<clients>  tokens/s: decode of 1, 2 and 4 concurrent clients (prompts cached
                           first: the decode phase only), all clients' tokens over the wall time
+  decode_device           where those clients were decoded, as their done messages say ("cpu", "hybrid")
   decode_during_prefill   a running generation while cold prompts arrive after its first token
   decode_during_prefill.arriving_prompts  cold prompts that arrive (2)
   decode_during_prefill.prompt_tokens  tokens of each of them
@@ -111,10 +112,10 @@ def cold_burst(addr: str, vocab_hi: int, prompts: int = 4, tokens: int = 256) ->
             "prefill_batch": sorted(info["prefill_batch"] for _, info in out)}
 
 
-def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> float:
-    """Decode tokens/s of `clients` concurrent requests. Their prompts are cached first,
-    so the figure is the decode phase, not prefill."""
-    counts = [0] * clients
+def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> tuple[float, set[str]]:
+    """Decode tokens/s of `clients` concurrent requests, and where they were decoded. Their
+    prompts are cached first, so the figure is the decode phase, not prefill."""
+    counts, devices = [0] * clients, set()
     with Client(addr) as c:
         for i in range(clients):
             list(c.generate(tokens=prompt + [i], max_tokens=1, temperature=0.0))
@@ -123,6 +124,8 @@ def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> float:
         with Client(addr) as c:
             for msg in c.generate(tokens=prompt + [i], max_tokens=tokens, temperature=0.8, seed=i):
                 counts[i] += hasattr(msg, "text")
+                if hasattr(msg, "decode_device"):
+                    devices.add(str(msg.decode_device))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
@@ -130,12 +133,17 @@ def aggregate(addr: str, clients: int, prompt: list[int], tokens: int) -> float:
         t.start()
     for t in threads:
         t.join()
-    return sum(counts) / (time.perf_counter() - t0)
+    return sum(counts) / (time.perf_counter() - t0), devices
 
 
-def aggregate_decode_tok_s(addr: str, prompt: list[int], tokens: int) -> dict[int, float]:
-    """Aggregate decode tokens/s with 1, 2 and 4 concurrent clients."""
-    return {n: round(aggregate(addr, n, prompt, tokens), 2) for n in (1, 2, 4)}
+def aggregate_decode_tok_s(addr: str, prompt: list[int], tokens: int) -> tuple[dict[int, float], list[str]]:
+    """Aggregate decode tokens/s with 1, 2 and 4 concurrent clients, and where they were decoded."""
+    rates, devices = {}, set()
+    for n in (1, 2, 4):
+        rate, where = aggregate(addr, n, prompt, tokens)
+        rates[n] = round(rate, 2)
+        devices |= where
+    return rates, sorted(devices)
 
 
 def first_tokens(client: Client, prompt: list[int], vocab_hi: int) -> dict:
@@ -247,12 +255,12 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
             at_prompt = decode_at_prompt(addr, prompt, decode_tokens, loaded, cpu[0].threads if cpu else 1,
                                          _kv_dtype(extra))
             short = prompt[:32]
-            rates = aggregate_decode_tok_s(addr, short, decode_tokens)
+            rates, decoded_on = aggregate_decode_tok_s(addr, short, decode_tokens)
             during = decode_during_prefill(addr, short, vocab_hi)
             together = cold_burst(addr, vocab_hi)
         return {"model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens, **first,
                 "workers_detail": workers_detail(status), "decode_at_prompt": at_prompt,
-                "aggregate_decode_tok_s": rates,
+                "aggregate_decode_tok_s": rates, "decode_device": decoded_on,
                 "decode_during_prefill": during, "cold_burst": together, "host_memory": memory.stop()}
     finally:
         memory.stop()

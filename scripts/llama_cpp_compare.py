@@ -11,6 +11,7 @@ like fermoe's 6 GiB would not allow.
 
     python3 scripts/llama_cpp_compare.py prepare            # here, with network: the source
     python3 scripts/llama_cpp_compare.py run MODEL --prompt 947,8192,32768 --gpu-mem 6GiB --decode 64
+    python3 scripts/llama_cpp_compare.py build              # llama-bench alone, e.g. ahead of `run`
 
 `prepare` downloads the llama-cpp-python 0.3.36 sdist (`pip download --no-binary :all:`)
 and keeps the llama.cpp it vendors, without its test models and documents, as
@@ -247,6 +248,9 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="download the llama.cpp source (needs network)")
     prep.add_argument("--out", type=Path, default=SOURCE)
+    b = sub.add_parser("build", help="only build llama-bench (for instance ahead of `run`, in the background)")
+    b.add_argument("--source", type=Path, default=SOURCE)
+    b.add_argument("--build", type=Path, default=Path(tempfile.gettempdir()) / "llama-cpp" / "build")
     r = sub.add_parser("run", help="build llama-bench and alternate it with fermoe's bench prefill")
     r.add_argument("model")
     r.add_argument("--prompt", default="947,8192,32768")
@@ -264,7 +268,14 @@ def main(argv=None) -> None:
         print(prepare(args.out))
         return
     if shutil.which("nvidia-smi") is None:
-        p.error("run needs an NVIDIA GPU (nvidia-smi)")
+        p.error(f"{args.cmd} needs an NVIDIA GPU (nvidia-smi)")
+    if args.cmd == "build":
+        t0 = time.perf_counter()
+        builder, binary = start_build(args.source, args.build)
+        if builder is not None and builder.wait():
+            sys.exit(f"building llama-bench failed: {_tail(args.build / 'build.log')}")
+        print(json.dumps({"binary": str(binary), "build_s": round(time.perf_counter() - t0, 1)}))
+        return
     if not args.source.exists() and not (args.build / "bin" / "llama-bench").exists():
         p.error(f"{args.source} is missing: run `prepare` where there is network")
     prompts = [int(x) for x in args.prompt.split(",") if x]         # --prompt "": the decode alone

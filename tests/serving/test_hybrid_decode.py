@@ -38,10 +38,17 @@ def paired(daemon) -> None:
                "the coordinator never paired the CPU worker with the GPU worker")
 
 
-def test_decode_steps_run_on_the_gpu_worker_with_the_cpus_experts(tiny_q4_path, budget):
+@pytest.mark.parametrize("kind", ["emulate", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_steps_run_on_the_gpu_worker_with_the_cpus_experts(tiny_q4_path, budget, kind, monkeypatch):
     """Guards the pairing and the steps: the request says its decode was hybrid, its greedy
     tokens are the CPU-only run's (tie-aware: the dense part in fp32 there), and the same
-    prompt again decodes the same tokens from the cache."""
+    prompt again decodes the same tokens from the cache. On the CUDA device too (`-m gpu`)."""
+    if kind == "cuda":
+        from shared.devices import gpu_devices
+        monkeypatch.delenv("FERMOE_GPU")
+        found, why = gpu_devices()
+        if not found:
+            pytest.skip(f"no CUDA device here: {why}")
     daemon = hybrid_daemon(tiny_q4_path, budget)
     try:
         gpu_ready(daemon)

@@ -545,6 +545,7 @@ def test_bench_serve_on_the_tiny_model(tiny_q4_path):
     per_token = bytes_per_token(model) + kv_bytes_per_token(model, 40, "f32")
     assert at["floor_tok_s"] == pytest.approx(at["read_bandwidth_gb_s"] * 1e9 / per_token, rel=0.01)
     assert set(out["aggregate_decode_tok_s"]) == {1, 2, 4} and min(out["aggregate_decode_tok_s"].values()) > 0
+    assert out["decode_device"] == ["cpu"]
     during = out["decode_during_prefill"]
     assert during["arriving_prompts"] == len(during["arriving_ttft_s"]) == 2
     assert out["cold_burst"]["prefill_batch"] == [0] * 4 and out["cold_burst"]["prefill_device"] == ["cpu"] * 4
