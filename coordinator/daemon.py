@@ -46,7 +46,7 @@ from .memory import host_footprint, resolve_max_model_len, snapshot_store
 from .gpu_prefill import GPUPrefills
 from .images import ImageDecoder
 from .requests import Phase, Request, SnapshotIntake, TextStream, Unfinished, planned_refs, resume_refs
-from .scheduler import WorkerView, pick_worker
+from .scheduler import WorkerView, hybrid_pairs, pick_worker
 from .snapshots import SnapshotIndex
 from .supervisor import Supervisor, worker_plan
 
@@ -500,21 +500,16 @@ class Coordinator:
 
     def pair_hybrid(self) -> None:
         """--decode hybrid or auto: each ready CPU worker with a mailbox gets a ready GPU worker to run
-        its decode steps' dense part (the first GPU worker). A mailbox is served once: a CPU
-        worker whose GPU worker is lost opens another (HybridMailbox), paired again here."""
+        its decode steps' dense part (scheduler.hybrid_pairs: the least loaded). A mailbox is served
+        once: a CPU worker whose GPU worker is lost opens another (HybridMailbox), paired again here."""
         if getattr(self.opts, "decode", "cpu") == "cpu":
             return
-        gpus = [w for w in self.workers.values() if w.kind == "gpu" and w.alive and w.ready]
-        if not gpus:
-            return
-        for cpu in self.workers.values():
-            if cpu.kind == "cpu" and cpu.ready and cpu.mailbox and not cpu.hybrid_with:
-                cpu.hybrid_with = gpus[0].worker_id
-                self.send_worker(gpus[0].worker_id, P.HybridPeer(worker_id=cpu.worker_id, mailbox=cpu.mailbox,
-                                                                 pid=cpu.pid))
-                self.send_worker(cpu.worker_id, P.HybridReady(pid=gpus[0].pid))
-                log.info("%s decodes with %s: the dense part there, the routed experts here", cpu.worker_id,
-                         gpus[0].worker_id)
+        for cpu_id, gpu_id in hybrid_pairs(self.workers):
+            cpu, gpu = self.workers[cpu_id], self.workers[gpu_id]
+            cpu.hybrid_with = gpu_id
+            self.send_worker(gpu_id, P.HybridPeer(worker_id=cpu_id, mailbox=cpu.mailbox, pid=cpu.pid))
+            self.send_worker(cpu_id, P.HybridReady(pid=gpu.pid))
+            log.info("%s decodes with %s: the dense part there, the routed experts here", cpu_id, gpu_id)
 
     def handle_heartbeat(self, wid: str, msg: P.Heartbeat, data=()) -> None:
         pass                                    # last_seen is updated for every message

@@ -27,6 +27,23 @@ class WorkerView:
     hybrid_with: str = ""        # the gpu worker serving that mailbox ("": none yet)
 
 
+def hybrid_pairs(workers: dict[str, WorkerView]) -> list[tuple[str, str]]:
+    """(cpu worker, gpu worker) for each ready CPU worker with an unserved mailbox: the ready
+    GPU worker serving the fewest mailboxes takes it, so that several GPUs share the decode."""
+    gpus = sorted(w.worker_id for w in workers.values() if w.kind == "gpu" and w.alive and w.ready)
+    if not gpus:
+        return []
+    load = {g: 0 for g in gpus}
+    for w in workers.values():
+        if w.kind == "cpu" and w.alive and w.hybrid_with in load:
+            load[w.hybrid_with] += 1
+    pairs = []
+    for cpu in sorted(workers.values(), key=lambda w: w.worker_id):
+        if cpu.kind == "cpu" and cpu.alive and cpu.ready and cpu.mailbox and not cpu.hybrid_with:
+            gpu = min(gpus, key=lambda g: (load[g], g))
+            load[gpu] += 1
+            pairs.append((cpu.worker_id, gpu))
+    return pairs
 
 
 def pick_worker(workers: dict[str, WorkerView], max_sequences: int) -> str | None:
