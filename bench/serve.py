@@ -38,14 +38,14 @@ JSON keys:
   decode_device           where those clients were decoded, as their done messages say ("cpu", "hybrid")
   decode_during_prefill   a running generation while cold prompts arrive after its first token
   decode_during_prefill.arriving_prompts  cold prompts that arrive (2)
-  decode_during_prefill.prompt_tokens  tokens of each of them
+  decode_during_prefill.prompt_tokens  tokens of each of them (128, or --prompt if fewer)
   decode_during_prefill.running_max_gap_s  s: the longest gap between two of the running
                           generation's tokens until the last arrival's first token
   decode_during_prefill.running_median_gap_s  s: the median of those gaps
   decode_during_prefill.arriving_ttft_s  s: each arriving prompt's time to first token, sorted
   cold_burst              cold prompts sent at once
   cold_burst.prompts      how many (4)
-  cold_burst.prompt_tokens  tokens of each
+  cold_burst.prompt_tokens  tokens of each (256, or --prompt if fewer)
   cold_burst.last_first_token_s  s: from sending until the last has its first token
   cold_burst.ttft_s       s: each one's time to first token, sorted
   cold_burst.prefill_device  where each was prefilled, sorted
@@ -256,8 +256,9 @@ def run(model: str, prompt_tokens: int = 947, decode_tokens: int = 32, extra: li
                                          _kv_dtype(extra))
             short = prompt[:32]
             rates, decoded_on = aggregate_decode_tok_s(addr, short, decode_tokens)
-            during = decode_during_prefill(addr, short, vocab_hi)
-            together = cold_burst(addr, vocab_hi)
+            # a short --prompt (a test's) keeps the arriving prompts short too
+            during = decode_during_prefill(addr, short, vocab_hi, cold_tokens=min(128, prompt_tokens))
+            together = cold_burst(addr, vocab_hi, tokens=min(256, prompt_tokens))
         return {"model": model, "workers": len(status.workers), "prompt_tokens": prompt_tokens, **first,
                 "workers_detail": workers_detail(status), "decode_at_prompt": at_prompt,
                 "aggregate_decode_tok_s": rates, "decode_device": decoded_on,

@@ -5,11 +5,13 @@ not refuse an oversized __shared__ array: the PTX's .shared declarations are
 summed per entry). Needs no GPU: `python -m gpu_worker.fermi_check`."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .cuda_source import compose, kernel_files
@@ -55,8 +57,10 @@ def shared_bytes_per_entry(ptx: str) -> dict[str, int]:
 def check_all() -> dict[str, dict[str, int]]:
     """{file: {entry: shared bytes}} for every .cu; raises on the first failure."""
     report = {}
-    for path in kernel_files():
-        ptx = compile_ptx(path)
+    files = kernel_files()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:   # one clang process a file
+        ptxs = list(pool.map(compile_ptx, files))
+    for path, ptx in zip(files, ptxs):
         if ".target sm_20" not in ptx:
             raise RuntimeError(f"{path.name}: the PTX does not target sm_20")
         shared = shared_bytes_per_entry(ptx)
