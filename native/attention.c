@@ -305,27 +305,31 @@ static void block_task(void *p, int task, int worker) {
     for (int k = 0; k < nt; k++) finish_heads(a, t0 + k, g, 0, G, run + k * run_stride);
 }
 
-/* The token blocks of the pass, sequence by sequence (a sequence's tokens are consecutive
- * in the pass); block_first must hold T + 1. Returns the number of blocks. */
-static int token_blocks(const fm_ctx *c, int T, int *block_first) {
+/* The blocks of up to qb tokens of the pass, sequence by sequence (a sequence's tokens are
+ * consecutive in the pass); block_first must hold T + 1. Returns the number of blocks. */
+static int token_blocks(const fm_ctx *c, int T, int qb, int *block_first) {
     int blocks = 0;
     for (int t = 0; t < T; t++)
-        if (!blocks || c->tok_seq[t] != c->tok_seq[t - 1] || t - block_first[blocks - 1] == Q_BLOCK)
+        if (!blocks || c->tok_seq[t] != c->tok_seq[t - 1] || t - block_first[blocks - 1] == qb)
             block_first[blocks++] = t;
     block_first[blocks] = T;
     return blocks;
 }
 
 /* Attention of the pass's T tokens. A long prompt: one task per block of tokens and KV
- * head (block_task), when there are several such tasks per thread. Otherwise split KV,
+ * head (block_task), blocks of up to Q_BLOCK tokens but small enough for two tasks a
+ * thread (tasks of a pass are about the same size), when some block has more than one
+ * token. Otherwise split KV,
  * FM_ATTN_TASKS segment tasks a region; when every token has one segment and there are
  * fewer (token, KV head) pairs than threads, one task per run of query heads instead
  * (heads_task). */
 static void attend(fm_ctx *c, attn_ctx *a, int T) {
     int nkv = c->m->n_head_kv, hd = c->m->head_dim;
     int threads = fm_pool_size(c->pool), G = c->m->n_head / nkv;
-    int block_first[T + 1], blocks = token_blocks(c, T, block_first);
-    if (blocks < T && (int64_t)blocks * nkv >= 4 * threads) {
+    int qb = (int)((int64_t)T * nkv / (2 * threads));
+    qb = qb < Q_BLOCK ? qb : Q_BLOCK;
+    int block_first[T + 1], blocks = qb > 1 ? token_blocks(c, T, qb, block_first) : T;
+    if (blocks < T && (int64_t)blocks * nkv >= 2 * threads) {
         block_ctx bc = {a, block_first, NULL, (size_t)Q_BLOCK * G * (2 * hd + 2)};
         bc.scratch = malloc(bc.worker_floats * threads * sizeof(float));
         if (bc.scratch) {

@@ -277,10 +277,10 @@ def test_token_blocks_attend_as_the_tokens_alone(tiny_q4_path):
     """A long pass attends in blocks of consecutive tokens that share each K/V chunk:
     blocks off a multiple of 16 (one across position 1024, where a second segment
     begins), a partial last block, and two sequences in one pass (blocks end at a
-    sequence's end) give bitwise the logits and KV pages of passes of 5 tokens."""
+    sequence's end) give bitwise the logits and KV pages of the tokens run one a pass."""
     model = Model(tiny_q4_path)
     big = native_engine.NativeEngine(model, threads=2, max_batch=1200)
-    small = native_engine.NativeEngine(model, threads=2, max_batch=5)
+    small = native_engine.NativeEngine(model, threads=2, max_batch=1)
     a, b = _state(model), _state(model)
     small.forward(LONG[:7], a)
     a2, b2 = a.copy(), b.copy()
