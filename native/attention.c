@@ -2,6 +2,7 @@
  * Scratch: a = query|gate per head [T][n_head][2][head_dim], b = k [T][kv] then v [T][kv],
  *          c = attention output [T][n_head * head_dim]. K/V go to the sequence's pages,
  * fp16 (rounded to nearest even, as the reference's numpy pages round) or fp32. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "ctx.h"
@@ -125,49 +126,89 @@ static void finish_heads(const attn_ctx *a, int t, int g, int h0, int n, const f
     }
 }
 
-/* The softmax states of heads [h0, h0 + n) of the G sharing KV head g, over segment
- * seg of token t's positions, into states [n][hd + 2]. The kernels keep each head's
- * sums apart, so a head's state is bitwise the same whichever heads share the call. */
+/* The softmax states of heads [h0, h0 + H) of the G sharing KV head g, over segment
+ * seg of the positions of nt consecutive tokens of one sequence from t0: token k's
+ * state of head h into states + k * tstride + h * (hd + 2); a token whose positions
+ * end before the segment is left alone. acc: scratch of [nt][H][hd] floats.
+ * The tokens go through each chunk of KV_CHUNK positions one after the other, so the
+ * chunk's K and V rows are read from memory once for all of them and stay in the
+ * caches for the rest: a long prompt's split attention otherwise streams every row from
+ * memory once per query token. Each token runs the chunks exactly as it would alone,
+ * and the kernels keep each head's sums apart, so a head's state is bitwise the same
+ * whichever heads and tokens share the call. */
 __attribute__((target_clones("avx2", "default")))
-static void attend_segment(const attn_ctx *a, int t, int g, int h0, int n_heads, int seg, float *states) {
+static void attend_block(const attn_ctx *a, int t0, int nt, int g, int h0, int H, int seg, float *states,
+                         size_t tstride, float *acc) {
     const fm_model *m = a->m;
     int nh = m->n_head, hd = m->head_dim, nkv = m->n_head_kv, G = nh / nkv, slot = a->l->attn_slot;
-    const fm_seq *s = a->c->seqs[a->c->tok_seq[t]];
-    int64_t last = a->c->tok_pos[t], end = (seg + 1) * (int64_t)KV_SEGMENT - 1;
-    end = end < last ? end : last;
-    int f16 = s->kv_type == FM_F16, H = n_heads;
-    const float *q0 = a->qg + ((size_t)t * nh + (size_t)g * G + h0) * 2 * hd;   /* head h: q0 + h*2*hd */
-    float scale = 1.0f / sqrtf((float)hd), mx[H], sum[H], acc[H][hd], sc[H][KV_CHUNK];
-    const void *krow[KV_CHUNK], *vrow[KV_CHUNK];
-    for (int h = 0; h < H; h++) {
-        mx[h] = -INFINITY, sum[h] = 0.0f;
-        for (int i = 0; i < hd; i++) acc[h][i] = 0.0f;
+    const fm_seq *s = a->c->seqs[a->c->tok_seq[t0]];
+    int f16 = s->kv_type == FM_F16;
+    int64_t first = (int64_t)seg * KV_SEGMENT, end[nt], max_end = first - 1;
+    for (int k = 0; k < nt; k++) {
+        int64_t last = a->c->tok_pos[t0 + k];
+        end[k] = last < first + KV_SEGMENT - 1 ? last : first + KV_SEGMENT - 1;
+        max_end = end[k] > max_end ? end[k] : max_end;
     }
-    for (int64_t p0 = (int64_t)seg * KV_SEGMENT; p0 <= end; p0 += KV_CHUNK) {
-        int n = end + 1 - p0 < KV_CHUNK ? (int)(end + 1 - p0) : KV_CHUNK;
-        for (int j = 0; j < n; j++) {
+    float scale = 1.0f / sqrtf((float)hd), mx[nt][H], sum[nt][H], cm[H], sc[H][KV_CHUNK];
+    const void *krow[KV_CHUNK], *vrow[KV_CHUNK];
+    for (int k = 0; k < nt; k++)
+        for (int h = 0; h < H; h++) {
+            mx[k][h] = -INFINITY, sum[k][h] = 0.0f;
+            for (int i = 0; i < hd; i++) acc[((size_t)k * H + h) * hd + i] = 0.0f;
+        }
+    for (int64_t p0 = first; p0 <= max_end; p0 += KV_CHUNK) {
+        int rows = max_end + 1 - p0 < KV_CHUNK ? (int)(max_end + 1 - p0) : KV_CHUNK;
+        for (int j = 0; j < rows; j++) {
             krow[j] = kv_at(s, s->k_pages, slot, p0 + j, g, nkv, hd);
             vrow[j] = kv_at(s, s->v_pages, slot, p0 + j, g, nkv, hd);
         }
-        fm_attn_scores(q0, 2 * hd, H, krow, f16, n, hd, &sc[0][0], KV_CHUNK);
-        for (int h = 0; h < H; h++) {
-            float cm = mx[h];
-            for (int j = 0; j < n; j++) sc[h][j] *= scale;
-            for (int j = 0; j < n; j++) cm = sc[h][j] > cm ? sc[h][j] : cm;
-            float shrink = fm_expf(mx[h] - cm);      /* ~0 on the first chunk: nothing to shrink */
-            sum[h] *= shrink;
-            for (int i = 0; i < hd; i++) acc[h][i] *= shrink;
-            for (int j = 0; j < n; j++) sc[h][j] = fm_expf(sc[h][j] - cm);   /* vectorises */
-            for (int j = 0; j < n; j++) sum[h] += sc[h][j];
-            mx[h] = cm;
+        for (int k = 0; k < nt; k++) {
+            if (end[k] < p0) continue;
+            int n = end[k] + 1 - p0 < KV_CHUNK ? (int)(end[k] + 1 - p0) : KV_CHUNK;
+            const float *q0 = a->qg + ((size_t)(t0 + k) * nh + (size_t)g * G + h0) * 2 * hd; /* head h: q0 + h*2*hd */
+            float *ak = acc + (size_t)k * H * hd;
+            fm_attn_scores(q0, 2 * hd, H, krow, f16, n, hd, &sc[0][0], KV_CHUNK);
+            /* Each head's max and sum run over j in order; the heads side by side, so
+             * that H running sums overlap instead of one add waiting on the last. */
+            for (int h = 0; h < H; h++) {
+                for (int j = 0; j < n; j++) sc[h][j] *= scale;
+                cm[h] = mx[k][h];
+            }
+            for (int j = 0; j < n; j++)
+                for (int h = 0; h < H; h++) cm[h] = sc[h][j] > cm[h] ? sc[h][j] : cm[h];
+            for (int h = 0; h < H; h++) {
+                float shrink = fm_expf(mx[k][h] - cm[h]);   /* ~0 on the first chunk: nothing to shrink */
+                sum[k][h] *= shrink;
+                for (int i = 0; i < hd; i++) ak[(size_t)h * hd + i] *= shrink;
+                for (int j = 0; j < n; j++) sc[h][j] = fm_expf(sc[h][j] - cm[h]);   /* vectorises */
+                mx[k][h] = cm[h];
+            }
+            for (int j = 0; j < n; j++)
+                for (int h = 0; h < H; h++) sum[k][h] += sc[h][j];
+            fm_attn_accumulate(&sc[0][0], KV_CHUNK, H, vrow, f16, n, hd, ak);
         }
-        fm_attn_accumulate(&sc[0][0], KV_CHUNK, H, vrow, f16, n, hd, &acc[0][0]);
     }
-    for (int h = 0; h < H; h++) {
-        float *st = head_state(states, h, hd);
-        for (int i = 0; i < hd; i++) st[i] = acc[h][i];
-        st[hd] = mx[h], st[hd + 1] = sum[h];
+    for (int k = 0; k < nt; k++) {
+        if (end[k] < first) continue;
+        for (int h = 0; h < H; h++) {
+            float *st = head_state(states + (size_t)k * tstride, h, hd);
+            for (int i = 0; i < hd; i++) st[i] = acc[((size_t)k * H + h) * hd + i];
+            st[hd] = mx[k][h], st[hd + 1] = sum[k][h];
+        }
     }
+}
+
+/* attend_block for one token. */
+static void attend_segment(const attn_ctx *a, int t, int g, int h0, int n_heads, int seg, float *states) {
+    float acc[(size_t)n_heads * a->m->head_dim];
+    attend_block(a, t, 1, g, h0, n_heads, seg, states, 0, acc);
+}
+
+/* run = the fold of q into it: both softmax states of one head, q's positions after run's. */
+static void fold_state(float *r, const float *q, int hd) {
+    float mx = r[hd] > q[hd] ? r[hd] : q[hd], wr = fm_expf(r[hd] - mx), wq = fm_expf(q[hd] - mx);
+    for (int i = 0; i < hd; i++) r[i] = r[i] * wr + q[i] * wq;
+    r[hd] = mx, r[hd + 1] = r[hd + 1] * wr + q[hd + 1] * wq;
 }
 
 /* One segment of one (token, KV head), all G heads. A token with a single segment
@@ -223,19 +264,80 @@ static void fold_task(void *p, int k, int worker) {
                 for (int i = 0; i < hd + 2; i++) r[i] = q[i];
                 continue;
             }
-            float mx = r[hd] > q[hd] ? r[hd] : q[hd], wr = fm_expf(r[hd] - mx), wq = fm_expf(q[hd] - mx);
-            for (int i = 0; i < hd; i++) r[i] = r[i] * wr + q[i] * wq;
-            r[hd] = mx, r[hd + 1] = r[hd + 1] * wr + q[hd + 1] * wq;
+            fold_state(r, q, hd);
         }
         if (seg == n_segments(a->c->tok_pos[t]) - 1) finish_heads(a, t, g, 0, G, run);
     }
 }
 
-/* Attention of the pass's T tokens, FM_ATTN_TASKS segment tasks a region; when
- * every token has one segment and there are fewer (token, KV head) pairs than
- * threads, one task per run of query heads instead (heads_task). */
+/* Many (token, KV head) pairs (a long prompt): one task per (block of up to Q_BLOCK
+ * consecutive tokens of one sequence, KV head) runs all the block's segments in order,
+ * the first into the tokens' running states and each later one folded into them as
+ * fold_task folds it (the same sums in the same order, so bitwise what the segment
+ * tasks give), then finishes them. No fold regions; the blocks share each K/V chunk. */
+#define Q_BLOCK 16
+
+typedef struct {
+    attn_ctx *a;
+    const int *block_first;    /* [blocks + 1]: block b holds tokens [block_first[b], block_first[b + 1]) */
+    float *scratch;            /* per worker: acc [Q_BLOCK][G][hd], then a segment's states [Q_BLOCK][G][hd + 2] */
+    size_t worker_floats;
+} block_ctx;
+
+static void block_task(void *p, int task, int worker) {
+    const block_ctx *bc = p;
+    attn_ctx *a = bc->a;
+    int nh = a->m->n_head, hd = a->m->head_dim, nkv = a->m->n_head_kv, G = nh / nkv;
+    int b = task / nkv, g = task % nkv, t0 = bc->block_first[b], nt = bc->block_first[b + 1] - t0;
+    float *acc = bc->scratch + (size_t)worker * bc->worker_floats, *part = acc + (size_t)Q_BLOCK * G * hd;
+    float *run = a->c->attn_run + ((size_t)t0 * nh + (size_t)g * G) * (hd + 2);
+    size_t run_stride = (size_t)nh * (hd + 2), part_stride = (size_t)G * (hd + 2);
+    int64_t last = 0;
+    for (int k = 0; k < nt; k++) last = a->c->tok_pos[t0 + k] > last ? a->c->tok_pos[t0 + k] : last;
+    for (int seg = 0; seg < n_segments(last); seg++) {
+        attend_block(a, t0, nt, g, 0, G, seg, seg ? part : run, seg ? part_stride : run_stride, acc);
+        for (int k = 0; k < nt && seg; k++) {
+            if (n_segments(a->c->tok_pos[t0 + k]) <= seg) continue;
+            for (int h = 0; h < G; h++)
+                fold_state(head_state(run + k * run_stride, h, hd), head_state(part + k * part_stride, h, hd), hd);
+        }
+    }
+    for (int k = 0; k < nt; k++) finish_heads(a, t0 + k, g, 0, G, run + k * run_stride);
+}
+
+/* The blocks of up to qb tokens of the pass, sequence by sequence (a sequence's tokens are
+ * consecutive in the pass); block_first must hold T + 1. Returns the number of blocks. */
+static int token_blocks(const fm_ctx *c, int T, int qb, int *block_first) {
+    int blocks = 0;
+    for (int t = 0; t < T; t++)
+        if (!blocks || c->tok_seq[t] != c->tok_seq[t - 1] || t - block_first[blocks - 1] == qb)
+            block_first[blocks++] = t;
+    block_first[blocks] = T;
+    return blocks;
+}
+
+/* Attention of the pass's T tokens. A long prompt: one task per block of tokens and KV
+ * head (block_task), blocks of up to Q_BLOCK tokens but small enough for two tasks a
+ * thread (tasks of a pass are about the same size), when some block has more than one
+ * token. Otherwise split KV,
+ * FM_ATTN_TASKS segment tasks a region; when every token has one segment and there are
+ * fewer (token, KV head) pairs than threads, one task per run of query heads instead
+ * (heads_task). */
 static void attend(fm_ctx *c, attn_ctx *a, int T) {
-    int nkv = c->m->n_head_kv;
+    int nkv = c->m->n_head_kv, hd = c->m->head_dim;
+    int threads = fm_pool_size(c->pool), G = c->m->n_head / nkv;
+    int qb = (int)((int64_t)T * nkv / (2 * threads));
+    qb = qb < Q_BLOCK ? qb : Q_BLOCK;
+    int block_first[T + 1], blocks = qb > 1 ? token_blocks(c, T, qb, block_first) : T;
+    if (blocks < T && (int64_t)blocks * nkv >= 2 * threads) {
+        block_ctx bc = {a, block_first, NULL, (size_t)Q_BLOCK * G * (2 * hd + 2)};
+        bc.scratch = malloc(bc.worker_floats * threads * sizeof(float));
+        if (bc.scratch) {
+            fm_pool_run(c->pool, block_task, &bc, blocks * nkv);
+            free(bc.scratch);
+            return;
+        }
+    }
     int64_t first[T + 1];
     first[0] = 0;
     int split = 0;
@@ -244,7 +346,6 @@ static void attend(fm_ctx *c, attn_ctx *a, int T) {
         split |= S > 1;
         first[t + 1] = first[t] + (int64_t)nkv * S;
     }
-    int threads = fm_pool_size(c->pool), G = c->m->n_head / nkv;
     if (!split && first[T] < threads) {
         part_ctx pc = {a, (int)((threads + first[T] - 1) / first[T])};
         pc.parts = pc.parts < G ? pc.parts : G;

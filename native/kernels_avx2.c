@@ -611,17 +611,22 @@ FM_AVX2 void fm_fp32_to_fp16_row_avx2(const float *x, uint16_t *y, int n)
 }
 
 /* ---------------------------------------------------------------- attention (AVX2 + F16C)
- * Register-blocked over up to 8 query heads (a grouped-query KV head's): each K or V
- * load, fp16 widened on the way, feeds one FMA per head. Scores: 8 accumulators along
- * the head dimension, reduced together by one hadd tree. Weighted sum: 8 heads' acc
- * stay in registers over all n positions, 8 floats of the head dimension at a time, so
- * nothing is stored per position. Needs hd % 8 == 0, else the scalar kernels run.
- * The scores prefetch the K row SCORE_PF_ROWS positions ahead: rows are a page stride
+ * Register tiles of 4 query heads (of a grouped-query KV head's G): each q.k keeps its
+ * own 8-lane accumulator along the head dimension and one hsum8x8 reduction, and each
+ * head's weighted sum its own FMA chain over the positions in order, so every result is
+ * the same whichever tile computed it (and whatever G or n the call had).
+ * Scores: 4 heads x 3 positions, 12 accumulators, 7 loads for 12 FMAs (one K row against
+ * all G heads needs a q load per FMA); then 4 heads x 1 position for n % 3, and 1-3 heads
+ * (G % 4) one position at a time. Weighted sum: 4 heads x 24 floats of the head
+ * dimension stay in registers over all n positions, 3 V loads (fp16 widened on the way)
+ * and 4 broadcasts for 12 FMAs. Needs hd % 8 == 0, else the scalar kernels run.
+ * The scores prefetch the K rows SCORE_PF_ROWS positions ahead: rows are a page stride
  * apart, beyond the hardware prefetcher, so at long contexts the scores would wait
  * on memory. */
-#define SCORE_PF_ROWS 4
+#define SCORE_PF_ROWS 6
 
-/* The 8 sums of a[0..7], in that order, with one hadd tree. */
+/* The 8 sums of a[0..7], in that order, with one hadd tree: lane l of a[h] holds the
+ * terms i = l (mod 8), summed ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). */
 FM_INLINE FM_AVX2 __m256 hsum8x8(const __m256 a[8])
 {
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -629,8 +634,44 @@ FM_INLINE FM_AVX2 __m256 hsum8x8(const __m256 a[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-FM_INLINE FM_AVX2 void scores_heads(const float *q, int qstride, const void *row, int f16, int hd,
-                                    float *s, int lds, const int NH)
+FM_INLINE FM_AVX2 void score_pf(const void *const *rows, int f16, int n, int hd, int j)
+{
+    if (j + SCORE_PF_ROWS >= n) return;
+    const size_t row_bytes = (size_t)hd * (f16 ? 2 : 4);
+    for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)rows[j + SCORE_PF_ROWS] + o, 0, 3);
+}
+
+/* s[h * lds + j + c] = q_h . k_{j+c} for 4 heads h and the C <= 3 positions from j. */
+FM_INLINE FM_AVX2 void scores_4xC(const float *q, int qstride, const void *const *rows, int f16, int hd, float *s,
+                                  int lds, int j, const int C)
+{
+    __m256 a[12];
+    for (int x = 0; x < 12; x++) a[x] = _mm256_setzero_ps();
+    const void *r0 = rows[j], *r1 = rows[j + (C > 1)], *r2 = rows[j + (C > 2) * 2];
+    for (int i = 0; i < hd; i += 8) {
+        const __m256 k0 = load8_avx2(r0, f16, i);
+        const __m256 k1 = C > 1 ? load8_avx2(r1, f16, i) : k0;
+        const __m256 k2 = C > 2 ? load8_avx2(r2, f16, i) : k0;
+        for (int h = 0; h < 4; h++) {
+            const __m256 qv = _mm256_loadu_ps(q + (size_t)h * qstride + i);
+            a[h * C] = _mm256_fmadd_ps(qv, k0, a[h * C]);
+            if (C > 1) a[h * C + 1] = _mm256_fmadd_ps(qv, k1, a[h * C + 1]);
+            if (C > 2) a[h * C + 2] = _mm256_fmadd_ps(qv, k2, a[h * C + 2]);
+        }
+    }
+    float out[16];
+    _mm256_storeu_ps(out, hsum8x8(a));
+    if (C > 2) {
+        const __m256 b[8] = {a[8], a[9], a[10], a[11], a[8], a[9], a[10], a[11]};
+        _mm256_storeu_ps(out + 8, hsum8x8(b));
+    }
+    for (int h = 0; h < 4; h++)
+        for (int c = 0; c < C; c++) s[(size_t)h * lds + j + c] = out[h * C + c];
+}
+
+/* s[h * lds] = q_h . row for NH <= 8 heads. */
+FM_INLINE FM_AVX2 void scores_heads(const float *q, int qstride, const void *row, int f16, int hd, float *s, int lds,
+                                    const int NH)
 {
     __m256 a[8];
     for (int h = 0; h < 8; h++) a[h] = _mm256_setzero_ps();
@@ -643,83 +684,92 @@ FM_INLINE FM_AVX2 void scores_heads(const float *q, int qstride, const void *row
     for (int h = 0; h < NH; h++) s[(size_t)h * lds] = out[h];
 }
 
-/* scores_heads for nh <= 8 heads, nh a constant in each case. */
-FM_INLINE FM_AVX2 void scores_block(const float *q, int qstride, const void *row, int f16, int hd, float *s, int lds,
-                                    int nh)
+FM_INLINE FM_AVX2 void scores_rows(const float *q, int qstride, int G, const void *const *rows, const int f16, int n,
+                                   int hd, float *s, int lds)
 {
-    switch (nh) {
-    case 8: scores_heads(q, qstride, row, f16, hd, s, lds, 8); break;
-    case 7: scores_heads(q, qstride, row, f16, hd, s, lds, 7); break;
-    case 6: scores_heads(q, qstride, row, f16, hd, s, lds, 6); break;
-    case 5: scores_heads(q, qstride, row, f16, hd, s, lds, 5); break;
-    case 4: scores_heads(q, qstride, row, f16, hd, s, lds, 4); break;
-    case 3: scores_heads(q, qstride, row, f16, hd, s, lds, 3); break;
-    case 2: scores_heads(q, qstride, row, f16, hd, s, lds, 2); break;
-    default: scores_heads(q, qstride, row, f16, hd, s, lds, 1);
+    int h0 = 0;
+    for (; h0 + 4 <= G; h0 += 4) {
+        const float *qh = q + (size_t)h0 * qstride;
+        float *sh = s + (size_t)h0 * lds;
+        int j = 0;
+        for (; j + 3 <= n; j += 3) {
+            score_pf(rows, f16, n, hd, j);
+            score_pf(rows, f16, n, hd, j + 1);
+            score_pf(rows, f16, n, hd, j + 2);
+            scores_4xC(qh, qstride, rows, f16, hd, sh, lds, j, 3);
+        }
+        for (; j < n; j++) scores_4xC(qh, qstride, rows, f16, hd, sh, lds, j, 1);
+    }
+    const int nh = G - h0;
+    const float *qh = q + (size_t)h0 * qstride;
+    float *sh = s + (size_t)h0 * lds;
+    for (int j = 0; j < n && nh; j++) {
+        switch (nh) {
+        case 3: scores_heads(qh, qstride, rows[j], f16, hd, sh + j, lds, 3); break;
+        case 2: scores_heads(qh, qstride, rows[j], f16, hd, sh + j, lds, 2); break;
+        default: scores_heads(qh, qstride, rows[j], f16, hd, sh + j, lds, 1);
+        }
     }
 }
 
+/* acc[h * hd + i + 8b] += p[h * ldp + j] * v_j[i + 8b] over j in order, NH <= 4 heads,
+ * I <= 3 runs of 8 floats. */
+FM_INLINE FM_AVX2 void accumulate_tile(const float *p, int ldp, const void *const *rows, int f16, int n, int hd,
+                                       float *acc, int i, const int NH, const int I)
+{
+    __m256 a[4][3];
+    for (int h = 0; h < NH; h++)
+        for (int b = 0; b < I; b++) a[h][b] = _mm256_loadu_ps(acc + (size_t)h * hd + i + 8 * b);
+    for (int j = 0; j < n; j++) {
+        __m256 v[3];
+        for (int b = 0; b < I; b++) v[b] = load8_avx2(rows[j], f16, i + 8 * b);
+        for (int h = 0; h < NH; h++) {
+            const __m256 w = _mm256_broadcast_ss(p + (size_t)h * ldp + j);
+            for (int b = 0; b < I; b++) a[h][b] = _mm256_fmadd_ps(w, v[b], a[h][b]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int b = 0; b < I; b++) _mm256_storeu_ps(acc + (size_t)h * hd + i + 8 * b, a[h][b]);
+}
+
+/* All of hd for NH <= 4 heads: 24 floats at a time, then 8. */
 FM_INLINE FM_AVX2 void accumulate_heads(const float *p, int ldp, const void *const *rows, int f16, int n, int hd,
                                         float *acc, const int NH)
 {
-    for (int i = 0; i < hd; i += 8) {
-        __m256 a[8];
-        for (int h = 0; h < NH; h++) a[h] = _mm256_loadu_ps(acc + (size_t)h * hd + i);
-        for (int j = 0; j < n; j++) {
-            const __m256 v = load8_avx2(rows[j], f16, i);
-            for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + (size_t)h * ldp + j), v, a[h]);
-        }
-        for (int h = 0; h < NH; h++) _mm256_storeu_ps(acc + (size_t)h * hd + i, a[h]);
-    }
+    int i = 0;
+    for (; i + 24 <= hd; i += 24) accumulate_tile(p, ldp, rows, f16, n, hd, acc, i, NH, 3);
+    for (; i < hd; i += 8) accumulate_tile(p, ldp, rows, f16, n, hd, acc, i, NH, 1);
 }
 
-/* accumulate_heads for nh <= 8 heads, nh a constant in each case. */
-FM_INLINE FM_AVX2 void accumulate_block(const float *p, int ldp, const void *const *rows, int f16, int n, int hd,
-                                        float *acc, int nh)
+FM_INLINE FM_AVX2 void accumulate_rows(const float *p, int ldp, int G, const void *const *rows, const int f16, int n,
+                                       int hd, float *acc)
 {
-    switch (nh) {
-    case 8: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 8); break;
-    case 7: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 7); break;
-    case 6: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 6); break;
-    case 5: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 5); break;
-    case 4: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 4); break;
-    case 3: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 3); break;
-    case 2: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 2); break;
-    default: accumulate_heads(p, ldp, rows, f16, n, hd, acc, 1);
+    for (int h0 = 0; h0 < G; h0 += 4) {
+        const float *ph = p + (size_t)h0 * ldp;
+        float *ah = acc + (size_t)h0 * hd;
+        switch (G - h0) {
+        case 3: accumulate_heads(ph, ldp, rows, f16, n, hd, ah, 3); break;
+        case 2: accumulate_heads(ph, ldp, rows, f16, n, hd, ah, 2); break;
+        case 1: accumulate_heads(ph, ldp, rows, f16, n, hd, ah, 1); break;
+        default: accumulate_heads(ph, ldp, rows, f16, n, hd, ah, 4);
+        }
     }
 }
 
 FM_AVX2 void fm_attn_scores_avx2(const float *q, int qstride, int G, const void *const *rows, int f16, int n, int hd,
                                  float *s, int lds)
 {
-    if (hd % 8) {
-        fm_attn_scores_scalar(q, qstride, G, rows, f16, n, hd, s, lds);
-        return;
-    }
-    for (int h0 = 0; h0 < G; h0 += 8) {
-        const int nh = G - h0 < 8 ? G - h0 : 8;
-        const float *qh = q + (size_t)h0 * qstride;
-        float *sh = s + (size_t)h0 * lds;
-        const size_t row_bytes = (size_t)hd * (f16 ? 2 : 4);
-        for (int j = 0; j < n; j++) {
-            if (j + SCORE_PF_ROWS < n)
-                for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)rows[j + SCORE_PF_ROWS] + o, 0, 3);
-            scores_block(qh, qstride, rows[j], f16, hd, sh + j, lds, nh);
-        }
-    }
+    if (hd % 8) fm_attn_scores_scalar(q, qstride, G, rows, f16, n, hd, s, lds);
+    else if (f16) scores_rows(q, qstride, G, rows, 1, n, hd, s, lds);
+    else scores_rows(q, qstride, G, rows, 0, n, hd, s, lds);
 }
 
 FM_AVX2 void fm_attn_accumulate_avx2(const float *p, int ldp, int G, const void *const *rows, int f16, int n, int hd,
                                      float *acc)
 {
-    if (hd % 8) {
-        fm_attn_accumulate_scalar(p, ldp, G, rows, f16, n, hd, acc);
-        return;
-    }
-    for (int h0 = 0; h0 < G; h0 += 8) {
-        const int nh = G - h0 < 8 ? G - h0 : 8;
-        accumulate_block(p + (size_t)h0 * ldp, ldp, rows, f16, n, hd, acc + (size_t)h0 * hd, nh);
-    }
+    if (hd % 8) fm_attn_accumulate_scalar(p, ldp, G, rows, f16, n, hd, acc);
+    else if (f16) accumulate_rows(p, ldp, G, rows, 1, n, hd, acc);
+    else accumulate_rows(p, ldp, G, rows, 0, n, hd, acc);
 }
 
 /* ---------------------------------------------------------------- Q8_0 quantiser (AVX2)

@@ -273,6 +273,26 @@ def test_long_prompt_chunked_batched_and_decoded_alike(tiny_q4_path):
     np.testing.assert_array_equal(cpu.decode_batch(tokens, states), alone)
 
 
+def test_token_blocks_attend_as_the_tokens_alone(tiny_q4_path):
+    """A long pass attends in blocks of consecutive tokens that share each K/V chunk:
+    blocks off a multiple of 16 (one across position 1024, where a second segment
+    begins), a partial last block, and two sequences in one pass (blocks end at a
+    sequence's end) give bitwise the logits and KV pages of the tokens run one a pass."""
+    model = Model(tiny_q4_path)
+    big = native_engine.NativeEngine(model, threads=2, max_batch=1200)
+    small = native_engine.NativeEngine(model, threads=2, max_batch=1)
+    a, b = _state(model), _state(model)
+    small.forward(LONG[:7], a)
+    a2, b2 = a.copy(), b.copy()
+    got = big.forward_batch([(LONG[7:1100], a), (LONG[100:161], b)])
+    want = [small.forward(LONG[7:1100], a2, all_logits=False), small.forward(LONG[100:161], b2, all_logits=False)]
+    np.testing.assert_array_equal(got, np.concatenate(want))
+    for x, y in ((a, a2), (b, b2)):
+        for slot in range(len(model.config.attention_layers)):
+            for u, v in zip(x.kv.view(slot), y.kv.view(slot)):
+                np.testing.assert_array_equal(u, v)
+
+
 def test_weights_are_read_in_place_from_the_mapped_file(synth_model):
     """Q4_0, Q8_0 and F32 matrices are computed where the GGUF is mapped, never copied
     (so every worker of a machine shares one copy through the page cache); F16 and
