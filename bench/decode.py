@@ -179,7 +179,7 @@ SAMPLE_REPS = 20        # draws of the default sampler from the last logits
 
 def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, decode_tokens: int = 32,
         seed: int = 0, batch: int = 1, context: int | None = None, kv_cache_dtype: str = DEFAULT_KV_DTYPE,
-        json_schema: str | None = None) -> dict:
+        json_schema: str | None = None, max_model_len: int | None = None) -> dict:
     from cpu_worker.native_engine import NativeEngine
 
     from shared.builtin import resolve_model
@@ -190,9 +190,13 @@ def run(model_path: str, threads: int | None = None, prompt_tokens: int = 64, de
     if json_schema is not None:
         from .grammar_cost import load_schema
         schema_text = load_schema(json_schema)
-    if end > model.config.n_ctx_train:
-        raise ValueError(f"--prompt/--context and --tokens reach position {end}, past the model's context "
-                         f"length of {model.config.n_ctx_train}")
+    limit = max_model_len or model.config.n_ctx_train
+    if max_model_len:
+        model.extend_context(max_model_len)       # as a worker does under the daemon's --max-model-len
+    if end > limit:
+        raise ValueError(f"--prompt/--context and --tokens reach position {end}, past "
+                         + (f"--max-model-len {limit}" if max_model_len else
+                            f"the model's context length of {limit} (--max-model-len takes more, for timing)"))
     engine = NativeEngine(model, threads=threads, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.n_vocab, prompt_tokens).tolist()
@@ -346,6 +350,9 @@ def main(argv=None) -> int:
     add_kv_cache_dtype(p)
     p.add_argument("--json-schema", metavar="FILE", default=None,
                    help="also decode with this JSON schema's token mask and without it, and report both")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="positions allowed (default: the model's context length; more is taken, as the daemon "
+                        "takes it: the timing holds, the text past it is noise)")
     args = p.parse_args(argv)
     try:
         prompts = [int(x) for x in args.prompt.split(",")]
@@ -355,7 +362,8 @@ def main(argv=None) -> int:
         p.error("--batch, --tokens and --prompt must be at least 1")
     try:
         out = [run(args.model, args.threads, n, args.tokens, batch=args.batch, context=args.context,
-                   kv_cache_dtype=args.kv_cache_dtype, json_schema=args.json_schema) for n in prompts]
+                   kv_cache_dtype=args.kv_cache_dtype, json_schema=args.json_schema,
+                   max_model_len=args.max_model_len) for n in prompts]
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(out[0] if len(out) == 1 else out, indent=2))

@@ -60,10 +60,14 @@ def test_the_default_model_is_the_packaged_tiny():
 
 
 def test_bench_decode_takes_a_builtin_model():
+    """--max-model-len lets a timing run past the built-in model's 4096 positions (refused
+    without it, below), as the daemon's does."""
     import bench.decode
-    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", "4,6", "--tokens", 2)
+    run = fermoe("bench", "decode", "tiny", "-t", 1, "--prompt", "4,6", "--tokens", 2, "--context", 4094,
+                 "--max-model-len", 4200)
     out = json.loads(run.stdout)            # one object a prompt length, in the order given
     assert [o["prompt_tokens"] for o in out] == [4, 6] and out[0]["model"] == "tiny" and out[1]["decode_tok_s"] > 0
+    assert out[0]["context"] == 4094
     assert_keys_documented(out[0], bench.decode)
 
 
@@ -115,6 +119,7 @@ def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     (["bench", "kernels", "--threads", "0"], "--threads 0: must be in [1,"),
     (["bench", "kernels", "--cols", "33"], "--cols 33: must be a positive multiple of 32"),
     (["bench", "decode", "{tiny}", "--context", "999999"], "past the model's context length of 262144"),
+    (["bench", "decode", "{tiny}", "--context", "999", "--max-model-len", "500"], "past --max-model-len 500"),
     (["bench", "serve", "{tiny}", "--prompt", "0"], "--prompt and --tokens must be at least 1"),
     (["bench", "serve", "{missing}"], "exited before it was ready: coordinator: error: {missing}: cannot open"),
     (["bench", "tools", "-t", "0"], "argument -t/--threads: 0: must be at least 1"),
