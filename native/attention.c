@@ -2,7 +2,6 @@
  * Scratch: a = query|gate per head [T][n_head][2][head_dim], b = k [T][kv] then v [T][kv],
  *          c = attention output [T][n_head * head_dim]. K/V go to the sequence's pages,
  * fp16 (rounded to nearest even, as the reference's numpy pages round) or fp32. */
-#include <stdlib.h>
 #include <string.h>
 
 #include "ctx.h"
@@ -275,13 +274,11 @@ static void fold_task(void *p, int k, int worker) {
  * the first into the tokens' running states and each later one folded into them as
  * fold_task folds it (the same sums in the same order, so bitwise what the segment
  * tasks give), then finishes them. No fold regions; the blocks share each K/V chunk. */
-#define Q_BLOCK 16
+#define Q_BLOCK FM_ATTN_Q_BLOCK
 
 typedef struct {
     attn_ctx *a;
     const int *block_first;    /* [blocks + 1]: block b holds tokens [block_first[b], block_first[b + 1]) */
-    float *scratch;            /* per worker: acc [Q_BLOCK][G][hd], then a segment's states [Q_BLOCK][G][hd + 2] */
-    size_t worker_floats;
 } block_ctx;
 
 static void block_task(void *p, int task, int worker) {
@@ -289,7 +286,7 @@ static void block_task(void *p, int task, int worker) {
     attn_ctx *a = bc->a;
     int nh = a->m->n_head, hd = a->m->head_dim, nkv = a->m->n_head_kv, G = nh / nkv;
     int b = task / nkv, g = task % nkv, t0 = bc->block_first[b], nt = bc->block_first[b + 1] - t0;
-    float *acc = bc->scratch + (size_t)worker * bc->worker_floats, *part = acc + (size_t)Q_BLOCK * G * hd;
+    float *acc = a->c->attn_block + (size_t)worker * Q_BLOCK * G * (2 * hd + 2), *part = acc + (size_t)Q_BLOCK * G * hd;
     float *run = a->c->attn_run + ((size_t)t0 * nh + (size_t)g * G) * (hd + 2);
     size_t run_stride = (size_t)nh * (hd + 2), part_stride = (size_t)G * (hd + 2);
     int64_t last = 0;
@@ -324,19 +321,15 @@ static int token_blocks(const fm_ctx *c, int T, int qb, int *block_first) {
  * fewer (token, KV head) pairs than threads, one task per run of query heads instead
  * (heads_task). */
 static void attend(fm_ctx *c, attn_ctx *a, int T) {
-    int nkv = c->m->n_head_kv, hd = c->m->head_dim;
+    int nkv = c->m->n_head_kv;
     int threads = fm_pool_size(c->pool), G = c->m->n_head / nkv;
     int qb = (int)((int64_t)T * nkv / (2 * threads));
     qb = qb < Q_BLOCK ? qb : Q_BLOCK;
     int block_first[T + 1], blocks = qb > 1 ? token_blocks(c, T, qb, block_first) : T;
     if (blocks < T && (int64_t)blocks * nkv >= 2 * threads) {
-        block_ctx bc = {a, block_first, NULL, (size_t)Q_BLOCK * G * (2 * hd + 2)};
-        bc.scratch = malloc(bc.worker_floats * threads * sizeof(float));
-        if (bc.scratch) {
-            fm_pool_run(c->pool, block_task, &bc, blocks * nkv);
-            free(bc.scratch);
-            return;
-        }
+        block_ctx bc = {a, block_first};
+        fm_pool_run(c->pool, block_task, &bc, blocks * nkv);
+        return;
     }
     int64_t first[T + 1];
     first[0] = 0;

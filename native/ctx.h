@@ -27,6 +27,8 @@ struct fm_ctx {
     float *xg;                      /* gathered fp32 expert inputs [T*k][n_embd] (F32 experts only) */
     float *attn_part;               /* attention: softmax states of segment tasks [FM_ATTN_TASKS][n_head/kv][hd+2] */
     float *attn_run;                /* and the merged one of each (token, KV head) [T][n_head][hd+2] */
+    float *attn_block;              /* per pool thread: a token block's acc [FM_ATTN_Q_BLOCK][G][hd] and
+                                     * one segment's states [FM_ATTN_Q_BLOCK][G][hd+2] (attention.c) */
     /* the pass in progress: sequence i holds tokens [seq_first[i], seq_first[i] + seq_count[i]) */
     fm_seq *const *seqs;
     int n_seqs;
@@ -41,6 +43,7 @@ struct fm_ctx {
 };
 
 enum { FM_ATTN_TASKS = 256 };      /* attention segment tasks per parallel region (attention.c) */
+enum { FM_ATTN_Q_BLOCK = 16 };     /* a long prompt's tokens attend in blocks of at most this many */
 
 /* Floats of each scratch buffer a block needs for passes of T tokens. */
 void fm_gdn_scratch(const fm_model *m, size_t T, size_t floats[FM_SCRATCH]);

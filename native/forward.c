@@ -60,6 +60,8 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     size_t softmax_state = (size_t)(m->head_dim + 2) * sizeof(float);   /* one query head's, attention.c */
     c->attn_part = malloc((size_t)FM_ATTN_TASKS * (m->n_head / m->n_head_kv) * softmax_state);
     c->attn_run = malloc(T * m->n_head * softmax_state);
+    c->attn_block = malloc((size_t)fm_pool_size(pool) * FM_ATTN_Q_BLOCK * (m->n_head / m->n_head_kv) *
+                           (2 * m->head_dim + 2) * sizeof(float));
     c->ids = malloc(T * k * sizeof(int32_t));
     c->weights = malloc(T * k * sizeof(float));
     c->pair_token = malloc(T * k * sizeof(int32_t));
@@ -70,7 +72,7 @@ fm_ctx *fm_ctx_create(const fm_model *m, fm_pool *pool, int max_tokens) {
     c->tok_pos = malloc(T * sizeof(int64_t));
     if (!scratch_ok || !c->x || !c->xn || !c->tmp || !c->xq || !c->xq2 || !c->hq || !c->xg ||
         !c->ids || !c->weights || !c->pair_token || !c->pair_slot || !c->seq_first || !c->seq_count || !c->tok_seq ||
-        !c->tok_pos || !c->attn_part || !c->attn_run) {
+        !c->tok_pos || !c->attn_part || !c->attn_run || !c->attn_block) {
         fm_ctx_destroy(c);
         return NULL;
     }
@@ -82,7 +84,7 @@ void fm_ctx_destroy(fm_ctx *c) {
     for (int i = 0; i < FM_SCRATCH; i++) free(c->scratch[i]);
     void *bufs[] = {c->x, c->xn, c->tmp, c->xq, c->xq2, c->hq, c->xg, c->ids,
                     c->weights, c->pair_token, c->pair_slot, c->seq_first, c->seq_count, c->tok_seq, c->tok_pos,
-                    c->attn_part, c->attn_run};
+                    c->attn_part, c->attn_run, c->attn_block};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(c);
 }
