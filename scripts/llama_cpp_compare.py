@@ -11,7 +11,7 @@ like fermoe's 6 GiB would not allow.
 
     python3 scripts/llama_cpp_compare.py prepare            # here, with network: the source
     python3 scripts/llama_cpp_compare.py run MODEL --prompt 947,8192,32768 --gpu-mem 6GiB --decode 64
-    python3 scripts/llama_cpp_compare.py build              # llama-bench alone, e.g. ahead of `run`
+    python3 scripts/llama_cpp_compare.py build              # llama-bench alone, ahead of `run`
 
 `prepare` downloads the llama-cpp-python 0.3.36 sdist (`pip download --no-binary :all:`)
 and keeps the llama.cpp it vendors, without its test models and documents, as
@@ -257,17 +257,17 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="download the llama.cpp source (needs network)")
     prep.add_argument("--out", type=Path, default=SOURCE)
-    b = sub.add_parser("build", help="only build llama-bench (for instance ahead of `run`, in the background)")
-    b.add_argument("--source", type=Path, default=SOURCE)
-    b.add_argument("--build", type=Path, default=Path(tempfile.gettempdir()) / "llama-cpp" / "build")
-    r = sub.add_parser("run", help="build llama-bench and alternate it with fermoe's bench prefill")
+    tree = argparse.ArgumentParser(add_help=False)          # where llama.cpp's source is and builds
+    tree.add_argument("--source", type=Path, default=SOURCE)
+    tree.add_argument("--build", type=Path, default=Path(tempfile.gettempdir()) / "llama-cpp" / "build")
+    sub.add_parser("build", parents=[tree], help="only build llama-bench (ahead of `run`: start `run` once it "
+                                                 "has finished, or `run` builds it again)")
+    r = sub.add_parser("run", parents=[tree], help="build llama-bench and alternate it with fermoe's bench prefill")
     r.add_argument("model")
     r.add_argument("--prompt", default="947,8192,32768")
     r.add_argument("--gpu-mem", default="6GiB", help="fermoe's budget (llama.cpp has none)")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--reps", type=int, default=2, help="timed prefills a prompt length and round, each side")
-    r.add_argument("--source", type=Path, default=SOURCE)
-    r.add_argument("--build", type=Path, default=Path(tempfile.gettempdir()) / "llama-cpp" / "build")
     r.add_argument("--decode", type=int, default=0, metavar="N",
                    help="then N-token decodes: llama.cpp's hybrid at one sequence, fermoe's bench hybrid at 1 and 4")
     r.add_argument("--profile-below", type=int, default=32768,
