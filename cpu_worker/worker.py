@@ -94,13 +94,10 @@ class CPUWorker:
             raise FermoeError(f"--decode {decode!r}: expected {', '.join(DECODE_MODES)}")
         self.decode_mode = decode
         self.step_ms = {"cpu": 0.0, "hybrid": 0.0}     # a decode-only pass's time each way (running averages)
-        self._pass_kind: str | None = None
         if decode != "cpu":
             if not hasattr(self.engine, "routed_experts"):
                 raise FermoeError(f"--decode {decode} needs the cpu engine (this worker runs {engine})")
-            from shared.exchange import Exchange
-            from shared.hybrid_link import MAILBOX_PREFIX, mailbox_bytes
-            self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix=MAILBOX_PREFIX)
+            self.mailbox = self._open_mailbox()
         self.mmproj, self._images = mmproj, None      # the tower, opened with the first image
         self.sequences: dict[str, Sequence] = {}
         self._spare: list[bytearray] = []          # recurrent buffers of finished sequences
@@ -168,12 +165,15 @@ class CPUWorker:
     def _lose_peer(self) -> None:
         """The GPU worker is gone: every sequence decodes here (taken back at its next pass), and
         a new mailbox waits for the next GPU worker (the old one's message counts are spent)."""
-        from shared.exchange import Exchange
-        from shared.hybrid_link import MAILBOX_PREFIX, mailbox_bytes
         self.peer = None
         self.mailbox.close()
-        self.mailbox = Exchange.create(mailbox_bytes(self.model.config), prefix=MAILBOX_PREFIX)
+        self.mailbox = self._open_mailbox()
         self.send(P.HybridMailbox(mailbox=self.mailbox.name))
+
+    def _open_mailbox(self):
+        from shared.exchange import Exchange
+        from shared.hybrid_link import MAILBOX_PREFIX, mailbox_bytes
+        return Exchange.create(mailbox_bytes(self.model.config), prefix=MAILBOX_PREFIX)
 
     # ---- sequences --------------------------------------------------------
     def start(self, msg: P.Assign, data: list[bytes] = ()) -> Sequence:
@@ -232,7 +232,7 @@ class CPUWorker:
     def run_pass(self, batch) -> None:
         t0 = time.perf_counter()
         try:
-            logits = self._forward(batch)
+            logits, timed_as = self._forward(batch)
         except Exception as e:                  # the pass failed: every sequence in it did
             log.exception("forward pass failed")
             for rid, seq, _ in batch:
@@ -240,8 +240,8 @@ class CPUWorker:
                 self.finish(rid, seq, "error", f"{type(e).__name__}: {e}")
             return
         elapsed = time.perf_counter() - t0
-        if self._pass_kind is not None:         # decode rows alone, all of them one way: its time counts
-            self.step_ms[self._pass_kind] = update_rate(self.step_ms[self._pass_kind], 1000 * elapsed)
+        if timed_as is not None:                # decode rows alone, all of them one way: its time counts
+            self.step_ms[timed_as] = update_rate(self.step_ms[timed_as], 1000 * elapsed)
         for (rid, seq, _), row in zip(batch, logits):
             if seq.decoder is not None:
                 seq.decoder.logits = row
@@ -254,9 +254,11 @@ class CPUWorker:
                     self.send(P.Progress(request_id=rid, processed=seq.state.position, time_ms=seq.prefill_ms))
                 self.guarded(rid, seq, self.write_snapshots)
 
-    def _forward(self, batch) -> list:
+    def _forward(self, batch) -> tuple[list, str | None]:
         """The pass's logits, a row a sequence: the decoding ones' on the GPU worker when one
-        serves this worker (the hybrid), the rest (and all, without it) on this worker's engine."""
+        serves this worker (the hybrid), the rest (and all, without it) on this worker's engine;
+        and how its time counts for --decode auto ("cpu", "hybrid", or None: not a decode-only
+        pass all one way)."""
         remote = [i for i, (_, seq, _) in enumerate(batch)
                   if self.peer is not None and seq.decoder is not None and not seq.hybrid_off]
         rows: list = [None] * len(batch)
@@ -268,9 +270,9 @@ class CPUWorker:
                 self._hybrid_failed(e, [batch[i][1] for i in remote])
                 remote = []
         local = [i for i in range(len(batch)) if i not in remote]
-        self._pass_kind = None                  # a decode-only pass all one way is timed for --decode auto
+        timed_as = None                         # a decode-only pass all one way is timed for --decode auto
         if all(seq.decoder is not None for _, seq, _ in batch) and not (local and remote):
-            self._pass_kind = "hybrid" if remote else "cpu"
+            timed_as = "hybrid" if remote else "cpu"
         if local:
             segments = []
             for i in local:
@@ -279,7 +281,7 @@ class CPUWorker:
                 segments.append((replay + list(tokens), seq.state) if replay else self._segment(seq, tokens))
             for row, i in zip(self.engine.forward_batch(segments), local):
                 rows[i] = row
-        return rows
+        return rows, timed_as
 
     def _decode_hybrid(self) -> bool:
         """Whether a sequence starting to decode goes to the GPU worker: always with --decode
