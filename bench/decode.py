@@ -360,6 +360,8 @@ def main(argv=None) -> int:
         p.error(f"--prompt {args.prompt!r}: expected comma-separated integers")
     if args.batch < 1 or args.tokens < 1 or min(prompts) < 1:
         p.error("--batch, --tokens and --prompt must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len {args.max_model_len}: must be at least 1")
     try:
         out = [run(args.model, args.threads, n, args.tokens, batch=args.batch, context=args.context,
                    kv_cache_dtype=args.kv_cache_dtype, json_schema=args.json_schema,

@@ -120,6 +120,7 @@ def test_errors_are_one_line_not_tracebacks(tiny_path, tmp_path, args, message):
     (["bench", "kernels", "--cols", "33"], "--cols 33: must be a positive multiple of 32"),
     (["bench", "decode", "{tiny}", "--context", "999999"], "past the model's context length of 262144"),
     (["bench", "decode", "{tiny}", "--context", "999", "--max-model-len", "500"], "past --max-model-len 500"),
+    (["bench", "decode", "{tiny}", "--max-model-len", "0"], "--max-model-len 0: must be at least 1"),
     (["bench", "serve", "{tiny}", "--prompt", "0"], "--prompt and --tokens must be at least 1"),
     (["bench", "serve", "{missing}"], "exited before it was ready: coordinator: error: {missing}: cannot open"),
     (["bench", "tools", "-t", "0"], "argument -t/--threads: 0: must be at least 1"),
