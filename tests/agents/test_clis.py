@@ -63,10 +63,12 @@ def daemon():
 
 @pytest.fixture(scope="module")
 def greedy_daemon():
-    """Greedy unless a request says otherwise (opencode sends no temperature): the built-in model
-    then calls its tool whatever the run's paths and date in opencode's system prompt, where a
-    random draw sometimes answers without it. (Claude Code, whose max_tokens is 32000, would
-    decode a greedy loop to the end of the context.)"""
+    """Greedy unless a request says otherwise (opencode and Codex send no temperature): the
+    built-in model then calls opencode's tool whatever the run's paths and date in its system
+    prompt, where a random draw sometimes answers without it; and it ends Codex's turns, where
+    a random draw past its 4096 trained positions sometimes never ends one and runs to the end
+    of the context, which Codex reports as a failed turn (max_output_tokens). (Claude Code,
+    whose max_tokens is 32000, would decode a greedy loop to the end of the context.)"""
     yield from served("--temp", "0")
 
 
@@ -86,7 +88,8 @@ def session(daemon, tmp_path, name: str):
         FIXTURES.mkdir(exist_ok=True)
         (FIXTURES / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recorder.records))
     for run in runs:
-        assert run.returncode == 0, f"{name} exited with {run.returncode}: {run.stderr[-2000:]}"
+        assert run.returncode == 0, \
+            f"{name} exited with {run.returncode}: {run.stderr[-2000:]}\n(its stdout's end: {run.stdout[-3000:]})"
     return runs, recorder.records, daemon.log[logged:]
 
 
@@ -144,8 +147,8 @@ def test_claude_code(daemon, tmp_path, tokenizer):
     assert rows[-1]["cached"] > 0       # the follow-up resumed the first run's conversation
 
 
-def test_codex(daemon, tmp_path, tokenizer):
-    runs, records, log = session(daemon, tmp_path, "codex")
+def test_codex(greedy_daemon, tmp_path, tokenizer):
+    runs, records, log = session(greedy_daemon, tmp_path, "codex")
     for run in runs:
         kinds = [e.get("type") for e in run.json_lines()]
         assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds, kinds
